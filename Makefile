@@ -1,0 +1,50 @@
+# The two commands: `make demo` and `make test`. Everything else is set up on the way.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PG_URL ?= postgres://postgres@127.0.0.1:5432/fence
+
+.PHONY: install env db migrate demo test lint format bench run clean
+
+$(VENV)/.installed: requirements.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -r requirements.txt
+	touch $@
+
+install: $(VENV)/.installed
+
+# A development .env (DEBUG on, development secrets). Production sets real variables.
+.env:
+	cp .env.example .env
+
+env: .env
+
+db: install env
+	$(PY) scripts/ensure_database.py
+
+migrate: db
+	$(PY) manage.py migrate --noinput -v 0
+
+demo: migrate
+	$(PY) manage.py demo
+
+run: migrate
+	$(PY) scripts/run_stack.py
+
+test: db
+	$(PY) -m pytest
+
+lint: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+format: install
+	$(VENV)/bin/ruff format .
+	$(VENV)/bin/ruff check --fix .
+
+bench: migrate
+	$(PY) manage.py bench
+
+clean:
+	rm -rf $(VENV) var artifacts

@@ -1,0 +1,11 @@
+from __future__ import annotations
+
+from django.apps import AppConfig
+
+
+class PaymentsConfig(AppConfig):
+    name = "payments"
+    verbose_name = "Payments"
+
+    def ready(self) -> None:
+        from payments import checkout, checks  # noqa: F401  (register handler and checks)

@@ -1,0 +1,128 @@
+"""The built-in `checkout` operation: charge -> invoice -> confirmation e-mail -> paid.
+
+`request_checkout` is what the synchronous API calls: it writes the operation
+in the same transaction as the order's change and enqueues on commit. The
+charge itself runs in a worker, in `checkout`.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from django.core.mail import send_mail
+from django.db import transaction
+
+from payments import fence
+from payments.charge import PaymentIntentCharge
+from payments.dispatch import dispatch_on_commit
+from payments.effects import DeliveryPolicy
+from payments.exceptions import InvalidTransition, OperationConflict
+from payments.models import Invoice, Operation, Order, OrderStatus
+from payments.registry import handler
+from payments.runtime import Run
+
+logger = logging.getLogger("payments.checkout")
+
+CHECKOUT = "checkout"
+CHECKOUT_OPEN_STATUSES = frozenset({OrderStatus.PENDING, OrderStatus.PAYMENT_FAILED})
+
+
+class CheckoutNotAllowed(InvalidTransition):
+    """The order is already being paid or paid: a new key cannot start a second charge."""
+
+
+def request_checkout(
+    *, order_id: int, key: str, payment_method: str, actor: str, retry_of: Operation | None = None
+) -> tuple[Operation, bool]:
+    """Write the checkout operation for an order and enqueue it on commit.
+
+    Returns (operation, created). The same key with the same parameters returns
+    the existing operation and enqueues nothing; with other parameters it raises
+    OperationConflict. A new key for an order that is not open for checkout
+    raises CheckoutNotAllowed. Raises Order.DoesNotExist for an unknown order.
+    """
+    with transaction.atomic():
+        order = Order.objects.select_for_update().get(pk=order_id)
+        params = {
+            "order_id": order.pk,
+            "amount": order.amount,
+            "currency": order.currency,
+            "payment_method": payment_method,
+        }
+        existing = Operation.objects.filter(key=key).first()
+        if existing is None and order.status not in CHECKOUT_OPEN_STATUSES:
+            raise CheckoutNotAllowed(
+                f"order {order.pk} is {order.status}; it cannot be checked out"
+            )
+        op, created = fence.create_operation_in_tx(
+            key=key,
+            kind=CHECKOUT,
+            entity_type="order",
+            entity_id=order.pk,
+            params=params,
+            actor=actor,
+            retry_of=retry_of,
+        )
+        if created:
+            order.status = OrderStatus.PROCESSING
+            order.save(update_fields=["status", "updated_at"])
+            dispatch_on_commit(op.pk)
+    return op, created
+
+
+def mark_order_failed(operation: Operation) -> None:
+    """Mark the order's payment failed. Runs inside the transaction that fails the operation."""
+    Order.objects.filter(pk=operation.params["order_id"], status=OrderStatus.PROCESSING).update(
+        status=OrderStatus.PAYMENT_FAILED
+    )
+
+
+def issue_invoice(order_id: int, reference: str) -> dict[str, Any]:
+    """Create the order's invoice. Runs inside the step's transaction."""
+    order = Order.objects.get(pk=order_id)
+    invoice = Invoice.objects.create(
+        order=order,
+        number=f"INV-{order.pk:08d}",
+        amount=order.amount,
+        currency=order.currency,
+        provider_reference=reference,
+    )
+    return {"invoice": invoice.number}
+
+
+def send_confirmation(order_id: int, reference: str) -> dict[str, Any]:
+    """Send the order confirmation e-mail."""
+    order = Order.objects.get(pk=order_id)
+    amount = f"{order.amount / 100:.2f} {order.currency.upper()}"
+    send_mail(
+        subject=f"Order {order.pk} is paid",
+        message=f"We received your payment of {amount} (reference {reference}).",
+        from_email=None,
+        recipient_list=[order.customer_email],
+    )
+    return {"sent": True}
+
+
+def mark_paid(order_id: int) -> dict[str, Any]:
+    """Mark the order paid. Runs inside the step's transaction."""
+    Order.objects.filter(pk=order_id).update(status=OrderStatus.PAID)
+    return {"status": OrderStatus.PAID}
+
+
+@handler(CHECKOUT, on_failure=mark_order_failed, effects={"charge": PaymentIntentCharge})
+def checkout(run: Run) -> None:
+    """Charge the order once, invoice it, confirm by e-mail, mark it paid."""
+    order_id = int(run.params["order_id"])
+    charge = run.external("charge")
+    reference = charge["reference"]
+    run.local("invoice", lambda: issue_invoice(order_id, reference))
+    run.side_effect(
+        "confirmation_email",
+        lambda: send_confirmation(order_id, reference),
+        policy=DeliveryPolicy.AT_MOST_ONCE,
+    )
+    run.local("mark_paid", lambda: mark_paid(order_id))
+
+
+__all__ = ["CheckoutNotAllowed", "OperationConflict", "checkout", "request_checkout"]

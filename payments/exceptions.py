@@ -1,0 +1,102 @@
+"""Errors of the payments app. Each carries the operation key and step it concerns."""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+from payments.outcomes import Outcome
+
+
+class PaymentsError(Exception):
+    """Base class of every error raised by the payments app."""
+
+
+class ConfigurationError(PaymentsError):
+    """A handler or setting is missing or wrong."""
+
+
+class OperationConflict(PaymentsError):
+    """The key exists with other parameters: a new intent must use a new key."""
+
+    def __init__(self, key: str, *, existing_kind: str, existing_entity: str) -> None:
+        self.key = key
+        self.existing_kind = existing_kind
+        self.existing_entity = existing_entity
+        super().__init__(
+            f"operation key {key!r} is already used by {existing_kind} of {existing_entity} "
+            "with other parameters; use a new key for a new intent"
+        )
+
+
+class MalformedJob(PaymentsError):
+    """A job's arguments do not name an operation; it is failed at once, never retried."""
+
+
+class StepError(PaymentsError):
+    """A step did not complete; `outcome` says how the fence reacts."""
+
+    outcome: Outcome = Outcome.UNCERTAIN
+
+    def __init__(
+        self, message: str, *, operation_key: str, step: str, provider_code: str = ""
+    ) -> None:
+        self.operation_key = operation_key
+        self.step = step
+        self.provider_code = provider_code
+        super().__init__(f"{operation_key}/{step}: {message}")
+
+
+class StepRefused(StepError):
+    """The effect was refused for good (decline, invalid request): the operation fails."""
+
+    outcome = Outcome.PERMANENT
+
+
+class StepTransient(StepError):
+    """Nothing executed; retry the same step with the same key later."""
+
+    outcome = Outcome.TRANSIENT
+
+
+class StepUncertain(StepError):
+    """The effect may have happened; the claim waits for reconciliation."""
+
+    outcome = Outcome.UNCERTAIN
+
+
+class StepConflict(StepError):
+    """The provider saw our idempotency key with other parameters: a bug, needs review."""
+
+    outcome = Outcome.CONFLICT
+
+
+class StepBusy(PaymentsError):
+    """Another worker holds a live claim on the step; check again after its lease."""
+
+    def __init__(self, *, operation_key: str, step: str, until: datetime | None) -> None:
+        self.operation_key = operation_key
+        self.step = step
+        self.until = until
+        super().__init__(f"{operation_key}/{step}: claimed by another worker until {until}")
+
+
+class RetryLater(PaymentsError):
+    """Raised to RQ so that its Retry runs the job again after the backoff."""
+
+    def __init__(self, operation_key: str, attempt: int, cause: str) -> None:
+        self.operation_key = operation_key
+        self.attempt = attempt
+        super().__init__(f"{operation_key}: attempt {attempt} failed transiently ({cause})")
+
+
+class RetriesExhausted(PaymentsError):
+    """Every attempt failed transiently; the job goes to RQ's failed registry."""
+
+    def __init__(self, operation_key: str, attempts: int, cause: str) -> None:
+        self.operation_key = operation_key
+        self.attempts = attempts
+        super().__init__(f"{operation_key}: gave up after {attempts} attempts ({cause})")
+
+
+class InvalidTransition(PaymentsError):
+    """An operator or service asked for a state change the current state forbids."""

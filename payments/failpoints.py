@@ -1,0 +1,34 @@
+"""Named crash points for fault-injection tests: a worker can be killed exactly there.
+
+Honoured only with DEBUG on and FENCE_FAILPOINTS naming the point (a comma
+list). FENCE_FAILPOINT_MARKER names a file created atomically on the first
+hit, so each point kills once and the redelivered job runs through.
+In production both variables are unset and `failpoint` returns at once.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+from django.conf import settings
+
+AFTER_CLAIM_COMMIT = "after_claim_commit"
+AFTER_PROVIDER_ACCEPT = "after_provider_accept"
+BEFORE_RECORD_COMMIT = "before_record_commit"
+AFTER_RECORD_COMMIT = "after_record_commit"
+POINTS = (AFTER_CLAIM_COMMIT, AFTER_PROVIDER_ACCEPT, BEFORE_RECORD_COMMIT, AFTER_RECORD_COMMIT)
+
+
+def failpoint(name: str) -> None:
+    """SIGKILL this process at the named point when a test asked for it."""
+    wanted = os.environ.get("FENCE_FAILPOINTS")
+    if not wanted or name not in wanted.split(",") or not settings.DEBUG:
+        return
+    marker = os.environ.get("FENCE_FAILPOINT_MARKER")
+    if marker:
+        try:
+            os.close(os.open(f"{marker}.{name}", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            return  # fired once already
+    os.kill(os.getpid(), signal.SIGKILL)

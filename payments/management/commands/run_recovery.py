@@ -1,0 +1,47 @@
+"""Run the sweeper and the reconciler in a loop (one process per deployment)."""
+
+from __future__ import annotations
+
+import signal
+import threading
+
+from django.core.management.base import BaseCommand, CommandError, CommandParser
+from django.db import close_old_connections
+
+from payments.recovery import reconcile, sweep
+
+
+class Command(BaseCommand):
+    help = (
+        "Every --interval seconds, sweep (re-enqueue due operations without a live job) and "
+        "reconcile (settle uncertain claims). Stops on SIGTERM or SIGINT."
+    )
+
+    def add_arguments(self, parser: CommandParser) -> None:
+        parser.add_argument("--interval", type=float, default=10.0, help="Seconds between runs.")
+        parser.add_argument("--once", action="store_true", help="Run one round and exit.")
+
+    def handle(self, *args: object, **options: object) -> None:
+        interval = options["interval"]
+        if interval <= 0:
+            raise CommandError("--interval must be positive.")
+        stop = threading.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: stop.set())
+        while not stop.is_set():
+            close_old_connections()
+            try:
+                swept = sweep()
+                settled = reconcile()
+            except Exception as exc:  # Redis or the DB is down: say so, try again next round
+                self.stderr.write(f"recovery round failed: {type(exc).__name__}: {exc}")
+            else:
+                if swept.dispatched or settled.examined or options["verbosity"] >= 2:
+                    self.stdout.write(
+                        f"swept {len(swept.dispatched)} of {swept.examined} due; "
+                        f"reconciled {settled.examined}: "
+                        + ", ".join(f"{len(k)} {o}" for o, k in sorted(settled.outcomes.items()))
+                    )
+            if options["once"]:
+                break
+            stop.wait(interval)

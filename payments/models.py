@@ -1,0 +1,179 @@
+"""Records of the payments app: the business (Order, Invoice) and the fence.
+
+The fence is three tables: Operation (one business intent), StepClaim (the
+UNIQUE(operation, step) row inserted before a side effect) and OperationEvent
+(the audit trail). Writes go through `payments.fence`; nothing else edits them.
+"""
+
+from __future__ import annotations
+
+from django.db import models
+from django.db.models import Q
+
+OPERATION_KEY_CONSTRAINT = "payments_operation_key_uniq"
+CLAIM_UNIQUE_CONSTRAINT = "payments_stepclaim_operation_step_uniq"
+
+
+class OrderStatus(models.TextChoices):
+    PENDING = "pending", "Pending"  # created, not yet checked out
+    PROCESSING = "processing", "Processing"  # a checkout operation is under way
+    PAID = "paid", "Paid"  # charged, invoiced
+    PAYMENT_FAILED = "payment_failed", "Payment failed"  # declined or given up
+
+
+class Order(models.Model):
+    """A customer's order; amounts in minor units (cents)."""
+
+    amount = models.PositiveBigIntegerField()
+    currency = models.CharField(max_length=3)
+    status = models.CharField(max_length=20, choices=OrderStatus, default=OrderStatus.PENDING)
+    customer_email = models.EmailField()
+    created_at = models.DateTimeField(auto_now_add=True)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        constraints = [
+            models.CheckConstraint(
+                condition=Q(amount__gt=0), name="payments_order_amount_positive"
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return f"Order {self.pk}"
+
+
+class Invoice(models.Model):
+    """The invoice of a paid order; one per order, enforced by the database."""
+
+    order = models.OneToOneField(Order, on_delete=models.PROTECT, related_name="invoice")
+    number = models.CharField(max_length=32, unique=True)
+    amount = models.PositiveBigIntegerField()
+    currency = models.CharField(max_length=3)
+    provider_reference = models.CharField(max_length=255)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    def __str__(self) -> str:
+        return self.number
+
+
+class OperationState(models.TextChoices):
+    PENDING = "pending", "Pending"  # written, waiting for its first run
+    RUNNING = "running", "Running"  # a worker holds the lease
+    RETRYING = "retrying", "Retrying"  # a transient failure; due again at next_attempt_at
+    SUCCEEDED = "succeeded", "Succeeded"  # every step done (final)
+    FAILED = "failed", "Failed"  # refused for good or retries exhausted (final)
+    UNCERTAIN = "uncertain", "Uncertain"  # an effect may have happened; reconcile
+    NEEDS_REVIEW = "needs_review", "Needs review"  # a person must decide
+
+
+FINAL_OPERATION_STATES = frozenset({OperationState.SUCCEEDED, OperationState.FAILED})
+#: States in which a worker may take the operation (with an expired lease for RUNNING).
+RUNNABLE_OPERATION_STATES = frozenset(
+    {OperationState.PENDING, OperationState.RETRYING, OperationState.RUNNING}
+)
+
+
+class Operation(models.Model):
+    """One business intent, e.g. "check out order 42", keyed for idempotency."""
+
+    KEY_CONSTRAINT = OPERATION_KEY_CONSTRAINT
+
+    key = models.CharField(max_length=255)
+    kind = models.CharField(max_length=64)
+    entity_type = models.CharField(max_length=64)
+    entity_id = models.CharField(max_length=64)
+    params = models.JSONField(default=dict)
+    fingerprint = models.CharField(max_length=64)
+    state = models.CharField(max_length=20, choices=OperationState, default=OperationState.PENDING)
+    attempts = models.PositiveIntegerField(default=0)
+    last_error = models.TextField(blank=True)
+    next_attempt_at = models.DateTimeField(null=True, blank=True)
+    lease_owner = models.CharField(max_length=255, blank=True)
+    lease_expires_at = models.DateTimeField(null=True, blank=True)
+    job_id = models.CharField(max_length=64, blank=True)
+    dispatched_at = models.DateTimeField(null=True, blank=True)
+    result = models.JSONField(null=True, blank=True)
+    retry_of = models.ForeignKey(
+        "self", null=True, blank=True, on_delete=models.PROTECT, related_name="retries"
+    )
+    created_at = models.DateTimeField(auto_now_add=True)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(fields=["key"], name=OPERATION_KEY_CONSTRAINT),
+        ]
+        indexes = [
+            models.Index(fields=["state", "next_attempt_at"], name="payments_op_state_due"),
+            models.Index(fields=["entity_type", "entity_id"], name="payments_op_entity"),
+        ]
+        permissions = [
+            ("reconcile_operation", "Can reconcile operations (query provider, resume, settle)"),
+            ("start_new_attempt", "Can start a new payment attempt with a new key"),
+        ]
+
+    def __str__(self) -> str:
+        return self.key
+
+    @property
+    def is_final(self) -> bool:
+        return self.state in FINAL_OPERATION_STATES
+
+
+class ClaimState(models.TextChoices):
+    CLAIMED = "claimed", "Claimed"  # inserted before the effect; owner holds a lease
+    DONE = "done", "Done"  # the effect happened; result and reference stored
+    FAILED = "failed", "Failed"  # the effect was refused for good
+    UNCERTAIN = "uncertain", "Uncertain"  # the effect may have happened; reconcile
+
+
+class StepClaim(models.Model):
+    """The fence: one row per (operation, step), inserted before the effect."""
+
+    UNIQUE_CONSTRAINT = CLAIM_UNIQUE_CONSTRAINT
+
+    operation = models.ForeignKey(Operation, on_delete=models.PROTECT, related_name="claims")
+    step = models.CharField(max_length=64)
+    state = models.CharField(max_length=20, choices=ClaimState, default=ClaimState.CLAIMED)
+    idempotency_key = models.CharField(max_length=255, blank=True)
+    provider_reference = models.CharField(max_length=255, blank=True, db_index=True)
+    request = models.JSONField(null=True, blank=True)
+    result = models.JSONField(null=True, blank=True)
+    error = models.TextField(blank=True)
+    attempts = models.PositiveIntegerField(default=0)
+    claimed_by = models.CharField(max_length=255)
+    claimed_at = models.DateTimeField()
+    lease_expires_at = models.DateTimeField(null=True, blank=True)
+    settled_at = models.DateTimeField(null=True, blank=True)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(fields=["operation", "step"], name=CLAIM_UNIQUE_CONSTRAINT),
+        ]
+        indexes = [
+            models.Index(fields=["idempotency_key"], name="payments_claim_idem_key"),
+            models.Index(fields=["state", "claimed_at"], name="payments_claim_state_age"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.operation_id}:{self.step}"
+
+
+class OperationEvent(models.Model):
+    """An audit row: one state change of an operation or of one of its steps."""
+
+    operation = models.ForeignKey(Operation, on_delete=models.PROTECT, related_name="events")
+    step = models.CharField(max_length=64, blank=True)
+    from_state = models.CharField(max_length=20, blank=True)
+    to_state = models.CharField(max_length=20)
+    actor = models.CharField(max_length=255)
+    reason = models.TextField(blank=True)
+    created_at = models.DateTimeField(auto_now_add=True, db_index=True)
+
+    class Meta:
+        ordering = ["created_at", "id"]
+
+    def __str__(self) -> str:
+        target = f"{self.operation_id}:{self.step}" if self.step else str(self.operation_id)
+        return f"{target} {self.from_state or '-'} -> {self.to_state}"

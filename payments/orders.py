@@ -1,0 +1,16 @@
+"""Order services: the only writers of Order rows outside the checkout handler."""
+
+from __future__ import annotations
+
+from payments.models import Order
+
+#: ISO 4217 codes accepted for orders (lower case, as the provider expects).
+CURRENCIES = frozenset(
+    "aud brl cad chf cny czk dkk eur gbp hkd huf idr ils inr jpy krw mxn myr nok nzd php "
+    "pln ron sek sgd thb try usd zar".split()
+)
+
+
+def create_order(*, amount: int, currency: str, email: str) -> Order:
+    """Create a pending order; the caller has validated the values."""
+    return Order.objects.create(amount=amount, currency=currency.lower(), customer_email=email)

@@ -1,0 +1,226 @@
+"""Recovery: the sweeper (nothing is lost) and the reconciler (nothing stays unknown).
+
+The sweeper re-enqueues operations that are due but have no live job: Redis
+may lose every job, the operation rows are the record. The reconciler asks the
+provider what happened to uncertain claims, by reference, else by a replay with
+the same key, else by a metadata search. It never calls with a new key.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+
+import django_rq
+from django.db import transaction
+from django.db.models import Q
+from django.utils import timezone
+from rq.exceptions import NoSuchJobError
+from rq.job import Job, JobStatus
+from rq.registry import StartedJobRegistry
+
+from payments import fence
+from payments.conf import payments_setting
+from payments.dispatch import dispatch, dispatch_on_commit
+from payments.exceptions import (
+    StepConflict,
+    StepRefused,
+    StepTransient,
+    StepUncertain,
+)
+from payments.models import (
+    FINAL_OPERATION_STATES,
+    ClaimState,
+    Operation,
+    OperationState,
+    StepClaim,
+)
+from payments.registry import get_handler
+from payments.steps import StepNeedsReview, reconcile_step
+
+logger = logging.getLogger("payments.recovery")
+alerts = logging.getLogger("payments.alerts")
+
+#: A freshly dispatched operation is left alone this long before it counts as lost.
+DISPATCH_GRACE = timedelta(seconds=10)
+#: A scheduled retry this late means no scheduler is running: deliver it anew.
+SCHEDULED_GRACE = timedelta(seconds=60)
+
+
+@dataclass
+class SweepReport:
+    examined: int = 0
+    dispatched: list[str] = field(default_factory=list)
+    live: int = 0
+
+
+def job_is_live(op: Operation, now: datetime) -> bool:
+    """Tell whether the operation's last job will still run (or is running)."""
+    if not op.job_id:
+        return False
+    queue = django_rq.get_queue(payments_setting("QUEUE"))
+    try:
+        job = Job.fetch(op.job_id, connection=queue.connection)
+    except NoSuchJobError:
+        return False
+    status = job.get_status(refresh=False)
+    if status in (JobStatus.QUEUED, JobStatus.DEFERRED):
+        return True
+    if status == JobStatus.SCHEDULED:
+        return op.next_attempt_at is None or now < op.next_attempt_at + SCHEDULED_GRACE
+    if status == JobStatus.STARTED:
+        if op.state == OperationState.RUNNING:
+            # The lease outlives the job timeout: once it ran out, no horse runs the job.
+            return op.lease_expires_at is not None and op.lease_expires_at > now
+        started = job.started_at.replace(tzinfo=timezone.utc) if job.started_at else None
+        limit = timedelta(seconds=payments_setting("CLAIM_LEASE"))
+        return started is not None and now - started < limit
+    return False
+
+
+def due_operations(now: datetime) -> Q:
+    """Operations a worker should be running now."""
+    return (
+        Q(state=OperationState.PENDING)
+        & (Q(dispatched_at__isnull=True) | Q(dispatched_at__lt=now - DISPATCH_GRACE))
+        | Q(state=OperationState.RETRYING)
+        & (Q(next_attempt_at__isnull=True) | Q(next_attempt_at__lte=now))
+        | Q(state=OperationState.RUNNING, lease_expires_at__lt=now)
+    )
+
+
+def sweep(*, dry_run: bool = False, batch_size: int = 500) -> SweepReport:
+    """Re-enqueue due operations that have no live job."""
+    queue = django_rq.get_queue(payments_setting("QUEUE"))
+    try:  # moves jobs of dead workers out of the started registry (RQ's own cleanup)
+        StartedJobRegistry(queue=queue).cleanup()
+    except Exception:  # Redis down: the sweep below fails loudly on its own
+        logger.warning("started-registry cleanup failed", exc_info=True)
+    now = timezone.now()
+    report = SweepReport()
+    for op in Operation.objects.filter(due_operations(now)).order_by("id")[:batch_size]:
+        report.examined += 1
+        if job_is_live(op, now):
+            report.live += 1
+            continue
+        report.dispatched.append(op.key)
+        if not dry_run:
+            dispatch(op.pk)
+            logger.info("operation %s had no live job; dispatched again", op.key)
+    return report
+
+
+@dataclass
+class ReconcileReport:
+    examined: int = 0
+    outcomes: dict[str, list[str]] = field(default_factory=dict)
+
+    def add(self, outcome: str, key: str) -> None:
+        self.outcomes.setdefault(outcome, []).append(key)
+
+    def count(self, outcome: str) -> int:
+        return len(self.outcomes.get(outcome, []))
+
+
+def claims_to_reconcile(operation_ids: list[int] | None = None) -> Q:
+    """Unsettled claims of operations no worker will run: uncertain, failed or under review."""
+    unsettled = Q(state__in=[ClaimState.UNCERTAIN, ClaimState.CLAIMED])
+    if operation_ids is not None:
+        return unsettled & Q(operation_id__in=operation_ids)
+    return unsettled & Q(operation__state__in=[OperationState.UNCERTAIN, OperationState.FAILED])
+
+
+def reconcile(
+    *,
+    actor: str = "reconciler",
+    dry_run: bool = False,
+    operation_ids: list[int] | None = None,
+    batch_size: int = 200,
+) -> ReconcileReport:
+    """Settle unsettled external claims by asking the provider; move their operations on."""
+    report = ReconcileReport()
+    claims = (
+        StepClaim.objects.filter(claims_to_reconcile(operation_ids))
+        .select_related("operation")
+        .order_by("claimed_at", "id")[:batch_size]
+    )
+    for claim in claims:
+        op = claim.operation
+        spec = get_handler(op.kind)
+        if claim.step not in spec.effects:
+            continue  # a side effect without lookup: its policy decides when the op resumes
+        report.examined += 1
+        if dry_run:
+            report.add("would_check", op.key)
+            continue
+        report.add(settle_one(claim, actor=actor), op.key)
+    return report
+
+
+def settle_one(claim: StepClaim, *, actor: str) -> str:
+    """Reconcile one claim and move its operation; return the outcome's name."""
+    op = claim.operation
+    spec = get_handler(op.kind)
+    taken = fence.take_over_claim(claim, owner=actor, lease_seconds=payments_setting("CLAIM_LEASE"))
+    if taken is None:
+        return "busy"
+    allow_replay = op.state not in FINAL_OPERATION_STATES
+    try:
+        reconcile_step(taken, spec.effect(claim.step, op), actor=actor, allow_replay=allow_replay)
+    except StepRefused as exc:
+        _move(
+            op,
+            OperationState.FAILED,
+            actor,
+            f"provider: refused ({exc.provider_code})",
+            on_failure=spec.on_failure,
+        )
+        return "failed"
+    except StepNeedsReview:
+        _move(op, OperationState.NEEDS_REVIEW, actor, "not found after the grace period")
+        alerts.error("operation %s needs review: outcome of %s unknown", op.key, claim.step)
+        return "needs_review"
+    except StepConflict:
+        _move(op, OperationState.NEEDS_REVIEW, actor, "idempotency conflict")
+        alerts.error("operation %s: idempotency conflict at %s", op.key, claim.step)
+        return "needs_review"
+    except StepUncertain:
+        if op.state != OperationState.UNCERTAIN and op.state not in FINAL_OPERATION_STATES:
+            _move(op, OperationState.UNCERTAIN, actor, "outcome not known yet")
+        return "still_uncertain"
+    except StepTransient:
+        return "retry_later"  # provider unreachable, or the first request still in flight
+    _move(
+        op,
+        OperationState.RETRYING,
+        actor,
+        "provider shows the step succeeded; resuming",
+        resume=True,
+    )
+    return "done"
+
+
+def _move(
+    op: Operation,
+    state: OperationState,
+    actor: str,
+    reason: str,
+    *,
+    on_failure=None,
+    resume: bool = False,
+) -> None:
+    with transaction.atomic():
+        locked = fence.locked_operation_in_tx(op.pk)
+        if locked.state == OperationState.RUNNING and (
+            locked.lease_expires_at and locked.lease_expires_at > timezone.now()
+        ):
+            return  # a worker runs it now and will see the settled claim itself
+        if locked.state == OperationState.SUCCEEDED:
+            return
+        fields = {"next_attempt_at": timezone.now()} if resume else {}
+        fence.release_in_tx(locked, state, actor=actor, reason=reason, **fields)
+        if on_failure is not None and state == OperationState.FAILED:
+            on_failure(locked)
+        if resume:
+            dispatch_on_commit(locked.pk)

@@ -1,0 +1,248 @@
+"""Run an operation's handler under the fence, and map each outcome to a state.
+
+    lease    take the operation (no other live worker runs it)
+    steps    the handler's named steps; completed ones replay their stored result
+    settle   succeeded | failed | retrying (transient) | uncertain | needs_review
+
+The runtime owns its transactions; the job that calls it only passes ids.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+from django.db import IntegrityError, transaction
+from django.utils import timezone
+
+from payments import fence
+from payments.conf import payments_setting
+from payments.effects import DeliveryPolicy
+from payments.exceptions import (
+    RetriesExhausted,
+    RetryLater,
+    StepBusy,
+    StepConflict,
+    StepRefused,
+    StepTransient,
+    StepUncertain,
+)
+from payments.models import ClaimState, Operation, OperationState, StepClaim
+from payments.registry import HandlerSpec, get_handler
+from payments.steps import StepNeedsReview, run_external_step
+
+logger = logging.getLogger("payments.runtime")
+alerts = logging.getLogger("payments.alerts")
+
+
+@dataclass
+class Run:
+    """What a handler gets: its operation and the three kinds of step."""
+
+    operation: Operation
+    worker_id: str
+    spec: HandlerSpec
+
+    @property
+    def params(self) -> dict[str, Any]:
+        return self.operation.params
+
+    def external(self, step: str) -> dict[str, Any]:
+        """Run an external step (claim committed before the call); return its result."""
+        effect = self.spec.effect(step, self.operation)
+        return run_external_step(self.operation, step, effect, owner=self.worker_id)
+
+    def local(self, step: str, func: Callable[[], dict[str, Any] | None]) -> dict[str, Any]:
+        """Run a local step: its claim and its writes commit together, once."""
+        try:
+            with transaction.atomic():
+                claim = fence.insert_local_claim_in_tx(self.operation, step, owner=self.worker_id)
+                result = func() or {}
+                StepClaim.objects.filter(pk=claim.pk).update(result=result)
+        except IntegrityError as exc:
+            if not fence.unique_violation_of(exc, StepClaim.UNIQUE_CONSTRAINT):
+                raise  # any other integrity error is a bug, not a duplicate
+            existing = StepClaim.objects.get(operation=self.operation, step=step)
+            logger.info("step %s/%s already done; skipped", self.operation.key, step)
+            return existing.result or {}
+        return result
+
+    def side_effect(
+        self, step: str, func: Callable[[], dict[str, Any] | None], *, policy: DeliveryPolicy
+    ) -> dict[str, Any]:
+        """Run an effect that cannot be looked up (plain e-mail) under its declared policy."""
+        lease = payments_setting("CLAIM_LEASE")
+        claimed = fence.claim_step(self.operation, step, owner=self.worker_id, lease_seconds=lease)
+        claim = claimed.claim
+        resend = False
+        if not claimed.created:
+            if claim.state in (ClaimState.DONE, ClaimState.FAILED):
+                return claim.result or {}
+            taken = fence.take_over_claim(claim, owner=self.worker_id, lease_seconds=lease)
+            if taken is None:
+                raise StepBusy(
+                    operation_key=self.operation.key, step=step, until=claim.lease_expires_at
+                )
+            claim = taken
+            if policy == DeliveryPolicy.AT_MOST_ONCE:
+                result = {"sent": "unknown", "skipped": True, "policy": str(policy)}
+                logger.warning(
+                    "step %s/%s may have run before; skipped (at most once)",
+                    self.operation.key,
+                    step,
+                )
+                fence.settle_claim(
+                    claim,
+                    ClaimState.DONE,
+                    actor=self.worker_id,
+                    result=result,
+                    reason="outcome unknown; skipped under at-most-once",
+                )
+                return result
+            resend = True
+        try:
+            result = dict(func() or {})
+        except Exception as exc:  # the effect's own failure; the policy decides
+            reason = f"{type(exc).__name__}: {exc}"[:500]
+            if policy == DeliveryPolicy.AT_LEAST_ONCE:
+                fence.release_claim(claim, actor=self.worker_id, reason=reason)
+                raise StepTransient(reason, operation_key=self.operation.key, step=step) from exc
+            result = {"sent": False, "error": type(exc).__name__, "policy": str(policy)}
+            logger.warning(
+                "step %s/%s failed; not retried (at most once)", self.operation.key, step
+            )
+            fence.settle_claim(
+                claim, ClaimState.DONE, actor=self.worker_id, result=result, reason=reason
+            )
+            return result
+        result.update({"policy": str(policy), "resent": resend})
+        fence.settle_claim(claim, ClaimState.DONE, actor=self.worker_id, result=result)
+        return result
+
+
+def execute(operation_id: int, *, worker_id: str, job: Any = None) -> str:
+    """Run the operation's handler once; return what became of it.
+
+    Raises RetryLater (RQ retries the job after its backoff) or
+    RetriesExhausted (the job goes to the failed registry).
+    """
+    leased = fence.acquire_lease(
+        operation_id, owner=worker_id, seconds=payments_setting("CLAIM_LEASE")
+    )
+    op = leased.operation
+    if not leased.acquired:
+        logger.info("operation %s not run: %s", op.key, _why_not(op))
+        return f"skipped:{op.state}"
+    spec = get_handler(op.kind)
+    try:
+        spec.func(Run(op, worker_id, spec))
+    except StepBusy as exc:
+        _finish(op, OperationState.RETRYING, worker_id, str(exc), next_attempt_at=exc.until)
+        return "deferred"
+    except StepRefused as exc:
+        _fail(op, spec, worker_id, str(exc))
+        return "failed"
+    except StepNeedsReview as exc:
+        _finish(op, OperationState.NEEDS_REVIEW, worker_id, str(exc))
+        alerts.error("operation %s needs review: %s", op.key, exc.step)
+        return "needs_review"
+    except StepConflict as exc:
+        _finish(op, OperationState.NEEDS_REVIEW, worker_id, str(exc))
+        alerts.error("operation %s: idempotency conflict at step %s", op.key, exc.step)
+        return "needs_review"
+    except StepUncertain as exc:
+        _finish(op, OperationState.UNCERTAIN, worker_id, str(exc))
+        logger.warning("operation %s uncertain at step %s; reconciling", op.key, exc.step)
+        return "uncertain"
+    except StepTransient as exc:
+        _transient(op, spec, worker_id, str(exc), job)
+    except Exception as exc:  # a bug or a database error: bounded retries, then visible
+        logger.exception("operation %s: unexpected error in handler %s", op.key, op.kind)
+        _transient(op, spec, worker_id, f"{type(exc).__name__}: {exc}", job)
+    _finish(op, OperationState.SUCCEEDED, worker_id, "all steps done")
+    return "succeeded"
+
+
+def _why_not(op: Operation) -> str:
+    if op.state == OperationState.RUNNING:
+        return f"leased by {op.lease_owner} until {op.lease_expires_at}"
+    return f"state is {op.state}"
+
+
+def _finish(
+    op: Operation, state: OperationState, worker_id: str, reason: str, **fields: Any
+) -> bool:
+    """Leave RUNNING if this worker still holds the lease; return whether it did."""
+    with transaction.atomic():
+        locked = fence.locked_operation_in_tx(op.pk)
+        if not fence.holds_lease_in_tx(locked, worker_id):
+            logger.warning("operation %s: lease lost before %s; left as is", op.key, state)
+            return False
+        if state in (OperationState.SUCCEEDED, OperationState.NEEDS_REVIEW):
+            fields.setdefault("last_error", "" if state == OperationState.SUCCEEDED else reason)
+        fence.release_in_tx(locked, state, actor=worker_id, reason=reason[:500], **fields)
+    op.refresh_from_db()
+    return True
+
+
+def _fail(op: Operation, spec: HandlerSpec, worker_id: str, reason: str) -> None:
+    with transaction.atomic():
+        locked = fence.locked_operation_in_tx(op.pk)
+        if not fence.holds_lease_in_tx(locked, worker_id):
+            return
+        fence.release_in_tx(
+            locked,
+            OperationState.FAILED,
+            actor=worker_id,
+            reason=reason[:500],
+            last_error=reason,
+        )
+        if spec.on_failure is not None:
+            spec.on_failure(locked)
+    logger.info("operation %s failed: %s", op.key, reason[:200])
+
+
+def _transient(op: Operation, spec: HandlerSpec, worker_id: str, reason: str, job: Any) -> None:
+    """Count a transient failure; schedule the next attempt or give up. Always raises."""
+    max_attempts = payments_setting("MAX_ATTEMPTS")
+    backoff = payments_setting("RETRY_BACKOFF")
+    with transaction.atomic():
+        locked = fence.locked_operation_in_tx(op.pk)
+        attempt = locked.attempts + 1
+        if not fence.holds_lease_in_tx(locked, worker_id):
+            raise RetryLater(op.key, attempt, "lease lost")
+        if attempt >= max_attempts:
+            fence.release_in_tx(
+                locked,
+                OperationState.FAILED,
+                actor=worker_id,
+                reason=f"gave up after {attempt} attempts: {reason}"[:500],
+                attempts=attempt,
+                last_error=reason,
+            )
+            if spec.on_failure is not None:
+                spec.on_failure(locked)
+        else:
+            delay = backoff[min(attempt - 1, len(backoff) - 1)] if backoff else 0
+            fence.release_in_tx(
+                locked,
+                OperationState.RETRYING,
+                actor=worker_id,
+                reason=f"attempt {attempt} failed: {reason}"[:500],
+                attempts=attempt,
+                last_error=reason,
+                next_attempt_at=timezone.now() + timedelta(seconds=delay),
+            )
+    if attempt >= max_attempts:
+        alerts.error(
+            "operation %s failed after %s attempts; job sent to the failed registry",
+            op.key,
+            attempt,
+        )
+        if job is not None:
+            job.retries_left = 0  # the DB counted the attempts: no further RQ retry
+        raise RetriesExhausted(op.key, attempt, reason[:200])
+    raise RetryLater(op.key, attempt, reason[:200])

@@ -1,0 +1,160 @@
+"""Settings, read from the environment in one place (django-environ).
+
+Every variable is documented in README.md with its default. A `.env` file in
+the project root is read when present (the Makefile writes a development one);
+production sets real environment variables and has no `.env`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import environ
+from django.core.exceptions import ImproperlyConfigured
+
+BASE_DIR = Path(__file__).resolve().parent.parent
+
+env = environ.Env()
+environ.Env.read_env(BASE_DIR / ".env")
+
+DEBUG = env.bool("DEBUG", default=False)
+
+
+def _secret(name: str, dev_default: str) -> str:
+    """Return a secret; only DEBUG may fall back to an insecure development value."""
+    value = env.str(name, default="")
+    if value:
+        return value
+    if DEBUG:
+        return dev_default
+    raise ImproperlyConfigured(f"{name} must be set when DEBUG is off.")
+
+
+INSECURE_DEV_SECRET_KEY = "insecure-dev-secret-key-do-not-use-in-production"
+INSECURE_DEV_API_TOKEN = "dev-api-token"
+
+SECRET_KEY = _secret("SECRET_KEY", INSECURE_DEV_SECRET_KEY)
+API_TOKEN = _secret("API_TOKEN", INSECURE_DEV_API_TOKEN)
+
+ALLOWED_HOSTS = env.list("ALLOWED_HOSTS", default=["127.0.0.1", "localhost", "[::1]", "testserver"])
+
+INSTALLED_APPS = [
+    "django.contrib.admin",
+    "django.contrib.auth",
+    "django.contrib.contenttypes",
+    "django.contrib.sessions",
+    "django.contrib.messages",
+    "django.contrib.staticfiles",
+    "django_rq",
+    "inbox",
+    "payments",
+]
+
+MIDDLEWARE = [
+    "django.middleware.security.SecurityMiddleware",
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.middleware.common.CommonMiddleware",
+    "django.middleware.csrf.CsrfViewMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "django.contrib.messages.middleware.MessageMiddleware",
+    "django.middleware.clickjacking.XFrameOptionsMiddleware",
+]
+
+ROOT_URLCONF = "project.urls"
+
+TEMPLATES = [
+    {
+        "BACKEND": "django.template.backends.django.DjangoTemplates",
+        "DIRS": [BASE_DIR / "templates"],
+        "APP_DIRS": True,
+        "OPTIONS": {
+            "context_processors": [
+                "django.template.context_processors.request",
+                "django.contrib.auth.context_processors.auth",
+                "django.contrib.messages.context_processors.messages",
+            ],
+        },
+    },
+]
+
+WSGI_APPLICATION = "project.wsgi.application"
+
+# PostgreSQL only: the fence relies on its unique-constraint and locking semantics.
+DATABASES = {
+    "default": env.db("DATABASE_URL", default="postgres://postgres@127.0.0.1:5432/fence"),
+}
+DATABASES["default"].setdefault("CONN_MAX_AGE", env.int("DB_CONN_MAX_AGE", default=60))
+DATABASES["default"].setdefault("CONN_HEALTH_CHECKS", True)
+
+DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+
+AUTH_PASSWORD_VALIDATORS = [
+    {"NAME": "django.contrib.auth.password_validation.UserAttributeSimilarityValidator"},
+    {"NAME": "django.contrib.auth.password_validation.MinimumLengthValidator"},
+    {"NAME": "django.contrib.auth.password_validation.CommonPasswordValidator"},
+    {"NAME": "django.contrib.auth.password_validation.NumericPasswordValidator"},
+]
+
+LANGUAGE_CODE = "en-us"
+TIME_ZONE = "UTC"
+USE_I18N = True
+USE_TZ = True
+
+STATIC_URL = "static/"
+STATIC_ROOT = BASE_DIR / "var" / "static"
+
+# --- Redis: the queue lives in its own database; nothing else shares it. -------
+REDIS_URL = env.str("REDIS_URL", default="redis://127.0.0.1:6379/0")
+
+RQ_QUEUES = {
+    "payments": {"URL": REDIS_URL, "DEFAULT_TIMEOUT": env.int("JOB_TIMEOUT", default=30)},
+}
+# Enqueue only after the surrounding transaction commits (django-rq's default,
+# stated here because the outbox design depends on it).
+RQ = {"COMMIT_MODE": "on_db_commit", "QUEUE_CLASS": "inbox.queues.MessageQueue"}
+
+# --- Payments: provider and the timeout chain -------------------------------
+# HTTP connect + read timeout < JOB_TIMEOUT <= CLAIM_LEASE (checked at start-up).
+PAYMENTS = {
+    "PROVIDER_URL": env.str("PAYMENT_PROVIDER_URL", default="http://127.0.0.1:8765"),
+    "PROVIDER_API_KEY": env.str("PAYMENT_PROVIDER_API_KEY", default="sk_test_fake"),
+    "PROVIDER_CONNECT_TIMEOUT": env.float("PROVIDER_CONNECT_TIMEOUT", default=3.0),
+    "PROVIDER_READ_TIMEOUT": env.float("PROVIDER_READ_TIMEOUT", default=10.0),
+    "PROVIDER_KEY_RETENTION": env.int("PROVIDER_KEY_RETENTION", default=24 * 3600),
+    "JOB_TIMEOUT": env.int("JOB_TIMEOUT", default=30),
+    "CLAIM_LEASE": env.int("CLAIM_LEASE", default=45),
+    "MAX_ATTEMPTS": env.int("MAX_ATTEMPTS", default=3),
+    "RETRY_BACKOFF": env.list("RETRY_BACKOFF", cast=int, default=[2, 8]),
+    "RECONCILE_GRACE": env.int("RECONCILE_GRACE", default=15 * 60),
+    "QUEUE": "payments",
+}
+
+EMAIL_BACKEND = env.str("EMAIL_BACKEND", default="django.core.mail.backends.console.EmailBackend")
+DEFAULT_FROM_EMAIL = env.str("DEFAULT_FROM_EMAIL", default="shop@example.com")
+ADMINS = [tuple(a.split(":", 1)) for a in env.list("ADMINS", default=[])]
+
+LOGGING = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "formatters": {
+        "plain": {"format": "%(asctime)s %(levelname)s %(name)s %(message)s"},
+    },
+    "handlers": {
+        "console": {"class": "logging.StreamHandler", "formatter": "plain"},
+        "mail_admins": {
+            "class": "django.utils.log.AdminEmailHandler",
+            "level": "ERROR",
+            "filters": [],
+        },
+    },
+    "loggers": {
+        "payments": {"handlers": ["console"], "level": env.str("LOG_LEVEL", default="INFO")},
+        "payments.alerts": {
+            "handlers": ["console", "mail_admins"],
+            "level": "ERROR",
+            "propagate": False,
+        },
+        "inbox": {"handlers": ["console"], "level": env.str("LOG_LEVEL", default="INFO")},
+        "rq.worker": {"handlers": ["console"], "level": "WARNING"},
+    },
+}
