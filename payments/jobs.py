@@ -10,7 +10,7 @@ from payments import runtime
 from payments.dispatch import dispatch
 from payments.exceptions import MalformedJob
 from payments.failpoints import AFTER_RECORD_COMMIT, failpoint
-from payments.models import Operation
+from payments.models import Operation, OperationState
 
 
 def run_operation(operation_id: int) -> str:
@@ -27,9 +27,10 @@ def run_operation(operation_id: int) -> str:
     worker = f"{getattr(job, 'worker_name', None) or 'local'}/{os.getpid()}"
     outcome = runtime.execute(operation_id, worker_id=worker, job=job)
     failpoint(AFTER_RECORD_COMMIT)
-    if outcome == "deferred":  # another worker's live claim: look again when its lease ends
-        op = Operation.objects.only("next_attempt_at").get(pk=operation_id)
-        dispatch(operation_id, at=op.next_attempt_at)
+    if outcome == "deferred":  # another worker's live lease or claim: look again after it
+        op = Operation.objects.get(pk=operation_id)
+        at = op.lease_expires_at if op.state == OperationState.RUNNING else op.next_attempt_at
+        dispatch(operation_id, at=at)
     return outcome
 
 

@@ -135,6 +135,8 @@ def execute(operation_id: int, *, worker_id: str, job: Any = None) -> str:
     op = leased.operation
     if not leased.acquired:
         logger.info("operation %s not run: %s", op.key, _why_not(op))
+        if op.state == OperationState.RUNNING:
+            return "deferred"  # another worker's live lease: look again when it ends
         return f"skipped:{op.state}"
     spec = get_handler(op.kind)
     try:

@@ -1,0 +1,138 @@
+"""Read the inbox app's settings in one place, with defaults.
+
+All keys live in one optional dict, ``settings.INBOX``:
+
+``RETENTION`` (default ``{"default": 604800}``, i.e. 7 days)
+    How long an :class:`~inbox.models.InboxEntry` is kept, in seconds (an
+    ``int``/``float`` or a ``timedelta``), per consumer. ``"default"`` applies
+    to every consumer without its own key. A row purged before RQ can hand the
+    message back lets that message run twice; ``inbox.W001`` warns about it.
+    The given dict is merged over the default, so ``{"emails": 3600}`` keeps
+    the 7-day default for everyone else.
+``PURGE_CHANCE`` (default ``0.001``)
+    Chance, between 0 and 1, that a successful record triggers one bounded
+    purge batch for its consumer after the handler's transaction commits.
+    ``0`` turns the opportunistic purge off (run ``purge_inbox`` from cron).
+``PURGE_BATCH_SIZE`` (default ``1000``)
+    Rows deleted per batch, both by that opportunistic purge and by default in
+    ``purge_inbox``; each batch is its own short transaction.
+``STRICT_MESSAGE_ID`` (default ``False``)
+    When a job carries no message id (enqueued by another tool), an inbox
+    handler logs a WARNING and runs unprotected. ``True`` makes it raise
+    :class:`~inbox.exceptions.MissingMessageId` instead, so the job fails
+    visibly in the failed registry; it is never dropped silently.
+``REDELIVERY_HORIZON`` (default ``None``: rq's ``DEFAULT_FAILURE_TTL``, 1 year)
+    The longest time, in seconds or as a ``timedelta``, after which RQ can
+    still hand a message back: failed jobs can be requeued for as long as the
+    failed registry keeps them. State the deployment's real window here when
+    it keeps failed jobs shorter (``failure_ttl``); ``inbox.W001`` compares
+    every retention with it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+from django.conf import settings
+from django.core.exceptions import ImproperlyConfigured
+from rq.defaults import DEFAULT_FAILURE_TTL
+
+DEFAULT_RETENTION = timedelta(days=7)
+DEFAULT_PURGE_CHANCE = 0.001
+DEFAULT_PURGE_BATCH_SIZE = 1000
+DEFAULT_CONSUMER_KEY = "default"
+
+KNOWN_KEYS = frozenset(
+    {"RETENTION", "PURGE_CHANCE", "PURGE_BATCH_SIZE", "STRICT_MESSAGE_ID", "REDELIVERY_HORIZON"}
+)
+
+
+@dataclass(frozen=True)
+class InboxSettings:
+    """The validated INBOX settings; durations are timedeltas."""
+
+    retention: dict[str, timedelta]
+    purge_chance: float
+    purge_batch_size: int
+    strict_message_id: bool
+    redelivery_horizon: timedelta
+
+    def retention_for(self, consumer: str) -> timedelta:
+        """Return how long rows of ``consumer`` are kept."""
+        return self.retention.get(consumer, self.default_retention)
+
+    @property
+    def default_retention(self) -> timedelta:
+        """Return the retention of consumers without a key of their own."""
+        return self.retention[DEFAULT_CONSUMER_KEY]
+
+    @property
+    def named_consumers(self) -> list[str]:
+        """Return the consumers with a retention of their own (not ``default``)."""
+        return sorted(name for name in self.retention if name != DEFAULT_CONSUMER_KEY)
+
+
+def _duration(label: str, value: Any) -> timedelta:
+    """Turn seconds or a timedelta into a positive timedelta, or refuse it."""
+    if isinstance(value, timedelta):
+        duration = value
+    elif isinstance(value, int | float) and not isinstance(value, bool):
+        duration = timedelta(seconds=value)
+    else:
+        raise ImproperlyConfigured(
+            f"{label} must be a number of seconds or a timedelta, not {type(value).__name__}."
+        )
+    if duration <= timedelta(0):
+        raise ImproperlyConfigured(f"{label} must be positive.")
+    return duration
+
+
+def inbox_settings() -> InboxSettings:
+    """Read ``settings.INBOX`` afresh, apply defaults and validate it.
+
+    Read on every call (it is a small dict) so ``override_settings`` works.
+    Raise ``ImproperlyConfigured`` on a bad value; ``inbox.E001`` reports it
+    at start-up.
+    """
+    raw = getattr(settings, "INBOX", {}) or {}
+    if not isinstance(raw, dict):
+        raise ImproperlyConfigured("INBOX must be a dict.")
+    unknown = sorted(set(raw) - KNOWN_KEYS)
+    if unknown:
+        raise ImproperlyConfigured(f"Unknown INBOX keys: {', '.join(unknown)}.")
+
+    retention_raw = raw.get("RETENTION", {})
+    if not isinstance(retention_raw, dict):
+        raise ImproperlyConfigured("INBOX['RETENTION'] must be a dict of consumer -> seconds.")
+    retention = {DEFAULT_CONSUMER_KEY: DEFAULT_RETENTION}
+    for consumer, value in retention_raw.items():
+        retention[str(consumer)] = _duration(f"INBOX['RETENTION'][{consumer!r}]", value)
+
+    chance = raw.get("PURGE_CHANCE", DEFAULT_PURGE_CHANCE)
+    if isinstance(chance, bool) or not isinstance(chance, int | float) or not 0 <= chance <= 1:
+        raise ImproperlyConfigured("INBOX['PURGE_CHANCE'] must be a number between 0 and 1.")
+
+    batch_size = raw.get("PURGE_BATCH_SIZE", DEFAULT_PURGE_BATCH_SIZE)
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ImproperlyConfigured("INBOX['PURGE_BATCH_SIZE'] must be a positive integer.")
+
+    strict = raw.get("STRICT_MESSAGE_ID", False)
+    if not isinstance(strict, bool):
+        raise ImproperlyConfigured("INBOX['STRICT_MESSAGE_ID'] must be True or False.")
+
+    horizon_raw = raw.get("REDELIVERY_HORIZON")
+    horizon = (
+        timedelta(seconds=DEFAULT_FAILURE_TTL)
+        if horizon_raw is None
+        else _duration("INBOX['REDELIVERY_HORIZON']", horizon_raw)
+    )
+
+    return InboxSettings(
+        retention=retention,
+        purge_chance=float(chance),
+        purge_batch_size=batch_size,
+        strict_message_id=strict,
+        redelivery_horizon=horizon,
+    )

@@ -1,0 +1,35 @@
+"""The inbox: which message each consumer has already handled."""
+
+from __future__ import annotations
+
+from django.db import models
+from django.utils import timezone
+
+CONSUMER_MESSAGE_UNIQUE = "inbox_entry_consumer_message_uniq"
+
+
+class InboxEntry(models.Model):
+    """One message handled by one consumer; its insert is the dedup claim.
+
+    Written only by :func:`inbox.services.record_message`, inside the
+    handler's transaction, and deleted only by
+    :func:`inbox.services.purge_expired` once the retention has passed.
+    """
+
+    consumer = models.CharField(max_length=200, help_text="Queue name or explicit consumer name.")
+    message_id = models.CharField(max_length=255, help_text="Stable id of the delivered message.")
+    handled_at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        verbose_name = "inbox entry"
+        verbose_name_plural = "inbox entries"
+        constraints = [
+            models.UniqueConstraint(
+                fields=["consumer", "message_id"], name=CONSUMER_MESSAGE_UNIQUE
+            ),
+        ]
+        # Retention purges range over handled_at.
+        indexes = [models.Index(fields=["handled_at"], name="inbox_entry_handled_at_idx")]
+
+    def __str__(self) -> str:
+        return f"{self.consumer}:{self.message_id}"

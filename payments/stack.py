@@ -1,0 +1,150 @@
+"""Start and stop the local stack as real processes: fake provider, API server, workers,
+recovery loop. Used by `manage.py demo` and `manage.py runstack` (make run).
+
+Each process runs in its own process group so that a "crash" can SIGKILL a
+worker together with its work horse, as an OOM kill or a node loss would.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import requests
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    """Return a TCP port on 127.0.0.1 that is free right now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@dataclass
+class Proc:
+    name: str
+    popen: subprocess.Popen
+
+    @property
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def signal_group(self, sig: int) -> None:
+        if self.alive:
+            try:
+                os.killpg(self.popen.pid, sig)
+            except ProcessLookupError:
+                pass
+
+
+@dataclass
+class Stack:
+    """The processes of one local deployment, sharing one environment."""
+
+    env: dict[str, str]
+    log_dir: Path
+    procs: list[Proc] = field(default_factory=list)
+    worker_count: int = 0
+
+    def _spawn(self, name: str, args: list[str]) -> Proc:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        log = open(self.log_dir / f"{name}.log", "ab")  # noqa: SIM115 (owned by the child)
+        popen = subprocess.Popen(
+            [sys.executable, "manage.py", *args],
+            cwd=ROOT,
+            env=self.env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        log.close()
+        proc = Proc(name, popen)
+        self.procs.append(proc)
+        return proc
+
+    def start_provider(self, port: int, *fault_args: str) -> Proc:
+        proc = self._spawn("provider", ["run_fake_provider", "--port", str(port), *fault_args])
+        wait_http(f"http://127.0.0.1:{port}/_fake/health", what="fake provider")
+        return proc
+
+    def start_api(self, port: int) -> Proc:
+        proc = self._spawn("api", ["runserver", "--noreload", "--skip-checks", f"127.0.0.1:{port}"])
+        wait_http(f"http://127.0.0.1:{port}/api/orders", what="API server", ok=(405, 401))
+        return proc
+
+    def start_worker(self, worker_class: str | None = None) -> Proc:
+        self.worker_count += 1
+        name = f"worker-{os.getpid()}-{self.worker_count}"
+        args = ["rqworker", "payments", "--with-scheduler", "--name", name]
+        if worker_class:
+            args += ["--worker-class", worker_class]
+        return self._spawn(name, args)
+
+    def start_recovery(self, interval: float) -> Proc:
+        return self._spawn("recovery", ["run_recovery", "--interval", str(interval)])
+
+    def workers(self) -> list[Proc]:
+        return [p for p in self.procs if p.name.startswith("worker-") and p.alive]
+
+    def kill(self, proc: Proc) -> None:
+        """SIGKILL the worker and its work horse (which RQ puts in a session of its own)."""
+        victims = [proc.popen.pid, *descendants(proc.popen.pid)]
+        for pid in victims:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        proc.popen.wait(timeout=10)
+
+    def stop(self) -> None:
+        """Stop everything: SIGTERM, then SIGKILL what is still there after 10 s."""
+        for proc in self.procs:
+            proc.signal_group(signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        for proc in self.procs:
+            try:
+                proc.popen.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.signal_group(signal.SIGKILL)
+                proc.popen.wait(timeout=5)
+
+
+def descendants(pid: int) -> list[int]:
+    """Return the pids of all processes below `pid` (read from /proc)."""
+    parents: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue  # the process ended while we looked
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        parents.setdefault(ppid, []).append(int(entry.name))
+    found, todo = [], [pid]
+    while todo:
+        children = parents.get(todo.pop(), [])
+        found.extend(children)
+        todo.extend(children)
+    return found
+
+
+def wait_http(url: str, *, what: str, ok: tuple[int, ...] = (200,), timeout: float = 30) -> None:
+    """Wait until `url` answers with one of `ok`; raise RuntimeError after `timeout`."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if requests.get(url, timeout=1).status_code in ok:
+                return
+        except requests.RequestException:
+            pass
+        time.sleep(0.2)
+    raise RuntimeError(f"{what} did not start at {url} within {timeout:.0f}s")

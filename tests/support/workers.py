@@ -1,0 +1,76 @@
+"""Real `rqworker` processes for delivery and crash tests."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from django.conf import settings
+from django.db import connection
+
+from tests.conftest import TEST_PAYMENTS, TEST_REDIS_URL
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def worker_env(provider_url: str, **extra: str) -> dict[str, str]:
+    """The environment of a worker that uses the test database, test Redis and the fake."""
+    db = connection.settings_dict
+    env = {
+        **os.environ,
+        "DEBUG": "1",
+        "DATABASE_URL": f"postgres://{db['USER'] or 'postgres'}@{db['HOST'] or '127.0.0.1'}:"
+        f"{db['PORT'] or 5432}/{db['NAME']}",
+        "REDIS_URL": TEST_REDIS_URL,
+        "PAYMENT_PROVIDER_URL": provider_url,
+        "PROVIDER_CONNECT_TIMEOUT": str(TEST_PAYMENTS["PROVIDER_CONNECT_TIMEOUT"]),
+        "PROVIDER_READ_TIMEOUT": str(TEST_PAYMENTS["PROVIDER_READ_TIMEOUT"]),
+        "JOB_TIMEOUT": str(TEST_PAYMENTS["JOB_TIMEOUT"]),
+        "CLAIM_LEASE": str(TEST_PAYMENTS["CLAIM_LEASE"]),
+        "RETRY_BACKOFF": ",".join(str(s) for s in TEST_PAYMENTS["RETRY_BACKOFF"]),
+        "EMAIL_BACKEND": "django.core.mail.backends.dummy.EmailBackend",
+        "SECRET_KEY": settings.SECRET_KEY,
+        "API_TOKEN": settings.API_TOKEN,
+    }
+    env.update(extra)
+    return env
+
+
+def start_worker(env: dict[str, str], name: str) -> subprocess.Popen:
+    """Start `manage.py rqworker payments --with-scheduler` in its own process group."""
+    return subprocess.Popen(
+        [sys.executable, "manage.py", "rqworker", "payments", "--with-scheduler",
+         "--name", name, "--worker-ttl", "30"],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
+
+
+def stop_worker(proc: subprocess.Popen, *, kill: bool = False) -> str:
+    """Stop a worker (its whole process group) and return what it wrote to stderr."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL if kill else signal.SIGTERM)
+    try:
+        _, err = proc.communicate(timeout=15)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        _, err = proc.communicate()
+    return (err or b"").decode(errors="replace")
+
+
+def wait_until(condition: Callable[[], bool], timeout: float, what: str) -> None:
+    """Poll `condition` until it holds; fail with `what` after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
