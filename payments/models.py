@@ -177,3 +177,49 @@ class OperationEvent(models.Model):
     def __str__(self) -> str:
         target = f"{self.operation_id}:{self.step}" if self.step else str(self.operation_id)
         return f"{target} {self.from_state or '-'} -> {self.to_state}"
+
+
+class LedgerEntry(models.Model):
+    """A sales-ledger line written for a paid order (protected by the inbox, not a constraint)."""
+
+    order = models.ForeignKey(Order, on_delete=models.PROTECT, related_name="ledger_entries")
+    amount = models.BigIntegerField()
+    currency = models.CharField(max_length=3)
+    provider_reference = models.CharField(max_length=255)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    def __str__(self) -> str:
+        return f"{self.order_id}: {self.amount} {self.currency}"
+
+
+class SalesDay(models.Model):
+    """Revenue per day and currency: a counter that a duplicate message would inflate."""
+
+    day = models.DateField()
+    currency = models.CharField(max_length=3)
+    orders = models.PositiveIntegerField(default=0)
+    total = models.BigIntegerField(default=0)
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(fields=["day", "currency"], name="payments_salesday_uniq"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.day} {self.currency}: {self.orders} orders, {self.total}"
+
+
+class FenceAuditRun(models.Model):
+    """The result of one `fence_audit` run, shown on the admin's Needs attention page."""
+
+    started_at = models.DateTimeField()
+    finished_at = models.DateTimeField()
+    window_start = models.DateTimeField()
+    exit_code = models.PositiveSmallIntegerField()
+    summary = models.JSONField(default=dict)
+
+    class Meta:
+        ordering = ["-finished_at"]
+
+    def __str__(self) -> str:
+        return f"audit {self.finished_at:%Y-%m-%d %H:%M} exit {self.exit_code}"
