@@ -1,0 +1,211 @@
+"""Errors raised by the payment provider client, each carrying its `Outcome`.
+
+The fence acts on `error.outcome` alone; the other attributes are for the
+record, the audit trail and the operator. Messages are built from those
+structured fields only, never from request or response bodies, so they can be
+logged and stored without leaking card data, keys or customer details.
+
+`classify_exception` and `classify_response` (at the end) hold the one table
+that maps transport failures and HTTP answers to these classes.
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import requests
+from urllib3.exceptions import ConnectTimeoutError, NewConnectionError
+
+from payments.outcomes import Outcome
+
+
+class ProviderError(Exception):
+    """Base class: a provider call did not return a usable success."""
+
+    default_outcome: Outcome = Outcome.UNCERTAIN
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        outcome: Outcome | None = None,
+        http_status: int | None = None,
+        error_type: str | None = None,
+        code: str | None = None,
+        decline_code: str | None = None,
+        param: str | None = None,
+        request_id: str | None = None,
+        payment_intent_id: str | None = None,
+        replayed: bool = False,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.outcome: Outcome = outcome if outcome is not None else self.default_outcome
+        self.http_status = http_status
+        self.error_type = error_type
+        self.code = code
+        self.decline_code = decline_code
+        self.param = param
+        self.request_id = request_id
+        self.payment_intent_id = payment_intent_id
+        self.replayed = replayed
+
+    def as_dict(self) -> dict[str, object]:
+        """Return the structured, log-safe fields (for claim results and events)."""
+        return {
+            "error": type(self).__name__,
+            "outcome": str(self.outcome),
+            "message": self.message,
+            "http_status": self.http_status,
+            "error_type": self.error_type,
+            "code": self.code,
+            "decline_code": self.decline_code,
+            "param": self.param,
+            "request_id": self.request_id,
+            "payment_intent_id": self.payment_intent_id,
+            "replayed": self.replayed,
+        }
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}({self.message!r}, outcome={self.outcome.value!r}, "
+            f"http_status={self.http_status!r}, code={self.code!r}, "
+            f"request_id={self.request_id!r})"
+        )
+
+
+class CardDeclined(ProviderError):
+    """The card was declined (HTTP 402): refused for good, no retry."""
+
+    default_outcome = Outcome.PERMANENT
+
+
+class InvalidRequest(ProviderError):
+    """The provider rejected the request as invalid (400 other than idempotency, or 404)."""
+
+    default_outcome = Outcome.PERMANENT
+
+
+class ResourceMissing(InvalidRequest):
+    """The object asked for does not exist at the provider (404 resource_missing)."""
+
+
+class IdempotencyConflict(ProviderError):
+    """The idempotency key was used before with other parameters: a bug, never retried."""
+
+    default_outcome = Outcome.CONFLICT
+
+
+class TransientProviderError(ProviderError):
+    """Nothing was executed; retry the same request with the same key."""
+
+    default_outcome = Outcome.TRANSIENT
+
+
+class UncertainProviderError(ProviderError):
+    """The provider may have executed the request; reconcile before anything else."""
+
+    default_outcome = Outcome.UNCERTAIN
+
+
+# Errors that can only happen while opening the connection: the request was
+# never sent, so retrying with the same key cannot double anything.
+_CONNECT_PHASE_ERRORS: tuple[type[BaseException], ...] = (
+    NewConnectionError,  # includes urllib3's NameResolutionError (DNS)
+    ConnectTimeoutError,
+    ConnectionRefusedError,
+    socket.gaierror,
+)
+
+# requests raises these before anything goes on the wire: a broken
+# PROVIDER_URL is a configuration problem, handled like 401 (see below).
+_NOT_SENT_REQUEST_ERRORS: tuple[type[BaseException], ...] = (
+    requests.exceptions.URLRequired,
+    requests.exceptions.MissingSchema,
+    requests.exceptions.InvalidSchema,
+    requests.exceptions.InvalidURL,
+    requests.exceptions.InvalidHeader,
+)
+
+
+def _causes(exc: BaseException) -> Iterator[BaseException]:
+    """Yield exc and everything it wraps (causes, contexts, args, urllib3 `reason`)."""
+    seen: set[int] = set()
+    stack: list[Any] = [exc]
+    while stack:
+        current = stack.pop()
+        if not isinstance(current, BaseException) or id(current) in seen:
+            continue
+        seen.add(id(current))
+        yield current
+        stack.extend([current.__cause__, current.__context__, getattr(current, "reason", None)])
+        stack.extend(arg for arg in current.args if isinstance(arg, BaseException))
+
+
+def classify_exception(exc: requests.RequestException, *, context: str) -> ProviderError:
+    """Turn a transport failure into a ProviderError: before send TRANSIENT, else UNCERTAIN."""
+    if isinstance(exc, requests.exceptions.ConnectTimeout) or any(
+        isinstance(cause, _CONNECT_PHASE_ERRORS) for cause in _causes(exc)
+    ):
+        return TransientProviderError(f"{context}: could not connect ({type(exc).__name__})")
+    if isinstance(exc, _NOT_SENT_REQUEST_ERRORS):
+        return TransientProviderError(f"{context}: request not sent ({type(exc).__name__})")
+    # Read timeouts, resets after send, broken chunked bodies: the request
+    # left this process, so the provider may have executed it.
+    return UncertainProviderError(f"{context}: no complete answer ({type(exc).__name__})")
+
+
+def classify_response(
+    status: int, body: Any, headers: Mapping[str, str], *, context: str
+) -> ProviderError:
+    """Turn a non-2xx answer into the ProviderError the fence acts on."""
+    error = body.get("error") if isinstance(body, dict) else None
+    error = error if isinstance(error, dict) else {}
+    pi = error.get("payment_intent")
+    attrs: dict[str, Any] = {
+        "http_status": status,
+        "error_type": error.get("type"),
+        "code": error.get("code"),
+        "decline_code": error.get("decline_code"),
+        "param": error.get("param"),
+        "request_id": headers.get("Request-Id"),
+        "payment_intent_id": pi.get("id") if isinstance(pi, dict) else None,
+        "replayed": headers.get("Idempotent-Replayed", "").lower() == "true",
+    }
+    label = "/".join(str(part) for part in (attrs["error_type"], attrs["code"]) if part)
+    message = f"{context}: HTTP {status}" + (f" {label}" if label else "")
+    should_retry = headers.get("Stripe-Should-Retry", "").lower()
+
+    if should_retry == "true":
+        # The provider states that nothing was executed and a retry may work.
+        return TransientProviderError(message, **attrs)
+    if status == 402:
+        return CardDeclined(message, **attrs)
+    if status == 400 and attrs["error_type"] == "idempotency_error":
+        return IdempotencyConflict(message, **attrs)
+    if status == 400 and attrs["code"] == "rate_limit":
+        # Stripe's older way of saying 429.
+        return TransientProviderError(message, **attrs)
+    if status in (401, 403):
+        # Authentication and permission failures are refused before anything
+        # executes, and they come from our configuration (a rotated or wrong
+        # key), not from the order. Failing the order for good would punish the
+        # customer for an operator mistake; TRANSIENT makes the fence retry
+        # with bounded attempts and then park the job in the failed registry
+        # with an alert, where it can be replayed once the key is fixed.
+        return TransientProviderError(message, **attrs)
+    if status in (409, 429):
+        # 409: the same key is in flight in another request; 429: rate limited.
+        # Neither executed anything nor stored a result for the key.
+        return TransientProviderError(message, **attrs)
+    if status == 404:
+        if attrs["code"] == "resource_missing":
+            return ResourceMissing(message, **attrs)
+        return InvalidRequest(message, **attrs)
+    if 400 <= status < 500:
+        return InvalidRequest(message, **attrs)
+    # 5xx (also with Should-Retry: false) and anything unexpected: the provider
+    # may have executed the request and stores this answer for the key.
+    return UncertainProviderError(message, **attrs)

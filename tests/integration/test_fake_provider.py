@@ -1,0 +1,446 @@
+"""The fake provider keeps the provider contract of DESIGN.md, checked on the wire.
+
+These tests speak plain HTTP with `requests` (not our client), so they pin
+what any Stripe-style client would see: status codes, bodies and headers.
+"""
+
+# Test functions take the imported `fake_provider` fixture as an argument,
+# which pyflakes reads as shadowing the import.
+# ruff: noqa: F811
+
+from __future__ import annotations
+
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import requests
+from django.core.management import CommandError, call_command
+
+from payments.provider.fake import FakeProviderServer, parse_search_query
+from tests.fixtures.provider import (
+    FakeClock,
+    fake_provider,  # noqa: F401
+)
+
+AUTH = {"Authorization": "Bearer sk_test_contract"}
+CHARGE = {
+    "amount": "1500",
+    "currency": "eur",
+    "confirm": "true",
+    "payment_method": "pm_card_visa",
+    "metadata[step]": "checkout:order:1:charge",
+}
+
+
+def post(
+    server: FakeProviderServer, key: str | None = "key-1", timeout: float = 2, **changes: Any
+) -> requests.Response:
+    headers = {**AUTH, **({"Idempotency-Key": key} if key else {})}
+    form = {k: v for k, v in (CHARGE | changes).items() if v is not None}
+    return requests.post(
+        server.url + "/v1/payment_intents", data=form, headers=headers, timeout=timeout
+    )
+
+
+def get(server: FakeProviderServer, path: str, **params: Any) -> requests.Response:
+    return requests.get(server.url + path, params=params, headers=AUTH, timeout=2)
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock()
+
+
+@pytest.fixture
+def clocked(clock: FakeClock) -> Iterator[FakeProviderServer]:
+    """A fake provider on a hand-driven clock, for retention, lag and ordering."""
+    with FakeProviderServer(clock=clock, search_lag=30, key_retention=3600) as server:
+        yield server
+
+
+# --- create and replay ---------------------------------------------------------------
+
+
+def test_create__succeeds_with_intent_shape_and_request_id(fake_provider):
+    response = post(fake_provider)
+    assert response.status_code == 200
+    assert response.headers["Request-Id"].startswith("req_")
+    assert response.raw.version == 11  # HTTP/1.1, keep-alive
+    body = response.json()
+    assert body["id"].startswith("pi_") and body["object"] == "payment_intent"
+    assert (body["amount"], body["currency"], body["status"]) == (1500, "eur", "succeeded")
+    assert body["metadata"] == {"step": "checkout:order:1:charge"}
+    assert isinstance(body["created"], int) and body["livemode"] is False
+    assert body["client_secret"].startswith(body["id"] + "_secret_")
+    assert body["payment_method"] == "pm_card_visa"
+    assert "Idempotent-Replayed" not in response.headers
+
+
+def test_create__keep_alive_session_serves_many_requests(fake_provider):
+    with requests.Session() as session:
+        for n in range(3):
+            response = session.post(
+                fake_provider.url + "/v1/payment_intents",
+                data=CHARGE,
+                headers={**AUTH, "Idempotency-Key": f"k{n}"},
+                timeout=2,
+            )
+            assert response.status_code == 200
+    assert fake_provider.state.succeeded_count() == 3
+
+
+def test_create__ignores_other_stripe_params(fake_provider):
+    response = post(
+        fake_provider, description="Order 1", receipt_email="a@example.com", **{"expand[]": "x"}
+    )
+    assert response.status_code == 200
+    assert "receipt_email" not in response.json()
+
+
+def test_create__without_confirm_requires_confirmation(fake_provider):
+    assert post(fake_provider, confirm=None).json()["status"] == "requires_confirmation"
+
+
+def test_replay__same_key_same_params_returns_stored_answer(fake_provider):
+    first = post(fake_provider)
+    again = post(fake_provider)
+    assert again.status_code == 200
+    assert again.headers["Idempotent-Replayed"] == "true"
+    assert again.json() == first.json()
+    assert fake_provider.state.succeeded_count() == 1
+
+
+def test_replay__same_key_other_params_is_idempotency_error(fake_provider):
+    post(fake_provider)
+    response = post(fake_provider, amount="1600")
+    assert response.status_code == 400
+    assert response.json()["error"]["type"] == "idempotency_error"
+    assert len(fake_provider.state.intents()) == 1
+
+
+def test_in_flight__same_key_gets_409_then_replay(fake_provider):
+    fake_provider.state.configure(slow_delay=0.3)
+    fake_provider.state.enqueue_faults("slow")
+    answers: list[requests.Response] = []
+    first = threading.Thread(target=lambda: answers.append(post(fake_provider)))
+    first.start()
+    assert fake_provider.state.wait_for_in_flight(1, timeout=2)
+    concurrent = post(fake_provider)
+    first.join(timeout=3)
+    assert concurrent.status_code == 409
+    assert concurrent.json()["error"]["code"] == "idempotency_key_in_use"
+    assert answers[0].status_code == 200
+    replay = post(fake_provider)
+    assert replay.headers["Idempotent-Replayed"] == "true"
+    assert replay.json()["id"] == answers[0].json()["id"]
+    assert fake_provider.state.succeeded_count() == 1
+
+
+def test_retention__key_forgotten_after_key_retention(clocked, clock):
+    first = post(clocked).json()
+    clock.advance(3599)
+    assert post(clocked).headers.get("Idempotent-Replayed") == "true"
+    clock.advance(2)
+    late = post(clocked)
+    assert "Idempotent-Replayed" not in late.headers
+    assert late.json()["id"] != first["id"]
+    assert clocked.state.succeeded_count() == 2
+
+
+def test_default_retention__is_24_hours():
+    assert FakeProviderServer().state.config.key_retention == 86400
+
+
+# --- refusals -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("changes", "param", "code"),
+    [
+        ({"amount": None}, "amount", "parameter_missing"),
+        ({"amount": "ten"}, "amount", "parameter_invalid_integer"),
+        ({"amount": "0"}, "amount", "amount_too_small"),
+        ({"currency": "eu"}, "currency", "parameter_invalid_string"),
+        ({"payment_method": "pm_card_unknown"}, "payment_method", "resource_missing"),
+    ],
+)
+def test_validation__400_with_param_and_not_stored(fake_provider, changes, param, code):
+    refused = post(fake_provider, **changes)
+    assert refused.status_code == 400
+    error = refused.json()["error"]
+    assert (error["type"], error["param"], error["code"]) == ("invalid_request_error", param, code)
+    retried = post(fake_provider)  # same key, valid params: executes, no replay
+    assert retried.status_code == 200 and "Idempotent-Replayed" not in retried.headers
+
+
+def test_decline__402_with_intent_and_replayed(fake_provider):
+    response = post(fake_provider, payment_method="pm_card_chargeDeclined")
+    assert response.status_code == 402
+    error = response.json()["error"]
+    assert (error["type"], error["code"], error["decline_code"]) == (
+        "card_error",
+        "card_declined",
+        "generic_decline",
+    )
+    assert error["payment_intent"]["status"] == "requires_payment_method"
+    [intent] = fake_provider.state.intents()
+    assert intent["id"] == error["payment_intent"]["id"]
+    replay = post(fake_provider, payment_method="pm_card_chargeDeclined")
+    assert replay.status_code == 402 and replay.headers["Idempotent-Replayed"] == "true"
+
+
+def test_retrieve__found_and_404(fake_provider):
+    created = post(fake_provider).json()
+    assert get(fake_provider, f"/v1/payment_intents/{created['id']}").json() == created
+    missing = get(fake_provider, "/v1/payment_intents/pi_missing")
+    assert missing.status_code == 404
+    assert missing.json()["error"]["code"] == "resource_missing"
+    assert missing.json()["error"]["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize(
+    "headers", [{}, {"Authorization": "Bearer pk_test_x"}, {"Authorization": "Basic c2tfOg=="}]
+)
+def test_auth__missing_or_bad_key_is_401(fake_provider, headers):
+    response = requests.get(fake_provider.url + "/v1/payment_intents", headers=headers, timeout=2)
+    assert response.status_code == 401
+    assert response.json()["error"]["type"] == "invalid_request_error"
+    assert response.headers["Request-Id"].startswith("req_")
+
+
+def test_auth__configured_key_is_the_only_one(fake_provider):
+    fake_provider.state.configure(api_key="sk_test_only")
+    assert get(fake_provider, "/v1/payment_intents").status_code == 401
+    only = {"Authorization": "Bearer sk_test_only"}
+    url = fake_provider.url + "/v1/payment_intents"
+    assert requests.get(url, headers=only, timeout=2).status_code == 200
+
+
+# --- search and list ----------------------------------------------------------------------
+
+
+def test_search__lags_writes_by_search_lag(clocked, clock):
+    created = post(clocked).json()
+    query = "metadata['step']:'checkout:order:1:charge'"
+    assert get(clocked, "/v1/payment_intents/search", query=query).json()["data"] == []
+    clock.advance(30)
+    found = get(clocked, "/v1/payment_intents/search", query=query).json()
+    assert found["object"] == "search_result" and found["has_more"] is False
+    assert [pi["id"] for pi in found["data"]] == [created["id"]]
+
+
+def test_search__and_clauses_status_and_escaped_quotes(clocked, clock):
+    ok = post(clocked, key="a", **{"metadata[step]": "it's", "metadata[op]": "1"}).json()
+    post(clocked, key="b", **{"metadata[step]": "it's", "metadata[op]": "2"})
+    post(clocked, key="c", payment_method="pm_card_chargeDeclined", **{"metadata[step]": "it's"})
+    clock.advance(31)
+
+    def ids(query: str) -> list[str]:
+        return [
+            pi["id"]
+            for pi in get(clocked, "/v1/payment_intents/search", query=query).json()["data"]
+        ]
+
+    assert ids("metadata['step']:'it\\'s' AND metadata['op']:'1'") == [ok["id"]]
+    assert len(ids("metadata['step']:'it\\'s' and status:'succeeded'")) == 2
+    assert len(ids('metadata["step"]:"it\'s"')) == 3
+
+
+def test_search__unsupported_query_is_400(fake_provider):
+    response = get(fake_provider, "/v1/payment_intents/search", query="amount>10 OR x")
+    assert response.status_code == 400 and response.json()["error"]["param"] == "query"
+    assert parse_search_query("metadata['a']:'b' AND") is None
+
+
+def test_list__newest_first_with_cursor_pages_and_created_filters(clocked, clock):
+    ids = []
+    for n in range(5):
+        ids.append(post(clocked, key=f"k{n}").json()["id"])
+        clock.advance(10)
+    newest_first = ids[::-1]
+    page = get(clocked, "/v1/payment_intents", limit=2).json()
+    assert (page["object"], page["url"], page["has_more"]) == ("list", "/v1/payment_intents", True)
+    seen = [pi["id"] for pi in page["data"]]
+    while page["has_more"]:
+        page = get(clocked, "/v1/payment_intents", limit=2, starting_after=seen[-1]).json()
+        seen += [pi["id"] for pi in page["data"]]
+    assert seen == newest_first
+    start = clock.now - 50
+    window = get(
+        clocked,
+        "/v1/payment_intents",
+        **{"created[gte]": int(start) + 10, "created[lte]": int(start) + 30},
+    )
+    assert [pi["id"] for pi in window.json()["data"]] == ids[1:4][::-1]
+    back = get(clocked, "/v1/payment_intents", limit=2, ending_before=ids[2]).json()
+    assert [pi["id"] for pi in back["data"]] == [ids[4], ids[3]]
+    assert get(clocked, "/v1/payment_intents", starting_after="pi_gone").status_code == 400
+    assert get(clocked, "/v1/payment_intents", limit=101).status_code == 400
+
+
+# --- faults -----------------------------------------------------------------------------------
+
+
+def test_fault_drop_after_accept__charges_stores_and_closes(fake_provider):
+    fake_provider.state.enqueue_faults("drop_after_accept")
+    with pytest.raises(requests.ConnectionError):
+        post(fake_provider)
+    assert fake_provider.state.succeeded_count() == 1
+    replay = post(fake_provider)
+    assert replay.status_code == 200 and replay.headers["Idempotent-Replayed"] == "true"
+    assert fake_provider.state.succeeded_count() == 1
+
+
+def test_fault_slow__charges_and_answers_after_the_client_gave_up(fake_provider):
+    fake_provider.state.configure(slow_delay=0.4)
+    fake_provider.state.enqueue_faults("slow")
+    with pytest.raises(requests.exceptions.ReadTimeout):
+        post(fake_provider, timeout=0.1)
+    assert fake_provider.state.succeeded_count() == 1
+    assert fake_provider.state.wait_idle(timeout=2)
+    assert post(fake_provider).headers["Idempotent-Replayed"] == "true"
+
+
+def test_fault_fail_before__500_should_retry_nothing_executed(fake_provider):
+    fake_provider.state.enqueue_faults("fail_before")
+    failed = post(fake_provider)
+    assert failed.status_code == 500 and failed.headers["Stripe-Should-Retry"] == "true"
+    assert fake_provider.state.intents() == []
+    retried = post(fake_provider)
+    assert retried.status_code == 200 and "Idempotent-Replayed" not in retried.headers
+
+
+def test_fault_fail_after__charges_and_replays_the_500(fake_provider):
+    fake_provider.state.enqueue_faults("fail_after")
+    failed = post(fake_provider)
+    assert failed.status_code == 500 and "Stripe-Should-Retry" not in failed.headers
+    assert fake_provider.state.succeeded_count() == 1
+    replay = post(fake_provider)
+    assert replay.status_code == 500 and replay.headers["Idempotent-Replayed"] == "true"
+
+
+def test_fault_rate_limit__429_not_stored(fake_provider):
+    fake_provider.state.enqueue_faults("rate_limit")
+    assert post(fake_provider).status_code == 429
+    retried = post(fake_provider)
+    assert retried.status_code == 200 and "Idempotent-Replayed" not in retried.headers
+
+
+def test_faults__queue_runs_in_order_then_stops(fake_provider):
+    for mode in ("rate_limit", "fail_before"):
+        fake_provider.state.enqueue_faults(mode)
+    statuses = [post(fake_provider, key=f"q{n}").status_code for n in range(3)]
+    assert statuses == [429, 500, 200]
+
+
+def test_fault_rates__seeded_and_repeatable():
+    def statuses(seed: int) -> list[int]:
+        with FakeProviderServer(seed=seed, fail_before_rate=0.3, rate_limit_rate=0.3) as server:
+            return [post(server, key=f"r{n}").status_code for n in range(12)]
+
+    first = statuses(7)
+    assert first == statuses(7)
+    assert {429, 500, 200} <= set(first)
+    # One draw per create, walked through the modes in order: fail_before
+    # takes [0, 0.3), rate_limit [0.3, 0.6), the rest executes normally.
+    draws = random.Random(7)
+    expected = []
+    for _ in range(12):
+        draw = draws.random()
+        expected.append(500 if draw < 0.3 else 429 if draw < 0.6 else 200)
+    assert first == expected
+
+
+def test_stop__does_not_wait_for_a_slow_answer():
+    server = FakeProviderServer(slow_delay=30).start()
+    server.state.enqueue_faults("slow")
+
+    def call() -> None:
+        try:
+            post(server, timeout=5)
+        except requests.RequestException:
+            pass  # a cut connection is as good as an answer here
+
+    worker = threading.Thread(target=call)
+    worker.start()
+    assert server.state.wait_for_in_flight(1, timeout=2)
+    started = time.monotonic()
+    server.stop()
+    worker.join(timeout=2)
+    assert not worker.is_alive()
+    assert time.monotonic() - started < 1
+
+
+# --- control API ----------------------------------------------------------------------------
+
+
+def test_control__faults_config_stats_reset_health(fake_provider):
+    url = fake_provider.url + "/_fake"
+    assert requests.get(url + "/health", timeout=2).json() == {"status": "ok"}
+    assert requests.post(
+        url + "/faults", json={"mode": "fail_after", "count": 2}, timeout=2
+    ).json() == {"queued": 2}
+    assert requests.post(url + "/faults", json={"mode": "explode"}, timeout=2).status_code == 400
+    config = requests.post(url + "/config", json={"search_lag": 5, "slow_delay": 0.5}, timeout=2)
+    assert config.json()["search_lag"] == 5
+    assert requests.post(url + "/config", json={"slow_rate": 2}, timeout=2).status_code == 400
+    post(fake_provider)
+    post(fake_provider)
+    stats = requests.get(url + "/stats", timeout=2).json()
+    assert stats["create_requests"] == 2 and stats["replays"] == 1
+    assert stats["intents_by_status"] == {"succeeded": 1}
+    assert stats["faults_injected"] == {"fail_after": 1} and stats["faults_queued"] == [
+        "fail_after"
+    ]
+    assert stats["in_flight"] == 0 and stats["config"]["api_key"] is None
+    assert requests.post(url + "/reset", timeout=2).json() == {"reset": True}
+    after = requests.get(url + "/stats", timeout=2).json()
+    assert (
+        after["intents"] == 0
+        and after["faults_queued"] == []
+        and after["config"]["search_lag"] == 5
+    )
+
+
+# --- the management command ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--slow-rate", "1.5"],
+        ["--fail-before-rate", "-0.1"],
+        ["--slow-rate", "0.6", "--fail-after-rate", "0.6"],
+    ],
+)
+def test_command__rejects_bad_rates(args):
+    with pytest.raises(CommandError):
+        call_command("run_fake_provider", "--port", "0", *args)
+
+
+def test_command__serves_until_sigterm_then_exits_cleanly():
+    process = subprocess.Popen(
+        [sys.executable, "manage.py", "run_fake_provider", "--port", "0", "--seed", "3"],
+        cwd=Path(__file__).resolve().parents[2],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        line = process.stdout.readline()
+        url = line.split("listening on ", 1)[1].strip()
+        assert requests.get(url + "/_fake/health", timeout=2).json() == {"status": "ok"}
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=5) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()

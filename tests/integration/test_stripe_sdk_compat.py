@@ -1,0 +1,113 @@
+"""The official Stripe Python SDK works against the fake provider unchanged.
+
+If the SDK can talk to the fake, the fake speaks enough real Stripe for our
+own client's assumptions to be worth something. Network retries are off, so
+every SDK call is exactly one HTTP request and the fake's counts stay exact.
+"""
+
+# Test functions take the imported `fake_provider` fixture as an argument,
+# which pyflakes reads as shadowing the import.
+# ruff: noqa: F811
+
+from __future__ import annotations
+
+import pytest
+import stripe
+
+from payments.provider.fake import FakeProviderServer
+from tests.fixtures.provider import fake_provider  # noqa: F401
+
+API_KEY = "sk_test_sdk"
+
+
+@pytest.fixture
+def sdk(fake_provider: FakeProviderServer) -> stripe.StripeClient:
+    """A StripeClient pointed at the fake, with no retries and short timeouts."""
+    return stripe.StripeClient(
+        API_KEY,
+        base_addresses={"api": fake_provider.url},
+        max_network_retries=0,
+        http_client=stripe.RequestsClient(timeout=5),
+    )
+
+
+def charge_params(step: str, payment_method: str = "pm_card_visa") -> dict:
+    return {
+        "amount": 2500,
+        "currency": "eur",
+        "confirm": True,
+        "payment_method": payment_method,
+        "metadata": {"step": step, "order": "42"},
+    }
+
+
+def test_create__with_idempotency_key_replays(sdk, fake_provider):
+    options = {"idempotency_key": "checkout:order:42:charge"}
+    created = sdk.v1.payment_intents.create(charge_params("charge"), options)
+    again = sdk.v1.payment_intents.create(charge_params("charge"), options)
+    assert created.id.startswith("pi_") and created.status == "succeeded"
+    assert (created.amount, created.currency, created.metadata["step"]) == (2500, "eur", "charge")
+    assert again.id == created.id
+    assert again.last_response.headers["Idempotent-Replayed"] == "true"
+    assert fake_provider.state.succeeded_count() == 1
+
+
+def test_retrieve__with_expand_params(sdk):
+    created = sdk.v1.payment_intents.create(charge_params("retrieve"))
+    fetched = sdk.v1.payment_intents.retrieve(created.id, {"expand": ["payment_method"]})
+    assert (fetched.id, fetched.status) == (created.id, "succeeded")
+    with pytest.raises(stripe.InvalidRequestError) as info:
+        sdk.v1.payment_intents.retrieve("pi_missing")
+    assert info.value.code == "resource_missing" and info.value.http_status == 404
+
+
+def test_search__by_metadata(sdk):
+    wanted = sdk.v1.payment_intents.create(charge_params("search-me"))
+    sdk.v1.payment_intents.create(charge_params("other"))
+    found = sdk.v1.payment_intents.search({"query": "metadata['step']:'search-me'"})
+    assert [pi.id for pi in found.auto_paging_iter()] == [wanted.id]
+
+
+def test_list__auto_paging_walks_every_page(sdk):
+    ids = {sdk.v1.payment_intents.create(charge_params(f"list-{n}")).id for n in range(5)}
+    page = sdk.v1.payment_intents.list({"limit": 2})
+    assert page.has_more is True and len(page.data) == 2
+    assert {pi.id for pi in page.auto_paging_iter()} == ids
+
+
+def test_decline__raises_card_error(sdk, fake_provider):
+    with pytest.raises(stripe.CardError) as info:
+        sdk.v1.payment_intents.create(
+            charge_params("decline", payment_method="pm_card_chargeDeclined"),
+            {"idempotency_key": "decline-1"},
+        )
+    error = info.value
+    assert (error.code, error.http_status) == ("card_declined", 402)
+    assert error.error.decline_code == "generic_decline"
+    assert error.error.payment_intent.id == fake_provider.state.intents()[0]["id"]
+
+
+def test_key_reuse_with_other_params__raises_idempotency_error(sdk):
+    options = {"idempotency_key": "reuse-1"}
+    sdk.v1.payment_intents.create(charge_params("reuse"), options)
+    with pytest.raises(stripe.IdempotencyError):
+        sdk.v1.payment_intents.create({**charge_params("reuse"), "amount": 9999}, options)
+
+
+def test_wrong_key__raises_authentication_error(fake_provider):
+    fake_provider.state.configure(api_key="sk_test_right")
+    client = stripe.StripeClient(
+        "sk_test_wrong", base_addresses={"api": fake_provider.url}, max_network_retries=0
+    )
+    with pytest.raises(stripe.AuthenticationError):
+        client.v1.payment_intents.list()
+
+
+def test_global_api__create_and_retrieve(fake_provider, monkeypatch):
+    # The module-level API reads globals; monkeypatch restores them afterwards.
+    monkeypatch.setattr(stripe, "api_key", API_KEY)
+    monkeypatch.setattr(stripe, "api_base", fake_provider.url)
+    monkeypatch.setattr(stripe, "max_network_retries", 0)
+    created = stripe.PaymentIntent.create(**charge_params("global"), idempotency_key="global-1")
+    assert stripe.PaymentIntent.retrieve(created.id).status == "succeeded"
+    assert fake_provider.state.succeeded_count() == 1

@@ -1,0 +1,617 @@
+"""The provider client's classification table, row by row, over real sockets.
+
+Provider answers come from the fake provider (a real HTTP server) or, for
+answers the fake never gives (403, broken bodies, resets), from a scripted raw
+TCP server. Failures that cannot be produced on loopback (DNS, connect
+timeout) are raised by a transport adapter with the exception chain requests
+builds, so they still travel through the client's own request path.
+"""
+
+# Test functions take the imported `fake_provider` fixture as an argument,
+# which pyflakes reads as shadowing the import.
+# ruff: noqa: F811
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+import struct
+import threading
+from collections import deque
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import requests
+from requests.adapters import HTTPAdapter
+from urllib3.exceptions import (
+    ConnectTimeoutError,
+    MaxRetryError,
+    NameResolutionError,
+    ProtocolError,
+    ReadTimeoutError,
+)
+
+from payments.outcomes import Outcome
+from payments.provider.client import (
+    PaymentIntent,
+    ProviderClient,
+    build_metadata_query,
+    encode_form,
+)
+from payments.provider.errors import (
+    CardDeclined,
+    IdempotencyConflict,
+    InvalidRequest,
+    ProviderError,
+    ResourceMissing,
+    TransientProviderError,
+    UncertainProviderError,
+)
+from payments.provider.fake import FakeProviderServer
+from tests.fixtures.provider import (
+    TEST_API_KEY,
+    FakeClock,
+    fake_provider,  # noqa: F401
+    make_client,
+)
+
+CARD = {"amount": 1000, "currency": "eur", "payment_method": "pm_card_visa"}
+INTENT_JSON = {
+    "id": "pi_scripted",
+    "object": "payment_intent",
+    "amount": 1000,
+    "currency": "eur",
+    "status": "succeeded",
+    "metadata": {"step": "s1"},
+    "created": 1_700_000_000,
+}
+
+
+def create(client: ProviderClient, key: str = "op:1:charge", **overrides: Any) -> PaymentIntent:
+    args: dict[str, Any] = {**CARD, "metadata": {"step": key}, "idempotency_key": key}
+    return client.create_payment_intent(**(args | overrides))
+
+
+# --- a scripted raw TCP server for answers the fake never gives ----------------
+
+Action = Callable[[socket.socket], None]
+
+
+def respond(status: int, body: bytes | dict | None = None, headers: dict | None = None) -> Action:
+    payload = json.dumps(body).encode() if isinstance(body, dict) else (body or b"")
+
+    def act(conn: socket.socket) -> None:
+        lines = [f"HTTP/1.1 {status} Scripted", f"Content-Length: {len(payload)}"]
+        lines += ["Connection: close", *(f"{k}: {v}" for k, v in (headers or {}).items())]
+        conn.sendall(("\r\n".join(lines) + "\r\n\r\n").encode() + payload)
+
+    return act
+
+
+def hang_up(conn: socket.socket) -> None:
+    """Read the request, then close without a byte of answer."""
+
+
+def reset(conn: socket.socket) -> None:
+    """Read the request, then abort the connection with a TCP RST."""
+    conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+
+
+def broken_chunked(conn: socket.socket) -> None:
+    """Start a chunked 200 and close in the middle of a chunk."""
+    conn.sendall(b'HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n20\r\n{"id": "pi_')
+
+
+class ScriptedServer:
+    """Accept connections on loopback; answer each with the next scripted action."""
+
+    def __init__(self, *actions: Action, read_request: bool = True) -> None:
+        self._actions = deque(actions)
+        self._read_request = read_request
+        self.requests: list[bytes] = []
+        self.connections = 0
+        self._sock = socket.create_server(("127.0.0.1", 0))
+        self._sock.settimeout(0.05)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+        self.url = f"http://127.0.0.1:{self._sock.getsockname()[1]}"
+
+    def _serve(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, _ = self._sock.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            self.connections += 1
+            with conn:
+                conn.settimeout(2)
+                if self._read_request:
+                    self.requests.append(_read_http_request(conn))
+                    (self._actions.popleft() if self._actions else respond(500))(conn)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2)
+        self._sock.close()
+
+
+def _read_http_request(conn: socket.socket) -> bytes:
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = conn.recv(65536)
+        if not chunk:
+            return data
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = next(
+        (
+            int(line.split(b":")[1])
+            for line in head.split(b"\r\n")
+            if line.lower().startswith(b"content-length:")
+        ),
+        0,
+    )
+    while len(body) < length:
+        body += conn.recv(65536)
+    return head + b"\r\n\r\n" + body
+
+
+@pytest.fixture
+def scripted() -> Iterator[Callable[..., ScriptedServer]]:
+    servers: list[ScriptedServer] = []
+
+    def start(*actions: Action, read_request: bool = True) -> ScriptedServer:
+        servers.append(ScriptedServer(*actions, read_request=read_request))
+        return servers[-1]
+
+    yield start
+    for server in servers:
+        server.close()
+
+
+def scripted_client(server: ScriptedServer) -> ProviderClient:
+    return ProviderClient(server.url, TEST_API_KEY, connect_timeout=1, read_timeout=1)
+
+
+# --- the classification table over HTTP answers --------------------------------
+
+ANSWER_TABLE = [
+    # (status, body, headers, expected class, outcome)
+    (
+        402,
+        {"error": {"type": "card_error", "code": "card_declined"}},
+        {},
+        CardDeclined,
+        Outcome.PERMANENT,
+    ),
+    (400, {"error": {"type": "idempotency_error"}}, {}, IdempotencyConflict, Outcome.CONFLICT),
+    (
+        400,
+        {"error": {"type": "invalid_request_error", "param": "amount"}},
+        {},
+        InvalidRequest,
+        Outcome.PERMANENT,
+    ),
+    (
+        404,
+        {"error": {"type": "invalid_request_error", "code": "resource_missing"}},
+        {},
+        ResourceMissing,
+        Outcome.PERMANENT,
+    ),
+    (404, b"not found", {}, InvalidRequest, Outcome.PERMANENT),
+    (
+        401,
+        {"error": {"type": "invalid_request_error"}},
+        {},
+        TransientProviderError,
+        Outcome.TRANSIENT,
+    ),
+    (
+        403,
+        {"error": {"type": "invalid_request_error"}},
+        {},
+        TransientProviderError,
+        Outcome.TRANSIENT,
+    ),
+    (
+        409,
+        {"error": {"code": "idempotency_key_in_use"}},
+        {},
+        TransientProviderError,
+        Outcome.TRANSIENT,
+    ),
+    (429, {"error": {"code": "rate_limit"}}, {}, TransientProviderError, Outcome.TRANSIENT),
+    (400, {"error": {"code": "rate_limit"}}, {}, TransientProviderError, Outcome.TRANSIENT),
+    (500, {"error": {"type": "api_error"}}, {}, UncertainProviderError, Outcome.UNCERTAIN),
+    (502, b"<html>bad gateway</html>", {}, UncertainProviderError, Outcome.UNCERTAIN),
+    (
+        503,
+        {"error": {"type": "api_error"}},
+        {"Stripe-Should-Retry": "false"},
+        UncertainProviderError,
+        Outcome.UNCERTAIN,
+    ),
+    (
+        500,
+        {"error": {"type": "api_error"}},
+        {"Stripe-Should-Retry": "true"},
+        TransientProviderError,
+        Outcome.TRANSIENT,
+    ),
+    (
+        402,
+        {"error": {"type": "card_error"}},
+        {"Stripe-Should-Retry": "false"},
+        CardDeclined,
+        Outcome.PERMANENT,
+    ),
+    (
+        400,
+        {"error": {"type": "invalid_request_error"}},
+        {"Stripe-Should-Retry": "false"},
+        InvalidRequest,
+        Outcome.PERMANENT,
+    ),
+    (200, b"{not json", {}, UncertainProviderError, Outcome.UNCERTAIN),
+    (200, {"object": "list"}, {}, UncertainProviderError, Outcome.UNCERTAIN),
+    (302, b"", {"Location": "/elsewhere"}, UncertainProviderError, Outcome.UNCERTAIN),
+]
+
+
+@pytest.mark.parametrize(("status", "body", "headers", "error_class", "outcome"), ANSWER_TABLE)
+def test_answer__classified_by_table(scripted, status, body, headers, error_class, outcome):
+    server = scripted(respond(status, body, {"Request-Id": "req_scripted", **headers}))
+    with pytest.raises(error_class) as info:
+        create(scripted_client(server))
+    assert type(info.value) is error_class
+    assert info.value.outcome is outcome
+    assert info.value.http_status == status
+    assert info.value.request_id == "req_scripted"
+    assert server.connections == 1  # never retried on its own
+
+
+def test_answer__replayed_header_marks_error(scripted):
+    server = scripted(
+        respond(500, {"error": {"type": "api_error"}}, {"Idempotent-Replayed": "true"})
+    )
+    with pytest.raises(UncertainProviderError) as info:
+        create(scripted_client(server))
+    assert info.value.replayed is True
+
+
+def test_request__form_encoded_with_bearer_and_idempotency_key(scripted):
+    server = scripted(respond(200, INTENT_JSON))
+    intent = create(
+        scripted_client(server), key="op:7:charge", metadata={"order": "7", "step": "charge"}
+    )
+    assert intent == PaymentIntent(
+        "pi_scripted", "succeeded", 1000, "eur", {"step": "s1"}, 1_700_000_000
+    )
+    head, _, body = server.requests[0].partition(b"\r\n\r\n")
+    lines = head.decode().split("\r\n")
+    assert lines[0] == "POST /v1/payment_intents HTTP/1.1"
+    assert f"Authorization: Bearer {TEST_API_KEY}" in lines
+    assert "Idempotency-Key: op:7:charge" in lines
+    assert "Content-Type: application/x-www-form-urlencoded" in lines
+    assert body.decode().split("&") == [
+        "amount=1000",
+        "currency=eur",
+        "confirm=true",
+        "payment_method=pm_card_visa",
+        "metadata%5Border%5D=7",
+        "metadata%5Bstep%5D=charge",
+    ]
+
+
+# --- transport failures ----------------------------------------------------------
+
+
+def test_connection_refused__transient():
+    with socket.create_server(("127.0.0.1", 0)) as probe:
+        port = probe.getsockname()[1]
+    client = ProviderClient(
+        f"http://127.0.0.1:{port}", TEST_API_KEY, connect_timeout=1, read_timeout=1
+    )
+    with pytest.raises(TransientProviderError) as info:
+        create(client)
+    assert info.value.outcome is Outcome.TRANSIENT
+    assert isinstance(info.value.__cause__, requests.ConnectionError)
+
+
+@pytest.mark.parametrize("action", [hang_up, reset, broken_chunked], ids=lambda a: a.__name__)
+def test_connection_lost_after_send__uncertain(scripted, action):
+    server = scripted(action)
+    with pytest.raises(UncertainProviderError) as info:
+        create(scripted_client(server))
+    assert info.value.outcome is Outcome.UNCERTAIN
+    assert info.value.__cause__ is not None
+    assert len(server.requests) == 1 and server.connections == 1
+
+
+def test_accepted_then_closed_before_reading__uncertain(scripted):
+    server = scripted(read_request=False)
+    with pytest.raises(UncertainProviderError):
+        create(scripted_client(server))
+
+
+class RaisingAdapter(HTTPAdapter):
+    """Raise a prepared exception instead of sending, as urllib3 would have."""
+
+    def __init__(self, exc: Exception) -> None:
+        super().__init__(max_retries=0)
+        self.exc = exc
+
+    def send(self, *args: Any, **kwargs: Any) -> requests.Response:
+        raise self.exc
+
+
+def _pool_error(reason: Exception) -> MaxRetryError:
+    return MaxRetryError(None, "/v1/payment_intents", reason)  # type: ignore[arg-type]
+
+
+TRANSPORT_TABLE = [
+    (
+        requests.ConnectionError(
+            _pool_error(NameResolutionError("nowhere.invalid", None, socket.gaierror(-2, "x")))
+        ),  # type: ignore[arg-type]
+        Outcome.TRANSIENT,
+    ),
+    (
+        requests.exceptions.ConnectTimeout(_pool_error(ConnectTimeoutError(None, "timed out"))),
+        Outcome.TRANSIENT,
+    ),
+    (requests.exceptions.MissingSchema("no scheme"), Outcome.TRANSIENT),
+    (
+        requests.exceptions.ReadTimeout(ReadTimeoutError(None, "/", "read timed out")),
+        Outcome.UNCERTAIN,
+    ),  # type: ignore[arg-type]
+    (
+        requests.ConnectionError(
+            ProtocolError("Connection aborted.", ConnectionResetError(104, "reset"))
+        ),
+        Outcome.UNCERTAIN,
+    ),
+    (
+        requests.exceptions.ChunkedEncodingError(ProtocolError("Connection broken")),
+        Outcome.UNCERTAIN,
+    ),
+]
+
+
+@pytest.mark.parametrize(("exc", "outcome"), TRANSPORT_TABLE, ids=lambda v: type(v).__name__)
+def test_transport_failure__classified_by_table(exc, outcome):
+    session = requests.Session()
+    session.mount("http://", RaisingAdapter(exc))
+    client = ProviderClient(
+        "http://provider.test", TEST_API_KEY, connect_timeout=1, read_timeout=1, session=session
+    )
+    with pytest.raises(ProviderError) as info:
+        create(client)
+    assert info.value.outcome is outcome
+    assert info.value.__cause__ is exc
+
+
+# --- the same rows against the real fake provider -------------------------------
+
+
+def test_create__success_then_replay_is_marked(fake_provider):
+    client = make_client(fake_provider)
+    first = create(client)
+    again = create(client)
+    assert first.status == "succeeded" and first.replayed is False
+    assert again.id == first.id and again.replayed is True
+    assert fake_provider.state.succeeded_count() == 1
+
+
+def test_decline__card_declined_with_intent_id(fake_provider):
+    with pytest.raises(CardDeclined) as info:
+        create(make_client(fake_provider), payment_method="pm_card_chargeDeclined")
+    error = info.value
+    assert (error.outcome, error.http_status, error.code) == (
+        Outcome.PERMANENT,
+        402,
+        "card_declined",
+    )
+    assert error.decline_code == "generic_decline"
+    assert error.request_id.startswith("req_")
+    [intent] = fake_provider.state.intents()
+    assert error.payment_intent_id == intent["id"]
+    assert client_retrieve(fake_provider, intent["id"]).last_error_code == "card_declined"
+
+
+def client_retrieve(server: FakeProviderServer, pi_id: str) -> PaymentIntent:
+    return make_client(server).retrieve_payment_intent(pi_id)
+
+
+def test_key_reuse_with_other_params__conflict(fake_provider):
+    client = make_client(fake_provider)
+    create(client)
+    with pytest.raises(IdempotencyConflict) as info:
+        create(client, amount=2000)
+    assert info.value.outcome is Outcome.CONFLICT
+    assert info.value.error_type == "idempotency_error"
+
+
+@pytest.mark.parametrize(
+    ("overrides", "param"),
+    [
+        ({"amount": 0}, "amount"),
+        ({"currency": "euro"}, "currency"),
+        ({"payment_method": "pm_nope"}, "payment_method"),
+    ],
+)
+def test_invalid_request__permanent_with_param(fake_provider, overrides, param):
+    with pytest.raises(InvalidRequest) as info:
+        create(make_client(fake_provider), **overrides)
+    assert (info.value.outcome, info.value.http_status, info.value.param) == (
+        Outcome.PERMANENT,
+        400,
+        param,
+    )
+
+
+def test_retrieve_unknown__resource_missing(fake_provider):
+    with pytest.raises(ResourceMissing) as info:
+        make_client(fake_provider).retrieve_payment_intent("pi_unknown")
+    assert (info.value.outcome, info.value.http_status) == (Outcome.PERMANENT, 404)
+
+
+def test_wrong_api_key__transient(fake_provider):
+    fake_provider.state.configure(api_key="sk_test_right")
+    with pytest.raises(TransientProviderError) as info:
+        create(make_client(fake_provider, api_key="sk_test_wrong"))
+    assert info.value.http_status == 401
+    assert fake_provider.state.intents() == []
+
+
+@pytest.mark.parametrize(
+    ("mode", "error_class", "charges"),
+    [
+        ("rate_limit", TransientProviderError, 0),
+        ("fail_before", TransientProviderError, 0),
+        ("fail_after", UncertainProviderError, 1),
+        ("drop_after_accept", UncertainProviderError, 1),
+    ],
+)
+def test_fault__classified(fake_provider, mode, error_class, charges):
+    fake_provider.state.enqueue_faults(mode)
+    with pytest.raises(error_class):
+        create(make_client(fake_provider))
+    assert fake_provider.state.succeeded_count() == charges
+
+
+def test_fail_after__replay_stays_uncertain_and_marked(fake_provider):
+    fake_provider.state.enqueue_faults("fail_after")
+    client = make_client(fake_provider)
+    with pytest.raises(UncertainProviderError):
+        create(client)
+    with pytest.raises(UncertainProviderError) as info:
+        create(client)
+    assert info.value.replayed is True and info.value.http_status == 500
+
+
+def test_retry_after_transient_or_drop__same_key_charges_once(fake_provider):
+    fake_provider.state.enqueue_faults("fail_before")
+    fake_provider.state.enqueue_faults("drop_after_accept")
+    client = make_client(fake_provider)
+    for expected in (TransientProviderError, UncertainProviderError):
+        with pytest.raises(expected):
+            create(client)
+    assert create(client).replayed is True
+    assert fake_provider.state.succeeded_count() == 1
+
+
+def test_read_timeout__uncertain(fake_provider):
+    fake_provider.state.configure(slow_delay=0.4)
+    fake_provider.state.enqueue_faults("slow")
+    with pytest.raises(UncertainProviderError) as info:
+        create(make_client(fake_provider, read_timeout=0.1))
+    assert isinstance(info.value.__cause__, requests.exceptions.ReadTimeout)
+    assert fake_provider.state.wait_idle(timeout=2)
+    assert fake_provider.state.succeeded_count() == 1
+
+
+def test_same_key_in_flight__transient_409(fake_provider):
+    fake_provider.state.configure(slow_delay=0.3)
+    fake_provider.state.enqueue_faults("slow")
+    first: list[PaymentIntent] = []
+    worker = threading.Thread(target=lambda: first.append(create(make_client(fake_provider))))
+    worker.start()
+    assert fake_provider.state.wait_for_in_flight(1, timeout=2)
+    with pytest.raises(TransientProviderError) as info:
+        create(make_client(fake_provider))
+    worker.join(timeout=3)
+    assert (info.value.http_status, info.value.code) == (409, "idempotency_key_in_use")
+    assert create(make_client(fake_provider)).id == first[0].id
+
+
+# --- reads, helpers and hygiene ---------------------------------------------------
+
+
+def test_search__escapes_quotes_and_finds_by_all_pairs(fake_provider):
+    client = make_client(fake_provider)
+    wanted = create(client, key="it's:1", metadata={"step": "it's", "op": "1"})
+    create(client, key="it's:2", metadata={"step": "it's", "op": "2"})
+    assert (
+        build_metadata_query({"step": "it's", "op": "1"})
+        == "metadata['step']:'it\\'s' AND metadata['op']:'1'"
+    )
+    assert [pi.id for pi in client.search_payment_intents({"step": "it's", "op": "1"})] == [
+        wanted.id
+    ]
+
+
+def test_list__follows_pages_newest_first():
+    clock = FakeClock()
+    with FakeProviderServer(clock=clock) as server:
+        client = make_client(server)
+        ids = []
+        for n in range(5):
+            ids.append(create(client, key=f"k{n}").id)
+            clock.advance(10)
+        assert [pi.id for pi in client.list_payment_intents(limit=2)] == ids[::-1]
+        since = int(clock.now) - 30
+        assert [pi.id for pi in client.list_payment_intents(created_gte=since, limit=2)] == ids[
+            :1:-1
+        ]
+
+
+def test_idempotency_key__length_limit():
+    client = ProviderClient("http://127.0.0.1:9", TEST_API_KEY, connect_timeout=1, read_timeout=1)
+    for bad in ("", "k" * 256, "line\nbreak"):
+        with pytest.raises(ValueError):
+            create(client, key=bad)
+
+
+def test_idempotency_key__255_chars_accepted(fake_provider):
+    assert create(make_client(fake_provider), key="k" * 255).status == "succeeded"
+
+
+def test_encode_form__stripe_style():
+    assert encode_form({"a": True, "b": False, "m": {"k": "v"}, "l": ["x"], "n": None, "i": 3}) == [
+        ("a", "true"),
+        ("b", "false"),
+        ("m[k]", "v"),
+        ("l[0]", "x"),
+        ("i", "3"),
+    ]
+
+
+def test_client__mounts_adapters_without_retries():
+    client = ProviderClient("http://x", TEST_API_KEY, connect_timeout=1, read_timeout=2)
+    for prefix in ("http://", "https://"):
+        assert client._session.get_adapter(prefix + "x").max_retries.total == 0
+    assert TEST_API_KEY not in repr(client)
+
+
+def test_from_settings__reads_payments_settings(settings):
+    settings.PAYMENTS = {
+        "PROVIDER_URL": "http://provider.example/",
+        "PROVIDER_API_KEY": "sk_test_settings",
+        "PROVIDER_CONNECT_TIMEOUT": 2,
+        "PROVIDER_READ_TIMEOUT": 7,
+    }
+    client = ProviderClient.from_settings()
+    assert (client.base_url, client.connect_timeout, client.read_timeout) == (
+        "http://provider.example",
+        2.0,
+        7.0,
+    )
+
+
+def test_logs__never_carry_key_payment_method_or_bodies(fake_provider, caplog):
+    caplog.set_level(logging.DEBUG, logger="payments.provider")
+    client = make_client(fake_provider)
+    create(client, key="op:log:charge", metadata={"email": "someone@example.com"})
+    with pytest.raises(CardDeclined):
+        create(client, key="op:log:2", payment_method="pm_card_chargeDeclined")
+    text = caplog.text
+    assert "op:log:charge" in text and "status=402" in text
+    for secret in (TEST_API_KEY, "pm_card", "someone@example.com", "client_secret"):
+        assert secret not in text
