@@ -20,6 +20,10 @@ started-registry cleanup of an abandoned job and a requeue from the failed
 registry all push the *same* job hash (same id, same meta, same origin) back,
 so the message id and consumer survive every redelivery.
 
+Failure TTL. A job without its own ``failure_ttl`` gets
+``INBOX["REDELIVERY_HORIZON"]``: the failed registry (from which a job can be
+requeued) never keeps it longer than the window inbox retention covers.
+
 Follow-up guard. Inside an inbox-protected handler every enqueue through this
 class raises :class:`~inbox.exceptions.FollowUpEnqueueRefused`; see there why.
 """
@@ -35,6 +39,7 @@ from typing import Any
 from django_rq.queues import DjangoRQ
 from rq.job import Job
 
+from inbox.conf import inbox_settings
 from inbox.context import current_message
 from inbox.exceptions import FollowUpEnqueueRefused, InvalidMessageId
 
@@ -89,6 +94,12 @@ class MessageQueue(DjangoRQ):
             )
         meta[MESSAGE_ID_META_KEY] = message_id
         meta.setdefault(CONSUMER_META_KEY, self.name)
+        # A failed job can be requeued for as long as it is kept: keep it no
+        # longer than the redelivery horizon that inbox retention is checked
+        # against, so that the check holds by construction.
+        if options.get("failure_ttl") is None:
+            horizon = inbox_settings().redelivery_horizon
+            options["failure_ttl"] = int(horizon.total_seconds())
         return super().create_job(func, *positional, job_id=job_id, meta=meta, **options)
 
     def enqueue_call(self, *args: Any, **kwargs: Any) -> Job | None:

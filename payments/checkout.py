@@ -1,5 +1,8 @@
 """The built-in `checkout` operation: charge -> invoice -> confirmation e-mail -> paid.
 
+Paying the order also writes its follow-ups (ledger line, sales counter) as
+operation rows in the same transaction; see payments.followups.
+
 `request_checkout` is what the synchronous API calls: it writes the operation
 in the same transaction as the order's change and enqueues on commit. The
 charge itself runs in a worker, in `checkout`.
@@ -18,6 +21,7 @@ from payments.charge import PaymentIntentCharge
 from payments.dispatch import dispatch_on_commit
 from payments.effects import DeliveryPolicy
 from payments.exceptions import InvalidTransition, OperationConflict
+from payments.followups import write_follow_ups_in_tx
 from payments.models import Invoice, Operation, Order, OrderStatus
 from payments.registry import handler
 from payments.runtime import Run
@@ -104,9 +108,12 @@ def send_confirmation(order_id: int, reference: str) -> dict[str, Any]:
     return {"sent": True}
 
 
-def mark_paid(order_id: int) -> dict[str, Any]:
-    """Mark the order paid. Runs inside the step's transaction."""
-    Order.objects.filter(pk=order_id).update(status=OrderStatus.PAID)
+def mark_paid(order_id: int, reference: str, operation: Operation) -> dict[str, Any]:
+    """Mark the order paid and write its follow-ups. Runs inside the step's transaction."""
+    order = Order.objects.select_for_update().get(pk=order_id)
+    order.status = OrderStatus.PAID
+    order.save(update_fields=["status", "updated_at"])
+    write_follow_ups_in_tx(order, reference, parent_key=operation.key, actor="checkout")
     return {"status": OrderStatus.PAID}
 
 
@@ -122,7 +129,7 @@ def checkout(run: Run) -> None:
         lambda: send_confirmation(order_id, reference),
         policy=DeliveryPolicy.AT_MOST_ONCE,
     )
-    run.local("mark_paid", lambda: mark_paid(order_id))
+    run.local("mark_paid", lambda: mark_paid(order_id, reference, run.operation))
 
 
 __all__ = ["CheckoutNotAllowed", "OperationConflict", "checkout", "request_checkout"]

@@ -23,24 +23,32 @@ logger = logging.getLogger("payments.dispatch")
 
 def dispatch(operation_id: int, *, at: datetime | None = None) -> str:
     """Enqueue a job that runs the operation (at `at`, else now); return the job id."""
-    from payments.jobs import run_operation  # the job module imports the runtime
+    # Imported here: both modules import this one.
+    from payments.followups import FOLLOW_UPS, message_id_for
+    from payments.jobs import deliver_follow_up, run_operation
 
-    job_id = uuid.uuid4().hex
+    op = Operation.objects.only("key", "kind").get(pk=operation_id)
+    if op.kind in FOLLOW_UPS:
+        # An inbox message: every delivery of it must carry the same id.
+        func, job_id = deliver_follow_up, message_id_for(op.key)
+    else:
+        # The fence guards operations; each delivery is a job of its own.
+        func, job_id = run_operation, uuid.uuid4().hex
     Operation.objects.filter(pk=operation_id).update(job_id=job_id, dispatched_at=timezone.now())
     queue = django_rq.get_queue(payments_setting("QUEUE"))
     retries = payments_setting("MAX_ATTEMPTS") - 1
     options = {
         "job_id": job_id,
         "job_timeout": payments_setting("JOB_TIMEOUT"),
-        "description": f"run operation {operation_id}",
+        "description": f"{op.kind} operation {operation_id}",
         "retry": Retry(max=retries, interval=payments_setting("RETRY_BACKOFF"))
         if retries
         else None,
     }
     if at is not None and at > timezone.now():
-        queue.enqueue_at(at, run_operation, operation_id, **options)
+        queue.enqueue_at(at, func, operation_id, **options)
     else:
-        queue.enqueue(run_operation, operation_id, **options)
+        queue.enqueue(func, operation_id, **options)
     return job_id
 
 

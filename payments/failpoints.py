@@ -17,7 +17,10 @@ AFTER_CLAIM_COMMIT = "after_claim_commit"
 AFTER_PROVIDER_ACCEPT = "after_provider_accept"
 BEFORE_RECORD_COMMIT = "before_record_commit"
 AFTER_RECORD_COMMIT = "after_record_commit"
+#: The fence's points, in protocol order (each is covered by a crash test).
 POINTS = (AFTER_CLAIM_COMMIT, AFTER_PROVIDER_ACCEPT, BEFORE_RECORD_COMMIT, AFTER_RECORD_COMMIT)
+#: A follow-up message whose handler and inbox row committed, before the job is acked.
+AFTER_INBOX_COMMIT = "after_inbox_commit"
 
 
 def failpoint(name: str) -> None:

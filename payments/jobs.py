@@ -3,29 +3,22 @@
 from __future__ import annotations
 
 import os
+from typing import Any
 
 from rq import get_current_job
 
-from payments import runtime
+from payments import followups, runtime
 from payments.dispatch import dispatch
 from payments.exceptions import MalformedJob
-from payments.failpoints import AFTER_RECORD_COMMIT, failpoint
+from payments.failpoints import AFTER_INBOX_COMMIT, AFTER_RECORD_COMMIT, failpoint
 from payments.models import Operation, OperationState
 
 
 def run_operation(operation_id: int) -> str:
     """Run one operation under the fence; return what became of it."""
     job = get_current_job()
-    if isinstance(operation_id, bool) or not isinstance(operation_id, int):
-        _no_retry(job)
-        raise MalformedJob(
-            f"run_operation takes an operation id, got {type(operation_id).__name__}"
-        )
-    if not Operation.objects.filter(pk=operation_id).exists():
-        _no_retry(job)
-        raise MalformedJob(f"operation {operation_id} does not exist")
-    worker = f"{getattr(job, 'worker_name', None) or 'local'}/{os.getpid()}"
-    outcome = runtime.execute(operation_id, worker_id=worker, job=job)
+    _check(operation_id, job)
+    outcome = runtime.execute(operation_id, worker_id=_worker_id(job), job=job)
     failpoint(AFTER_RECORD_COMMIT)
     if outcome == "deferred":  # another worker's live lease or claim: look again after it
         op = Operation.objects.get(pk=operation_id)
@@ -34,7 +27,27 @@ def run_operation(operation_id: int) -> str:
     return outcome
 
 
-def _no_retry(job: object) -> None:
-    """Send a malformed job straight to the failed registry: retrying cannot fix it."""
+def deliver_follow_up(operation_id: int) -> str:
+    """Deliver one follow-up message through the inbox; return what became of it."""
+    job = get_current_job()
+    _check(operation_id, job)
+    outcome = followups.deliver(operation_id, worker_id=_worker_id(job), job=job)
+    failpoint(AFTER_INBOX_COMMIT)
+    return outcome
+
+
+def _worker_id(job: Any) -> str:
+    return f"{getattr(job, 'worker_name', None) or 'local'}/{os.getpid()}"
+
+
+def _check(operation_id: object, job: Any) -> None:
+    """Fail a malformed job at once: straight to the failed registry, no retry."""
+    if isinstance(operation_id, bool) or not isinstance(operation_id, int):
+        reason = f"takes an operation id, got {type(operation_id).__name__}"
+    elif not Operation.objects.filter(pk=operation_id).exists():
+        reason = f"operation {operation_id} does not exist"
+    else:
+        return
     if job is not None:
-        job.retries_left = 0
+        job.retries_left = 0  # retrying cannot fix the arguments
+    raise MalformedJob(reason)

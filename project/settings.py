@@ -113,6 +113,17 @@ RQ_QUEUES = {
 # stated here because the outbox design depends on it).
 RQ = {"COMMIT_MODE": "on_db_commit", "QUEUE_CLASS": "inbox.queues.MessageQueue"}
 
+# --- Inbox: consumer-side dedup; rows must outlive every redelivery. ----------
+# Failed jobs are kept (and can be requeued) for REDELIVERY_HORIZON; every job
+# enqueued through MessageQueue gets it as its failure_ttl, and inbox rows are
+# kept longer than that (checked by inbox.W001).
+INBOX = {
+    "RETENTION": {"default": env.int("INBOX_RETENTION", default=7 * 24 * 3600)},
+    "REDELIVERY_HORIZON": env.int("RQ_FAILURE_TTL", default=6 * 24 * 3600),
+    "PURGE_CHANCE": env.float("INBOX_PURGE_CHANCE", default=0.001),
+    "STRICT_MESSAGE_ID": env.bool("INBOX_STRICT_MESSAGE_ID", default=False),
+}
+
 # --- Payments: provider and the timeout chain -------------------------------
 # HTTP connect + read timeout < JOB_TIMEOUT <= CLAIM_LEASE (checked at start-up).
 PAYMENTS = {

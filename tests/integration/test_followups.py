@@ -1,0 +1,172 @@
+"""Follow-ups of a paid order behind the inbox; e-mails behind a step claim.
+
+Transactional tests: the inbox row, the handler's writes and the operation's
+state must be committed for a redelivery (or another process) to see them.
+"""
+
+from __future__ import annotations
+
+import pytest
+from django.core import mail
+from django.core.mail import send_mail
+from django.db import connection
+
+from inbox.handlers import inbox_guard
+from inbox.models import InboxEntry
+from payments import checkout as checkout_module
+from payments.checkout import request_checkout
+from payments.dispatch import dispatch
+from payments.followups import COUNT_SALE, RECORD_SALE, message_id_for
+from payments.models import (
+    ClaimState,
+    LedgerEntry,
+    Operation,
+    OperationState,
+    SalesDay,
+)
+from payments.orders import create_order
+from tests.conftest import run_worker
+from tests.support.workers import start_worker, stop_worker, wait_until, worker_env
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+def paid_order(provider, queue, key: str = "fu-1"):
+    order = create_order(amount=1234, currency="eur", email="fu@example.com")
+    op, _ = request_checkout(order_id=order.pk, key=key, payment_method="pm_card_visa",
+                             actor="test")
+    return order, op
+
+
+def follow_up(parent: Operation, kind: str) -> Operation:
+    return Operation.objects.get(key=f"{parent.key}:{kind}")
+
+
+def test_paid_order__writes_follow_ups_once_each(provider, queue):
+    order, op = paid_order(provider, queue)
+
+    run_worker(queue)
+
+    for kind, consumer in ((RECORD_SALE, "ledger"), (COUNT_SALE, "sales_stats")):
+        fu = follow_up(op, kind)
+        assert fu.state == OperationState.SUCCEEDED
+        assert InboxEntry.objects.filter(
+            consumer=consumer, message_id=message_id_for(fu.key)
+        ).count() == 1
+    assert LedgerEntry.objects.filter(order=order).count() == 1
+    day = SalesDay.objects.get(currency="eur")
+    assert (day.orders, day.total) == (1, 1234)
+
+
+def test_redelivered_message_after_commit__is_skipped(provider, queue, caplog):
+    order, op = paid_order(provider, queue)
+    run_worker(queue)
+    fu = follow_up(op, RECORD_SALE)
+
+    caplog.set_level("INFO", logger="inbox")
+    dispatch(fu.pk)  # the same message again: same id, handler already committed
+    run_worker(queue)
+
+    assert LedgerEntry.objects.filter(order=order).count() == 1
+    assert f"Skipping message {message_id_for(fu.key)} for ledger" in caplog.text
+
+
+def test_crash_before_commit__message_runs_again_and_counts_once(provider, queue, monkeypatch):
+    calls = {"n": 0}
+    real_update = SalesDay.objects.filter
+
+    def failing_once(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise ConnectionError("database went away mid-handler")
+        return real_update(*args, **kwargs)
+
+    monkeypatch.setattr(SalesDay.objects, "filter", failing_once)
+    order, op = paid_order(provider, queue)
+
+    run_worker(queue)  # first delivery rolls back; RQ's retry delivers it again
+
+    fu = follow_up(op, COUNT_SALE)
+    assert fu.state == OperationState.SUCCEEDED
+    assert fu.attempts == 1
+    day = SalesDay.objects.get(currency="eur")
+    assert (day.orders, day.total) == (1, 1234)
+
+
+def test_crash_after_commit_before_ack__real_worker_skips_the_redelivery(
+    provider, queue, tmp_path
+):
+    order, op = paid_order(provider, queue, key="fu-crash")
+    marker = tmp_path / "failpoint"
+    env = worker_env(provider.url, FENCE_FAILPOINTS="after_inbox_commit",
+                     FENCE_FAILPOINT_MARKER=str(marker))
+    worker = start_worker(env, name="fu-crash")
+    try:
+        wait_until(
+            lambda: Operation.objects.filter(
+                key__startswith=f"{op.key}:", state=OperationState.SUCCEEDED
+            ).count() == 2,
+            timeout=40,
+            what="both follow-ups to succeed",
+        )
+        # The killed delivery is handed back by RQ; wait until it was skipped.
+        wait_until(lambda: queue.count == 0 and not queue.started_job_registry.count,
+                   timeout=20, what="the redelivery to finish")
+    finally:
+        stderr = stop_worker(worker)
+
+    assert marker.with_name("failpoint.after_inbox_commit").exists()
+    assert "Skipping message" in stderr
+    assert LedgerEntry.objects.filter(order=order).count() == 1
+    day = SalesDay.objects.get(currency="eur")
+    assert (day.orders, day.total) == (1, 1234)
+
+
+def test_inbox_does_not_protect_an_email__it_is_sent_again_after_a_rollback(settings):
+    """Documents the limit: the inbox protects database writes, not e-mails or HTTP."""
+    settings.EMAIL_BACKEND = "django.core.mail.backends.locmem.EmailBackend"
+    mail.outbox = []
+
+    def handler() -> None:
+        send_mail("hello", "body", None, ["x@example.com"])
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT 1")
+
+    with pytest.raises(RuntimeError):
+        with inbox_guard("mailer", "a" * 32) as first:
+            assert first
+            handler()
+            raise RuntimeError("crash before commit")
+    with inbox_guard("mailer", "a" * 32) as first:
+        assert first  # the row rolled back, so the message runs again...
+        handler()
+
+    assert len(mail.outbox) == 2  # ...and the e-mail went out twice
+    assert InboxEntry.objects.filter(consumer="mailer").count() == 1
+
+
+def test_confirmation_email__step_claim_keeps_it_at_most_once_after_a_crash(
+    provider, queue, monkeypatch
+):
+    class Crash(BaseException):
+        """A process death between sending and recording (not an Exception)."""
+
+    real_send = checkout_module.send_confirmation
+
+    def send_then_die(order_id: int, reference: str):
+        real_send(order_id, reference)
+        raise Crash
+
+    monkeypatch.setattr(checkout_module, "send_confirmation", send_then_die)
+    order, op = paid_order(provider, queue, key="mail-crash")
+
+    # The work horse dies after sending; RQ hands the job back and the same
+    # worker (this process) runs it again.
+    run_worker(queue)
+
+    op.refresh_from_db()
+    claim = op.claims.get(step="confirmation_email")
+    assert op.state == OperationState.SUCCEEDED
+    assert len(mail.outbox) == 1
+    assert claim.state == ClaimState.DONE
+    assert claim.result["skipped"] is True
