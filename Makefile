@@ -30,7 +30,7 @@ demo: migrate
 	$(PY) manage.py demo
 
 run: migrate
-	$(PY) scripts/run_stack.py
+	$(PY) manage.py runstack
 
 test: db
 	$(PY) -m pytest

@@ -82,5 +82,7 @@ def audit(intents: Iterable[PaymentIntent], claims: Q | None = None) -> AuditRes
 
     grace = timedelta(seconds=payments_setting("RECONCILE_GRACE"))
     stale = scope.filter(state=ClaimState.UNCERTAIN, claimed_at__lt=timezone.now() - grace)
-    result.stale_uncertain = [f"{c.operation.key}/{c.step}" for c in stale.select_related("operation")]
+    result.stale_uncertain = [
+        f"{c.operation.key}/{c.step}" for c in stale.select_related("operation")
+    ]
     return result

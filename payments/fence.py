@@ -237,11 +237,13 @@ def claim_step(
     owner: str,
     lease_seconds: int,
     request: dict[str, Any] | None = None,
+    provider_call: bool = True,
 ) -> ClaimResult:
     """Insert and COMMIT the claim of an external step; on conflict return the existing row.
 
     Must be called outside any transaction: the claim has to be durable before
-    the external call it fences.
+    the external call it fences. `provider_call` derives and stores the
+    provider idempotency key (not for effects that have none, like e-mail).
     """
     if transaction.get_connection().in_atomic_block:
         raise InvalidTransition("claim_step must commit before the external call; no atomic()")
@@ -252,7 +254,9 @@ def claim_step(
                 operation=operation,
                 step=step,
                 state=ClaimState.CLAIMED,
-                idempotency_key=derive_idempotency_key(operation.key, step),
+                idempotency_key=derive_idempotency_key(operation.key, step)
+                if provider_call
+                else "",
                 request=request,
                 claimed_by=owner,
                 claimed_at=now,

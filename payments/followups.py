@@ -95,7 +95,10 @@ FOLLOW_UPS: dict[str, Callable[[int, str], str | None]] = {
 
 def _succeed_in_tx(op: Operation, worker_id: str) -> str:
     fence.transition_in_tx(
-        op, OperationState.SUCCEEDED, actor=worker_id, reason="delivered",
+        op,
+        OperationState.SUCCEEDED,
+        actor=worker_id,
+        reason="delivered",
         next_attempt_at=None,
     )
     return "delivered"
@@ -124,14 +127,20 @@ def _failed_attempt(op: Operation, worker_id: str, reason: str, job: Any) -> Non
         attempt = locked.attempts + 1
         if attempt >= max_attempts:
             fence.transition_in_tx(
-                locked, OperationState.FAILED, actor=worker_id,
+                locked,
+                OperationState.FAILED,
+                actor=worker_id,
                 reason=f"gave up after {attempt} attempts: {reason}"[:500],
-                attempts=attempt, last_error=reason,
+                attempts=attempt,
+                last_error=reason,
             )
         else:
             fence.transition_in_tx(
-                locked, OperationState.RETRYING, actor=worker_id,
-                reason=f"attempt {attempt} failed: {reason}"[:500], attempts=attempt,
+                locked,
+                OperationState.RETRYING,
+                actor=worker_id,
+                reason=f"attempt {attempt} failed: {reason}"[:500],
+                attempts=attempt,
                 last_error=reason,
                 next_attempt_at=timezone.now()
                 + timedelta(seconds=backoff[min(attempt - 1, len(backoff) - 1)]),

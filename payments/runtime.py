@@ -75,7 +75,9 @@ class Run:
     ) -> dict[str, Any]:
         """Run an effect that cannot be looked up (plain e-mail) under its declared policy."""
         lease = payments_setting("CLAIM_LEASE")
-        claimed = fence.claim_step(self.operation, step, owner=self.worker_id, lease_seconds=lease)
+        claimed = fence.claim_step(
+            self.operation, step, owner=self.worker_id, lease_seconds=lease, provider_call=False
+        )
         claim = claimed.claim
         resend = False
         if not claimed.created:
@@ -103,6 +105,8 @@ class Run:
                 )
                 return result
             resend = True
+        with transaction.atomic():
+            fence.count_call_in_tx(claim)
         try:
             result = dict(func() or {})
         except Exception as exc:  # the effect's own failure; the policy decides

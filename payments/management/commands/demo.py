@@ -63,8 +63,10 @@ class Command(BaseCommand):
             for _ in range(k):
                 stack.start_worker()
             stack.start_recovery(interval=2)
-            self.stdout.write(f"Started fake provider :{provider_port}, API :{api_port}, "
-                              f"{k} workers, recovery loop.")
+            self.stdout.write(
+                f"Started fake provider :{provider_port}, API :{api_port}, "
+                f"{k} workers, recovery loop."
+            )
             started = time.monotonic()
             keys = self._checkout(n, run, api_port, provider_port)
             killed = self._kill_mid_charge(stack, keys)
@@ -81,24 +83,34 @@ class Command(BaseCommand):
         api.headers["Authorization"] = f"Bearer {settings.API_TOKEN}"
         base = f"http://127.0.0.1:{api_port}/api"
         # The first charge is held open 4 s at the provider: the crash lands inside it.
-        requests.post(f"http://127.0.0.1:{provider_port}/_fake/faults",
-                      json={"mode": "slow", "count": 1}, timeout=5).raise_for_status()
+        requests.post(
+            f"http://127.0.0.1:{provider_port}/_fake/faults",
+            json={"mode": "slow", "count": 1},
+            timeout=5,
+        ).raise_for_status()
         keys = []
         for i in range(n):
-            order = api.post(f"{base}/orders", json={
-                "amount": 1000 + i, "currency": "eur", "email": f"demo{i}@example.com"},
-                timeout=10)
+            order = api.post(
+                f"{base}/orders",
+                json={"amount": 1000 + i, "currency": "eur", "email": f"demo{i}@example.com"},
+                timeout=10,
+            )
             order.raise_for_status()
             key = f"demo-{run}-{i}"
             pm = "pm_card_chargeDeclined" if i % 10 == 9 else "pm_card_visa"
-            resp = api.post(f"{base}/orders/{order.json()['id']}/checkout",
-                            json={"payment_method": pm}, headers={"Idempotency-Key": key},
-                            timeout=10)
+            resp = api.post(
+                f"{base}/orders/{order.json()['id']}/checkout",
+                json={"payment_method": pm},
+                headers={"Idempotency-Key": key},
+                timeout=10,
+            )
             if resp.status_code != 202:
                 raise CommandError(f"checkout answered {resp.status_code}: {resp.text[:200]}")
             keys.append(key)
-        self.stdout.write(f"Created {n} orders and checked them out through the API "
-                          f"({n // 10} with a card that is declined).")
+        self.stdout.write(
+            f"Created {n} orders and checked them out through the API "
+            f"({n // 10} with a card that is declined)."
+        )
         return keys
 
     def _kill_mid_charge(self, stack: Stack, keys: list[str]) -> int:
@@ -121,9 +133,12 @@ class Command(BaseCommand):
             if victim is not None:
                 stack.kill(victim)
                 stack.start_worker()
-                self.stdout.write(self.style.WARNING(
-                    f"SIGKILLed {victim.name} and its work horse in the middle of the charge "
-                    f"of {in_flight.operation.key}; started a replacement worker."))
+                self.stdout.write(
+                    self.style.WARNING(
+                        f"SIGKILLed {victim.name} and its work horse in the middle of the charge "
+                        f"of {in_flight.operation.key}; started a replacement worker."
+                    )
+                )
                 return 1
             time.sleep(0.05)
         self.stdout.write(self.style.WARNING("No charge was caught in flight; nothing killed."))
@@ -133,8 +148,12 @@ class Command(BaseCommand):
         deadline = time.monotonic() + timeout
         last = ""
         while time.monotonic() < deadline:
-            counts = dict(Operation.objects.filter(key__in=keys).values_list("state")
-                          .annotate(n=Count("id")).values_list("state", "n"))
+            counts = dict(
+                Operation.objects.filter(key__in=keys)
+                .values_list("state")
+                .annotate(n=Count("id"))
+                .values_list("state", "n")
+            )
             line = ", ".join(f"{state} {n}" for state, n in sorted(counts.items()))
             if line != last:
                 self.stdout.write(f"  operations: {line}")
@@ -147,23 +166,37 @@ class Command(BaseCommand):
     def _report(self, keys: list[str], provider_port: int, killed: int, drained: float) -> bool:
         ops = Operation.objects.filter(key__in=keys)
         order_ids = [int(op.entity_id) for op in ops]
-        client = ProviderClient(f"http://127.0.0.1:{provider_port}",
-                                settings.PAYMENTS["PROVIDER_API_KEY"],
-                                connect_timeout=2, read_timeout=10)
-        intents = [pi for pi in client.list_payment_intents()
-                   if pi.metadata.get("operation_key") in set(keys)]
+        client = ProviderClient(
+            f"http://127.0.0.1:{provider_port}",
+            settings.PAYMENTS["PROVIDER_API_KEY"],
+            connect_timeout=2,
+            read_timeout=10,
+        )
+        intents = [
+            pi
+            for pi in client.list_payment_intents()
+            if pi.metadata.get("operation_key") in set(keys)
+        ]
         result = audit(intents, Q(operation__key__in=keys))
         states = dict(ops.values_list("state").annotate(n=Count("id")).values_list("state", "n"))
         rows = [
             ("orders", len(order_ids)),
             ("orders paid", Order.objects.filter(pk__in=order_ids, status="paid").count()),
-            ("orders declined", Order.objects.filter(pk__in=order_ids,
-                                                     status="payment_failed").count()),
+            (
+                "orders declined",
+                Order.objects.filter(pk__in=order_ids, status="payment_failed").count(),
+            ),
             ("operations by state", ", ".join(f"{s} {n}" for s, n in sorted(states.items()))),
             ("provider successes", result.provider_successes),
-            ("charge claims done", StepClaim.objects.filter(
-                operation__key__in=keys, step="charge", state=ClaimState.DONE,
-                result__status="succeeded").count()),
+            (
+                "charge claims done",
+                StepClaim.objects.filter(
+                    operation__key__in=keys,
+                    step="charge",
+                    state=ClaimState.DONE,
+                    result__status="succeeded",
+                ).count(),
+            ),
             ("invoices", Invoice.objects.filter(order_id__in=order_ids).count()),
             ("workers SIGKILLed", killed),
             ("double charges", len(result.double_charges)),
@@ -177,8 +210,11 @@ class Command(BaseCommand):
         self.stdout.write("")
         ok = not result.double_charges and not result.unfenced
         if ok:
-            self.stdout.write(self.style.SUCCESS("No double charge; every provider success has "
-                                                 "exactly one done claim."))
+            self.stdout.write(
+                self.style.SUCCESS(
+                    "No double charge; every provider success has exactly one done claim."
+                )
+            )
         else:
             self.stdout.write(self.style.ERROR(f"Invariant violated: {result.as_dict()}"))
         return ok
