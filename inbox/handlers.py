@@ -30,6 +30,7 @@ from inbox.context import handling
 from inbox.exceptions import MissingMessageId
 from inbox.queues import CONSUMER_META_KEY, MESSAGE_ID_META_KEY
 from inbox.services import purge_expired, record_message
+from inbox.signals import duplicate_skipped
 
 logger = logging.getLogger("inbox")
 
@@ -59,6 +60,7 @@ def inbox_guard(consumer: str, message_id: str) -> Iterator[bool]:
             _schedule_purge(consumer)
         else:
             logger.info("Skipping message %s for %s", message_id, consumer)
+            duplicate_skipped.send(sender=None, consumer=consumer, message_id=message_id)
         # Reset before the atomic block exits, so on_commit callbacks (which run
         # after the commit, when a failure can no longer roll the row back) are
         # not mistaken for code inside the handler.

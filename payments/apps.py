@@ -8,4 +8,4 @@ class PaymentsConfig(AppConfig):
     verbose_name = "Payments"
 
     def ready(self) -> None:
-        from payments import checkout, checks  # noqa: F401  (register handler and checks)
+        from payments import checkout, checks, metrics  # noqa: F401  (handler, checks, receivers)

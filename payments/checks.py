@@ -2,12 +2,22 @@
 
 from __future__ import annotations
 
+from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 from django.conf import settings
-from django.core.checks import Error, Tags, register
+from django.core.checks import CheckMessage, Error, Tags, register
+from django.core.checks import Warning as CheckWarning
+from django.core.exceptions import ImproperlyConfigured
 from django.db import connections
+from redis import Redis
+from redis.connection import parse_url
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from inbox.conf import inbox_settings
 from payments.conf import payments_setting
 
 #: RQ redelivers an abandoned job 60-90 s after its worker died; an orphaned
@@ -64,7 +74,7 @@ def check_timeout_chain(app_configs: Any = None, **kwargs: Any) -> list[Error]:
         errors.append(
             Error(
                 f"JOB_TIMEOUT={job}s exceeds {MAX_JOB_TIMEOUT}s: an orphaned work horse could "
-                "still be running when RQ redelivers its job.",
+                f"still be running when RQ redelivers its job ({values}).",
                 hint=f"Keep JOB_TIMEOUT <= {MAX_JOB_TIMEOUT}.",
                 id="payments.E004",
             )
@@ -80,3 +90,218 @@ def check_timeout_chain(app_configs: Any = None, **kwargs: Any) -> list[Error]:
             )
         )
     return errors
+
+
+# --- deployment: secrets, Redis, retention ---------------------------------------
+
+#: The variables whose development value must never reach production, with their check ids.
+DEPLOY_SECRETS = {"SECRET_KEY": "payments.E006", "API_TOKEN": "payments.E007"}
+
+
+def _example_values(name: str) -> set[str]:
+    """Return the values `.env.example` gives `name`: development values, never secrets."""
+    path = Path(getattr(settings, "BASE_DIR", ".")) / ".env.example"
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError:
+        return set()
+    values = set()
+    for line in text.splitlines():
+        key, sep, value = line.strip().partition("=")
+        if sep and key.strip() == name and value.strip():
+            values.add(value.strip().strip("'\""))
+    return values
+
+
+@register(Tags.security, deploy=True)
+def check_no_development_secrets(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
+    """With DEBUG off, SECRET_KEY and API_TOKEN must not be the development values."""
+    if settings.DEBUG:
+        return []
+    errors: list[CheckMessage] = []
+    for name, check_id in DEPLOY_SECRETS.items():
+        known = {getattr(settings, f"INSECURE_DEV_{name}", None), *_example_values(name)}
+        known.discard(None)
+        if getattr(settings, name, None) in known:
+            errors.append(
+                Error(
+                    f"{name} is a development default while DEBUG is off.",
+                    hint=f"Set a long random {name} in the environment of this deployment.",
+                    obj=f"settings.{name}",
+                    id=check_id,
+                )
+            )
+    return errors
+
+
+def _redis_endpoints() -> dict[str, Redis]:
+    """Return one client per distinct queue Redis (by its connection settings)."""
+    from payments.health import PROBE_TIMEOUT, queue_connection
+
+    seen: dict[str, Redis] = {}
+    for name, config in settings.RQ_QUEUES.items():
+        where = _location_of_queue(config)
+        label = f"{where[0]}:{where[1]}/{where[2]}" if where else name
+        if label not in seen:
+            seen[label] = queue_connection(name, timeout=PROBE_TIMEOUT)
+    return seen
+
+
+@register("payments", deploy=True)
+def check_queue_redis_does_not_evict(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
+    """The queue's Redis must run `maxmemory-policy noeviction`, or jobs can vanish."""
+    messages: list[CheckMessage] = []
+    for label, client in _redis_endpoints().items():
+        try:
+            policy = client.config_get("maxmemory-policy").get("maxmemory-policy")
+        except (RedisConnectionError, RedisTimeoutError) as exc:
+            messages.append(
+                CheckWarning(
+                    f"The queue Redis at {label} is unreachable ({type(exc).__name__}); its "
+                    "maxmemory-policy could not be checked.",
+                    hint="Run the check where Redis is reachable, or check the policy by hand.",
+                    id="payments.W003",
+                )
+            )
+            continue
+        except ResponseError as exc:  # CONFIG is often renamed or refused on managed Redis
+            messages.append(
+                CheckWarning(
+                    f"The queue Redis at {label} refused CONFIG GET maxmemory-policy "
+                    f"({str(exc)[:100]}); its eviction policy could not be checked.",
+                    hint="Confirm with your Redis provider that the policy is noeviction.",
+                    id="payments.W002",
+                )
+            )
+            continue
+        finally:
+            client.close()
+        if policy != "noeviction":
+            messages.append(
+                CheckWarning(
+                    f"The queue Redis at {label} has maxmemory-policy {policy!r}: under memory "
+                    "pressure it can evict queued jobs and their registries.",
+                    hint="Set maxmemory-policy noeviction on the queue's Redis "
+                    "(CONFIG SET or redis.conf).",
+                    id="payments.W001",
+                )
+            )
+    return messages
+
+
+def _location(url: str, db: Any = None) -> tuple[str, Any, int] | None:
+    """Return (host or socket, port, db) of a Redis URL, or None when it is not one."""
+    try:
+        kwargs = parse_url(url)
+    except ValueError:
+        return None
+    where = kwargs.get("path") or kwargs.get("host") or "localhost"
+    number = db if db is not None else kwargs.get("db", 0)
+    return (str(where), kwargs.get("port", 6379), int(number or 0))
+
+
+def _location_of_queue(config: dict[str, Any]) -> tuple[str, Any, int] | None:
+    if "URL" in config:
+        return _location(config["URL"], config.get("DB"))
+    if "USE_REDIS_CACHE" in config:
+        return _location_of_cache(config["USE_REDIS_CACHE"])
+    if "HOST" in config or "UNIX_SOCKET_PATH" in config:
+        where = config.get("UNIX_SOCKET_PATH") or config.get("HOST")
+        return (str(where), config.get("PORT", 6379), int(config.get("DB", 0) or 0))
+    return None
+
+
+def _location_of_cache(alias: str) -> tuple[str, Any, int] | None:
+    cache = settings.CACHES.get(alias, {})
+    if "redis" not in str(cache.get("BACKEND", "")).lower():
+        return None
+    location = cache.get("LOCATION")
+    if isinstance(location, list | tuple):
+        location = location[0] if location else None
+    if isinstance(location, str):
+        location = location.split(",")[0].strip()  # the first server is the one written to
+    return _location(location) if location else None
+
+
+@register("payments")
+def check_redis_roles_do_not_share_keys(
+    app_configs: Any = None, **kwargs: Any
+) -> list[CheckMessage]:
+    """Cache, sessions and the queue must not share a Redis database's key space.
+
+    Two caches in one database need distinct KEY_PREFIXes. A cache beside the
+    queue is never safe: `cache.clear()` runs FLUSHDB, which ignores prefixes,
+    and a cache's eviction policy would evict jobs.
+    """
+    roles: list[tuple[str, tuple[str, Any, int], str | None]] = []  # (role, where, prefix)
+    cache_aliases = {alias: f"cache {alias!r}" for alias in settings.CACHES}
+    engine = getattr(settings, "SESSION_ENGINE", "")
+    if engine.endswith((".cache", ".cached_db")):
+        alias = getattr(settings, "SESSION_CACHE_ALIAS", "default")
+        if alias in cache_aliases:
+            cache_aliases[alias] += " (also sessions)"
+    for alias, role in cache_aliases.items():
+        where = _location_of_cache(alias)
+        if where is not None:
+            roles.append((role, where, str(settings.CACHES[alias].get("KEY_PREFIX", ""))))
+    for name, config in settings.RQ_QUEUES.items():
+        where = _location_of_queue(config)
+        if where is not None:
+            roles.append((f"queue {name!r}", where, None))  # None: RQ's fixed "rq:" prefix
+
+    messages: list[CheckMessage] = []
+    for i, (role_a, where_a, prefix_a) in enumerate(roles):
+        for role_b, where_b, prefix_b in roles[i + 1 :]:
+            if where_a != where_b:
+                continue
+            if prefix_a is None and prefix_b is None:
+                continue  # two queues in one database are one RQ key space by design
+            if prefix_a is not None and prefix_b is not None and prefix_a != prefix_b:
+                continue
+            messages.append(
+                CheckWarning(
+                    f"{role_a} and {role_b} share Redis database {where_a[0]}:{where_a[1]}/"
+                    f"{where_a[2]} without distinct key prefixes.",
+                    hint="Give the queue its own Redis database (or server); give caches "
+                    "distinct KEY_PREFIXes. A cache's clear() flushes the whole database.",
+                    id="payments.W004",
+                )
+            )
+    return messages
+
+
+@register("payments")
+def check_claim_retention(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
+    """Claims must outlive the redelivery horizon, or a late redelivery charges again."""
+    raw = (getattr(settings, "PAYMENTS", None) or {}).get("CLAIM_RETENTION")
+    if raw is None:
+        return []  # claims are never purged
+    if isinstance(raw, timedelta):
+        retention = raw
+    elif isinstance(raw, int | float) and not isinstance(raw, bool) and raw > 0:
+        retention = timedelta(seconds=raw)
+    else:
+        return [
+            Error(
+                f"PAYMENTS['CLAIM_RETENTION'] must be a positive number of seconds, a "
+                f"timedelta or None, not {raw!r}.",
+                id="payments.E008",
+            )
+        ]
+    try:
+        horizon = inbox_settings().redelivery_horizon
+    except ImproperlyConfigured:
+        return []  # inbox.E001 reports it
+    if retention >= horizon:
+        return []
+    return [
+        CheckWarning(
+            f"PAYMENTS['CLAIM_RETENTION'] ({retention}) is shorter than the redelivery horizon "
+            f"({horizon}): a job requeued after its claims are purged would call the provider "
+            "again.",
+            hint="Keep claims at least as long as RQ keeps failed jobs (INBOX['REDELIVERY_"
+            "HORIZON'], rq's failure_ttl), or leave CLAIM_RETENTION unset (never purged).",
+            obj="PAYMENTS['CLAIM_RETENTION']",
+            id="payments.W005",
+        )
+    ]

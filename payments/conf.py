@@ -18,6 +18,8 @@ DEFAULTS: dict[str, Any] = {
     "RETRY_BACKOFF": [2, 8],
     "RECONCILE_GRACE": 15 * 60,
     "QUEUE": "payments",
+    #: How long step claims are kept (seconds); None: forever (nothing purges them today).
+    "CLAIM_RETENTION": None,
 }
 
 

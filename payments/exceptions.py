@@ -53,9 +53,14 @@ class StepRefused(StepError):
 
 
 class StepTransient(StepError):
-    """Nothing executed; retry the same step with the same key later."""
+    """Nothing executed; retry the same step with the same key later.
+
+    `in_flight` says another request with the same key may still be running
+    (so giving up must not settle the step as failed).
+    """
 
     outcome = Outcome.TRANSIENT
+    in_flight = False
 
 
 class StepUncertain(StepError):

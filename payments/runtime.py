@@ -18,7 +18,7 @@ from typing import Any
 from django.db import IntegrityError, transaction
 from django.utils import timezone
 
-from payments import fence
+from payments import fence, telemetry
 from payments.conf import payments_setting
 from payments.effects import DeliveryPolicy
 from payments.exceptions import (
@@ -55,6 +55,7 @@ class Run:
         effect = self.spec.effect(step, self.operation)
         return run_external_step(self.operation, step, effect, owner=self.worker_id)
 
+    @telemetry.traced("local")
     def local(self, step: str, func: Callable[[], dict[str, Any] | None]) -> dict[str, Any]:
         """Run a local step: its claim and its writes commit together, once."""
         try:
@@ -66,10 +67,12 @@ class Run:
             if not fence.unique_violation_of(exc, StepClaim.UNIQUE_CONSTRAINT):
                 raise  # any other integrity error is a bug, not a duplicate
             existing = StepClaim.objects.get(operation=self.operation, step=step)
+            telemetry.note(outcome=telemetry.SKIPPED, transaction=telemetry.ROLLBACK)
             logger.info("step %s/%s already done; skipped", self.operation.key, step)
             return existing.result or {}
         return result
 
+    @telemetry.traced("side_effect")
     def side_effect(
         self, step: str, func: Callable[[], dict[str, Any] | None], *, policy: DeliveryPolicy
     ) -> dict[str, Any]:
@@ -82,6 +85,7 @@ class Run:
         resend = False
         if not claimed.created:
             if claim.state in (ClaimState.DONE, ClaimState.FAILED):
+                telemetry.note(outcome=telemetry.SKIPPED, transaction=telemetry.NONE)
                 return claim.result or {}
             taken = fence.take_over_claim(claim, owner=self.worker_id, lease_seconds=lease)
             if taken is None:
@@ -91,6 +95,7 @@ class Run:
             claim = taken
             if policy == DeliveryPolicy.AT_MOST_ONCE:
                 result = {"sent": "unknown", "skipped": True, "policy": str(policy)}
+                telemetry.note(outcome=telemetry.SKIPPED)
                 logger.warning(
                     "step %s/%s may have run before; skipped (at most once)",
                     self.operation.key,
@@ -115,6 +120,7 @@ class Run:
                 fence.release_claim(claim, actor=self.worker_id, reason=reason)
                 raise StepTransient(reason, operation_key=self.operation.key, step=step) from exc
             result = {"sent": False, "error": type(exc).__name__, "policy": str(policy)}
+            telemetry.note(outcome=telemetry.PERMANENT)
             logger.warning(
                 "step %s/%s failed; not retried (at most once)", self.operation.key, step
             )
@@ -164,7 +170,7 @@ def execute(operation_id: int, *, worker_id: str, job: Any = None) -> str:
         logger.warning("operation %s uncertain at step %s; reconciling", op.key, exc.step)
         return "uncertain"
     except StepTransient as exc:
-        _transient(op, spec, worker_id, str(exc), job)
+        _transient(op, spec, worker_id, str(exc), job, step_error=exc)
     except Exception as exc:  # a bug or a database error: bounded retries, then visible
         logger.exception("operation %s: unexpected error in handler %s", op.key, op.kind)
         _transient(op, spec, worker_id, f"{type(exc).__name__}: {exc}", job)
@@ -211,8 +217,20 @@ def _fail(op: Operation, spec: HandlerSpec, worker_id: str, reason: str) -> None
     logger.info("operation %s failed: %s", op.key, reason[:200])
 
 
-def _transient(op: Operation, spec: HandlerSpec, worker_id: str, reason: str, job: Any) -> None:
-    """Count a transient failure; schedule the next attempt or give up. Always raises."""
+def _transient(
+    op: Operation,
+    spec: HandlerSpec,
+    worker_id: str,
+    reason: str,
+    job: Any,
+    step_error: StepTransient | None = None,
+) -> None:
+    """Count a transient failure; schedule the next attempt or give up. Always raises.
+
+    Giving up settles the failing step's claim as failed: every try was refused
+    before anything executed. Not when a same-key request may still be in
+    flight (409): that claim stays for the reconciler.
+    """
     max_attempts = payments_setting("MAX_ATTEMPTS")
     backoff = payments_setting("RETRY_BACKOFF")
     with transaction.atomic():
@@ -231,6 +249,8 @@ def _transient(op: Operation, spec: HandlerSpec, worker_id: str, reason: str, jo
             )
             if spec.on_failure is not None:
                 spec.on_failure(locked)
+            if step_error is not None and not step_error.in_flight:
+                _settle_refused_in_tx(locked, step_error.step, worker_id, reason)
         else:
             delay = backoff[min(attempt - 1, len(backoff) - 1)] if backoff else 0
             fence.release_in_tx(
@@ -252,3 +272,16 @@ def _transient(op: Operation, spec: HandlerSpec, worker_id: str, reason: str, jo
             job.retries_left = 0  # the DB counted the attempts: no further RQ retry
         raise RetriesExhausted(op.key, attempt, reason[:200])
     raise RetryLater(op.key, attempt, reason[:200])
+
+
+def _settle_refused_in_tx(op: Operation, step: str, worker_id: str, reason: str) -> None:
+    """Mark a released claim failed after the last transient try. Runs inside the caller's tx."""
+    claim = StepClaim.objects.filter(operation=op, step=step, state=ClaimState.CLAIMED).first()
+    if claim is not None:
+        fence.settle_claim(
+            claim,
+            ClaimState.FAILED,
+            actor=worker_id,
+            error=f"gave up: {reason}",
+            reason="every attempt was refused before executing",
+        )

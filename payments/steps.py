@@ -17,7 +17,7 @@ from typing import Any
 from django.db import transaction
 from django.utils import timezone
 
-from payments import fence
+from payments import fence, telemetry
 from payments.conf import payments_setting
 from payments.effects import ClaimView, EffectResult, ExternalEffect
 from payments.exceptions import (
@@ -62,6 +62,7 @@ def replay_allowed(claim: StepClaim) -> bool:
     return timezone.now() - claim.claimed_at < retention - timedelta(hours=1)
 
 
+@telemetry.traced("external")
 def run_external_step(
     operation: Operation, step: str, effect: ExternalEffect, *, owner: str
 ) -> dict[str, Any]:
@@ -78,20 +79,24 @@ def run_external_step(
     if claimed.created:
         return call_effect(claim, effect, actor=owner)
     if claim.state == ClaimState.DONE:
+        telemetry.note(outcome=telemetry.SKIPPED, transaction=telemetry.NONE)
         logger.info("step %s/%s already done; replaying its result", operation.key, step)
         return claim.result or {}
     if claim.state == ClaimState.FAILED:
+        telemetry.note(transaction=telemetry.NONE)
         raise StepRefused("refused earlier", operation_key=operation.key, step=step)
     taken = fence.take_over_claim(claim, owner=owner, lease_seconds=lease)
     if taken is None:
         raise StepBusy(operation_key=operation.key, step=step, until=claim.lease_expires_at)
     if taken.state == ClaimState.DONE:
+        telemetry.note(outcome=telemetry.SKIPPED, transaction=telemetry.NONE)
         return taken.result or {}
     # Released after a transient failure, or left behind by a dead worker, or
     # uncertain: settle it without ever using a new key.
     return reconcile_step(taken, effect, actor=owner)
 
 
+@telemetry.traced("external")
 def reconcile_step(
     claim: StepClaim, effect: ExternalEffect, *, actor: str, allow_replay: bool = True
 ) -> dict[str, Any]:
@@ -111,6 +116,7 @@ def reconcile_step(
         return _settle_from_lookup(claim, effect, actor=actor)
 
 
+@telemetry.traced("external", call=True)
 def call_effect(claim: StepClaim, effect: ExternalEffect, *, actor: str) -> dict[str, Any]:
     """Call the provider with the claim's stored request and key; record what came back."""
     op_key, step = claim.operation.key, claim.step
@@ -125,9 +131,9 @@ def call_effect(claim: StepClaim, effect: ExternalEffect, *, actor: str) -> dict
         reason = f"{type(exc).__name__}: {exc}"[:500]
         if outcome == Outcome.TRANSIENT:
             fence.release_claim(claim, actor=actor, reason=reason)
-            raise StepTransient(
-                reason, operation_key=op_key, step=step, provider_code=code
-            ) from exc
+            error = StepTransient(reason, operation_key=op_key, step=step, provider_code=code)
+            error.in_flight = bool(getattr(exc, "in_flight", False))
+            raise error from exc
         if outcome == Outcome.CONFLICT:
             fence.settle_claim(claim, ClaimState.UNCERTAIN, actor=actor, error=reason)
             raise StepConflict(reason, operation_key=op_key, step=step, provider_code=code) from exc
@@ -142,6 +148,7 @@ def call_effect(claim: StepClaim, effect: ExternalEffect, *, actor: str) -> dict
 
 def _record(claim: StepClaim, answer: EffectResult, *, actor: str) -> dict[str, Any]:
     result = answer.as_result()
+    telemetry.note(reference=answer.reference)
     if answer.outcome == Outcome.SUCCESS:
         fence.settle_claim(
             claim, ClaimState.DONE, actor=actor, reference=answer.reference, result=result
@@ -166,6 +173,7 @@ def _settle_from_lookup(claim: StepClaim, effect: ExternalEffect, *, actor: str)
     try:
         found = effect.find(view_of(claim))
     except Exception as exc:  # provider down while reconciling: stay as we are
+        telemetry.note(transaction=telemetry.NONE)
         raise StepTransient(
             f"lookup failed: {type(exc).__name__}", operation_key=op_key, step=step
         ) from exc

@@ -144,28 +144,44 @@ EMAIL_BACKEND = env.str("EMAIL_BACKEND", default="django.core.mail.backends.cons
 DEFAULT_FROM_EMAIL = env.str("DEFAULT_FROM_EMAIL", default="shop@example.com")
 ADMINS = [tuple(a.split(":", 1)) for a in env.list("ADMINS", default=[])]
 
+# Every handler, root included, carries the redaction filter (project/logging.py):
+# no e-mail address, card number, API key or payload leaves the process in a log.
+# LOG_FORMAT=plain gives human-readable lines for local work; JSON is the default.
+_LOG_LEVEL = env.str("LOG_LEVEL", default="INFO")
 LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,
+    "filters": {"redact": {"()": "project.logging.RedactFilter"}},
     "formatters": {
+        "json": {"()": "project.logging.JsonFormatter"},
         "plain": {"format": "%(asctime)s %(levelname)s %(name)s %(message)s"},
     },
     "handlers": {
-        "console": {"class": "logging.StreamHandler", "formatter": "plain"},
+        "console": {
+            "class": "logging.StreamHandler",
+            "formatter": "plain" if env.str("LOG_FORMAT", default="json") == "plain" else "json",
+            "filters": ["redact"],
+        },
         "mail_admins": {
-            "class": "django.utils.log.AdminEmailHandler",
+            "class": "project.logging.RedactingAdminEmailHandler",
             "level": "ERROR",
-            "filters": [],
+            "filters": ["redact"],
         },
     },
+    "root": {"handlers": ["console"], "level": "WARNING"},
     "loggers": {
-        "payments": {"handlers": ["console"], "level": env.str("LOG_LEVEL", default="INFO")},
-        "payments.alerts": {
-            "handlers": ["console", "mail_admins"],
-            "level": "ERROR",
-            "propagate": False,
-        },
-        "inbox": {"handlers": ["console"], "level": env.str("LOG_LEVEL", default="INFO")},
-        "rq.worker": {"handlers": ["console"], "level": "WARNING"},
+        # Replaces Django's default handlers (unfiltered) with ours; records reach root.
+        "django": {"handlers": ["mail_admins"], "level": "INFO"},
+        "django.server": {"handlers": [], "level": "INFO"},
+        "payments": {"handlers": [], "level": _LOG_LEVEL},
+        "payments.alerts": {"handlers": ["mail_admins"], "level": "ERROR"},
+        "inbox": {"handlers": [], "level": _LOG_LEVEL},
+        "rq.worker": {"handlers": [], "level": "WARNING"},
+        # redis-py adds an unfiltered handler of its own unless this logger exists.
+        "push_response": {"handlers": [], "level": "INFO"},
     },
 }
+
+# --- Observability ---
+# Bearer token for /metrics; empty: only staff sessions may read it (docs/observability.md).
+METRICS_TOKEN = env.str("METRICS_TOKEN", default="")

@@ -102,6 +102,9 @@ class TransientProviderError(ProviderError):
     """Nothing was executed; retry the same request with the same key."""
 
     default_outcome = Outcome.TRANSIENT
+    #: True when another request with the same key is in flight (409): this one
+    #: did nothing, but that one may still succeed.
+    in_flight = False
 
 
 class UncertainProviderError(ProviderError):
@@ -198,8 +201,11 @@ def classify_response(
         return TransientProviderError(message, **attrs)
     if status in (409, 429):
         # 409: the same key is in flight in another request; 429: rate limited.
-        # Neither executed anything nor stored a result for the key.
-        return TransientProviderError(message, **attrs)
+        # Neither executed anything nor stored a result for the key, but
+        # after a 409 the other request may still succeed: say so.
+        error = TransientProviderError(message, **attrs)
+        error.in_flight = status == 409
+        return error
     if status == 404:
         if attrs["code"] == "resource_missing":
             return ResourceMissing(message, **attrs)

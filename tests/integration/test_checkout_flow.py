@@ -169,6 +169,8 @@ def test_transient_500__three_attempts_then_failed_registry_and_alert(provider, 
     assert FailedJobRegistry(queue=queue).get_job_ids() == [op.job_id]
     assert any(op.key in r.getMessage() for r in caplog.records if r.name == "payments.alerts")
     assert successes(provider, op) == 0
+    # Every try was refused before executing: the step is settled, nothing to reconcile.
+    assert op.claims.get(step="charge").state == ClaimState.FAILED
 
 
 def test_read_timeout__leaves_claim_uncertain_and_never_charges_twice(provider, queue):

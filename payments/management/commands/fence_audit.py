@@ -1,0 +1,149 @@
+"""Compare the provider's payment intents with the step claims; report double charges.
+
+Exit codes: 0 clean, 1 findings (after the report is printed), 2 the provider
+could not be read. Every run is stored as a FenceAuditRun.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from datetime import datetime, timedelta
+from typing import Any
+
+from django.core.management.base import BaseCommand, CommandError, CommandParser
+from django.db.models import Q
+from django.utils import timezone
+
+from payments.audit import AuditResult, audit
+from payments.conf import payments_setting
+from payments.models import FenceAuditRun
+from payments.provider.client import PaymentIntent, ProviderClient
+from payments.provider.errors import ProviderError
+
+#: Intents are listed from this much before the window: the provider's clock and
+#: ours differ, and a claim in the window must find its intent in the list.
+CLOCK_MARGIN = timedelta(minutes=5)
+
+_UNITS = {"m": "minutes", "h": "hours", "d": "days"}
+
+
+def parse_since(value: str) -> timedelta:
+    """Turn `30m`, `24h` or `7d` into a timedelta; raise CommandError otherwise."""
+    match = re.fullmatch(r"\s*(\d+)\s*([mhd])\s*", value or "")
+    if match is None or int(match[1]) == 0:
+        raise CommandError(
+            f"--since must be a positive number followed by m, h or d (e.g. 30m, 24h, 7d), "
+            f"not {value!r}."
+        )
+    return timedelta(**{_UNITS[match[2]]: int(match[1])})
+
+
+class Command(BaseCommand):
+    help = (
+        "Audit the fence against the provider: list its payment intents of the window and "
+        "report steps charged more than once, provider successes without a done claim, done "
+        "claims the provider does not know, and uncertain claims past the grace period. "
+        "Exit 0 clean, 1 findings, 2 provider unreadable."
+    )
+
+    def add_arguments(self, parser: CommandParser) -> None:
+        parser.add_argument(
+            "--since", default="24h", help="Window to audit: 30m, 24h, 7d (default 24h)."
+        )
+        parser.add_argument(
+            "--format", choices=["table", "json"], default="table", help="Report format."
+        )
+
+    def handle(self, *args: Any, **options: Any) -> None:
+        since = parse_since(options["since"])
+        started = timezone.now()
+        window_start = started - since
+        try:
+            intents = self._list_intents(window_start - CLOCK_MARGIN, options["verbosity"])
+        except ProviderError as exc:
+            reason = f"provider could not be read: {type(exc).__name__}"
+            summary = {"error": reason, "since": options["since"], "clean": None}
+            self._store(started, window_start, 2, summary)
+            if options["format"] == "json":
+                self.stdout.write(json.dumps({**summary, "exit_code": 2}, indent=2))
+            raise CommandError(f"fence audit: {reason} ({exc})", returncode=2) from exc
+
+        # Only payment-intent claims are judged against the intent list; stale uncertain
+        # claims are reported whatever their age (they are never "outside the window").
+        in_window = Q(claimed_at__gte=window_start, provider_reference__startswith="pi_")
+        result = audit(intents, in_window, stale_claims=Q(), now=started)
+        exit_code = 0 if result.clean else 1
+        summary = {
+            **result.as_dict(),
+            "since": options["since"],
+            "window_start": window_start.isoformat(),
+            "intents_listed": len(intents),
+            "reconcile_grace_seconds": payments_setting("RECONCILE_GRACE"),
+        }
+        self._store(started, window_start, exit_code, summary)
+        if options["format"] == "json":
+            self.stdout.write(json.dumps({**summary, "exit_code": exit_code}, indent=2))
+        else:
+            self._write_table(result, summary)
+        if exit_code:
+            raise CommandError(
+                f"fence audit found {result.findings} problem(s); see the report above.",
+                returncode=1,
+            )
+
+    def _list_intents(self, created_gte: datetime, verbosity: int) -> list[PaymentIntent]:
+        intents: list[PaymentIntent] = []
+        with ProviderClient.from_settings() as client:
+            for intent in client.list_payment_intents(created_gte=int(created_gte.timestamp())):
+                intents.append(intent)
+                if verbosity >= 2:
+                    key = intent.metadata.get("operation_key", "-")
+                    self.stdout.write(f"  {intent.id} {intent.status} {key}")
+        return intents
+
+    @staticmethod
+    def _store(started: datetime, window_start: datetime, code: int, summary: dict) -> None:
+        FenceAuditRun.objects.create(
+            started_at=started,
+            finished_at=timezone.now(),
+            window_start=window_start,
+            exit_code=code,
+            summary=summary,
+        )
+
+    def _write_table(self, result: AuditResult, summary: dict[str, Any]) -> None:
+        write = self.stdout.write
+        write(
+            f"Fence audit since {summary['window_start']} ({summary['since']}): "
+            f"{summary['intents_listed']} intents listed, {result.provider_successes} provider "
+            f"successes, {result.done_claims} done claims in the window."
+        )
+        sections = [
+            (
+                "Steps charged more than once (double charges)",
+                [
+                    f"{key}/{step}: {', '.join(refs)}"
+                    for (key, step), refs in sorted(result.double_charges.items())
+                ],
+            ),
+            (
+                "Provider successes without a done claim",
+                [f"{ref}  {result.steps.get(ref, '')}" for ref in result.unfenced],
+            ),
+            (
+                "Done claims whose reference the provider does not list as succeeded",
+                [f"{ref}  {result.steps.get(ref, '')}" for ref in result.unknown_references],
+            ),
+            (
+                f"Uncertain claims older than {summary['reconcile_grace_seconds']}s",
+                list(result.stale_uncertain),
+            ),
+        ]
+        for title, lines in sections:
+            style = self.style.ERROR if lines else self.style.SUCCESS
+            write(style(f"{title}: {len(lines)}"))
+            for line in lines:
+                write(f"  {line}")
+        if result.clean:
+            write(self.style.SUCCESS("Clean: every provider success has exactly one done claim."))

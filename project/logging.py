@@ -1,0 +1,188 @@
+"""Log output for the whole project: JSON lines, and a filter that keeps PII and secrets out.
+
+`settings.LOGGING` puts `RedactFilter` on every handler (root included) and
+formats with `JsonFormatter` (python-json-logger, plus a last redaction pass
+over the finished line). What is removed, and why each rule exists:
+
+- e-mail addresses -> `[email]` (customers' identities);
+- PAN-like digit runs, 13 to 19 digits with optional single spaces or dashes
+  between them -> `[card]` (no Luhn test: a mistyped card number is still one);
+- API keys (`sk_...`, `rk_...`, `whsec_...`), `Bearer <token>`,
+  `<name ending in secret|token|password|api_key|cvc>=<value>`, the password
+  of a `scheme://user:password@host` URL, and the current values of
+  `SECRET_KEY`, `API_TOKEN`, `METRICS_TOKEN` and the provider API key;
+- payloads: a mapping passed as a log argument or nested in a structured
+  field is replaced by `[payload]` before anything formats it.
+
+Payment-method ids (`pm_...`, including the test cards `pm_card_visa`) are
+kept: they are opaque provider tokens, not cardholder data, and support needs
+them. The step records never carry them anyway.
+
+The filter edits the record in place, so every handler after it (pytest's
+caplog, an admin e-mail) sees the redacted record too.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Mapping
+from typing import Any
+
+from django.utils.log import AdminEmailHandler
+from django.views.debug import ExceptionReporter
+from pythonjsonlogger.json import JsonFormatter as _BaseJsonFormatter
+
+PAYLOAD = "[payload]"
+
+_PATTERNS: list[tuple[re.Pattern[str], str]] = [
+    # user:password@ in URLs (Redis, database): before the e-mail rule eats the host part.
+    (re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://[^\s:/@]*:)[^\s@/]+@"), r"\1[secret]@"),
+    (re.compile(r"[A-Za-z0-9._%+-]+@[A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)*\.[A-Za-z]{2,}"), "[email]"),
+    (re.compile(r"(?i)\bbearer\s+[A-Za-z0-9._~+/=-]+"), "Bearer [secret]"),
+    (re.compile(r"\b(?:sk|rk)_[A-Za-z0-9_]{3,}|\bwhsec_[A-Za-z0-9]+"), "[secret]"),
+    (
+        re.compile(
+            r"(?i)\b(\w*(?:secret|token|password|passwd|api_?key|cvc|cvv)\w*)"
+            r"(['\"]?\s*[=:]\s*['\"]?)(?!\[)[^\s'\",;&}\]]+"
+        ),
+        r"\1\2[secret]",
+    ),
+    (re.compile(r"(?<![\w.-])\d(?:[ -]?\d){12,18}(?![\w-])"), "[card]"),
+]
+
+#: Secrets shorter than this are not searched for by value (too many false hits).
+_MIN_SECRET_LENGTH = 8
+
+
+def _configured_secrets() -> list[str]:
+    """Return the secret values of the running configuration, longest first."""
+    from django.conf import settings
+
+    if not settings.configured:
+        return []
+    values = [
+        getattr(settings, "SECRET_KEY", ""),
+        getattr(settings, "API_TOKEN", ""),
+        getattr(settings, "METRICS_TOKEN", ""),
+        (getattr(settings, "PAYMENTS", None) or {}).get("PROVIDER_API_KEY", ""),
+    ]
+    found = {v for v in values if isinstance(v, str) and len(v) >= _MIN_SECRET_LENGTH}
+    return sorted(found, key=len, reverse=True)
+
+
+def redact(text: str) -> str:
+    """Return `text` with e-mail addresses, card-like numbers and secrets masked."""
+    if not text:
+        return text
+    for secret in _configured_secrets():
+        text = text.replace(secret, "[secret]")
+    for pattern, replacement in _PATTERNS:
+        text = pattern.sub(replacement, text)
+    return text
+
+
+def _scrub(value: Any, *, nested: bool) -> Any:
+    """Redact one field value; a mapping below the top level is a payload and is dropped."""
+    if isinstance(value, str):
+        return redact(value)
+    if isinstance(value, Mapping):
+        if nested:
+            return PAYLOAD
+        return {str(k): _scrub(v, nested=True) for k, v in value.items()}
+    if isinstance(value, list | tuple | set | frozenset):
+        return [_scrub(v, nested=True) for v in value]
+    return value
+
+
+#: LogRecord attributes that are the record's own, not structured fields.
+_RECORD_ATTRS = frozenset(logging.makeLogRecord({}).__dict__) | {"message", "asctime"}
+#: Extras Django passes that handlers need as objects (AdminEmailHandler reads the request).
+_KEEP_OBJECTS = frozenset({"request"})
+
+
+class RedactFilter(logging.Filter):
+    """Mask PII and secrets in a record's message, arguments, fields and traceback.
+
+    Never drops a record. Safe to apply more than once: redacted text does
+    not match again.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if isinstance(record.msg, Mapping):
+            record.msg = _scrub(record.msg, nested=False)
+        else:
+            args = record.args
+            if isinstance(args, tuple):
+                args = tuple(
+                    PAYLOAD if isinstance(a, Mapping) else _scrub(a, nested=True) for a in args
+                )
+            elif isinstance(args, Mapping):
+                # logging turns a lone mapping argument into `args` itself: named
+                # formatting ("%(name)s") if the message asks for it, else a payload.
+                args = _scrub(args, nested=False) if "%(" in str(record.msg) else (PAYLOAD,)
+            try:
+                message = str(record.msg) % args if args else str(record.msg)
+            except (TypeError, ValueError, KeyError):
+                message = f"{record.msg} {args!r}"  # as logging would show the broken call
+            record.msg, record.args = redact(message), None
+        for name, value in list(record.__dict__.items()):
+            if name in _RECORD_ATTRS or name in _KEEP_OBJECTS:
+                continue
+            record.__dict__[name] = _scrub(value, nested=True)
+        if record.exc_info and not record.exc_text:
+            # Formatters reuse exc_text; rendering it here makes every handler print
+            # the redacted traceback instead of rendering the raw one again.
+            record.exc_text = logging.Formatter().formatException(record.exc_info)
+        if record.exc_text:
+            record.exc_text = redact(record.exc_text)
+        if record.stack_info:
+            record.stack_info = redact(record.stack_info)
+        return True
+
+
+class JsonFormatter(_BaseJsonFormatter):
+    """One JSON object per line: time, level, logger, message, then the record's fields."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("rename_fields", {"levelname": "level", "name": "logger"})
+        kwargs.setdefault("timestamp", "time")
+        # Keep non-ASCII as is, so the last redaction pass sees the real characters.
+        kwargs.setdefault("json_ensure_ascii", False)
+        super().__init__(*(args or ("%(levelname)s %(name)s %(message)s",)), **kwargs)
+
+    def formatException(self, ei: Any) -> str:  # noqa: N802 (logging's name)
+        return redact(super().formatException(ei))
+
+    def format(self, record: logging.LogRecord) -> str:
+        if record.exc_text and record.exc_info:
+            # python-json-logger renders exc_info afresh; prefer the filter's redacted text.
+            record = logging.makeLogRecord({**record.__dict__, "exc_info": None})
+        # The last pass covers what the filter cannot see: objects (a request) that
+        # the encoder turns into text.
+        return redact(super().format(record))
+
+
+class _NoLocalsExceptionReporter(ExceptionReporter):
+    """An exception report without frame variables: locals hold payloads and addresses."""
+
+    def get_traceback_frames(self) -> list[dict[str, Any]]:
+        frames = super().get_traceback_frames()
+        for frame in frames:
+            frame["vars"] = []
+        return frames
+
+
+class RedactingAdminEmailHandler(AdminEmailHandler):
+    """Django's admin e-mail handler, without frame locals and with the mail text redacted."""
+
+    def __init__(self, include_html: bool = False, email_backend: str | None = None) -> None:
+        super().__init__(
+            include_html=False,  # the HTML report shows settings and locals; never send it
+            email_backend=email_backend,
+            reporter_class=f"{__name__}._NoLocalsExceptionReporter",
+        )
+
+    def send_mail(self, subject: str, message: str, *args: Any, **kwargs: Any) -> None:
+        kwargs.pop("html_message", None)
+        super().send_mail(redact(subject), redact(message), *args, **kwargs)

@@ -1,0 +1,245 @@
+"""System checks: each fires on a bad configuration and stays quiet on the default one."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from datetime import timedelta
+from urllib.parse import urlsplit
+
+import pytest
+from django.conf import settings as django_settings
+from django.core.checks import registry
+from django.db import connections
+from redis import Redis
+from redis.exceptions import ResponseError
+
+from payments import checks
+from tests.conftest import TEST_REDIS_URL
+
+REAL_SECRETS = {"SECRET_KEY": "k" * 20 + uuid.uuid4().hex * 2, "API_TOKEN": uuid.uuid4().hex}
+REDIS_CACHE = "django.core.cache.backends.redis.RedisCache"
+
+
+def ids(messages) -> list[str]:
+    return sorted(m.id for m in messages)
+
+
+# --- E001-E005: database and the timeout chain ------------------------------------
+
+
+def test_e001__fires_on_a_database_other_than_postgresql(monkeypatch):
+    assert checks.check_database_is_postgresql() == []
+    monkeypatch.setattr(connections["default"], "vendor", "sqlite")
+    assert ids(checks.check_database_is_postgresql()) == ["payments.E001"]
+
+
+def test_timeout_chain__quiet_on_the_default_settings():
+    assert checks.check_timeout_chain() == []
+
+
+@pytest.mark.parametrize(
+    ("changes", "expected"),
+    [
+        ({"PROVIDER_CONNECT_TIMEOUT": 10.0, "PROVIDER_READ_TIMEOUT": 25.0}, "payments.E002"),
+        ({"CLAIM_LEASE": 20}, "payments.E003"),
+        ({"JOB_TIMEOUT": 90, "CLAIM_LEASE": 120}, "payments.E004"),
+    ],
+)
+def test_timeout_chain__names_the_values_when_broken(settings, changes, expected):
+    settings.PAYMENTS = {**settings.PAYMENTS, **changes}
+    settings.RQ_QUEUES = {
+        name: {**config, "DEFAULT_TIMEOUT": settings.PAYMENTS["JOB_TIMEOUT"]}
+        for name, config in settings.RQ_QUEUES.items()
+    }
+    messages = [m for m in checks.check_timeout_chain() if m.id == expected]
+    assert len(messages) == 1
+    for name in ("PROVIDER_CONNECT_TIMEOUT", "JOB_TIMEOUT"):
+        assert name in messages[0].msg
+
+
+def test_e005__fires_when_the_queue_timeout_differs(settings):
+    settings.RQ_QUEUES = {"payments": {**settings.RQ_QUEUES["payments"], "DEFAULT_TIMEOUT": 59}}
+    assert ids(checks.check_timeout_chain()) == ["payments.E005"]
+
+
+# --- E006/E007: development secrets with DEBUG off --------------------------------
+
+
+def test_dev_secrets__registered_as_deploy_security_checks():
+    deploy = registry.registry.get_checks(include_deployment_checks=True)
+    normal = registry.registry.get_checks(include_deployment_checks=False)
+    assert checks.check_no_development_secrets in deploy
+    assert checks.check_no_development_secrets not in normal
+    assert "security" in checks.check_no_development_secrets.tags
+
+
+def test_dev_secrets__fire_with_debug_off(settings):
+    settings.DEBUG = False
+    settings.SECRET_KEY = django_settings.INSECURE_DEV_SECRET_KEY
+    settings.API_TOKEN = django_settings.INSECURE_DEV_API_TOKEN
+    assert ids(checks.check_no_development_secrets()) == ["payments.E006", "payments.E007"]
+
+
+def test_dev_secrets__values_from_env_example_count_as_development_values(settings, tmp_path):
+    (tmp_path / ".env.example").write_text("# dev\nSECRET_KEY=from-the-example-file\n")
+    settings.BASE_DIR = tmp_path
+    settings.DEBUG = False
+    settings.SECRET_KEY = "from-the-example-file"
+    settings.API_TOKEN = REAL_SECRETS["API_TOKEN"]
+    assert ids(checks.check_no_development_secrets()) == ["payments.E006"]
+
+
+def test_dev_secrets__quiet_with_real_secrets_or_in_development(settings):
+    settings.DEBUG = False
+    settings.SECRET_KEY, settings.API_TOKEN = REAL_SECRETS["SECRET_KEY"], REAL_SECRETS["API_TOKEN"]
+    assert checks.check_no_development_secrets() == []
+    settings.DEBUG = True
+    settings.SECRET_KEY = django_settings.INSECURE_DEV_SECRET_KEY
+    assert checks.check_no_development_secrets() == []
+
+
+# --- W001-W003: the queue Redis must not evict ------------------------------------
+
+
+@pytest.fixture
+def eviction_policy(redis_conn: Redis) -> Iterator[Redis]:
+    """Yield the test Redis; put its maxmemory-policy back afterwards.
+
+    CONFIG SET is server-wide, so only a local test Redis is touched, and only
+    for the few milliseconds the check takes.
+    """
+    if urlsplit(TEST_REDIS_URL).hostname not in {"127.0.0.1", "localhost", "::1"}:
+        pytest.skip("CONFIG SET is only done on a local test Redis")
+    try:
+        original = redis_conn.config_get("maxmemory-policy")["maxmemory-policy"]
+    except ResponseError:
+        pytest.skip("this Redis refuses CONFIG GET")
+    try:
+        yield redis_conn
+    finally:
+        redis_conn.config_set("maxmemory-policy", original)
+
+
+def test_w001__quiet_when_the_queue_redis_does_not_evict(eviction_policy):
+    eviction_policy.config_set("maxmemory-policy", "noeviction")
+    assert checks.check_queue_redis_does_not_evict() == []
+
+
+def test_w001__fires_when_the_queue_redis_evicts(eviction_policy):
+    eviction_policy.config_set("maxmemory-policy", "allkeys-lru")
+    messages = checks.check_queue_redis_does_not_evict()
+    eviction_policy.config_set("maxmemory-policy", "noeviction")
+    assert ids(messages) == ["payments.W001"]
+    assert "allkeys-lru" in messages[0].msg
+
+
+def test_w002__config_get_refused_is_a_warning_not_a_failure(redis_conn, settings):
+    user, password = f"obs-test-{uuid.uuid4().hex[:8]}", uuid.uuid4().hex
+    # A real refusal: an ACL user that may do anything but CONFIG.
+    redis_conn.execute_command(
+        "ACL", "SETUSER", user, "on", f">{password}", "~*", "+@all", "-config"
+    )
+    try:
+        url = TEST_REDIS_URL.replace("redis://", f"redis://{user}:{password}@", 1)
+        settings.RQ_QUEUES = {"payments": {**settings.RQ_QUEUES["payments"], "URL": url}}
+        messages = checks.check_queue_redis_does_not_evict()
+    finally:
+        redis_conn.execute_command("ACL", "DELUSER", user)
+    assert ids(messages) == ["payments.W002"]
+    assert password not in messages[0].msg
+
+
+def test_w003__unreachable_redis_is_said_so(settings, closed_port):
+    settings.RQ_QUEUES = {"payments": {"URL": f"redis://127.0.0.1:{closed_port}/0"}}
+    messages = checks.check_queue_redis_does_not_evict()
+    assert ids(messages) == ["payments.W003"]
+    assert "unreachable" in messages[0].msg
+
+
+def test_redis_checks__registered_as_deploy_checks():
+    deploy = registry.registry.get_checks(include_deployment_checks=True)
+    normal = registry.registry.get_checks(include_deployment_checks=False)
+    assert checks.check_queue_redis_does_not_evict in deploy
+    assert checks.check_queue_redis_does_not_evict not in normal
+    assert checks.check_redis_roles_do_not_share_keys in normal
+
+
+# --- W004: cache, sessions and queue key spaces -----------------------------------
+
+
+def redis_cache(url: str, prefix: str = "") -> dict:
+    return {"BACKEND": REDIS_CACHE, "LOCATION": url, "KEY_PREFIX": prefix}
+
+
+def test_w004__quiet_on_the_default_settings():
+    assert checks.check_redis_roles_do_not_share_keys() == []
+
+
+def test_w004__quiet_when_cache_and_queue_use_separate_databases(settings):
+    settings.RQ_QUEUES = {"payments": {"URL": "redis://127.0.0.1:6379/0"}}
+    settings.CACHES = {"default": redis_cache("redis://127.0.0.1:6379/1", "c")}
+    settings.SESSION_ENGINE = "django.contrib.sessions.backends.cache"
+    assert checks.check_redis_roles_do_not_share_keys() == []
+
+
+def test_w004__fires_when_the_cache_shares_the_queue_database(settings):
+    settings.RQ_QUEUES = {"payments": {"URL": "redis://127.0.0.1:6379/0"}}
+    settings.CACHES = {"default": redis_cache("redis://127.0.0.1:6379", "shop")}
+    messages = checks.check_redis_roles_do_not_share_keys()
+    assert ids(messages) == ["payments.W004"]
+    assert "cache 'default'" in messages[0].msg and "queue 'payments'" in messages[0].msg
+
+
+def test_w004__fires_when_sessions_share_the_queue_database(settings):
+    settings.RQ_QUEUES = {"payments": {"HOST": "127.0.0.1", "PORT": 6379, "DB": 2}}
+    settings.CACHES = {
+        "default": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"},
+        "sessions": redis_cache("redis://127.0.0.1:6379/2"),
+    }
+    settings.SESSION_ENGINE = "django.contrib.sessions.backends.cached_db"
+    settings.SESSION_CACHE_ALIAS = "sessions"
+    messages = checks.check_redis_roles_do_not_share_keys()
+    assert ids(messages) == ["payments.W004"]
+    assert "sessions" in messages[0].msg
+
+
+def test_w004__two_caches_in_one_database_need_distinct_prefixes(settings):
+    settings.RQ_QUEUES = {"payments": {"URL": "redis://127.0.0.1:6379/0"}}
+    settings.CACHES = {
+        "default": redis_cache("redis://127.0.0.1:6379/3", "shop"),
+        "pages": redis_cache("redis://127.0.0.1:6379/3", "shop"),
+    }
+    assert ids(checks.check_redis_roles_do_not_share_keys()) == ["payments.W004"]
+    settings.CACHES = {**settings.CACHES, "pages": redis_cache("redis://127.0.0.1:6379/3", "pg")}
+    assert checks.check_redis_roles_do_not_share_keys() == []
+
+
+# --- W005/E008: claim retention ---------------------------------------------------
+
+
+def test_claim_retention__quiet_by_default_claims_are_never_purged():
+    assert "CLAIM_RETENTION" not in django_settings.PAYMENTS
+    assert checks.check_claim_retention() == []
+
+
+def test_claim_retention__fires_when_shorter_than_the_redelivery_horizon(settings):
+    settings.INBOX = {**settings.INBOX, "REDELIVERY_HORIZON": 365 * 86400}
+    settings.PAYMENTS = {**settings.PAYMENTS, "CLAIM_RETENTION": 30 * 86400}
+    messages = checks.check_claim_retention()
+    assert ids(messages) == ["payments.W005"]
+    assert "30 days" in messages[0].msg
+
+
+def test_claim_retention__quiet_when_it_covers_the_horizon(settings):
+    settings.INBOX = {**settings.INBOX, "REDELIVERY_HORIZON": 365 * 86400}
+    settings.PAYMENTS = {**settings.PAYMENTS, "CLAIM_RETENTION": timedelta(days=400)}
+    assert checks.check_claim_retention() == []
+    settings.INBOX = {**settings.INBOX, "REDELIVERY_HORIZON": 7 * 86400}
+    settings.PAYMENTS = {**settings.PAYMENTS, "CLAIM_RETENTION": 8 * 86400}
+    assert checks.check_claim_retention() == []
+
+
+def test_claim_retention__malformed_is_an_error(settings):
+    settings.PAYMENTS = {**settings.PAYMENTS, "CLAIM_RETENTION": "a year"}
+    assert ids(checks.check_claim_retention()) == ["payments.E008"]

@@ -1,0 +1,220 @@
+"""`fence_audit` against the real HTTP fake provider and real PostgreSQL.
+
+Transactional: the fence commits claims outside any transaction, and the
+subprocess runs of the command must see the committed rows.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+from django.core.management import call_command
+from django.core.management.base import CommandError
+from django.db import connection, transaction
+from django.utils import timezone
+
+from payments import fence
+from payments.management.commands.fence_audit import parse_since
+from payments.models import ClaimState, FenceAuditRun, Operation
+from payments.provider.client import ProviderClient
+from tests.conftest import run_worker
+from tests.observability.conftest import checkout
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def audit(*args: str) -> tuple[str, int]:
+    """Run the command; return its output and exit code (CommandError's returncode)."""
+    out = io.StringIO()
+    try:
+        call_command("fence_audit", *args, stdout=out)
+    except CommandError as exc:
+        return out.getvalue(), exc.returncode
+    return out.getvalue(), 0
+
+
+def plant(metadata: dict[str, str], idempotency_key: str) -> str:
+    """Charge at the provider directly, outside the fence; return the intent id."""
+    with ProviderClient.from_settings() as client:
+        intent = client.create_payment_intent(
+            amount=1999,
+            currency="eur",
+            payment_method="pm_card_visa",
+            metadata=metadata,
+            idempotency_key=idempotency_key,
+        )
+    assert intent.status == "succeeded"
+    return intent.id
+
+
+def new_operation(key: str) -> Operation:
+    with transaction.atomic():
+        op, _ = fence.create_operation_in_tx(
+            key=key, kind="checkout", entity_type="order", entity_id=1, params={}, actor="test"
+        )
+    return op
+
+
+def test_fence_audit__clean_after_a_normal_checkout(provider, queue):
+    _, op = checkout()
+    run_worker(queue)
+
+    output, code = audit("--since", "1h")
+
+    assert code == 0, output
+    assert "Clean" in output
+    run = FenceAuditRun.objects.get()
+    assert run.exit_code == 0
+    assert run.summary["clean"] is True
+    assert run.summary["provider_successes"] == 1
+    assert run.window_start < run.started_at <= run.finished_at
+
+
+def test_fence_audit__finds_a_planted_double_charge(provider, queue):
+    step = {"operation_key": "checkout:order:9999", "step": "charge"}
+    first = plant(step, "planted-key-1")
+    second = plant(step, "planted-key-2")
+
+    output, code = audit()
+
+    assert code == 1
+    assert "double charges): 1" in output
+    assert first in output and second in output
+    summary = FenceAuditRun.objects.get().summary
+    assert summary["double_charges"] == [
+        {
+            "operation_key": "checkout:order:9999",
+            "step": "charge",
+            "references": sorted([first, second]),
+        }
+    ]
+    assert sorted(summary["unfenced"]) == sorted([first, second])
+
+
+def test_fence_audit__a_second_charge_beside_a_fenced_one_is_double_and_unfenced(provider, queue):
+    _, op = checkout()
+    run_worker(queue)
+    fenced = op.claims.get(step="charge").provider_reference
+    extra = plant({"operation_key": op.key, "step": "charge"}, "a-call-without-a-claim")
+
+    output, code = audit("--format", "json")
+
+    report = json.loads(output)
+    assert code == report["exit_code"] == 1
+    assert report["double_charges"][0]["references"] == sorted([fenced, extra])
+    assert report["unfenced"] == [extra]
+    assert report["steps"][extra] == f"{op.key}/charge"
+
+
+def test_fence_audit__finds_a_planted_unfenced_charge(provider, queue):
+    op = new_operation("checkout:order:unfenced")  # an operation with no done claim
+    planted = plant({"operation_key": op.key, "step": "charge"}, "unfenced-key")
+
+    output, code = audit()
+
+    assert code == 1
+    assert "Provider successes without a done claim: 1" in output
+    assert f"{planted}  {op.key}/charge" in output
+    summary = FenceAuditRun.objects.get().summary
+    assert (summary["unfenced"], summary["double_charges"]) == ([planted], [])
+
+
+def test_fence_audit__a_done_claim_the_provider_does_not_know(provider, queue):
+    op = new_operation("checkout:order:ghost")
+    claim = fence.claim_step(op, "charge", owner="test", lease_seconds=30).claim
+    fence.settle_claim(claim, ClaimState.DONE, actor="test", reference="pi_nowhere")
+
+    output, code = audit()
+
+    assert code == 1
+    assert "pi_nowhere" in output
+    assert FenceAuditRun.objects.get().summary["unknown_references"] == ["pi_nowhere"]
+
+
+def test_fence_audit__uncertain_claims_past_the_grace_are_found_whatever_the_window(
+    provider, queue
+):
+    op = new_operation("checkout:order:unsure")
+    claim = fence.claim_step(op, "charge", owner="test", lease_seconds=30).claim
+    fence.settle_claim(claim, ClaimState.UNCERTAIN, actor="test", error="read timeout")
+    claim.__class__.objects.filter(pk=claim.pk).update(
+        claimed_at=timezone.now() - timedelta(days=3)
+    )
+
+    output, code = audit("--since", "30m")
+
+    assert code == 1
+    assert f"{op.key}/charge" in output
+    assert FenceAuditRun.objects.get().summary["stale_uncertain"] == [f"{op.key}/charge"]
+
+
+def test_fence_audit__exits_2_when_the_provider_is_down(settings, closed_port):
+    settings.PAYMENTS = {
+        **settings.PAYMENTS,
+        "PROVIDER_URL": f"http://127.0.0.1:{closed_port}",
+        "PROVIDER_CONNECT_TIMEOUT": 0.5,
+        "PROVIDER_READ_TIMEOUT": 1.0,
+    }
+
+    output, code = audit()
+
+    assert code == 2
+    run = FenceAuditRun.objects.get()
+    assert run.exit_code == 2
+    assert "provider could not be read" in run.summary["error"]
+
+
+@pytest.mark.parametrize("value", ["", "24", "h", "0h", "5w", "-1d", "1.5h", "24 hours"])
+def test_fence_audit__refuses_a_bad_since(value):
+    with pytest.raises(CommandError, match="--since"):
+        parse_since(value)
+    assert not FenceAuditRun.objects.exists()
+
+
+def test_fence_audit__since_accepts_minutes_hours_days():
+    assert parse_since("30m") == timedelta(minutes=30)
+    assert parse_since("24h") == timedelta(hours=24)
+    assert parse_since("7d") == timedelta(days=7)
+
+
+def _manage(*args: str, provider_url: str) -> subprocess.CompletedProcess:
+    db = connection.settings_dict
+    env = {
+        **os.environ,
+        "DATABASE_URL": f"postgres://{db['USER']}@{db['HOST']}:{db['PORT']}/{db['NAME']}",
+        "PAYMENT_PROVIDER_URL": provider_url,
+        "PROVIDER_CONNECT_TIMEOUT": "0.5",
+        "PROVIDER_READ_TIMEOUT": "1",
+    }
+    return subprocess.run(
+        [sys.executable, "manage.py", "fence_audit", *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def test_fence_audit__process_exit_codes_are_0_1_and_2(provider, queue, closed_port):
+    clean = _manage("--since", "1h", provider_url=provider.url)
+    plant({"operation_key": "checkout:order:7", "step": "charge"}, "k-a")
+    plant({"operation_key": "checkout:order:7", "step": "charge"}, "k-b")
+    found = _manage("--format", "json", provider_url=provider.url)
+    down = _manage(provider_url=f"http://127.0.0.1:{closed_port}")
+
+    assert clean.returncode == 0, clean.stderr
+    assert found.returncode == 1, found.stderr
+    assert json.loads(found.stdout)["double_charges"]  # stdout stays pure JSON
+    assert down.returncode == 2, down.stderr
+    assert "provider could not be read" in down.stderr
+    assert list(FenceAuditRun.objects.values_list("exit_code", flat=True)) == [2, 1, 0]

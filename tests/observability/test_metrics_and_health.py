@@ -1,0 +1,179 @@
+"""The Prometheus endpoint (auth, names, values after a run) and /healthz."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+from django.contrib.auth import get_user_model
+from django.core.management import call_command
+from prometheus_client.parser import text_string_to_metric_families
+
+from inbox.handlers import inbox_guard
+from payments.metrics import COUNTER_PREFIX
+from payments.models import ClaimState, Operation, OperationState, StepClaim
+from tests.conftest import run_worker
+from tests.observability.conftest import checkout
+
+TOKEN = "metrics-token-for-tests-0123456789"
+
+pytestmark = pytest.mark.django_db(transaction=True)  # workers commit before provider calls
+
+
+def scrape(client, token: str = TOKEN) -> dict[tuple[str, tuple], float]:
+    response = client.get("/metrics", HTTP_AUTHORIZATION=f"Bearer {token}")
+    assert response.status_code == 200, response.content
+    assert response["Content-Type"].startswith("text/plain")
+    samples = {}
+    for family in text_string_to_metric_families(response.content.decode()):
+        for sample in family.samples:
+            samples[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return samples
+
+
+def value(samples, name: str, **labels: str) -> float:
+    return samples[(name, tuple(sorted(labels.items())))]
+
+
+@pytest.fixture
+def metrics_token(settings) -> str:
+    settings.METRICS_TOKEN = TOKEN
+    return TOKEN
+
+
+# --- protection ---------------------------------------------------------------------
+
+
+def test_metrics__refuses_without_credentials_or_with_a_wrong_token(client, metrics_token):
+    anonymous = client.get("/metrics")
+    wrong = client.get("/metrics", HTTP_AUTHORIZATION="Bearer not-the-token")
+    assert (anonymous.status_code, wrong.status_code) == (401, 401)
+    assert anonymous["WWW-Authenticate"].startswith("Bearer")
+    assert b"payments_" not in anonymous.content + wrong.content
+
+
+def test_metrics__no_token_configured_means_no_bearer_access(client, settings, redis_conn):
+    settings.METRICS_TOKEN = ""
+    assert client.get("/metrics", HTTP_AUTHORIZATION="Bearer ").status_code == 401
+
+
+def test_metrics__staff_session_may_read_other_users_may_not(client, settings, redis_conn):
+    settings.METRICS_TOKEN = ""
+    users = get_user_model().objects
+    client.force_login(users.create_user("clerk", is_staff=False))
+    assert client.get("/metrics").status_code == 403
+    client.force_login(users.create_user("ops", is_staff=True))
+    assert client.get("/metrics").status_code == 200
+
+
+# --- values -------------------------------------------------------------------------
+
+
+def test_metrics__names_and_values_after_a_run(client, metrics_token, provider, queue):
+    provider.state.enqueue_faults("fail_before", 1)  # the first charge is refused once
+    checkout()
+    checkout(pm="pm_card_chargeDeclined")
+    checkout()
+    run_worker(queue)
+    with inbox_guard("emails", "message-1") as first:
+        assert first
+    with inbox_guard("emails", "message-1") as again:  # a redelivery: skipped and counted
+        assert not again
+
+    samples = scrape(client)
+
+    # Gauges mirror the rows (other handlers, e.g. follow-ups, may add their own).
+    for state in ClaimState:
+        count = StepClaim.objects.filter(state=state).count()
+        assert value(samples, "payments_step_claims", state=state) == count, state
+    for state in OperationState:
+        count = Operation.objects.filter(state=state).count()
+        assert value(samples, "payments_operations", state=state) == count, state
+    assert value(samples, "payments_step_claims", state="done") >= 8
+    assert value(samples, "payments_operations", state="failed") == 1
+    assert value(samples, "payments_oldest_uncertain_claim_age_seconds") == 0
+    assert value(samples, "payments_provider_calls_total", outcome="success") == 2
+    assert value(samples, "payments_provider_calls_total", outcome="permanent") == 1
+    assert value(samples, "payments_provider_calls_total", outcome="transient") == 1
+    assert value(samples, "payments_provider_calls_total", outcome="uncertain") == 0
+    assert value(samples, "payments_operation_retries_total") == 1
+    assert value(samples, "inbox_duplicates_skipped_total", consumer="emails") == 1
+    assert value(samples, "rq_jobs", queue="payments", status="failed") == 0
+    assert value(samples, "rq_jobs", queue="payments", status="queued") == 0
+    assert value(samples, "payments_metrics_source_up", source="database") == 1
+    assert value(samples, "payments_metrics_source_up", source="redis") == 1
+    assert ("payments_fence_audit_last_exit_code", ()) not in samples  # no audit yet
+
+
+def test_metrics__counters_live_in_redis_and_survive_the_process(client, metrics_token, queue):
+    # What a work horse that has since exited left behind.
+    queue.connection.hincrby(COUNTER_PREFIX + "payments_provider_calls_total", "uncertain", 3)
+
+    samples = scrape(client)
+
+    assert value(samples, "payments_provider_calls_total", outcome="uncertain") == 3
+
+
+def test_metrics__an_uncertain_claim_shows_its_age(client, metrics_token, provider, queue):
+    provider.state.configure(slow_delay=1.5)  # longer than the 1 s read timeout
+    provider.state.enqueue_faults("slow", 1)
+    _, op = checkout()
+    run_worker(queue)
+    op.claims.filter(step="charge").update(claimed_at=op.created_at.replace(year=2000))
+
+    samples = scrape(client)
+
+    assert value(samples, "payments_operations", state="uncertain") == 1
+    assert value(samples, "payments_step_claims", state="uncertain") == 1
+    assert value(samples, "payments_oldest_uncertain_claim_age_seconds") > 365 * 86400
+    assert value(samples, "payments_provider_calls_total", outcome="uncertain") == 1
+    assert provider.state.wait_idle(timeout=5)
+
+
+def test_metrics__the_last_fence_audit_is_exposed(client, metrics_token, provider, redis_conn):
+    call_command("fence_audit", "--since", "1h", stdout=io.StringIO())
+
+    samples = scrape(client)
+
+    assert value(samples, "payments_fence_audit_last_exit_code") == 0
+    assert value(samples, "payments_fence_audit_last_run_timestamp_seconds") > 0
+
+
+def test_metrics__an_unreachable_redis_is_reported_not_fatal(
+    client, metrics_token, settings, closed_port
+):
+    settings.RQ_QUEUES = {"payments": {"URL": f"redis://127.0.0.1:{closed_port}/15"}}
+
+    samples = scrape(client)
+
+    assert value(samples, "payments_metrics_source_up", source="redis") == 0
+    assert value(samples, "payments_metrics_source_up", source="database") == 1
+    assert ("payments_step_claims", (("state", "done"),)) in samples
+
+
+# --- /healthz -----------------------------------------------------------------------
+
+
+def test_healthz__ok_when_database_and_redis_answer(client, redis_conn):
+    response = client.get("/healthz")
+
+    assert response.status_code == 200
+    assert response.json() == {"status": "ok", "database": "ok", "redis": "ok"}
+    assert "no-cache" in response["Cache-Control"] or "max-age=0" in response["Cache-Control"]
+
+
+def test_healthz__503_naming_redis_when_it_is_unreachable(client, settings, closed_port):
+    settings.RQ_QUEUES = {
+        "payments": {"URL": f"redis://:pw-{closed_port}@127.0.0.1:{closed_port}/15"}
+    }
+
+    response = client.get("/healthz")
+
+    assert response.status_code == 503
+    assert response.json() == {"status": "error", "database": "ok", "redis": "unreachable"}
+    assert str(closed_port) not in response.content.decode()  # no URL, no password
+
+
+def test_healthz__needs_no_authentication_and_answers_only_get(client, redis_conn):
+    assert client.post("/healthz").status_code == 405
+    assert client.head("/healthz").status_code == 200
