@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 
 import django_rq
 from django.db import transaction
@@ -44,8 +44,9 @@ alerts = logging.getLogger("payments.alerts")
 
 #: A freshly dispatched operation is left alone this long before it counts as lost.
 DISPATCH_GRACE = timedelta(seconds=10)
-#: A scheduled retry this late means no scheduler is running: deliver it anew.
-SCHEDULED_GRACE = timedelta(seconds=60)
+#: A scheduled job this late means no scheduler picked it up (none runs, or the one
+#: holding RQ's scheduler lock died and the lock has not expired): deliver it anew.
+SCHEDULED_GRACE = timedelta(seconds=15)
 
 
 @dataclass
@@ -73,7 +74,9 @@ def job_is_live(op: Operation, now: datetime) -> bool:
         if op.state == OperationState.RUNNING:
             # The lease outlives the job timeout: once it ran out, no horse runs the job.
             return op.lease_expires_at is not None and op.lease_expires_at > now
-        started = job.started_at.replace(tzinfo=timezone.utc) if job.started_at else None
+        started = job.started_at
+        if started is not None and started.tzinfo is None:  # rq stores naive UTC
+            started = started.replace(tzinfo=UTC)
         limit = timedelta(seconds=payments_setting("CLAIM_LEASE"))
         return started is not None and now - started < limit
     return False
@@ -154,7 +157,12 @@ def reconcile(
         if dry_run:
             report.add("would_check", op.key)
             continue
-        report.add(settle_one(claim, actor=actor), op.key)
+        try:
+            outcome = settle_one(claim, actor=actor)
+        except Exception:  # one bad claim must not stop the others from settling
+            logger.exception("reconciling %s/%s failed", op.key, claim.step)
+            outcome = "error"
+        report.add(outcome, op.key)
     return report
 
 

@@ -30,15 +30,24 @@ class Command(BaseCommand):
             signal.signal(sig, lambda *_: stop.set())
         while not stop.is_set():
             close_old_connections()
+            # Each half runs even when the other fails (Redis down must not stop
+            # reconciliation, a provider outage must not stop the sweep).
             try:
                 swept = sweep()
-                settled = reconcile()
-            except Exception as exc:  # Redis or the DB is down: say so, try again next round
-                self.stderr.write(f"recovery round failed: {type(exc).__name__}: {exc}")
+            except Exception as exc:
+                self.stderr.write(f"sweep failed: {type(exc).__name__}: {exc}")
             else:
-                if swept.dispatched or settled.examined or options["verbosity"] >= 2:
+                if swept.dispatched or options["verbosity"] >= 2:
                     self.stdout.write(
-                        f"swept {len(swept.dispatched)} of {swept.examined} due; "
+                        f"swept {len(swept.dispatched)} of {swept.examined} due operations"
+                    )
+            try:
+                settled = reconcile()
+            except Exception as exc:
+                self.stderr.write(f"reconcile failed: {type(exc).__name__}: {exc}")
+            else:
+                if settled.examined or options["verbosity"] >= 2:
+                    self.stdout.write(
                         f"reconciled {settled.examined}: "
                         + ", ".join(f"{len(k)} {o}" for o, k in sorted(settled.outcomes.items()))
                     )
