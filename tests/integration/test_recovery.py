@@ -1,0 +1,235 @@
+"""The reconciler and the sweeper against the real fake provider and real Redis.
+
+Transactional: the fence commits claims before provider calls, and the
+reconciler reads what workers committed.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+from django.utils import timezone
+from rq.job import JobStatus
+
+from payments import fence
+from payments.checkout import request_checkout
+from payments.dispatch import dispatch
+from payments.jobs import run_operation
+from payments.models import ClaimState, Operation, OperationState, Order, OrderStatus
+from payments.orders import create_order
+from payments.provider.client import ProviderClient
+from payments.recovery import job_is_live, reconcile, sweep
+from tests.conftest import run_worker
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+def uncertain_checkout(provider, queue, *, key: str = "rec-1", card: str = "pm_card_visa"):
+    """A checkout whose charge answer was lost (accepted, then the connection dropped)."""
+    provider.state.enqueue_faults("drop_after_accept", 1)
+    order = create_order(amount=4200, currency="eur", email="rec@example.com")
+    op, _ = request_checkout(order_id=order.pk, key=key, payment_method=card, actor="test")
+    run_worker(queue)
+    op.refresh_from_db()
+    assert op.state == OperationState.UNCERTAIN
+    return order, op
+
+
+def charges(provider, op: Operation) -> int:
+    return provider.state.succeeded_count(metadata={"operation_key": op.key})
+
+
+def test_reference_found_succeeded__step_done_and_operation_finishes(provider, queue):
+    order, op = uncertain_checkout(provider, queue)
+    intent = provider.state.intents(metadata={"operation_key": op.key})[0]
+    op.claims.filter(step="charge").update(provider_reference=intent["id"])
+
+    report = reconcile()
+    run_worker(queue)
+
+    assert report.count("done") == 1
+    op.refresh_from_db()
+    order.refresh_from_db()
+    assert op.state == OperationState.SUCCEEDED
+    assert order.status == OrderStatus.PAID
+    assert charges(provider, op) == 1
+    assert provider.state.stats()["create_requests"] == 1  # looked up, not called again
+
+
+def test_reference_found_declined__step_and_operation_fail(provider, queue):
+    order, op = uncertain_checkout(provider, queue, card="pm_card_chargeDeclined")
+    intent = provider.state.intents(metadata={"operation_key": op.key})[0]
+    op.claims.filter(step="charge").update(provider_reference=intent["id"])
+
+    report = reconcile()
+
+    assert report.count("failed") == 1
+    op.refresh_from_db()
+    order.refresh_from_db()
+    assert op.state == OperationState.FAILED
+    assert op.claims.get(step="charge").state == ClaimState.FAILED
+    assert order.status == OrderStatus.PAYMENT_FAILED
+
+
+def test_replay_with_the_same_key__returns_the_original_charge(provider, queue):
+    order, op = uncertain_checkout(provider, queue)
+
+    report = reconcile()
+    run_worker(queue)
+
+    assert report.count("done") == 1
+    claim = op.claims.get(step="charge")
+    assert claim.provider_reference == provider.state.intents()[0]["id"]
+    assert provider.state.stats()["replays"] == 1
+    assert charges(provider, op) == 1
+
+
+def test_not_found_within_grace__stays_uncertain_then_needs_review_after(
+    provider, queue, settings
+):
+    order, op = uncertain_checkout(provider, queue)
+    provider.state.reset()  # the provider lost it, or search has not caught up
+    # Older than the provider's key retention: a replay could charge anew, so
+    # only a search is allowed.
+    old = timezone.now() - timedelta(hours=23, minutes=30)
+    op.claims.filter(step="charge").update(claimed_at=old)
+    settings.PAYMENTS = {**settings.PAYMENTS, "RECONCILE_GRACE": 48 * 3600}
+
+    within = reconcile()
+
+    assert within.count("still_uncertain") == 1
+    op.refresh_from_db()
+    assert op.state == OperationState.UNCERTAIN
+    assert provider.state.stats()["create_requests"] == 0
+
+    settings.PAYMENTS = {**settings.PAYMENTS, "RECONCILE_GRACE": 3600}
+    after = reconcile()
+
+    assert after.count("needs_review") == 1
+    op.refresh_from_db()
+    assert op.state == OperationState.NEEDS_REVIEW
+    assert op.claims.get(step="charge").state == ClaimState.UNCERTAIN
+    assert provider.state.stats()["create_requests"] == 0  # never a new charge
+
+
+def test_provider_down_during_reconciliation__stays_uncertain_without_crashing(provider, queue):
+    order, op = uncertain_checkout(provider, queue)
+    provider.stop()
+
+    report = reconcile()
+
+    assert report.count("retry_later") == 1
+    op.refresh_from_db()
+    assert op.state == OperationState.UNCERTAIN
+    assert op.claims.get(step="charge").state == ClaimState.UNCERTAIN
+
+
+def test_reconciler_never_replays_for_a_failed_operation(provider, queue):
+    """An operation that gave up may only be looked up: a replay could charge it now."""
+    provider.state.enqueue_faults("fail_before", 3)
+    order = create_order(amount=100, currency="eur", email="x@example.com")
+    op, _ = request_checkout(order_id=order.pk, key="gave-up", payment_method="pm_card_visa",
+                             actor="test")
+    run_worker(queue)
+    op.refresh_from_db()
+    assert op.state == OperationState.FAILED
+    op.claims.filter(step="charge").update(state=ClaimState.CLAIMED, lease_expires_at=None)
+
+    reconcile()
+
+    assert provider.state.stats()["create_requests"] == 3  # lookups only afterwards
+    assert charges(provider, op) == 0
+
+
+def test_sweeper_after_a_redis_flush__every_operation_finishes_once(provider, queue, redis_conn):
+    orders = [create_order(amount=100 + i, currency="eur", email="s@example.com")
+              for i in range(5)]
+    ops = [request_checkout(order_id=o.pk, key=f"flush-{o.pk}", payment_method="pm_card_visa",
+                            actor="test")[0] for o in orders]
+    redis_conn.flushdb()  # every queued job is gone
+    Operation.objects.update(dispatched_at=timezone.now() - timedelta(minutes=1))
+
+    report = sweep()
+    run_worker(queue)
+
+    assert len(report.dispatched) == 5
+    for op in ops:
+        op.refresh_from_db()
+        assert op.state == OperationState.SUCCEEDED
+        assert charges(provider, op) == 1
+    assert Order.objects.filter(status=OrderStatus.PAID).count() == 5
+
+
+def test_sweeper_leaves_live_jobs_alone(provider, queue):
+    order = create_order(amount=100, currency="eur", email="s@example.com")
+    op, _ = request_checkout(order_id=order.pk, key="live", payment_method="pm_card_visa",
+                             actor="test")
+    Operation.objects.update(dispatched_at=timezone.now() - timedelta(minutes=1))
+
+    report = sweep(dry_run=True)
+
+    assert report.live == 1 and report.dispatched == []
+    assert queue.count == 1
+
+
+def test_started_job_of_a_dead_worker__is_not_live_once_the_lease_ran_out(provider, queue):
+    order = create_order(amount=100, currency="eur", email="s@example.com")
+    op, _ = request_checkout(order_id=order.pk, key="dead", payment_method="pm_card_visa",
+                             actor="test")
+    job = queue.fetch_job(Operation.objects.get(pk=op.pk).job_id)
+    job.set_status(JobStatus.STARTED)
+    now = timezone.now()
+    Operation.objects.filter(pk=op.pk).update(
+        state=OperationState.RUNNING, lease_owner="dead/1", lease_expires_at=now + timedelta(5)
+    )
+    assert job_is_live(Operation.objects.get(pk=op.pk), now)
+
+    Operation.objects.filter(pk=op.pk).update(lease_expires_at=now - timedelta(seconds=1))
+
+    assert not job_is_live(Operation.objects.get(pk=op.pk), now)
+    assert [k for k in sweep().dispatched] == ["dead"]
+
+
+def test_deferred_job__meets_a_live_lease_and_schedules_a_recheck(provider, queue):
+    order = create_order(amount=100, currency="eur", email="s@example.com")
+    op, _ = request_checkout(order_id=order.pk, key="busy", payment_method="pm_card_visa",
+                             actor="test")
+    held = fence.acquire_lease(op.pk, owner="other-worker/1", seconds=30)
+    assert held.acquired
+
+    run_worker(queue)
+
+    op.refresh_from_db()
+    assert op.state == OperationState.RUNNING  # untouched: the other worker owns it
+    assert op.attempts == 0
+    scheduled = queue.scheduled_job_registry.get_job_ids()
+    assert scheduled == [op.job_id]
+    assert provider.state.stats()["create_requests"] == 0
+
+
+def test_requeue_from_failed_registry_after_success__charges_nothing(provider, queue):
+    order = create_order(amount=100, currency="eur", email="s@example.com")
+    op, _ = request_checkout(order_id=order.pk, key="requeue", payment_method="pm_card_visa",
+                             actor="test")
+    run_worker(queue)
+    stale = queue.enqueue(run_operation, op.pk)  # an old job an operator requeues
+    run_worker(queue)
+
+    assert queue.fetch_job(stale.id).return_value() == "skipped:succeeded"
+    assert charges(provider, op) == 1
+
+
+def test_dispatch_for_an_unknown_operation_is_an_error(provider, queue):
+    with pytest.raises(Operation.DoesNotExist):
+        dispatch(123456789)
+
+
+def test_client_lists_every_charge_of_the_run(provider, queue):
+    for i in range(3):
+        order = create_order(amount=100 + i, currency="eur", email="s@example.com")
+        request_checkout(order_id=order.pk, key=f"list-{i}", payment_method="pm_card_visa",
+                         actor="test")
+    run_worker(queue)
+    client = ProviderClient(provider.url, "sk_test_x", connect_timeout=1, read_timeout=2)
+    assert len(list(client.list_payment_intents(limit=2))) == 3
