@@ -258,6 +258,7 @@ def claim_step(
                 if provider_call
                 else "",
                 request=request,
+                attempts=1,  # the claimant acts at once; each take-over adds one
                 claimed_by=owner,
                 claimed_at=now,
                 lease_expires_at=now + timedelta(seconds=lease_seconds),
@@ -311,7 +312,8 @@ def take_over_claim(claim: StepClaim, *, owner: str, lease_seconds: int) -> Step
         previous = row.claimed_by
         row.claimed_by = owner
         row.lease_expires_at = now + timedelta(seconds=lease_seconds)
-        row.save(update_fields=["claimed_by", "lease_expires_at", "updated_at"])
+        row.attempts += 1
+        row.save(update_fields=["claimed_by", "lease_expires_at", "attempts", "updated_at"])
         if previous and previous != owner:
             record_event_in_tx(
                 row.operation,
@@ -322,12 +324,6 @@ def take_over_claim(claim: StepClaim, *, owner: str, lease_seconds: int) -> Step
                 reason=f"taken over from {previous}",
             )
     return row
-
-
-def count_call_in_tx(claim: StepClaim) -> None:
-    """Count one external call under the claim. Runs inside the caller's transaction."""
-    StepClaim.objects.filter(pk=claim.pk).update(attempts=claim.attempts + 1)
-    claim.attempts += 1
 
 
 def settle_claim(

@@ -140,6 +140,7 @@ class StepClaim(models.Model):
     request = models.JSONField(null=True, blank=True)
     result = models.JSONField(null=True, blank=True)
     error = models.TextField(blank=True)
+    #: Times a worker acted under this claim (the first call, then each take-over).
     attempts = models.PositiveIntegerField(default=0)
     claimed_by = models.CharField(max_length=255)
     claimed_at = models.DateTimeField()

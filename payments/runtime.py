@@ -110,8 +110,6 @@ class Run:
                 )
                 return result
             resend = True
-        with transaction.atomic():
-            fence.count_call_in_tx(claim)
         try:
             result = dict(func() or {})
         except Exception as exc:  # the effect's own failure; the policy decides

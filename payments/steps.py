@@ -14,7 +14,6 @@ import logging
 from datetime import timedelta
 from typing import Any
 
-from django.db import transaction
 from django.utils import timezone
 
 from payments import fence, telemetry
@@ -120,8 +119,6 @@ def reconcile_step(
 def call_effect(claim: StepClaim, effect: ExternalEffect, *, actor: str) -> dict[str, Any]:
     """Call the provider with the claim's stored request and key; record what came back."""
     op_key, step = claim.operation.key, claim.step
-    with transaction.atomic():
-        fence.count_call_in_tx(claim)
     failpoint(AFTER_CLAIM_COMMIT)
     try:
         answer = effect.perform(claim.request or {}, claim.idempotency_key)

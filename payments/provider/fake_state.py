@@ -51,6 +51,7 @@ class FakeConfig:
     fail_after_rate: float = 0.0
     rate_limit_rate: float = 0.0
     slow_delay: float = 12.0  # longer than the client's default 10 s read timeout
+    latency: float = 0.0  # seconds every create takes, as a real provider's does
     search_lag: float = 0.0
     key_retention: float = 86400.0
 
@@ -61,7 +62,7 @@ class FakeConfig:
                 raise ValueError(f"{name} must be between 0 and 1")
         if sum(float(getattr(self, name)) for name in RATE_FIELDS) > 1.0:
             raise ValueError("fault rates must add up to at most 1")
-        for name in ("slow_delay", "search_lag", "key_retention"):
+        for name in ("slow_delay", "latency", "search_lag", "key_retention"):
             if float(getattr(self, name)) < 0:
                 raise ValueError(f"{name} must not be negative")
 
@@ -227,6 +228,8 @@ class FakeState:
         lookup lets the request execute, as at Stripe.
         """
         fingerprint = tuple(sorted(params))
+        if self.config.latency:
+            sleep(self.config.latency)  # outside the lock: concurrent requests overlap
         with self._cond:
             self._stats.create_requests += 1
             if idempotency_key is not None:

@@ -54,6 +54,12 @@ class Command(BaseCommand):
             help="Seconds a 'slow' fault waits before answering (default 12, above the 10 s read timeout).",
         )
         parser.add_argument(
+            "--latency",
+            type=float,
+            default=0.0,
+            help="Seconds every create request takes (default 0; Stripe's take hundreds of ms).",
+        )
+        parser.add_argument(
             "--search-lag",
             type=float,
             default=0.0,
@@ -80,7 +86,7 @@ class Command(BaseCommand):
                 )
         if sum(rates.values()) > 1.0:
             raise CommandError("The fault rates must add up to at most 1.")
-        for name in ("slow_delay", "search_lag", "key_retention"):
+        for name in ("slow_delay", "latency", "search_lag", "key_retention"):
             if options[name] < 0:
                 raise CommandError(f"--{name.replace('_', '-')} must not be negative.")
 
@@ -91,6 +97,7 @@ class Command(BaseCommand):
                 api_key=options["api_key"],
                 seed=options["seed"],
                 slow_delay=options["slow_delay"],
+                latency=options["latency"],
                 search_lag=options["search_lag"],
                 key_retention=options["key_retention"],
                 **rates,
