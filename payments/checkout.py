@@ -71,7 +71,7 @@ def request_checkout(
         if created:
             order.status = OrderStatus.PROCESSING
             order.save(update_fields=["status", "updated_at"])
-            dispatch_on_commit(op.pk)
+            dispatch_on_commit(op)
     return op, created
 
 

@@ -300,7 +300,11 @@ def take_over_claim(claim: StepClaim, *, owner: str, lease_seconds: int) -> Step
     """
     now = timezone.now()
     with transaction.atomic():
-        row = StepClaim.objects.select_for_update().get(pk=claim.pk)
+        row = (
+            StepClaim.objects.select_for_update(of=("self",))
+            .select_related("operation")
+            .get(pk=claim.pk)
+        )
         live = (
             row.state == ClaimState.CLAIMED
             and row.lease_expires_at is not None
@@ -339,7 +343,11 @@ def settle_claim(
     """Record a claim's outcome (done, failed, uncertain) with its reference, audited."""
     now = timezone.now()
     with transaction.atomic():
-        row = StepClaim.objects.select_for_update().get(pk=claim.pk)
+        row = (
+            StepClaim.objects.select_for_update(of=("self",))
+            .select_related("operation")
+            .get(pk=claim.pk)
+        )
         if row.state in (ClaimState.DONE, ClaimState.FAILED) and row.state != state:
             raise InvalidTransition(
                 f"claim {row.operation_id}/{row.step} is already {row.state}, not {state}"

@@ -59,7 +59,7 @@ def write_follow_ups_in_tx(order: Order, reference: str, *, parent_key: str, act
             actor=actor,
         )
         if created:
-            dispatch_on_commit(op.pk)
+            dispatch_on_commit(op)
 
 
 @inbox_handler(consumer="ledger")

@@ -18,7 +18,10 @@ def run_operation(operation_id: int) -> str:
     """Run one operation under the fence; return what became of it."""
     job = get_current_job()
     _check(operation_id, job)
-    outcome = runtime.execute(operation_id, worker_id=_worker_id(job), job=job)
+    try:
+        outcome = runtime.execute(operation_id, worker_id=_worker_id(job), job=job)
+    except Operation.DoesNotExist:
+        _malformed(job, f"operation {operation_id} does not exist")
     failpoint(AFTER_RECORD_COMMIT)
     if outcome == "deferred":  # another worker's live lease or claim: look again after it
         op = Operation.objects.get(pk=operation_id)
@@ -31,7 +34,10 @@ def deliver_follow_up(operation_id: int) -> str:
     """Deliver one follow-up message through the inbox; return what became of it."""
     job = get_current_job()
     _check(operation_id, job)
-    outcome = followups.deliver(operation_id, worker_id=_worker_id(job), job=job)
+    try:
+        outcome = followups.deliver(operation_id, worker_id=_worker_id(job), job=job)
+    except Operation.DoesNotExist:
+        _malformed(job, f"operation {operation_id} does not exist")
     failpoint(AFTER_INBOX_COMMIT)
     return outcome
 
@@ -41,13 +47,13 @@ def _worker_id(job: Any) -> str:
 
 
 def _check(operation_id: object, job: Any) -> None:
-    """Fail a malformed job at once: straight to the failed registry, no retry."""
+    """Fail a job whose argument is not an operation id: no retry can fix it."""
     if isinstance(operation_id, bool) or not isinstance(operation_id, int):
-        reason = f"takes an operation id, got {type(operation_id).__name__}"
-    elif not Operation.objects.filter(pk=operation_id).exists():
-        reason = f"operation {operation_id} does not exist"
-    else:
-        return
+        _malformed(job, f"takes an operation id, got {type(operation_id).__name__}")
+
+
+def _malformed(job: Any, reason: str) -> None:
+    """Send a malformed job straight to the failed registry, visibly."""
     if job is not None:
-        job.retries_left = 0  # retrying cannot fix the arguments
+        job.retries_left = 0
     raise MalformedJob(reason)

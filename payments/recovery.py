@@ -12,7 +12,6 @@ import logging
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 
-import django_rq
 from django.db import transaction
 from django.db.models import Q
 from django.utils import timezone
@@ -22,7 +21,7 @@ from rq.registry import StartedJobRegistry
 
 from payments import fence
 from payments.conf import payments_setting
-from payments.dispatch import dispatch, dispatch_on_commit
+from payments.dispatch import dispatch, dispatch_on_commit, payments_queue
 from payments.exceptions import (
     StepConflict,
     StepRefused,
@@ -60,7 +59,7 @@ def job_is_live(op: Operation, now: datetime) -> bool:
     """Tell whether the operation's last job will still run (or is running)."""
     if not op.job_id:
         return False
-    queue = django_rq.get_queue(payments_setting("QUEUE"))
+    queue = payments_queue()
     try:
         job = Job.fetch(op.job_id, connection=queue.connection)
     except NoSuchJobError:
@@ -95,7 +94,7 @@ def due_operations(now: datetime) -> Q:
 
 def sweep(*, dry_run: bool = False, batch_size: int = 500) -> SweepReport:
     """Re-enqueue due operations that have no live job."""
-    queue = django_rq.get_queue(payments_setting("QUEUE"))
+    queue = payments_queue()
     try:  # moves jobs of dead workers out of the started registry (RQ's own cleanup)
         StartedJobRegistry(queue=queue).cleanup()
     except Exception:  # Redis down: the sweep below fails loudly on its own
@@ -231,4 +230,4 @@ def _move(
         if on_failure is not None and state == OperationState.FAILED:
             on_failure(locked)
         if resume:
-            dispatch_on_commit(locked.pk)
+            dispatch_on_commit(locked)

@@ -194,7 +194,6 @@ def _finish(
         if state in (OperationState.SUCCEEDED, OperationState.NEEDS_REVIEW):
             fields.setdefault("last_error", "" if state == OperationState.SUCCEEDED else reason)
         fence.release_in_tx(locked, state, actor=worker_id, reason=reason[:500], **fields)
-    op.refresh_from_db()
     return True
 
 
