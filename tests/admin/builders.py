@@ -1,0 +1,141 @@
+"""Operations in the states a worker leaves them in, built through the fence's own functions.
+
+Used by the tests that do not run a worker (they run inside one test
+transaction, where a claim cannot commit before its call). Each builder does
+what the runtime would have done at that point, including the real call to
+the fake provider with the claim's stored request and idempotency key, so the
+provider holds exactly what a lost answer leaves behind.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+from django.db import transaction
+from django.utils import timezone
+
+from payments import fence
+from payments.charge import PaymentIntentCharge
+from payments.checkout import mark_order_failed, request_checkout
+from payments.models import ClaimState, Operation, OperationState, Order, OrderStatus, StepClaim
+from payments.orders import create_order
+from payments.provider.client import ProviderClient
+from payments.provider.errors import CardDeclined
+
+WORKER = "worker-1/4242"
+
+
+def new_checkout(key: str = "chk-1", *, pm: str = "pm_card_visa", amount: int = 1999) -> Operation:
+    """An order and its pending checkout operation (its job is enqueued on commit, never here)."""
+    order = create_order(amount=amount, currency="eur", email="buyer@example.com")
+    op, _ = request_checkout(order_id=order.pk, key=key, payment_method=pm, actor="api")
+    return op
+
+
+def claim_charge(op: Operation, *, age: timedelta = timedelta(0)) -> StepClaim:
+    """The charge claim as `claim_step` inserts it, its lease already run out, `age` old."""
+    now = timezone.now() - age
+    claim = StepClaim.objects.create(
+        operation=op,
+        step="charge",
+        state=ClaimState.CLAIMED,
+        idempotency_key=fence.derive_idempotency_key(op.key, "charge"),
+        request=PaymentIntentCharge(op).build_request(),
+        claimed_by=WORKER,
+        claimed_at=now,
+        lease_expires_at=now,
+        attempts=1,
+    )
+    return claim
+
+
+def call_provider(claim: StepClaim) -> tuple[str, str]:
+    """Send the claim's request with its key, as the worker did; return (reference, status)."""
+    request = claim.request
+    with ProviderClient.from_settings() as client:
+        try:
+            intent = client.create_payment_intent(
+                amount=request["amount"],
+                currency=request["currency"],
+                payment_method=request["payment_method"],
+                metadata=request["metadata"],
+                idempotency_key=claim.idempotency_key,
+            )
+        except CardDeclined as exc:
+            return exc.payment_intent_id or "", "declined"
+    return intent.id, intent.status
+
+
+def move(op: Operation, state: OperationState, *, reason: str = "", **fields) -> Operation:
+    with transaction.atomic():
+        locked = fence.locked_operation_in_tx(op.pk)
+        fence.release_in_tx(locked, state, actor=WORKER, reason=reason, **fields)
+        if state == OperationState.FAILED:
+            mark_order_failed(locked)
+    return locked
+
+
+def backdate(claim: StepClaim, age: timedelta) -> None:
+    """Make the claim look `age` old (its last write included)."""
+    then = timezone.now() - age
+    StepClaim.objects.filter(pk=claim.pk).update(claimed_at=then, updated_at=then)
+
+
+def uncertain(
+    key: str = "chk-1", *, charged: bool, pm: str = "pm_card_visa", age: timedelta = timedelta(0)
+) -> tuple[Operation, StepClaim, str]:
+    """The read timed out: claim and operation uncertain. Returns (op, claim, reference or "")."""
+    op = new_checkout(key, pm=pm)
+    claim = claim_charge(op)
+    reference = call_provider(claim)[0] if charged else ""
+    claim = fence.settle_claim(claim, ClaimState.UNCERTAIN, actor=WORKER, error="ReadTimeout")
+    move(op, OperationState.UNCERTAIN, reason="outcome unknown")
+    if age:
+        backdate(claim, age)
+    op.refresh_from_db()
+    claim.refresh_from_db()
+    return op, claim, reference
+
+
+def declined(key: str = "chk-1") -> tuple[Operation, StepClaim]:
+    """The provider declined the card: claim failed with its reference, operation failed."""
+    op = new_checkout(key, pm="pm_card_chargeDeclined")
+    claim = claim_charge(op)
+    reference, _ = call_provider(claim)
+    claim = fence.settle_claim(
+        claim, ClaimState.FAILED, actor=WORKER, reference=reference, error="refused: card_declined"
+    )
+    move(op, OperationState.FAILED, reason="card declined", last_error="card_declined")
+    op.refresh_from_db()
+    return op, claim
+
+
+def failed_after_charge(key: str = "chk-1") -> tuple[Operation, StepClaim]:
+    """Charged, then a bug failed the next step three times: operation failed, charge done."""
+    op = new_checkout(key)
+    claim = claim_charge(op)
+    reference, _ = call_provider(claim)
+    claim = fence.settle_claim(
+        claim, ClaimState.DONE, actor=WORKER, reference=reference, result={"reference": reference}
+    )
+    move(op, OperationState.FAILED, reason="gave up after 3 attempts", attempts=3)
+    op.refresh_from_db()
+    return op, claim
+
+
+def succeeded(key: str = "chk-1") -> tuple[Operation, StepClaim]:
+    """Charged and finished: operation succeeded, order paid."""
+    op = new_checkout(key)
+    claim = claim_charge(op)
+    reference, _ = call_provider(claim)
+    claim = fence.settle_claim(
+        claim, ClaimState.DONE, actor=WORKER, reference=reference, result={"reference": reference}
+    )
+    move(op, OperationState.SUCCEEDED, reason="all steps done")
+    Order.objects.filter(pk=op.params["order_id"]).update(status=OrderStatus.PAID)
+    op.refresh_from_db()
+    return op, claim
+
+
+def order_of(op: Operation) -> Order:
+    return Order.objects.get(pk=op.params["order_id"])

@@ -1,0 +1,43 @@
+"""Fixtures of the desk and admin tests: operators with their permissions, a logged-in client."""
+
+from __future__ import annotations
+
+import pytest
+from django.contrib.auth.models import Permission, User
+from django.test import Client
+
+VIEW = ("payments.view_operation", "payments.view_order", "payments.view_invoice")
+RECONCILE = "payments.reconcile_operation"
+NEW_ATTEMPT = "payments.start_new_attempt"
+
+
+def make_user(username: str, *perms: str, staff: bool = True) -> User:
+    """A staff user holding exactly `perms` (app_label.codename)."""
+    user = User.objects.create_user(username, password=f"pw-{username}-1x!", is_staff=staff)
+    for perm in perms:
+        app_label, codename = perm.split(".")
+        user.user_permissions.add(
+            Permission.objects.get(content_type__app_label=app_label, codename=codename)
+        )
+    return User.objects.get(pk=user.pk)  # a fresh instance: no stale permission cache
+
+
+@pytest.fixture
+def viewer(db) -> User:
+    return make_user("vera", *VIEW)
+
+
+@pytest.fixture
+def operator(db) -> User:
+    return make_user("alice", *VIEW, RECONCILE)
+
+
+@pytest.fixture
+def senior(db) -> User:
+    return make_user("sam", *VIEW, RECONCILE, NEW_ATTEMPT)
+
+
+def client_for(user: User) -> Client:
+    client = Client()
+    client.force_login(user)
+    return client

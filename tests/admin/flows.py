@@ -1,0 +1,70 @@
+"""Operations brought into shape by the real runtime: a worker in this process, real HTTP.
+
+For transactional tests only (a claim must commit before its call).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+import pytest
+from django.db import connection
+
+from payments.checkout import request_checkout
+from payments.models import Operation
+from payments.orders import create_order
+from tests.conftest import run_worker
+
+
+def checkout(key: str = "chk-1", pm: str = "pm_card_visa") -> Operation:
+    order = create_order(amount=2500, currency="eur", email="buyer@example.com")
+    op, _ = request_checkout(order_id=order.pk, key=key, payment_method=pm, actor="api")
+    return op
+
+
+def failed_by_invoice_bug(monkeypatch: pytest.MonkeyPatch, queue, key: str = "chk-1") -> Operation:
+    """Charged once, then a bug in the invoice step used up every attempt: failed, job failed."""
+
+    def broken_invoice(order_id: int, reference: str) -> dict:
+        raise RuntimeError("invoice numbering bug")
+
+    with monkeypatch.context() as patch:
+        patch.setattr("payments.checkout.issue_invoice", broken_invoice)
+        op = checkout(key)
+        run_worker(queue)
+    op.refresh_from_db()
+    return op
+
+
+def uncertain_after_read_timeout(provider, queue, key: str = "chk-1") -> Operation:
+    """The provider charged but its answer came after our read timeout: uncertain."""
+    provider.state.configure(slow_delay=1.5)  # longer than the 1 s read timeout
+    provider.state.enqueue_faults("slow", 1)
+    op = checkout(key)
+    run_worker(queue)
+    assert provider.state.wait_idle(timeout=5)  # the charge is stored at the provider
+    op.refresh_from_db()
+    return op
+
+
+def race(targets: list[Callable[[], object]]) -> list[object]:
+    """Run each target in its own thread (own DB connection), released by one Barrier."""
+    barrier = threading.Barrier(len(targets))
+    results: list[object] = [None] * len(targets)
+
+    def body(i: int) -> None:
+        try:
+            barrier.wait(timeout=10)
+            results[i] = targets[i]()
+        except Exception as exc:  # collected and asserted by the test
+            results[i] = exc
+        finally:
+            connection.close()
+
+    threads = [threading.Thread(target=body, args=(i,)) for i in range(len(targets))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    return results

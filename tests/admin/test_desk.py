@@ -1,0 +1,392 @@
+"""The desk's services against real PostgreSQL and the real HTTP fake provider.
+
+These run inside one test transaction (no worker runs here): enqueues happen
+on commit, so `django_capture_on_commit_callbacks` shows what would be sent.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+from django.core.exceptions import PermissionDenied
+
+from payments import desk, fence
+from payments.checkout import request_checkout
+from payments.desk import DeskError, ReasonRequired
+from payments.models import ClaimState, Operation, OperationEvent, OperationState, OrderStatus
+from tests.admin import builders
+from tests.admin.builders import order_of
+
+pytestmark = pytest.mark.django_db
+
+OLD = timedelta(minutes=5)  # older than desk.LOOKUP_MARGIN
+
+
+def operator_events(op: Operation, user) -> list[OperationEvent]:
+    return list(OperationEvent.objects.filter(operation=op, actor=f"operator:{user.username}"))
+
+
+def successes(provider, op: Operation) -> int:
+    return provider.state.succeeded_count(metadata={"operation_key": op.key})
+
+
+# --- query_provider ---------------------------------------------------------------
+
+
+def test_query_provider__settles_a_lost_success_and_resumes(
+    provider, operator, django_capture_on_commit_callbacks
+):
+    op, claim, reference = builders.uncertain(charged=True)
+
+    with django_capture_on_commit_callbacks() as callbacks:
+        report = desk.query_provider([op.pk], user=operator)
+
+    [row] = report.rows
+    assert (row.outcome, row.state_before, row.state_after) == ("done", "uncertain", "retrying")
+    claim.refresh_from_db()
+    assert claim.state == ClaimState.DONE
+    assert claim.provider_reference == reference
+    assert len(callbacks) == 1  # the operation is enqueued again on commit
+    assert successes(provider, op) == 1  # the replay used the same key
+    reasons = [e.reason for e in operator_events(op, operator)]
+    assert "queried the provider: done" in reasons
+
+
+def test_query_provider__lost_decline_fails_the_operation_and_its_order(provider, operator):
+    op, claim, _ = builders.uncertain(charged=True, pm="pm_card_chargeDeclined")
+
+    report = desk.query_provider([op.pk], user=operator)
+
+    assert report.rows[0].outcome == "failed"
+    op.refresh_from_db()
+    assert op.state == OperationState.FAILED
+    assert order_of(op).status == OrderStatus.PAYMENT_FAILED
+    assert successes(provider, op) == 0
+
+
+def test_query_provider__operation_without_unsettled_steps_is_reported_and_audited(
+    provider, operator
+):
+    op, _ = builders.succeeded()
+
+    report = desk.query_provider([op.pk], user=operator)
+
+    assert [(r.outcome, r.state_after) for r in report.rows] == [("nothing_to_settle", "succeeded")]
+    [event] = operator_events(op, operator)
+    assert (event.from_state, event.to_state) == ("succeeded", "succeeded")
+    assert event.reason == "queried the provider: nothing to settle"
+
+
+def test_query_provider__refuses_an_empty_selection_and_a_user_without_permission(
+    provider, operator, viewer
+):
+    op, _, _ = builders.uncertain(charged=True)
+    with pytest.raises(DeskError):
+        desk.query_provider([], user=operator)
+    with pytest.raises(PermissionDenied):
+        desk.query_provider([op.pk], user=viewer)
+    op.refresh_from_db()
+    assert op.state == OperationState.UNCERTAIN
+
+
+# --- resume -----------------------------------------------------------------------
+
+
+def test_resume__failed_after_charge__same_key_fresh_attempts_order_reopened(
+    provider, operator, django_capture_on_commit_callbacks
+):
+    op, claim = builders.failed_after_charge()
+    assert order_of(op).status == OrderStatus.PAYMENT_FAILED
+
+    with django_capture_on_commit_callbacks() as callbacks:
+        resumed = desk.resume(op, user=operator, reason="invoice bug fixed in release 42")
+
+    op.refresh_from_db()
+    assert resumed.key == op.key == "chk-1"
+    assert op.state == OperationState.RETRYING
+    assert op.attempts == 0
+    assert op.next_attempt_at is not None
+    assert order_of(op).status == OrderStatus.PROCESSING  # no second checkout can start now
+    assert len(callbacks) == 1
+    [event] = operator_events(op, operator)
+    assert (event.from_state, event.to_state) == ("failed", "retrying")
+    assert event.reason == "resumed: invoice bug fixed in release 42"
+
+
+@pytest.mark.parametrize(
+    "build, refusal",
+    [
+        (lambda: builders.uncertain(charged=True)[0], "uncertain"),
+        (lambda: builders.succeeded()[0], "succeeded"),
+        (lambda: builders.declined()[0], "refused"),
+        (lambda: builders.new_checkout(), "will run"),
+    ],
+    ids=["uncertain_step", "succeeded", "declined", "pending"],
+)
+def test_resume__refused_when_the_state_forbids_it(provider, operator, build, refusal):
+    op = build()
+    state = op.state
+
+    with pytest.raises(DeskError, match=refusal):
+        desk.resume(op, user=operator, reason="try again")
+
+    op.refresh_from_db()
+    assert op.state == state
+    assert operator_events(op, operator) == []
+
+
+def test_resume__refused_while_a_worker_holds_the_lease(provider, operator):
+    op = builders.new_checkout()
+    assert fence.acquire_lease(op.pk, owner="worker-2/7", seconds=60).acquired
+
+    with pytest.raises(DeskError, match="a worker runs it now"):
+        desk.resume(op, user=operator, reason="stuck?")
+
+
+def test_resume__refused_when_the_order_has_a_newer_operation(provider, operator):
+    op, _ = builders.failed_after_charge()
+    # The order is open again (payment failed): the customer checks out with a new key.
+    request_checkout(
+        order_id=op.params["order_id"], key="chk-1-api", payment_method="pm_card_visa", actor="api"
+    )
+
+    with pytest.raises(DeskError, match="has another operation \\(chk-1-api, pending\\)"):
+        desk.resume(op, user=operator, reason="again")
+
+    op.refresh_from_db()
+    assert op.state == OperationState.FAILED
+
+
+def test_resume__needs_a_reason_and_the_permission(provider, operator, viewer):
+    op, _ = builders.failed_after_charge()
+
+    with pytest.raises(ReasonRequired):
+        desk.resume(op, user=operator, reason="   ")
+    with pytest.raises(PermissionDenied):
+        desk.resume(op, user=viewer, reason="because")
+
+    op.refresh_from_db()
+    assert op.state == OperationState.FAILED
+
+
+# --- mark_step_succeeded ------------------------------------------------------------
+
+
+def test_mark_step_succeeded__checks_the_reference_records_it_and_resumes(
+    provider, operator, django_capture_on_commit_callbacks
+):
+    op, claim, reference = builders.uncertain(charged=True)
+
+    with django_capture_on_commit_callbacks() as callbacks:
+        settled = desk.mark_step_succeeded(
+            op, "charge", reference=reference, user=operator, reason="seen in the dashboard"
+        )
+
+    assert settled.state == ClaimState.DONE
+    assert settled.provider_reference == reference
+    assert settled.result["settled_by"] == "operator:alice"
+    op.refresh_from_db()
+    assert op.state == OperationState.RETRYING
+    assert len(callbacks) == 1
+    events = operator_events(op, operator)
+    assert [(e.step, e.to_state) for e in events] == [("charge", "done"), ("", "retrying")]
+    assert all("seen in the dashboard" in e.reason for e in events)
+    assert successes(provider, op) == 1
+
+
+def test_mark_step_succeeded__failed_operation_reopens_its_order(provider, operator):
+    op, claim, reference = builders.uncertain(charged=True)
+    builders.move(op, OperationState.FAILED, reason="gave up")
+
+    desk.mark_step_succeeded(op, "charge", reference=reference, user=operator, reason="paid")
+
+    op.refresh_from_db()
+    assert op.state == OperationState.RETRYING
+    assert order_of(op).status == OrderStatus.PROCESSING
+
+
+def test_mark_step_succeeded__refuses_a_reference_unknown_to_the_provider(provider, operator):
+    op, claim, _ = builders.uncertain(charged=False)
+
+    with pytest.raises(DeskError, match="has no charge pi_doesnotexist"):
+        desk.mark_step_succeeded(
+            op, "charge", reference="pi_doesnotexist", user=operator, reason="typo"
+        )
+
+    claim.refresh_from_db()
+    assert claim.state == ClaimState.UNCERTAIN
+
+
+def test_mark_step_succeeded__refuses_a_charge_of_another_operation(provider, operator):
+    other, _ = builders.succeeded(key="other")
+    other_ref = other.claims.get(step="charge").provider_reference
+    # Unrecorded here, so that only the provider's metadata can tell it is not ours.
+    other.claims.filter(step="charge").update(provider_reference="")
+    op, claim, _ = builders.uncertain(key="mine", charged=False)
+
+    with pytest.raises(DeskError, match="belongs to another operation"):
+        desk.mark_step_succeeded(op, "charge", reference=other_ref, user=operator, reason="x")
+
+
+def test_mark_step_succeeded__refuses_a_reference_another_claim_carries(provider, operator):
+    other, _ = builders.succeeded(key="other")
+    other_ref = other.claims.get(step="charge").provider_reference
+    op, claim, _ = builders.uncertain(key="mine", charged=True)
+
+    with pytest.raises(DeskError, match="already settles other/charge"):
+        desk.mark_step_succeeded(op, "charge", reference=other_ref, user=operator, reason="x")
+
+
+def test_mark_step_succeeded__refuses_a_declined_charge(provider, operator):
+    op, claim, reference = builders.uncertain(charged=True, pm="pm_card_chargeDeclined")
+
+    with pytest.raises(DeskError, match="its status is requires_payment_method"):
+        desk.mark_step_succeeded(op, "charge", reference=reference, user=operator, reason="x")
+
+
+def test_mark_step_succeeded__needs_reference_reason_and_an_unsettled_step(provider, operator):
+    op, claim, reference = builders.uncertain(charged=True)
+    with pytest.raises(DeskError, match="reference is required"):
+        desk.mark_step_succeeded(op, "charge", reference=" ", user=operator, reason="x")
+    with pytest.raises(ReasonRequired):
+        desk.mark_step_succeeded(op, "charge", reference=reference, user=operator, reason="")
+    with pytest.raises(DeskError, match="not a step with a provider look-up"):
+        desk.mark_step_succeeded(op, "invoice", reference=reference, user=operator, reason="x")
+    done, _ = builders.succeeded(key="done")
+    with pytest.raises(DeskError, match="succeeded"):
+        desk.mark_step_succeeded(done, "charge", reference=reference, user=operator, reason="x")
+
+
+# --- mark_step_failed ---------------------------------------------------------------
+
+
+def test_mark_step_failed__nothing_at_the_provider__fails_operation_and_order(provider, operator):
+    op, claim, _ = builders.uncertain(charged=False, age=OLD)
+
+    settled = desk.mark_step_failed(op, "charge", user=operator, reason="provider support: none")
+
+    assert settled.state == ClaimState.FAILED
+    op.refresh_from_db()
+    assert op.state == OperationState.FAILED
+    assert order_of(op).status == OrderStatus.PAYMENT_FAILED  # the handler's on_failure ran
+    events = operator_events(op, operator)
+    assert [(e.step, e.to_state) for e in events] == [("charge", "failed"), ("", "failed")]
+    assert all("provider support: none" in e.reason for e in events)
+
+
+def test_mark_step_failed__refused_when_the_provider_shows_a_success(provider, operator):
+    op, claim, reference = builders.uncertain(charged=True, age=OLD)
+
+    with pytest.raises(DeskError, match=f"succeeded \\({reference}\\)"):
+        desk.mark_step_failed(op, "charge", user=operator, reason="I think it failed")
+
+    claim.refresh_from_db()
+    op.refresh_from_db()
+    assert (claim.state, op.state) == (ClaimState.UNCERTAIN, OperationState.UNCERTAIN)
+    assert successes(provider, op) == 1
+
+
+def test_mark_step_failed__refused_while_the_search_may_lag(provider, operator):
+    op, claim, _ = builders.uncertain(charged=False)  # just now: search may not show it yet
+
+    with pytest.raises(DeskError, match="may not show it yet"):
+        desk.mark_step_failed(op, "charge", user=operator, reason="nothing there")
+
+
+def test_mark_step_failed__refused_when_the_provider_cannot_be_asked(provider, operator, settings):
+    op, claim, _ = builders.uncertain(charged=False, age=OLD)
+    provider.stop()
+
+    with pytest.raises(DeskError, match="could not check step charge"):
+        desk.mark_step_failed(op, "charge", user=operator, reason="provider down anyway")
+
+    claim.refresh_from_db()
+    assert claim.state == ClaimState.UNCERTAIN
+
+
+def test_mark_step_failed__a_found_decline_is_recorded_with_its_reference(provider, operator):
+    op, claim, reference = builders.uncertain(charged=True, pm="pm_card_chargeDeclined")
+
+    settled = desk.mark_step_failed(op, "charge", user=operator, reason="declined per provider")
+
+    assert (settled.state, settled.provider_reference) == (ClaimState.FAILED, reference)
+
+
+# --- start_new_attempt --------------------------------------------------------------
+
+
+def test_start_new_attempt__new_key_linked_order_processing_audited(
+    provider, senior, django_capture_on_commit_callbacks
+):
+    op, _ = builders.declined()
+
+    with django_capture_on_commit_callbacks() as callbacks:
+        new = desk.start_new_attempt(op, user=senior, reason="customer called, new card ok")
+
+    assert new.key == "chk-1:attempt-2"
+    assert new.retry_of_id == op.pk
+    assert new.state == OperationState.PENDING
+    assert new.params["order_id"] == op.params["order_id"]
+    assert order_of(op).status == OrderStatus.PROCESSING
+    assert len(callbacks) == 1
+    assert "new attempt chk-1:attempt-2 started" in operator_events(op, senior)[0].reason
+    assert any("new attempt of chk-1" in e.reason for e in operator_events(new, senior))
+
+
+def test_start_new_attempt__only_once(provider, senior):
+    op, _ = builders.declined()
+    desk.start_new_attempt(op, user=senior, reason="first")
+
+    with pytest.raises(DeskError, match="a new attempt exists already: chk-1:attempt-2"):
+        desk.start_new_attempt(op, user=senior, reason="second")
+
+    assert Operation.objects.filter(retry_of=op).count() == 1
+
+
+@pytest.mark.parametrize(
+    "build, refusal",
+    [
+        (lambda: builders.uncertain(charged=False)[0], "only a failed operation"),
+        (lambda: builders.failed_after_charge()[0], "step charge is done: it may have charged"),
+        (lambda: builders.succeeded()[0], "only a failed operation"),
+    ],
+    ids=["uncertain", "failed_but_charged", "succeeded"],
+)
+def test_start_new_attempt__refused_when_a_step_may_have_charged(provider, senior, build, refusal):
+    op = build()
+
+    with pytest.raises(DeskError, match=refusal):
+        desk.start_new_attempt(op, user=senior, reason="try a new key")
+
+    assert not Operation.objects.filter(retry_of=op).exists()
+
+
+def test_start_new_attempt__refused_with_an_uncertain_claim_on_a_failed_operation(provider, senior):
+    op, claim, _ = builders.uncertain(charged=False)
+    builders.move(op, OperationState.FAILED, reason="gave up")
+
+    with pytest.raises(DeskError, match="step charge is uncertain"):
+        desk.start_new_attempt(op, user=senior, reason="x")
+
+
+def test_start_new_attempt__needs_its_own_permission(provider, operator):
+    op, _ = builders.declined()
+
+    with pytest.raises(PermissionDenied):
+        desk.start_new_attempt(op, user=operator, reason="x")
+
+
+def test_next_attempt_key__counts_up_without_nesting():
+    assert desk.next_attempt_key("checkout:order:42") == "checkout:order:42:attempt-2"
+    assert desk.next_attempt_key("checkout:order:42:attempt-2") == "checkout:order:42:attempt-3"
+
+
+def test_available_actions__explain_what_the_state_refuses(provider):
+    op, _, _ = builders.uncertain(charged=True)
+
+    actions = desk.available_actions(op)
+
+    assert actions.settleable_steps == ["charge"]
+    assert "uncertain" in actions.refused["resume"]
+    assert "only a failed operation" in actions.refused["new_attempt"]
