@@ -111,7 +111,12 @@ RQ_QUEUES = {
 }
 # Enqueue only after the surrounding transaction commits (django-rq's default,
 # stated here because the outbox design depends on it).
-RQ = {"COMMIT_MODE": "on_db_commit", "QUEUE_CLASS": "inbox.queues.MessageQueue"}
+# The worker class was picked by `make bench` (see payments/worker.py).
+RQ = {
+    "COMMIT_MODE": "on_db_commit",
+    "QUEUE_CLASS": "inbox.queues.MessageQueue",
+    "WORKER_CLASS": env.str("RQ_WORKER_CLASS", default="payments.worker.FenceWorker"),
+}
 
 # --- Inbox: consumer-side dedup; rows must outlive every redelivery. ----------
 # Failed jobs are kept (and can be requeued) for REDELIVERY_HORIZON; every job

@@ -31,7 +31,10 @@ from payments.orders import create_order
 from payments.recovery import reconcile
 from payments.stack import Stack, free_port
 
-WORKER_CLASSES = {"Worker": "rq.worker.Worker", "SimpleWorker": "rq.worker.SimpleWorker"}
+WORKER_CLASSES = {
+    "Worker (forking)": "rq.worker.Worker",
+    "FenceWorker (SimpleWorker)": "payments.worker.FenceWorker",
+}
 TABLES = [
     "payments_operationevent", "payments_stepclaim", "payments_invoice",
     "payments_ledgerentry", "payments_salesday", "payments_fenceauditrun",

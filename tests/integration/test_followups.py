@@ -26,7 +26,7 @@ from payments.models import (
 )
 from payments.orders import create_order
 from tests.conftest import run_worker
-from tests.support.workers import start_worker, stop_worker, wait_until, worker_env
+from tests.support.workers import FORKING, start_worker, stop_worker, wait_until, worker_env
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -100,7 +100,10 @@ def test_crash_after_commit_before_ack__real_worker_skips_the_redelivery(
     marker = tmp_path / "failpoint"
     env = worker_env(provider.url, FENCE_FAILPOINTS="after_inbox_commit",
                      FENCE_FAILPOINT_MARKER=str(marker))
-    worker = start_worker(env, name="fu-crash")
+    # The forking Worker hands a job whose work horse died back at once; with the
+    # default FenceWorker the whole worker dies and RQ's abandoned-job cleanup
+    # redelivers it later (tests/inbox/test_crashes.py covers that path).
+    worker = start_worker(env, name="fu-crash", worker_class=FORKING)
     try:
         wait_until(
             lambda: Operation.objects.filter(

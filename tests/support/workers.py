@@ -41,11 +41,28 @@ def worker_env(provider_url: str, **extra: str) -> dict[str, str]:
     return env
 
 
-def start_worker(env: dict[str, str], name: str) -> subprocess.Popen:
+FORKING = "rq.worker.Worker"
+SIMPLE = "payments.worker.FenceWorker"
+
+
+def start_worker(
+    env: dict[str, str], name: str, worker_class: str | None = None
+) -> subprocess.Popen:
     """Start `manage.py rqworker payments --with-scheduler` in its own process group."""
+    extra = ["--worker-class", worker_class] if worker_class else []
     return subprocess.Popen(
-        [sys.executable, "manage.py", "rqworker", "payments", "--with-scheduler",
-         "--name", name, "--worker-ttl", "30"],
+        [
+            sys.executable,
+            "manage.py",
+            "rqworker",
+            "payments",
+            "--with-scheduler",
+            "--name",
+            name,
+            "--worker-ttl",
+            "30",
+            *extra,
+        ],
         cwd=ROOT,
         env=env,
         stdout=subprocess.DEVNULL,
@@ -74,3 +91,38 @@ def wait_until(condition: Callable[[], bool], timeout: float, what: str) -> None
             return
         time.sleep(0.1)
     raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def start_recovery(env: dict[str, str]) -> subprocess.Popen:
+    """Start the sweeper + reconciler loop, as a deployment runs it."""
+    return subprocess.Popen(
+        [sys.executable, "manage.py", "run_recovery", "--interval", "0.5"],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
+
+
+class Supervisor:
+    """Keep one worker running, as systemd or Kubernetes would, next to the recovery loop."""
+
+    def __init__(self, env: dict[str, str], name: str, worker_class: str | None = None) -> None:
+        self.env, self.name, self.worker_class = env, name, worker_class
+        self.restarts = 0
+        self.worker = start_worker(env, name, worker_class)
+        self.recovery = start_recovery(env)
+        self.stderr: list[str] = []
+
+    def poll(self) -> None:
+        """Restart the worker if it died (a failpoint SIGKILLs a SimpleWorker whole)."""
+        if self.worker.poll() is not None:
+            self.stderr.append(stop_worker(self.worker))
+            self.restarts += 1
+            self.worker = start_worker(self.env, f"{self.name}-{self.restarts}", self.worker_class)
+
+    def stop(self) -> str:
+        self.stderr.append(stop_worker(self.worker))
+        self.stderr.append(stop_worker(self.recovery))
+        return "\n".join(self.stderr)

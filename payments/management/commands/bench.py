@@ -11,6 +11,7 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.db import connection
 
 from payments.bench.runner import (
+    WORKER_CLASSES,
     Bench,
     fenced,
     inbox_cost,
@@ -55,7 +56,7 @@ class Command(BaseCommand):
         with Bench(latency=options["latency"], log_dir=Path(settings.BASE_DIR) / "var" / "log" /
                    "bench", say=say) as bench:
             per_class = {}
-            for cls in ("Worker", "SimpleWorker"):
+            for cls in WORKER_CLASSES:
                 say(f"{cls}: no-op ceiling, fenced and unfenced checkout (2 workers)...")
                 noop_s = bench.batch(noop(options["noops"]), workers=2, worker_class=cls)
                 rounds = []
