@@ -22,7 +22,7 @@ from payments.dispatch import dispatch_on_commit
 from payments.effects import DeliveryPolicy
 from payments.exceptions import InvalidTransition, OperationConflict
 from payments.followups import write_follow_ups_in_tx
-from payments.models import Invoice, Operation, Order, OrderStatus
+from payments.models import ClaimState, Invoice, Operation, Order, OrderStatus, StepClaim
 from payments.registry import handler
 from payments.runtime import Run
 
@@ -55,10 +55,16 @@ def request_checkout(
             "payment_method": payment_method,
         }
         existing = Operation.objects.filter(key=key).first()
-        if existing is None and order.status not in CHECKOUT_OPEN_STATUSES:
-            raise CheckoutNotAllowed(
-                f"order {order.pk} is {order.status}; it cannot be checked out"
-            )
+        if existing is None:
+            if order.status not in CHECKOUT_OPEN_STATUSES:
+                raise CheckoutNotAllowed(
+                    f"order {order.pk} is {order.status}; it cannot be checked out"
+                )
+            if _earlier_charge_unsettled(order):
+                raise CheckoutNotAllowed(
+                    f"an earlier payment attempt of order {order.pk} may still have charged; "
+                    "it must be settled first"
+                )
         op, created = fence.create_operation_in_tx(
             key=key,
             kind=CHECKOUT,
@@ -73,6 +79,24 @@ def request_checkout(
             order.save(update_fields=["status", "updated_at"])
             dispatch_on_commit(op)
     return op, created
+
+
+def _earlier_charge_unsettled(order: Order) -> bool:
+    """Tell whether an earlier checkout of the order has a charge of unknown outcome."""
+    return StepClaim.objects.filter(
+        operation__kind=CHECKOUT,
+        operation__entity_type="order",
+        operation__entity_id=str(order.pk),
+        step="charge",
+        state__in=[ClaimState.CLAIMED, ClaimState.UNCERTAIN],
+    ).exists()
+
+
+def reopen_order(operation: Operation) -> None:
+    """Put a failed order back in processing. Runs in the transaction that resumes it."""
+    Order.objects.filter(pk=operation.params["order_id"], status=OrderStatus.PAYMENT_FAILED).update(
+        status=OrderStatus.PROCESSING
+    )
 
 
 def mark_order_failed(operation: Operation) -> None:
@@ -117,7 +141,12 @@ def mark_paid(order_id: int, reference: str, operation: Operation) -> dict[str, 
     return {"status": OrderStatus.PAID}
 
 
-@handler(CHECKOUT, on_failure=mark_order_failed, effects={"charge": PaymentIntentCharge})
+@handler(
+    CHECKOUT,
+    on_failure=mark_order_failed,
+    on_resume=reopen_order,
+    effects={"charge": PaymentIntentCharge},
+)
 def checkout(run: Run) -> None:
     """Charge the order once, invoice it, confirm by e-mail, mark it paid."""
     order_id = int(run.params["order_id"])

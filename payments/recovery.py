@@ -203,6 +203,7 @@ def settle_one(claim: StepClaim, *, actor: str) -> str:
         OperationState.RETRYING,
         actor,
         "provider shows the step succeeded; resuming",
+        on_resume=spec.on_resume if op.state == OperationState.FAILED else None,
         resume=True,
     )
     return "done"
@@ -215,6 +216,7 @@ def _move(
     reason: str,
     *,
     on_failure=None,
+    on_resume=None,
     resume: bool = False,
 ) -> None:
     with transaction.atomic():
@@ -229,5 +231,7 @@ def _move(
         fence.release_in_tx(locked, state, actor=actor, reason=reason, **fields)
         if on_failure is not None and state == OperationState.FAILED:
             on_failure(locked)
+        if on_resume is not None and resume:
+            on_resume(locked)
         if resume:
             dispatch_on_commit(locked)

@@ -35,6 +35,9 @@ class HandlerSpec:
     func: Callable[[Run], object]
     on_failure: Callable[[Operation], None] | None = None
     effects: dict[str, Callable[[Operation], ExternalEffect]] = field(default_factory=dict)
+    #: Runs inside the transaction that resumes a failed operation (the provider
+    #: showed its step succeeded): undo what on_failure did to the business rows.
+    on_resume: Callable[[Operation], None] | None = None
 
     def effect(self, step: str, operation: Operation) -> ExternalEffect:
         """Build the effect of `step` for `operation`."""
@@ -55,6 +58,7 @@ def handler(
     *,
     on_failure: Callable[[Operation], None] | None = None,
     effects: dict[str, Callable[[Operation], ExternalEffect]] | None = None,
+    on_resume: Callable[[Operation], None] | None = None,
 ) -> Callable[[Callable[[Run], object]], Callable[[Run], object]]:
     """Register the decorated function as the handler of operations of `kind`."""
 
@@ -63,7 +67,11 @@ def handler(
         if existing is not None and existing.func is not func:
             raise ConfigurationError(f"a handler for {kind!r} is already registered")
         _HANDLERS[kind] = HandlerSpec(
-            kind=kind, func=func, on_failure=on_failure, effects=dict(effects or {})
+            kind=kind,
+            func=func,
+            on_failure=on_failure,
+            effects=dict(effects or {}),
+            on_resume=on_resume,
         )
         return func
 

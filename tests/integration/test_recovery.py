@@ -233,3 +233,52 @@ def test_client_lists_every_charge_of_the_run(provider, queue):
     run_worker(queue)
     client = ProviderClient(provider.url, "sk_test_x", connect_timeout=1, read_timeout=2)
     assert len(list(client.list_payment_intents(limit=2))) == 3
+
+
+def _failed_with_unsettled_charge(provider, queue, key: str):
+    """An operation that gave up while its charge's outcome was not settled (409 case)."""
+    provider.state.enqueue_faults("fail_before", 3)
+    order = create_order(amount=300, currency="eur", email="u@example.com")
+    op, _ = request_checkout(order_id=order.pk, key=key, payment_method="pm_card_visa",
+                             actor="test")
+    run_worker(queue)
+    op.refresh_from_db()
+    assert op.state == OperationState.FAILED
+    op.claims.filter(step="charge").update(state=ClaimState.CLAIMED, lease_expires_at=None)
+    return order, op
+
+
+def test_failed_operation_found_charged__reopens_the_order_and_finishes(provider, queue):
+    order, op = _failed_with_unsettled_charge(provider, queue, "found-later")
+    claim = op.claims.get(step="charge")
+    # The request that met a 409 did go through at the provider after all.
+    client = ProviderClient(provider.url, "sk_test_x", connect_timeout=1, read_timeout=2)
+    client.create_payment_intent(amount=300, currency="eur", payment_method="pm_card_visa",
+                                 metadata={"operation_key": op.key, "step": "charge",
+                                           "order_id": str(order.pk)},
+                                 idempotency_key=claim.idempotency_key)
+    order.refresh_from_db()
+    assert order.status == OrderStatus.PAYMENT_FAILED
+
+    report = reconcile()
+    order.refresh_from_db()
+    assert report.count("done") == 1
+    assert order.status == OrderStatus.PROCESSING  # reopened in the resuming transaction
+    run_worker(queue)
+
+    op.refresh_from_db()
+    order.refresh_from_db()
+    assert op.state == OperationState.SUCCEEDED
+    assert order.status == OrderStatus.PAID
+    assert charges(provider, op) == 1
+
+
+def test_new_checkout_is_refused_while_an_earlier_charge_is_unsettled(provider, queue):
+    from payments.checkout import CheckoutNotAllowed
+
+    order, op = _failed_with_unsettled_charge(provider, queue, "unsettled")
+
+    with pytest.raises(CheckoutNotAllowed, match="may still have charged"):
+        request_checkout(order_id=order.pk, key="second-try", payment_method="pm_card_visa",
+                         actor="test")
+    assert not Operation.objects.filter(key="second-try").exists()
