@@ -17,7 +17,7 @@ from django.db.models import Q
 from django.utils import timezone
 from rq.exceptions import NoSuchJobError
 from rq.job import Job, JobStatus
-from rq.registry import StartedJobRegistry
+from rq.registry import ScheduledJobRegistry, StartedJobRegistry
 
 from payments import fence
 from payments.conf import payments_setting
@@ -68,7 +68,15 @@ def job_is_live(op: Operation, now: datetime) -> bool:
     if status in (JobStatus.QUEUED, JobStatus.DEFERRED):
         return True
     if status == JobStatus.SCHEDULED:
-        return op.next_attempt_at is None or now < op.next_attempt_at + SCHEDULED_GRACE
+        # RQ's own retry of an abandoned or failed job is scheduled too; only
+        # the registry knows when it is due.
+        try:
+            due = ScheduledJobRegistry(queue=queue).get_scheduled_time(job)
+        except NoSuchJobError:
+            return False
+        if due.tzinfo is None:
+            due = due.replace(tzinfo=UTC)
+        return now < due + SCHEDULED_GRACE
     if status == JobStatus.STARTED:
         if op.state == OperationState.RUNNING:
             # The lease outlives the job timeout: once it ran out, no horse runs the job.

@@ -282,3 +282,27 @@ def test_new_checkout_is_refused_while_an_earlier_charge_is_unsettled(provider, 
         request_checkout(order_id=order.pk, key="second-try", payment_method="pm_card_visa",
                          actor="test")
     assert not Operation.objects.filter(key="second-try").exists()
+
+
+def test_scheduled_job_no_scheduler_picked_up__is_delivered_anew(provider, queue):
+    """RQ retried an abandoned job with a backoff, but no scheduler runs (its holder died)."""
+    order = create_order(amount=100, currency="eur", email="s@example.com")
+    op, _ = request_checkout(order_id=order.pk, key="stale-retry", payment_method="pm_card_visa",
+                             actor="test")
+    op.refresh_from_db()
+    job = queue.fetch_job(op.job_id)
+    queue.remove(job)
+    now = timezone.now()
+    queue.scheduled_job_registry.schedule(job, now - timedelta(seconds=5))
+    job.set_status(JobStatus.SCHEDULED)
+    assert job_is_live(op, now)  # due 5 s ago: a scheduler may still pick it up
+
+    later = now + timedelta(seconds=60)
+    assert not job_is_live(op, later)
+
+    queue.scheduled_job_registry.schedule(job, now - timedelta(minutes=2))
+    Operation.objects.filter(pk=op.pk).update(dispatched_at=now - timedelta(minutes=2))
+    assert sweep().dispatched == ["stale-retry"]
+    run_worker(queue)
+    op.refresh_from_db()
+    assert op.state == OperationState.SUCCEEDED
