@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PG_URL ?= postgres://postgres@127.0.0.1:5432/fence
 
-.PHONY: install env db migrate demo test lint format bench run clean
+.PHONY: install env db migrate demo test lint format bench run clean browser
 
 $(VENV)/.installed: requirements.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -32,7 +32,13 @@ demo: migrate
 run: migrate
 	$(PY) manage.py runstack
 
-test: db
+# Debian's chromium for the admin's browser test (Playwright cannot download one here).
+browser:
+	@command -v chromium >/dev/null || (apt-get update -qq && \
+	  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium) || \
+	  (echo "install Debian's chromium (apt-get install chromium) for the browser test"; exit 1)
+
+test: db browser
 	$(PY) -m pytest
 
 lint: install

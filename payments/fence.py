@@ -17,6 +17,7 @@ from typing import Any
 from django.db import IntegrityError, transaction
 from django.utils import timezone
 
+from payments.conf import payments_setting
 from payments.exceptions import InvalidTransition, OperationConflict
 from payments.failpoints import BEFORE_RECORD_COMMIT, failpoint
 from payments.models import (
@@ -214,6 +215,38 @@ def release_in_tx(
     )
 
 
+def record_failed_attempt_in_tx(operation: Operation, *, actor: str, reason: str) -> bool:
+    """Count one failed attempt of the locked operation; return True when it gave up.
+
+    Under MAX_ATTEMPTS the operation is RETRYING, due after the next backoff;
+    at MAX_ATTEMPTS it is FAILED. The lease is dropped either way. Runs inside
+    the caller's transaction.
+    """
+    attempt = operation.attempts + 1
+    if attempt >= payments_setting("MAX_ATTEMPTS"):
+        release_in_tx(
+            operation,
+            OperationState.FAILED,
+            actor=actor,
+            reason=f"gave up after {attempt} attempts: {reason}"[:500],
+            attempts=attempt,
+            last_error=reason,
+        )
+        return True
+    backoff = payments_setting("RETRY_BACKOFF") or [0]
+    delay = backoff[min(attempt - 1, len(backoff) - 1)]
+    release_in_tx(
+        operation,
+        OperationState.RETRYING,
+        actor=actor,
+        reason=f"attempt {attempt} failed: {reason}"[:500],
+        attempts=attempt,
+        last_error=reason,
+        next_attempt_at=timezone.now() + timedelta(seconds=delay),
+    )
+    return False
+
+
 def holds_lease_in_tx(operation: Operation, owner: str) -> bool:
     """Tell whether `owner` still holds the lease of the locked operation."""
     return operation.state == OperationState.RUNNING and operation.lease_owner == owner
@@ -293,6 +326,15 @@ def insert_local_claim_in_tx(operation: Operation, step: str, *, owner: str) -> 
     return claim
 
 
+def _locked_claim_in_tx(claim_id: int) -> StepClaim:
+    """Return the claim locked FOR UPDATE (not its operation), with its operation loaded."""
+    return (
+        StepClaim.objects.select_for_update(of=("self",))
+        .select_related("operation")
+        .get(pk=claim_id)
+    )
+
+
 def take_over_claim(claim: StepClaim, *, owner: str, lease_seconds: int) -> StepClaim | None:
     """Take a claim whose lease is released or expired, or which is uncertain.
 
@@ -300,11 +342,7 @@ def take_over_claim(claim: StepClaim, *, owner: str, lease_seconds: int) -> Step
     """
     now = timezone.now()
     with transaction.atomic():
-        row = (
-            StepClaim.objects.select_for_update(of=("self",))
-            .select_related("operation")
-            .get(pk=claim.pk)
-        )
+        row = _locked_claim_in_tx(claim.pk)
         live = (
             row.state == ClaimState.CLAIMED
             and row.lease_expires_at is not None
@@ -343,11 +381,7 @@ def settle_claim(
     """Record a claim's outcome (done, failed, uncertain) with its reference, audited."""
     now = timezone.now()
     with transaction.atomic():
-        row = (
-            StepClaim.objects.select_for_update(of=("self",))
-            .select_related("operation")
-            .get(pk=claim.pk)
-        )
+        row = _locked_claim_in_tx(claim.pk)
         if row.state in (ClaimState.DONE, ClaimState.FAILED) and row.state != state:
             raise InvalidTransition(
                 f"claim {row.operation_id}/{row.step} is already {row.state}, not {state}"

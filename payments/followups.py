@@ -15,19 +15,16 @@ from __future__ import annotations
 import hashlib
 import logging
 from collections.abc import Callable
-from datetime import timedelta
 from typing import Any
 
 from django.db import transaction
 from django.db.models import F
-from django.utils import timezone
 
 from inbox.handlers import inbox_handler
 from payments import fence
-from payments.conf import payments_setting
 from payments.dispatch import dispatch_on_commit
-from payments.exceptions import RetriesExhausted, RetryLater
 from payments.models import LedgerEntry, Operation, OperationState, Order, SalesDay
+from payments.runtime import retry_or_give_up
 
 logger = logging.getLogger("payments.followups")
 alerts = logging.getLogger("payments.alerts")
@@ -120,34 +117,7 @@ def deliver(operation_id: int, *, worker_id: str, job: Any = None) -> str:
 
 def _failed_attempt(op: Operation, worker_id: str, reason: str, job: Any) -> None:
     """Count a failed delivery; schedule the next or give up visibly. Always raises."""
-    max_attempts = payments_setting("MAX_ATTEMPTS")
-    backoff = payments_setting("RETRY_BACKOFF") or [0]
     with transaction.atomic():
         locked = fence.locked_operation_in_tx(op.pk)
-        attempt = locked.attempts + 1
-        if attempt >= max_attempts:
-            fence.transition_in_tx(
-                locked,
-                OperationState.FAILED,
-                actor=worker_id,
-                reason=f"gave up after {attempt} attempts: {reason}"[:500],
-                attempts=attempt,
-                last_error=reason,
-            )
-        else:
-            fence.transition_in_tx(
-                locked,
-                OperationState.RETRYING,
-                actor=worker_id,
-                reason=f"attempt {attempt} failed: {reason}"[:500],
-                attempts=attempt,
-                last_error=reason,
-                next_attempt_at=timezone.now()
-                + timedelta(seconds=backoff[min(attempt - 1, len(backoff) - 1)]),
-            )
-    if attempt >= max_attempts:
-        alerts.error("follow-up %s failed after %s attempts", op.key, attempt)
-        if job is not None:
-            job.retries_left = 0
-        raise RetriesExhausted(op.key, attempt, reason[:200])
-    raise RetryLater(op.key, attempt, reason[:200])
+        gave_up = fence.record_failed_attempt_in_tx(locked, actor=worker_id, reason=reason)
+    retry_or_give_up(locked, gave_up=gave_up, reason=reason, job=job)

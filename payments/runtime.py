@@ -12,11 +12,9 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any
 
 from django.db import IntegrityError, transaction
-from django.utils import timezone
 
 from payments import fence, telemetry
 from payments.conf import payments_setting
@@ -228,47 +226,31 @@ def _transient(
     before anything executed. Not when a same-key request may still be in
     flight (409): that claim stays for the reconciler.
     """
-    max_attempts = payments_setting("MAX_ATTEMPTS")
-    backoff = payments_setting("RETRY_BACKOFF")
     with transaction.atomic():
         locked = fence.locked_operation_in_tx(op.pk)
-        attempt = locked.attempts + 1
         if not fence.holds_lease_in_tx(locked, worker_id):
-            raise RetryLater(op.key, attempt, "lease lost")
-        if attempt >= max_attempts:
-            fence.release_in_tx(
-                locked,
-                OperationState.FAILED,
-                actor=worker_id,
-                reason=f"gave up after {attempt} attempts: {reason}"[:500],
-                attempts=attempt,
-                last_error=reason,
-            )
+            raise RetryLater(op.key, locked.attempts + 1, "lease lost")
+        gave_up = fence.record_failed_attempt_in_tx(locked, actor=worker_id, reason=reason)
+        if gave_up:
             if spec.on_failure is not None:
                 spec.on_failure(locked)
             if step_error is not None and not step_error.in_flight:
                 _settle_refused_in_tx(locked, step_error.step, worker_id, reason)
-        else:
-            delay = backoff[min(attempt - 1, len(backoff) - 1)] if backoff else 0
-            fence.release_in_tx(
-                locked,
-                OperationState.RETRYING,
-                actor=worker_id,
-                reason=f"attempt {attempt} failed: {reason}"[:500],
-                attempts=attempt,
-                last_error=reason,
-                next_attempt_at=timezone.now() + timedelta(seconds=delay),
-            )
-    if attempt >= max_attempts:
+    retry_or_give_up(locked, gave_up=gave_up, reason=reason, job=job)
+
+
+def retry_or_give_up(op: Operation, *, gave_up: bool, reason: str, job: Any) -> None:
+    """Raise to RQ after a counted failure: RetryLater, or RetriesExhausted with an alert."""
+    if gave_up:
         alerts.error(
             "operation %s failed after %s attempts; job sent to the failed registry",
             op.key,
-            attempt,
+            op.attempts,
         )
         if job is not None:
             job.retries_left = 0  # the DB counted the attempts: no further RQ retry
-        raise RetriesExhausted(op.key, attempt, reason[:200])
-    raise RetryLater(op.key, attempt, reason[:200])
+        raise RetriesExhausted(op.key, op.attempts, reason[:200])
+    raise RetryLater(op.key, op.attempts, reason[:200])
 
 
 def _settle_refused_in_tx(op: Operation, step: str, worker_id: str, reason: str) -> None:

@@ -31,15 +31,22 @@ def unfenced_checkout(order_id: int, payment_method: str) -> str:
         amount=order.amount,
         currency=order.currency,
         payment_method=payment_method,
-        metadata={"operation_key": f"unfenced-{order_id}", "step": "charge",
-                  "order_id": str(order_id)},
+        metadata={
+            "operation_key": f"unfenced-{order_id}",
+            "step": "charge",
+            "order_id": str(order_id),
+        },
         idempotency_key=uuid.uuid4().hex,
     )
     with transaction.atomic():
-        Invoice.objects.create(order=order, number=f"INV-{order.pk:08d}", amount=order.amount,
-                               currency=order.currency, provider_reference=intent.id)
-    send_mail(f"Order {order.pk} is paid", f"Reference {intent.id}.", None,
-              [order.customer_email])
+        Invoice.objects.create(
+            order=order,
+            number=f"INV-{order.pk:08d}",
+            amount=order.amount,
+            currency=order.currency,
+            provider_reference=intent.id,
+        )
+    send_mail(f"Order {order.pk} is paid", f"Reference {intent.id}.", None, [order.customer_email])
     with transaction.atomic():
         Order.objects.filter(pk=order_id).update(status=OrderStatus.PAID)
     queue = django_rq.get_queue("payments")
@@ -51,22 +58,24 @@ def unfenced_checkout(order_id: int, payment_method: str) -> str:
 def unfenced_record_sale(order_id: int, reference: str) -> None:
     order = Order.objects.get(pk=order_id)
     with transaction.atomic():
-        LedgerEntry.objects.create(order=order, amount=order.amount, currency=order.currency,
-                                   provider_reference=reference)
+        LedgerEntry.objects.create(
+            order=order, amount=order.amount, currency=order.currency, provider_reference=reference
+        )
 
 
 def unfenced_count_sale(order_id: int) -> None:
     order = Order.objects.get(pk=order_id)
     with transaction.atomic():
-        day, _ = SalesDay.objects.get_or_create(day=timezone.now().date(),
-                                                currency=order.currency)
-        SalesDay.objects.filter(pk=day.pk).update(orders=F("orders") + 1,
-                                                  total=F("total") + order.amount)
+        day, _ = SalesDay.objects.get_or_create(day=timezone.now().date(), currency=order.currency)
+        SalesDay.objects.filter(pk=day.pk).update(
+            orders=F("orders") + 1, total=F("total") + order.amount
+        )
 
 
 def _write_ledger_line(order_id: int) -> None:
-    LedgerEntry.objects.create(order_id=order_id, amount=1, currency="eur",
-                               provider_reference="bench")
+    LedgerEntry.objects.create(
+        order_id=order_id, amount=1, currency="eur", provider_reference="bench"
+    )
 
 
 def local_unprotected(order_id: int) -> None:

@@ -10,7 +10,6 @@ take hundreds of milliseconds; the default here is a conservative 20 ms).
 from __future__ import annotations
 
 import os
-import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -75,6 +74,12 @@ class Bench:
     def __exit__(self, *exc: object) -> None:
         self.stack.stop()
 
+    def set_latency(self, seconds: float) -> None:
+        """Change how long the provider takes per charge."""
+        requests.post(
+            f"http://127.0.0.1:{self.port}/_fake/config", json={"latency": seconds}, timeout=5
+        ).raise_for_status()
+
     def reset(self) -> None:
         """Empty the bench database's tables and the queue's Redis database."""
         with connection.cursor() as cursor:
@@ -108,15 +113,20 @@ class Bench:
 
 
 def _orders(n: int) -> list[Order]:
-    return [create_order(amount=1000 + i, currency="eur", email="bench@example.com")
-            for i in range(n)]
+    return [
+        create_order(amount=1000 + i, currency="eur", email="bench@example.com") for i in range(n)
+    ]
 
 
 def fenced(n: int) -> Callable[[], int]:
     def prepare() -> int:
         for order in _orders(n):
-            request_checkout(order_id=order.pk, key=f"bench-{order.pk}",
-                             payment_method="pm_card_visa", actor="bench")
+            request_checkout(
+                order_id=order.pk,
+                key=f"bench-{order.pk}",
+                payment_method="pm_card_visa",
+                actor="bench",
+            )
         return 3 * n  # the checkout and its two follow-ups
 
     return prepare
@@ -150,19 +160,22 @@ def inbox_cost(bench: Bench, n: int, rounds: int) -> dict[str, float]:
     order = create_order(amount=1, currency="eur", email="bench@example.com")
     timings: dict[str, list[float]] = {"unprotected": [], "protected": []}
     for _ in range(rounds):
-        for name, func in (("unprotected", jobs.local_unprotected),
-                           ("protected", jobs.local_protected)):
+        for name, func in (
+            ("unprotected", jobs.local_unprotected),
+            ("protected", jobs.local_protected),
+        ):
             bench.queue.connection.flushdb()
             with bench.queue.connection.pipeline() as pipe:
                 bench.queue.enqueue_many(
-                    [bench.queue.prepare_data(func, (order.pk,)) for _ in range(n)],
-                    pipeline=pipe)
+                    [bench.queue.prepare_data(func, (order.pk,)) for _ in range(n)], pipeline=pipe
+                )
                 pipe.execute()
             worker = SimpleWorker([bench.queue], connection=bench.queue.connection)
             started = time.perf_counter()
             worker.work(burst=True, with_scheduler=False, logging_level="WARNING")
             timings[name].append((time.perf_counter() - started) / n * 1000)
-    return {name: statistics.median(values) for name, values in timings.items()}
+    # The fastest round of each side: noise (other processes on 2 cores) only adds time.
+    return {name: min(values) for name, values in timings.items()}
 
 
 def reconciler_rate(bench: Bench, m: int, worker_class: str) -> dict[str, float]:
@@ -170,9 +183,11 @@ def reconciler_rate(bench: Bench, m: int, worker_class: str) -> dict[str, float]
     prepare = fenced(m)
 
     def uncertain_only() -> int:
-        requests.post(f"http://127.0.0.1:{bench.port}/_fake/faults",
-                      json={"mode": "drop_after_accept", "count": m}, timeout=5
-                      ).raise_for_status()
+        requests.post(
+            f"http://127.0.0.1:{bench.port}/_fake/faults",
+            json={"mode": "drop_after_accept", "count": m},
+            timeout=5,
+        ).raise_for_status()
         prepare()
         return m  # the checkouts end uncertain; no follow-ups yet
 
@@ -184,8 +199,12 @@ def reconciler_rate(bench: Bench, m: int, worker_class: str) -> dict[str, float]
     started = time.perf_counter()
     report = reconcile(batch_size=m)
     seconds = time.perf_counter() - started
-    return {"uncertain": uncertain, "settled": report.count("done"),
-            "seconds": seconds, "per_second": report.count("done") / seconds}
+    return {
+        "uncertain": uncertain,
+        "settled": report.count("done"),
+        "seconds": seconds,
+        "per_second": report.count("done") / seconds,
+    }
 
 
 def purge_rate(rows: int, batch_size: int) -> dict[str, float]:
@@ -197,27 +216,36 @@ def purge_rate(rows: int, batch_size: int) -> dict[str, float]:
             cursor.execute(
                 "INSERT INTO inbox_inboxentry (consumer, message_id, handled_at) "
                 "SELECT 'bench-purge', md5(g::text), now() - interval '30 days' "
-                "FROM generate_series(1, %s) g", [rows])
+                "FROM generate_series(1, %s) g",
+                [rows],
+            )
             cursor.execute("ANALYZE inbox_inboxentry")
 
     fill()
     started = time.perf_counter()
-    result = purge_expired(consumer="bench-purge", older_than=timedelta(days=7),
-                           batch_size=batch_size)
+    result = purge_expired(
+        consumer="bench-purge", older_than=timedelta(days=7), batch_size=batch_size
+    )
     batched = time.perf_counter() - started
     fill()
     started = time.perf_counter()
     with connection.cursor() as cursor:
-        cursor.execute("DELETE FROM inbox_inboxentry WHERE consumer = 'bench-purge' "
-                       "AND handled_at < now() - interval '7 days'")
+        cursor.execute(
+            "DELETE FROM inbox_inboxentry WHERE consumer = 'bench-purge' "
+            "AND handled_at < now() - interval '7 days'"
+        )
         unbounded_rows = cursor.rowcount
     unbounded = time.perf_counter() - started
     return {
-        "rows": result.deleted, "batch_size": batch_size, "batches": result.batches,
-        "batched_seconds": batched, "batched_rows_per_second": result.deleted / batched,
+        "rows": result.deleted,
+        "batch_size": batch_size,
+        "batches": result.batches,
+        "batched_seconds": batched,
+        "batched_rows_per_second": result.deleted / batched,
         "longest_batch_seconds": result.longest_batch_seconds,
-        "unbounded_rows": unbounded_rows, "unbounded_seconds": unbounded,
+        "unbounded_rows": unbounded_rows,
+        "unbounded_seconds": unbounded,
         "unbounded_rows_per_second": unbounded_rows / unbounded,
-        "ratio_batched_to_unbounded_rate": (result.deleted / batched) / (unbounded_rows / unbounded),
+        "ratio_batched_to_unbounded_rate": (result.deleted / batched)
+        / (unbounded_rows / unbounded),
     }
-

@@ -27,9 +27,10 @@ PASSWORD = "correct-horse-battery-9"
 
 @pytest.fixture
 def page(monkeypatch):
-    if not Path(CHROMIUM).exists():
-        pytest.skip("Debian's chromium is not installed (apt-get install chromium)")
-    sync_api = pytest.importorskip("playwright.sync_api")
+    # A missing browser fails the test (a skip would count as a pass): `make
+    # test` and .ci/run install Debian's chromium.
+    assert Path(CHROMIUM).exists(), "Debian's chromium is missing: apt-get install chromium"
+    from playwright import sync_api
     # Playwright's sync API keeps an event loop in this thread; Django refuses ORM
     # calls where a loop runs unless told that this (test-only) thread is safe.
     monkeypatch.setenv("DJANGO_ALLOW_ASYNC_UNSAFE", "true")
