@@ -67,7 +67,8 @@ def _bars(items: list[tuple[str, int, str]], width: int = 520) -> str:
     """Return an inline SVG horizontal bar chart of (label, value, colour)."""
     top = max((v for _, v, _ in items), default=1) or 1
     row = 28
-    parts = [f'<svg width="{width + 260}" height="{row * len(items) + 10}" role="img">']
+    # 230 px of labels, the bars, then room for the value after the longest bar.
+    parts = [f'<svg width="{230 + width + 80}" height="{row * len(items) + 10}" role="img">']
     for i, (label, value, colour) in enumerate(items):
         y = i * row + 5
         w = max(2, int(width * value / top)) if value else 0
@@ -120,7 +121,7 @@ h2 {{ margin-top: 2rem; font-size: 1.1rem; }}
 <p>{r["orders"]} orders, {cfg.workers} workers, a worker SIGKILLed every
 {cfg.kill_min}&ndash;{cfg.kill_max} s, provider faults: {cfg.drop_rate:.0%} accepted then dropped,
 {cfg.slow_rate:.0%} answered after the client's timeout, {cfg.fail_rate:.0%} 500s,
-{cfg.decline_rate:.0%} declined cards; Redis flushed once: {r["redis_flushed"]}; seed {cfg.seed}.
+{cfg.decline_rate:.0%} declined cards; {"Redis flushed once halfway" if r["redis_flushed"] else "no Redis flush"}; seed {cfg.seed}.
 Drained in {r["drain_seconds"]} s.</p>
 <h2>Where every operation ended</h2>{state_chart}
 <h2>The invariant: one provider success per paid order, each with one claim</h2>{invariant_chart}
