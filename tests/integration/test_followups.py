@@ -112,9 +112,17 @@ def test_crash_after_commit_before_ack__real_worker_skips_the_redelivery(
             timeout=40,
             what="both follow-ups to succeed",
         )
-        # The killed delivery is handed back by RQ; wait until it was skipped.
-        wait_until(lambda: queue.count == 0 and not queue.started_job_registry.count,
-                   timeout=20, what="the redelivery to finish")
+        # The killed delivery is handed back by RQ with the same id; wait until
+        # both follow-up messages' jobs ran to the end (the redelivery included).
+        ids = [message_id_for(f"{op.key}:{kind}") for kind in (RECORD_SALE, COUNT_SALE)]
+        wait_until(
+            lambda: all(
+                (job := queue.fetch_job(i)) is not None and job.get_status() == "finished"
+                for i in ids
+            ),
+            timeout=20,
+            what="the redelivery to finish",
+        )
     finally:
         stderr = stop_worker(worker)
 
