@@ -82,14 +82,20 @@ def request_checkout(
 
 
 def _earlier_charge_unsettled(order: Order) -> bool:
-    """Tell whether an earlier checkout of the order has a charge of unknown outcome."""
-    return StepClaim.objects.filter(
-        operation__kind=CHECKOUT,
-        operation__entity_type="order",
-        operation__entity_id=str(order.pk),
-        step="charge",
-        state__in=[ClaimState.CLAIMED, ClaimState.UNCERTAIN],
-    ).exists()
+    """Tell whether an earlier checkout of the order charged, or may have.
+
+    A new checkout is safe only when every earlier charge claim failed.
+    """
+    return (
+        StepClaim.objects.filter(
+            operation__kind=CHECKOUT,
+            operation__entity_type="order",
+            operation__entity_id=str(order.pk),
+            step="charge",
+        )
+        .exclude(state=ClaimState.FAILED)
+        .exists()
+    )
 
 
 def reopen_order(operation: Operation) -> None:

@@ -215,18 +215,25 @@ def release_in_tx(
     )
 
 
-def record_failed_attempt_in_tx(operation: Operation, *, actor: str, reason: str) -> bool:
+def record_failed_attempt_in_tx(
+    operation: Operation,
+    *,
+    actor: str,
+    reason: str,
+    give_up_to: OperationState = OperationState.FAILED,
+) -> bool:
     """Count one failed attempt of the locked operation; return True when it gave up.
 
     Under MAX_ATTEMPTS the operation is RETRYING, due after the next backoff;
-    at MAX_ATTEMPTS it is FAILED. The lease is dropped either way. Runs inside
+    at MAX_ATTEMPTS it goes to `give_up_to` (FAILED unless the caller knows an
+    effect happened or may have). The lease is dropped either way. Runs inside
     the caller's transaction.
     """
     attempt = operation.attempts + 1
     if attempt >= payments_setting("MAX_ATTEMPTS"):
         release_in_tx(
             operation,
-            OperationState.FAILED,
+            give_up_to,
             actor=actor,
             reason=f"gave up after {attempt} attempts: {reason}"[:500],
             attempts=attempt,
@@ -336,34 +343,44 @@ def _locked_claim_in_tx(claim_id: int) -> StepClaim:
 
 
 def take_over_claim(claim: StepClaim, *, owner: str, lease_seconds: int) -> StepClaim | None:
-    """Take a claim whose lease is released or expired, or which is uncertain.
+    """Take a claim to act on it; return the fresh row, or None while another worker holds it.
 
-    Returns the refreshed claim, or None when another worker holds a live lease.
+    A settled row (done, failed) is returned as it is, untaken: the caller
+    replays its result or refuses, and never calls again. A claimed row that
+    its previous owner did not release (that owner died, or its job was cut
+    off, between claim and record) becomes uncertain: that call may have run.
+    A row released after a transient failure stays claimed: nothing ran.
     """
     now = timezone.now()
     with transaction.atomic():
         row = _locked_claim_in_tx(claim.pk)
+        if row.state in (ClaimState.DONE, ClaimState.FAILED):
+            return row
         live = (
-            row.state == ClaimState.CLAIMED
-            and row.lease_expires_at is not None
+            row.lease_expires_at is not None
             and row.lease_expires_at > now
-            and row.claimed_by != owner
+            and row.claimed_by not in ("", owner)
         )
-        if live or row.state not in (ClaimState.CLAIMED, ClaimState.UNCERTAIN):
-            return None if live else row
-        previous = row.claimed_by
+        if live:
+            return None
+        previous, from_state = row.claimed_by, row.state
+        if row.state == ClaimState.CLAIMED and previous:
+            row.state = ClaimState.UNCERTAIN
         row.claimed_by = owner
         row.lease_expires_at = now + timedelta(seconds=lease_seconds)
         row.attempts += 1
-        row.save(update_fields=["claimed_by", "lease_expires_at", "attempts", "updated_at"])
-        if previous and previous != owner:
+        row.save(
+            update_fields=["state", "claimed_by", "lease_expires_at", "attempts", "updated_at"]
+        )
+        if previous and previous != owner or row.state != from_state:
             record_event_in_tx(
                 row.operation,
                 step=row.step,
-                from_state=row.state,
+                from_state=from_state,
                 to_state=row.state,
                 actor=owner,
-                reason=f"taken over from {previous}",
+                reason=f"taken over from {previous or 'a released claim'}"
+                + ("; its call may have run" if row.state != from_state else ""),
             )
     return row
 
@@ -413,16 +430,22 @@ def settle_claim(
 
 
 def release_claim(claim: StepClaim, *, actor: str, reason: str) -> None:
-    """Drop a claim's lease after a transient failure: the next attempt may take it at once."""
+    """Drop a claim's lease after a transient failure: the next attempt may take it at once.
+
+    Its state stays: a claimed row is then "released" (nothing ran), an
+    uncertain one stays uncertain (an earlier call may have run).
+    """
     with transaction.atomic():
-        StepClaim.objects.filter(pk=claim.pk, state=ClaimState.CLAIMED).update(
-            lease_expires_at=None, claimed_by="", error=reason[:2000], updated_at=timezone.now()
-        )
+        row = _locked_claim_in_tx(claim.pk)
+        if row.state not in (ClaimState.CLAIMED, ClaimState.UNCERTAIN):
+            return
+        row.lease_expires_at, row.claimed_by, row.error = None, "", reason[:2000]
+        row.save(update_fields=["lease_expires_at", "claimed_by", "error", "updated_at"])
         record_event_in_tx(
-            claim.operation,
-            step=claim.step,
-            from_state=ClaimState.CLAIMED,
-            to_state=ClaimState.CLAIMED,
+            row.operation,
+            step=row.step,
+            from_state=row.state,
+            to_state=row.state,
             actor=actor,
             reason=f"released after transient failure: {reason}"[:2000],
         )

@@ -111,13 +111,31 @@ def deliver(operation_id: int, *, worker_id: str, job: Any = None) -> str:
     try:
         outcome = handler(operation_id, worker_id)
     except Exception as exc:  # rolled back with its inbox row; count it outside
-        _failed_attempt(op, worker_id, f"{type(exc).__name__}: {exc}", job)
-    return outcome or "duplicate"
+        return _failed_attempt(op, worker_id, f"{type(exc).__name__}: {exc}", job)
+    if outcome is None:
+        _settle_duplicate(op, worker_id)
+        return "duplicate"
+    return outcome
 
 
-def _failed_attempt(op: Operation, worker_id: str, reason: str, job: Any) -> None:
-    """Count a failed delivery; schedule the next or give up visibly. Always raises."""
+def _settle_duplicate(op: Operation, worker_id: str) -> None:
+    """The inbox row proves the handler committed: its operation succeeded."""
     with transaction.atomic():
         locked = fence.locked_operation_in_tx(op.pk)
+        if locked.state != OperationState.SUCCEEDED:
+            _succeed_in_tx(locked, worker_id)
+
+
+def _failed_attempt(op: Operation, worker_id: str, reason: str, job: Any) -> str:
+    """Count a failed delivery; schedule the next or give up visibly.
+
+    Raises, unless the handler had committed already (the error came after,
+    e.g. the job's time ran out on the way back): then it is delivered.
+    """
+    with transaction.atomic():
+        locked = fence.locked_operation_in_tx(op.pk)
+        if locked.state == OperationState.SUCCEEDED:
+            return "delivered"
         gave_up = fence.record_failed_attempt_in_tx(locked, actor=worker_id, reason=reason)
     retry_or_give_up(locked, gave_up=gave_up, reason=reason, job=job)
+    return "unreachable"  # retry_or_give_up always raises

@@ -9,6 +9,7 @@ the same key, else by a metadata search. It never calls with a new key.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 
@@ -23,6 +24,7 @@ from payments import fence
 from payments.conf import payments_setting
 from payments.dispatch import dispatch, dispatch_on_commit, payments_queue
 from payments.exceptions import (
+    ConfigurationError,
     StepConflict,
     StepRefused,
     StepTransient,
@@ -147,17 +149,31 @@ def reconcile(
     dry_run: bool = False,
     operation_ids: list[int] | None = None,
     batch_size: int = 200,
+    time_budget: float | None = None,
 ) -> ReconcileReport:
-    """Settle unsettled external claims by asking the provider; move their operations on."""
+    """Settle unsettled external claims by asking the provider; move their operations on.
+
+    `time_budget` (seconds) stops starting new claims once spent, so that a
+    slow provider cannot hold up the sweep that runs in the same loop.
+    """
     report = ReconcileReport()
+    started = time.monotonic()
     claims = (
         StepClaim.objects.filter(claims_to_reconcile(operation_ids))
         .select_related("operation")
         .order_by("claimed_at", "id")[:batch_size]
     )
     for claim in claims:
+        if time_budget is not None and time.monotonic() - started > time_budget:
+            report.add("left_for_next_round", claim.operation.key)
+            continue
         op = claim.operation
-        spec = get_handler(op.kind)
+        try:
+            spec = get_handler(op.kind)
+        except ConfigurationError:  # one unknown kind must not stop every other claim
+            logger.error("operation %s: no handler for kind %s", op.key, op.kind)
+            report.add("no_handler", op.key)
+            continue
         if claim.step not in spec.effects:
             continue  # a side effect without lookup: its policy decides when the op resumes
         report.examined += 1
@@ -170,7 +186,47 @@ def reconcile(
             logger.exception("reconciling %s/%s failed", op.key, claim.step)
             outcome = "error"
         report.add(outcome, op.key)
+    if not dry_run and operation_ids is None:
+        _resume_stranded(actor, report)
     return report
+
+
+def stranded_operations() -> Q:
+    """Operations whose claims were settled but which were not moved on (a crash between)."""
+    settled_uncertain = Q(state=OperationState.UNCERTAIN) & ~Q(
+        claims__state__in=[ClaimState.UNCERTAIN, ClaimState.CLAIMED]
+    )
+    return settled_uncertain
+
+
+def _resume_stranded(actor: str, report: ReconcileReport) -> None:
+    """Resume operations the provider answered for but that stayed put: the runtime decides.
+
+    An uncertain operation with no unsettled claim, or a failed one with a
+    charge done, was left between the claim's settlement and its own move.
+    """
+    charged_but_failed = Operation.objects.filter(
+        state=OperationState.FAILED,
+        claims__state=ClaimState.DONE,
+        claims__provider_reference__gt="",
+    )
+    stranded = Operation.objects.filter(stranded_operations()) | charged_but_failed
+    for op in stranded.distinct()[:200]:
+        try:
+            spec = get_handler(op.kind)
+            _move(
+                op,
+                OperationState.RETRYING,
+                actor,
+                "claims settled; resuming",
+                on_resume=spec.on_resume,
+                resume=True,
+            )
+        except Exception:
+            logger.exception("resuming stranded operation %s failed", op.key)
+            report.add("error", op.key)
+        else:
+            report.add("resumed", op.key)
 
 
 def settle_one(claim: StepClaim, *, actor: str) -> str:
@@ -180,7 +236,11 @@ def settle_one(claim: StepClaim, *, actor: str) -> str:
     taken = fence.take_over_claim(claim, owner=actor, lease_seconds=payments_setting("CLAIM_LEASE"))
     if taken is None:
         return "busy"
-    allow_replay = op.state not in FINAL_OPERATION_STATES
+    if taken.state in (ClaimState.DONE, ClaimState.FAILED):
+        return "already_settled"  # someone settled it meanwhile; the stranded pass moves the op
+    # Read now, not when the batch was listed: an operator may have failed it since.
+    state = Operation.objects.values_list("state", flat=True).get(pk=op.pk)
+    allow_replay = state not in FINAL_OPERATION_STATES
     try:
         reconcile_step(taken, spec.effect(claim.step, op), actor=actor, allow_replay=allow_replay)
     except StepRefused as exc:
@@ -201,17 +261,20 @@ def settle_one(claim: StepClaim, *, actor: str) -> str:
         alerts.error("operation %s: idempotency conflict at %s", op.key, claim.step)
         return "needs_review"
     except StepUncertain:
-        if op.state != OperationState.UNCERTAIN and op.state not in FINAL_OPERATION_STATES:
+        if state not in (OperationState.UNCERTAIN, *FINAL_OPERATION_STATES):
             _move(op, OperationState.UNCERTAIN, actor, "outcome not known yet")
         return "still_uncertain"
     except StepTransient:
-        return "retry_later"  # provider unreachable, or the first request still in flight
+        # Provider unreachable, or the first request still in flight: let the
+        # next round (or a worker) take the claim at once.
+        fence.release_claim(taken, actor=actor, reason="lookup failed; next round")
+        return "retry_later"
     _move(
         op,
         OperationState.RETRYING,
         actor,
         "provider shows the step succeeded; resuming",
-        on_resume=spec.on_resume if op.state == OperationState.FAILED else None,
+        on_resume=spec.on_resume,
         resume=True,
     )
     return "done"
@@ -235,11 +298,12 @@ def _move(
             return  # a worker runs it now and will see the settled claim itself
         if locked.state == OperationState.SUCCEEDED:
             return
+        was_failed = locked.state == OperationState.FAILED
         fields = {"next_attempt_at": timezone.now()} if resume else {}
         fence.release_in_tx(locked, state, actor=actor, reason=reason, **fields)
-        if on_failure is not None and state == OperationState.FAILED:
+        if on_failure is not None and state == OperationState.FAILED and not was_failed:
             on_failure(locked)
-        if on_resume is not None and resume:
+        if on_resume is not None and resume and was_failed:
             on_resume(locked)
         if resume:
             dispatch_on_commit(locked)

@@ -20,6 +20,7 @@ from payments import fence, telemetry
 from payments.conf import payments_setting
 from payments.effects import DeliveryPolicy
 from payments.exceptions import (
+    ConfigurationError,
     RetriesExhausted,
     RetryLater,
     StepBusy,
@@ -28,7 +29,13 @@ from payments.exceptions import (
     StepTransient,
     StepUncertain,
 )
-from payments.models import ClaimState, Operation, OperationState, StepClaim
+from payments.models import (
+    RUNNABLE_OPERATION_STATES,
+    ClaimState,
+    Operation,
+    OperationState,
+    StepClaim,
+)
 from payments.registry import HandlerSpec, get_handler
 from payments.steps import StepNeedsReview, run_external_step
 
@@ -86,6 +93,8 @@ class Run:
                 telemetry.note(outcome=telemetry.SKIPPED, transaction=telemetry.NONE)
                 return claim.result or {}
             taken = fence.take_over_claim(claim, owner=self.worker_id, lease_seconds=lease)
+            if taken is not None and taken.state in (ClaimState.DONE, ClaimState.FAILED):
+                return taken.result or {}  # settled meanwhile by another worker
             if taken is None:
                 raise StepBusy(
                     operation_key=self.operation.key, step=step, until=claim.lease_expires_at
@@ -135,6 +144,11 @@ def execute(operation_id: int, *, worker_id: str, job: Any = None) -> str:
     Raises RetryLater (RQ retries the job after its backoff) or
     RetriesExhausted (the job goes to the failed registry).
     """
+    kind = Operation.objects.values_list("kind", flat=True).get(pk=operation_id)
+    try:
+        spec = get_handler(kind)
+    except ConfigurationError as exc:  # e.g. a kind renamed by a deploy: a person decides
+        return _unrunnable(operation_id, worker_id, str(exc))
     leased = fence.acquire_lease(
         operation_id, owner=worker_id, seconds=payments_setting("CLAIM_LEASE")
     )
@@ -144,7 +158,6 @@ def execute(operation_id: int, *, worker_id: str, job: Any = None) -> str:
         if op.state == OperationState.RUNNING:
             return "deferred"  # another worker's live lease: look again when it ends
         return f"skipped:{op.state}"
-    spec = get_handler(op.kind)
     try:
         spec.func(Run(op, worker_id, spec))
     except StepBusy as exc:
@@ -195,21 +208,48 @@ def _finish(
     return True
 
 
+def _unrunnable(operation_id: int, worker_id: str, reason: str) -> str:
+    """Park an operation no handler can run in needs_review, with an alert."""
+    with transaction.atomic():
+        locked = fence.locked_operation_in_tx(operation_id)
+        if locked.state not in RUNNABLE_OPERATION_STATES:
+            return f"skipped:{locked.state}"
+        fence.release_in_tx(
+            locked, OperationState.NEEDS_REVIEW, actor=worker_id, reason=reason, last_error=reason
+        )
+    alerts.error("operation %s cannot run: %s", locked.key, reason)
+    return "needs_review"
+
+
+def _give_up_state_in_tx(op: Operation, spec: HandlerSpec, *, in_flight: bool) -> OperationState:
+    """Where an operation goes when it stops trying. Runs inside the caller's transaction.
+
+    FAILED only when no external effect happened or may have: money taken by
+    an earlier step (its later steps keep failing) needs a person; an effect
+    whose outcome is unknown needs the reconciler. Neither may fail the order.
+    """
+    external = StepClaim.objects.filter(operation=op, step__in=list(spec.effects))
+    if external.filter(state=ClaimState.DONE).exists():
+        return OperationState.NEEDS_REVIEW
+    if in_flight or external.filter(state=ClaimState.UNCERTAIN).exists():
+        return OperationState.UNCERTAIN
+    return OperationState.FAILED
+
+
 def _fail(op: Operation, spec: HandlerSpec, worker_id: str, reason: str) -> None:
     with transaction.atomic():
         locked = fence.locked_operation_in_tx(op.pk)
         if not fence.holds_lease_in_tx(locked, worker_id):
             return
-        fence.release_in_tx(
-            locked,
-            OperationState.FAILED,
-            actor=worker_id,
-            reason=reason[:500],
-            last_error=reason,
-        )
-        if spec.on_failure is not None:
+        state = _give_up_state_in_tx(locked, spec, in_flight=False)
+        if state == OperationState.UNCERTAIN:
+            state = OperationState.FAILED  # the refused step settled; others are not in doubt
+        fence.release_in_tx(locked, state, actor=worker_id, reason=reason[:500], last_error=reason)
+        if state == OperationState.FAILED and spec.on_failure is not None:
             spec.on_failure(locked)
-    logger.info("operation %s failed: %s", op.key, reason[:200])
+    if state == OperationState.NEEDS_REVIEW:
+        alerts.error("operation %s: a step was refused after money was taken", op.key)
+    logger.info("operation %s %s: %s", op.key, state, reason[:200])
 
 
 def _transient(
@@ -222,19 +262,24 @@ def _transient(
 ) -> None:
     """Count a transient failure; schedule the next attempt or give up. Always raises.
 
-    Giving up settles the failing step's claim as failed: every try was refused
-    before anything executed. Not when a same-key request may still be in
-    flight (409): that claim stays for the reconciler.
+    Giving up fails the operation and settles the failing step's claim as
+    failed only when every try was refused before anything executed (see
+    _give_up_state_in_tx): not after a 409 (a same-key request may still
+    succeed), not when an earlier call may have run, not after money was taken.
     """
+    in_flight = step_error is not None and step_error.in_flight
     with transaction.atomic():
         locked = fence.locked_operation_in_tx(op.pk)
         if not fence.holds_lease_in_tx(locked, worker_id):
             raise RetryLater(op.key, locked.attempts + 1, "lease lost")
-        gave_up = fence.record_failed_attempt_in_tx(locked, actor=worker_id, reason=reason)
-        if gave_up:
+        give_up_to = _give_up_state_in_tx(locked, spec, in_flight=in_flight)
+        gave_up = fence.record_failed_attempt_in_tx(
+            locked, actor=worker_id, reason=reason, give_up_to=give_up_to
+        )
+        if gave_up and give_up_to == OperationState.FAILED:
             if spec.on_failure is not None:
                 spec.on_failure(locked)
-            if step_error is not None and not step_error.in_flight:
+            if step_error is not None:
                 _settle_refused_in_tx(locked, step_error.step, worker_id, reason)
     retry_or_give_up(locked, gave_up=gave_up, reason=reason, job=job)
 
@@ -243,9 +288,10 @@ def retry_or_give_up(op: Operation, *, gave_up: bool, reason: str, job: Any) -> 
     """Raise to RQ after a counted failure: RetryLater, or RetriesExhausted with an alert."""
     if gave_up:
         alerts.error(
-            "operation %s failed after %s attempts; job sent to the failed registry",
+            "operation %s gave up after %s attempts (now %s); job sent to the failed registry",
             op.key,
             op.attempts,
+            op.state,
         )
         if job is not None:
             job.retries_left = 0  # the DB counted the attempts: no further RQ retry

@@ -15,6 +15,7 @@ from datetime import timedelta
 from typing import Any
 
 from django.utils import timezone
+from rq.timeouts import BaseTimeoutException
 
 from payments import fence, telemetry
 from payments.conf import payments_setting
@@ -87,6 +88,8 @@ def run_external_step(
     taken = fence.take_over_claim(claim, owner=owner, lease_seconds=lease)
     if taken is None:
         raise StepBusy(operation_key=operation.key, step=step, until=claim.lease_expires_at)
+    if taken.state == ClaimState.FAILED:
+        raise StepRefused("refused earlier", operation_key=operation.key, step=step)
     if taken.state == ClaimState.DONE:
         telemetry.note(outcome=telemetry.SKIPPED, transaction=telemetry.NONE)
         return taken.result or {}
@@ -122,6 +125,11 @@ def call_effect(claim: StepClaim, effect: ExternalEffect, *, actor: str) -> dict
     failpoint(AFTER_CLAIM_COMMIT)
     try:
         answer = effect.perform(claim.request or {}, claim.idempotency_key)
+    except BaseTimeoutException as exc:
+        # The job's own time is up mid-call: the call may have run. Record that
+        # and stop here (no lookup), so the job ends inside its lease.
+        fence.settle_claim(claim, ClaimState.UNCERTAIN, actor=actor, error=type(exc).__name__)
+        raise
     except Exception as exc:  # classified below; an unclassified error may follow a send
         outcome = getattr(exc, "outcome", Outcome.UNCERTAIN)
         code = str(getattr(exc, "code", "") or "")

@@ -181,9 +181,14 @@ def classify_response(
     message = f"{context}: HTTP {status}" + (f" {label}" if label else "")
     should_retry = headers.get("Stripe-Should-Retry", "").lower()
 
-    if should_retry == "true":
+    if status == 409 or should_retry == "true":
         # The provider states that nothing was executed and a retry may work.
-        return TransientProviderError(message, **attrs)
+        # A 409 means another request with the same key is in flight: this one
+        # did nothing, but that one may still succeed (Stripe sends the 409
+        # with Stripe-Should-Retry: true, so this is checked first).
+        error = TransientProviderError(message, **attrs)
+        error.in_flight = status == 409
+        return error
     if status == 402:
         return CardDeclined(message, **attrs)
     if status == 400 and attrs["error_type"] == "idempotency_error":
@@ -197,15 +202,12 @@ def classify_response(
         # key), not from the order. Failing the order for good would punish the
         # customer for an operator mistake; TRANSIENT makes the fence retry
         # with bounded attempts and then park the job in the failed registry
-        # with an alert, where it can be replayed once the key is fixed.
+        # with an alert; once the key is fixed an operator starts new attempts
+        # (nothing executed under the old key).
         return TransientProviderError(message, **attrs)
-    if status in (409, 429):
-        # 409: the same key is in flight in another request; 429: rate limited.
-        # Neither executed anything nor stored a result for the key, but
-        # after a 409 the other request may still succeed: say so.
-        error = TransientProviderError(message, **attrs)
-        error.in_flight = status == 409
-        return error
+    if status == 429:
+        # Rate limited: nothing executed, nothing stored for the key.
+        return TransientProviderError(message, **attrs)
     if status == 404:
         if attrs["code"] == "resource_missing":
             return ResourceMissing(message, **attrs)

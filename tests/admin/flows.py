@@ -24,7 +24,12 @@ def checkout(key: str = "chk-1", pm: str = "pm_card_visa") -> Operation:
 
 
 def failed_by_invoice_bug(monkeypatch: pytest.MonkeyPatch, queue, key: str = "chk-1") -> Operation:
-    """Charged once, then a bug in the invoice step used up every attempt: failed, job failed."""
+    """Charged once, then a bug in the invoice step used up every attempt.
+
+    The money is taken, so the operation is parked in needs_review (never
+    failed: that would tell the customer the payment failed), and the job is
+    in the failed registry.
+    """
 
     def broken_invoice(order_id: int, reference: str) -> dict:
         raise RuntimeError("invoice numbering bug")

@@ -33,7 +33,7 @@ def test_two_operators_resume_at_once__one_resumes_the_other_is_refused(
     provider, queue, monkeypatch
 ):
     op = flows.failed_by_invoice_bug(monkeypatch, queue)
-    assert op.state == OperationState.FAILED
+    assert op.state == OperationState.NEEDS_REVIEW  # charged: never "failed"
     alice, bob = operators(RECONCILE)
 
     results = flows.race(

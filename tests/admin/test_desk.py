@@ -10,9 +10,10 @@ from datetime import timedelta
 
 import pytest
 from django.core.exceptions import PermissionDenied
+from django.db import transaction
 
 from payments import desk, fence
-from payments.checkout import request_checkout
+from payments.checkout import CheckoutNotAllowed, request_checkout
 from payments.desk import DeskError, ReasonRequired
 from payments.models import ClaimState, Operation, OperationEvent, OperationState, OrderStatus
 from tests.admin import builders
@@ -146,10 +147,24 @@ def test_resume__refused_while_a_worker_holds_the_lease(provider, operator):
 
 def test_resume__refused_when_the_order_has_a_newer_operation(provider, operator):
     op, _ = builders.failed_after_charge()
-    # The order is open again (payment failed): the customer checks out with a new key.
-    request_checkout(
-        order_id=op.params["order_id"], key="chk-1-api", payment_method="pm_card_visa", actor="api"
-    )
+    # The API refuses a new checkout while an earlier charge of the order is done...
+    with pytest.raises(CheckoutNotAllowed):
+        request_checkout(
+            order_id=op.params["order_id"],
+            key="chk-1-api",
+            payment_method="pm_card_visa",
+            actor="api",
+        )
+    # ...and the desk still refuses to resume beside a newer operation from any other path.
+    with transaction.atomic():
+        fence.create_operation_in_tx(
+            key="chk-1-api",
+            kind="checkout",
+            entity_type="order",
+            entity_id=op.params["order_id"],
+            params={**op.params, "payment_method": "pm_x"},
+            actor="test",
+        )
 
     with pytest.raises(DeskError, match="has another operation \\(chk-1-api, pending\\)"):
         desk.resume(op, user=operator, reason="again")

@@ -528,6 +528,9 @@ def test_same_key_in_flight__transient_409(fake_provider):
         create(make_client(fake_provider))
     worker.join(timeout=3)
     assert (info.value.http_status, info.value.code) == (409, "idempotency_key_in_use")
+    # The fake answers as Stripe does (409 + Stripe-Should-Retry: true): the
+    # error must still say that the other request may succeed.
+    assert info.value.in_flight is True
     assert create(make_client(fake_provider)).id == first[0].id
 
 

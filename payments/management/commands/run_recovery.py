@@ -42,7 +42,7 @@ class Command(BaseCommand):
                         f"swept {len(swept.dispatched)} of {swept.examined} due operations"
                     )
             try:
-                settled = reconcile()
+                settled = reconcile(time_budget=max(interval * 3, 30.0))
             except Exception as exc:
                 self.stderr.write(f"reconcile failed: {type(exc).__name__}: {exc}")
             else:
