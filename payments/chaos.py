@@ -79,7 +79,10 @@ class ChaosResult:
 
 def run_chaos(config: ChaosConfig, *, log_dir: Path, say: Callable[[str], None]) -> ChaosResult:
     """Run the scenario end to end and return what happened (violations included)."""
+    # Two generators: the orders' cards and amounts must not depend on how
+    # many kills the chaos thread has drawn by then.
     rng = random.Random(config.seed)
+    chaos_rng = random.Random(config.seed + 1)
     run_id = uuid.uuid4().hex[:8]
     result = ChaosResult(config=config, run_id=run_id)
     provider_port, api_port = free_port(), free_port()
@@ -111,11 +114,14 @@ def run_chaos(config: ChaosConfig, *, log_dir: Path, say: Callable[[str], None])
         for _ in range(config.workers):
             stack.start_worker(config.worker_class)
         stack.start_recovery(interval=1)
-        say(f"run {run_id}: provider :{provider_port}, API :{api_port}, {config.workers} workers, "
-            f"recovery loop; logs in {stack.log_dir}")
+        say(
+            f"run {run_id}: provider :{provider_port}, API :{api_port}, {config.workers} workers, "
+            f"recovery loop; logs in {stack.log_dir}"
+        )
         started = time.monotonic()
-        chaos = threading.Thread(target=_chaos_loop, args=(stack, config, rng, stop, result),
-                                 daemon=True)
+        chaos = threading.Thread(
+            target=_chaos_loop, args=(stack, config, chaos_rng, stop, result), daemon=True
+        )
         chaos.start()
         result.keys = _checkout(config, rng, api_port, run_id, stack, result, say)
         result.settled_in_time = _wait_settled(run_id, config.timeout, say)
@@ -132,7 +138,10 @@ def run_chaos(config: ChaosConfig, *, log_dir: Path, say: Callable[[str], None])
 
 
 def _chaos_loop(
-    stack: Stack, config: ChaosConfig, rng: random.Random, stop: threading.Event,
+    stack: Stack,
+    config: ChaosConfig,
+    rng: random.Random,
+    stop: threading.Event,
     result: ChaosResult,
 ) -> None:
     """Every kill_min..kill_max seconds SIGKILL a random worker and start a new one."""
@@ -146,21 +155,36 @@ def _chaos_loop(
 
 
 def _checkout(
-    config: ChaosConfig, rng: random.Random, api_port: int, run_id: str, stack: Stack,
-    result: ChaosResult, say: Callable[[str], None],
+    config: ChaosConfig,
+    rng: random.Random,
+    api_port: int,
+    run_id: str,
+    stack: Stack,
+    result: ChaosResult,
+    say: Callable[[str], None],
 ) -> list[str]:
     api = requests.Session()
     api.headers["Authorization"] = f"Bearer {settings.API_TOKEN}"
     base = f"http://127.0.0.1:{api_port}/api"
     keys = []
     for i in range(config.orders):
-        order = _post(api, f"{base}/orders", {
-            "amount": 500 + rng.randrange(50_000), "currency": "eur",
-            "email": f"chaos{i}@example.com"})
+        order = _post(
+            api,
+            f"{base}/orders",
+            {
+                "amount": 500 + rng.randrange(50_000),
+                "currency": "eur",
+                "email": f"chaos{i}@example.com",
+            },
+        )
         key = f"chaos-{run_id}-{i}"
         card = "pm_card_chargeDeclined" if rng.random() < config.decline_rate else "pm_card_visa"
-        _post(api, f"{base}/orders/{order['id']}/checkout", {"payment_method": card},
-              headers={"Idempotency-Key": key})
+        _post(
+            api,
+            f"{base}/orders/{order['id']}/checkout",
+            {"payment_method": card},
+            headers={"Idempotency-Key": key},
+        )
         keys.append(key)
         if config.flush and i == config.orders // 2:
             # Redis loses everything: queued jobs, scheduled retries, registries.
@@ -168,8 +192,10 @@ def _checkout(
             result.flushed = True
             say(f"  flushed the queue's Redis database after {i + 1} checkouts")
         if (i + 1) % 50 == 0:
-            say(f"  checked out {i + 1}/{config.orders} orders; workers killed so far: "
-                f"{result.killed}")
+            say(
+                f"  checked out {i + 1}/{config.orders} orders; workers killed so far: "
+                f"{result.killed}"
+            )
     return keys
 
 
@@ -194,8 +220,12 @@ def _wait_settled(run_id: str, timeout: float, say: Callable[[str], None]) -> bo
     next_line = 0.0
     while time.monotonic() < deadline:
         close_old_connections()
-        counts = dict(Operation.objects.filter(key__startswith=f"chaos-{run_id}-")
-                      .values_list("state").annotate(n=Count("id")).values_list("state", "n"))
+        counts = dict(
+            Operation.objects.filter(key__startswith=f"chaos-{run_id}-")
+            .values_list("state")
+            .annotate(n=Count("id"))
+            .values_list("state", "n")
+        )
         line = ", ".join(f"{s} {n}" for s, n in sorted(counts.items()))
         if line != last and time.monotonic() >= next_line:
             say(f"  operations (checkouts and follow-ups): {line}")
@@ -212,30 +242,49 @@ def _measure(result: ChaosResult, provider_url: str) -> dict[str, object]:
     keys = result.keys
     ops = Operation.objects.filter(key__in=keys)
     order_ids = [int(i) for i in ops.values_list("entity_id", flat=True)]
-    client = ProviderClient(provider_url, settings.PAYMENTS["PROVIDER_API_KEY"],
-                            connect_timeout=2, read_timeout=30)
+    client = ProviderClient(
+        provider_url, settings.PAYMENTS["PROVIDER_API_KEY"], connect_timeout=2, read_timeout=30
+    )
     wanted = set(keys)
-    intents = [pi for pi in client.list_payment_intents()
-               if pi.metadata.get("operation_key") in wanted]
+    intents = [
+        pi for pi in client.list_payment_intents() if pi.metadata.get("operation_key") in wanted
+    ]
     found = audit(intents, Q(operation__key__in=keys))
     paid = Order.objects.filter(pk__in=order_ids, status=OrderStatus.PAID)
-    invoices = dict(Invoice.objects.filter(order_id__in=order_ids).values_list("order_id")
-                    .annotate(n=Count("id")).values_list("order_id", "n"))
-    ledger = dict(LedgerEntry.objects.filter(order_id__in=order_ids).values_list("order_id")
-                  .annotate(n=Count("id")).values_list("order_id", "n"))
+    invoices = dict(
+        Invoice.objects.filter(order_id__in=order_ids)
+        .values_list("order_id")
+        .annotate(n=Count("id"))
+        .values_list("order_id", "n")
+    )
+    ledger = dict(
+        LedgerEntry.objects.filter(order_id__in=order_ids)
+        .values_list("order_id")
+        .annotate(n=Count("id"))
+        .values_list("order_id", "n")
+    )
     paid_ids = list(paid.values_list("pk", flat=True))
-    went_uncertain = OperationEvent.objects.filter(
-        operation__key__in=keys, step="charge", to_state=ClaimState.UNCERTAIN
-    ).values_list("operation_id", flat=True).distinct()
-    settled_auto = ops.filter(pk__in=went_uncertain).exclude(
-        claims__step="charge", claims__state=ClaimState.UNCERTAIN).count()
+    went_uncertain = (
+        OperationEvent.objects.filter(
+            operation__key__in=keys, step="charge", to_state=ClaimState.UNCERTAIN
+        )
+        .values_list("operation_id", flat=True)
+        .distinct()
+    )
+    settled_auto = (
+        ops.filter(pk__in=went_uncertain)
+        .exclude(claims__step="charge", claims__state=ClaimState.UNCERTAIN)
+        .count()
+    )
     return {
         "orders": len(order_ids),
-        "operations_by_state": dict(ops.values_list("state").annotate(n=Count("id"))
-                                    .values_list("state", "n")),
+        "operations_by_state": dict(
+            ops.values_list("state").annotate(n=Count("id")).values_list("state", "n")
+        ),
         "orders_paid": len(paid_ids),
         "orders_declined_or_failed": Order.objects.filter(
-            pk__in=order_ids, status=OrderStatus.PAYMENT_FAILED).count(),
+            pk__in=order_ids, status=OrderStatus.PAYMENT_FAILED
+        ).count(),
         "provider_successes": found.provider_successes,
         "charge_claims_done": found.done_claims,
         "double_charges": len(found.double_charges),
@@ -261,7 +310,9 @@ def _violations(result: ChaosResult) -> list[str]:
     if r["double_charges"]:
         problems.append(f"{r['double_charges']} double charges")
     if r["provider_successes_without_claim"]:
-        problems.append(f"{r['provider_successes_without_claim']} provider successes without a claim")
+        problems.append(
+            f"{r['provider_successes_without_claim']} provider successes without a claim"
+        )
     if r["paid_orders_with_one_invoice"] != r["orders_paid"]:
         problems.append("a paid order without exactly one invoice")
     if r["paid_orders_with_one_ledger_line"] != r["orders_paid"]:
