@@ -139,6 +139,20 @@ def query_provider(operation_ids: list[int], *, user: AbstractBaseUser) -> Query
 # --- resume ----------------------------------------------------------------------
 
 
+def _resume_in_tx(op: Operation, *, actor: str, reason: str) -> None:
+    """Make the locked operation due now with a fresh budget of attempts; enqueue on commit."""
+    fence.release_in_tx(
+        op,
+        OperationState.RETRYING,
+        actor=actor,
+        reason=reason,
+        next_attempt_at=timezone.now(),
+        attempts=0,
+        last_error="",
+    )
+    dispatch_on_commit(op)
+
+
 def resume(operation: Operation | int, *, user: AbstractBaseUser, reason: str) -> Operation:
     """Run the operation again with the SAME key (retrying, due now, enqueued on commit).
 
@@ -164,16 +178,7 @@ def resume(operation: Operation | int, *, user: AbstractBaseUser, reason: str) -
         check_resume(op, claims)
         if op.state == OperationState.FAILED:
             _reopen_entity_in_tx(op)
-        fence.release_in_tx(
-            op,
-            OperationState.RETRYING,
-            actor=actor,
-            reason=f"resumed: {reason}",
-            next_attempt_at=timezone.now(),
-            attempts=0,
-            last_error="",
-        )
-        dispatch_on_commit(op.pk)
+        _resume_in_tx(op, actor=actor, reason=f"resumed: {reason}")
     logger.info("operation %s resumed by an operator", op.key)
     return op
 
@@ -227,16 +232,9 @@ def mark_step_succeeded(
             reference=reference,
             result={"reference": reference, **intent, "settled_by": actor},
         )
-        fence.release_in_tx(
-            locked,
-            OperationState.RETRYING,
-            actor=actor,
-            reason=f"step {step} marked succeeded; resuming: {reason}",
-            next_attempt_at=timezone.now(),
-            attempts=0,
-            last_error="",
+        _resume_in_tx(
+            locked, actor=actor, reason=f"step {step} marked succeeded; resuming: {reason}"
         )
-        dispatch_on_commit(locked.pk)
     logger.info("operation %s step %s marked succeeded by an operator", op.key, step)
     return settled
 
