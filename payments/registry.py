@@ -85,7 +85,3 @@ def get_handler(kind: str) -> HandlerSpec:
     except KeyError:
         raise ConfigurationError(f"no handler registered for operation kind {kind!r}") from None
 
-
-def registered_kinds() -> list[str]:
-    """Return the kinds that have a handler, sorted."""
-    return sorted(_HANDLERS)
