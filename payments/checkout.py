@@ -20,7 +20,7 @@ from payments import fence
 from payments.charge import PaymentIntentCharge
 from payments.dispatch import dispatch_on_commit
 from payments.effects import DeliveryPolicy
-from payments.exceptions import InvalidTransition, OperationConflict
+from payments.exceptions import InvalidTransition
 from payments.followups import write_follow_ups_in_tx
 from payments.models import ClaimState, Invoice, Operation, Order, OrderStatus, StepClaim
 from payments.registry import handler
@@ -165,6 +165,3 @@ def checkout(run: Run) -> None:
         policy=DeliveryPolicy.AT_MOST_ONCE,
     )
     run.local("mark_paid", lambda: mark_paid(order_id, reference, run.operation))
-
-
-__all__ = ["CheckoutNotAllowed", "OperationConflict", "checkout", "request_checkout"]

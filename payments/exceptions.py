@@ -75,6 +75,12 @@ class StepConflict(StepError):
     outcome = Outcome.CONFLICT
 
 
+class StepNeedsReview(StepError):
+    """The outcome stayed unknown past the grace period: a person must decide."""
+
+    outcome = Outcome.UNCERTAIN
+
+
 class StepBusy(PaymentsError):
     """Another worker holds a live claim on the step; check again after its lease."""
 

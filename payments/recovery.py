@@ -26,6 +26,7 @@ from payments.dispatch import dispatch, dispatch_on_commit, payments_queue
 from payments.exceptions import (
     ConfigurationError,
     StepConflict,
+    StepNeedsReview,
     StepRefused,
     StepTransient,
     StepUncertain,
@@ -38,7 +39,7 @@ from payments.models import (
     StepClaim,
 )
 from payments.registry import get_handler
-from payments.steps import StepNeedsReview, reconcile_step
+from payments.steps import reconcile_step
 
 logger = logging.getLogger("payments.recovery")
 alerts = logging.getLogger("payments.alerts")
@@ -192,26 +193,25 @@ def reconcile(
 
 
 def stranded_operations() -> Q:
-    """Operations whose claims were settled but which were not moved on (a crash between)."""
-    settled_uncertain = Q(state=OperationState.UNCERTAIN) & ~Q(
-        claims__state__in=[ClaimState.UNCERTAIN, ClaimState.CLAIMED]
-    )
-    return settled_uncertain
-
-
-def _resume_stranded(actor: str, report: ReconcileReport) -> None:
-    """Resume operations the provider answered for but that stayed put: the runtime decides.
+    """Operations the provider answered for that stayed put (a crash between two commits).
 
     An uncertain operation with no unsettled claim, or a failed one with a
-    charge done, was left between the claim's settlement and its own move.
+    charge done, was left between its claim's settlement and its own move.
     """
-    charged_but_failed = Operation.objects.filter(
+    settled_but_uncertain = Q(state=OperationState.UNCERTAIN) & ~Q(
+        claims__state__in=[ClaimState.UNCERTAIN, ClaimState.CLAIMED]
+    )
+    charged_but_failed = Q(
         state=OperationState.FAILED,
         claims__state=ClaimState.DONE,
         claims__provider_reference__gt="",
     )
-    stranded = Operation.objects.filter(stranded_operations()) | charged_but_failed
-    for op in stranded.distinct()[:200]:
+    return settled_but_uncertain | charged_but_failed
+
+
+def _resume_stranded(actor: str, report: ReconcileReport) -> None:
+    """Resume stranded operations: the runtime replays what is settled and decides."""
+    for op in Operation.objects.filter(stranded_operations()).distinct()[:200]:
         try:
             spec = get_handler(op.kind)
             _move(

@@ -25,6 +25,7 @@ from payments.exceptions import (
     RetryLater,
     StepBusy,
     StepConflict,
+    StepNeedsReview,
     StepRefused,
     StepTransient,
     StepUncertain,
@@ -37,7 +38,7 @@ from payments.models import (
     StepClaim,
 )
 from payments.registry import HandlerSpec, get_handler
-from payments.steps import StepNeedsReview, run_external_step
+from payments.steps import run_external_step
 
 logger = logging.getLogger("payments.runtime")
 alerts = logging.getLogger("payments.alerts")

@@ -23,7 +23,7 @@ from payments.effects import ClaimView, EffectResult, ExternalEffect
 from payments.exceptions import (
     StepBusy,
     StepConflict,
-    StepError,
+    StepNeedsReview,
     StepRefused,
     StepTransient,
     StepUncertain,
@@ -33,12 +33,6 @@ from payments.models import ClaimState, Operation, StepClaim
 from payments.outcomes import Outcome
 
 logger = logging.getLogger("payments.steps")
-
-
-class StepNeedsReview(StepError):
-    """The outcome stayed unknown past the grace period: a person must decide."""
-
-    outcome = Outcome.UNCERTAIN
 
 
 def view_of(claim: StepClaim) -> ClaimView:

@@ -194,3 +194,33 @@ def test_released_claim_after_transient_failures__is_taken_over_as_claimed(provi
 
     assert taken.state == ClaimState.CLAIMED  # nothing ran: retry freely with the same key
     assert taken.lease_expires_at > timezone.now() + timedelta(seconds=20)
+
+
+def test_reconciler_resumes_a_failed_operation_whose_charge_was_settled_done(provider, queue):
+    order, op = new_checkout("failed-but-charged")
+    provider.state.enqueue_faults("drop_after_accept", 1)
+    run_worker(queue)
+    # The reconciler settled the charge done, then died before moving the
+    # operation, which an operator had failed meanwhile.
+    claim = op.claims.get(step="charge")
+    intent = provider.state.intents(metadata={"operation_key": op.key})[0]
+    fence.settle_claim(
+        claim,
+        ClaimState.DONE,
+        actor="reconciler",
+        reference=intent["id"],
+        result={"reference": intent["id"], "status": "succeeded"},
+    )
+    Operation.objects.filter(pk=op.pk).update(state=OperationState.FAILED)
+    order.status = OrderStatus.PAYMENT_FAILED
+    order.save(update_fields=["status"])
+
+    report = reconcile()
+    run_worker(queue)
+
+    assert report.count("resumed") == 1
+    op.refresh_from_db()
+    order.refresh_from_db()
+    assert op.state == OperationState.SUCCEEDED
+    assert order.status == OrderStatus.PAID
+    assert provider.state.succeeded_count(metadata={"operation_key": op.key}) == 1
