@@ -91,21 +91,26 @@ def _html(result: ChaosResult) -> str:
     )
     states = sorted(r["operations_by_state"].items(), key=lambda kv: -kv[1])
     state_chart = _bars([(s, n, STATE_COLOURS.get(s, "#999")) for s, n in states])
-    invariant_chart = _bars([
-        ("orders paid", r["orders_paid"], "#2e7d32"),
-        ("provider successes", r["provider_successes"], "#1565c0"),
-        ("charge claims done", r["charge_claims_done"], "#6a1b9a"),
-        ("double charges", r["double_charges"], "#c62828"),
-        ("unfenced charges", r["provider_successes_without_claim"], "#c62828"),
-    ])
-    chaos_chart = _bars([
-        ("workers SIGKILLed", r["workers_killed"], "#424242"),
-        ("uncertain outcomes", r["uncertain_outcomes"], "#f9a825"),
-        ("settled automatically", r["uncertain_settled_automatically"], "#2e7d32"),
-    ])
+    invariant_chart = _bars(
+        [
+            ("orders paid", r["orders_paid"], "#2e7d32"),
+            ("provider successes", r["provider_successes"], "#1565c0"),
+            ("charge claims done", r["charge_claims_done"], "#6a1b9a"),
+            ("double charges", r["double_charges"], "#c62828"),
+            ("unfenced charges", r["provider_successes_without_claim"], "#c62828"),
+        ]
+    )
+    chaos_chart = _bars(
+        [
+            ("workers SIGKILLed", r["workers_killed"], "#424242"),
+            ("uncertain outcomes", r["uncertain_outcomes"], "#f9a825"),
+            ("settled automatically", r["uncertain_settled_automatically"], "#2e7d32"),
+        ]
+    )
     cfg = result.config
-    rows = "".join(f"<tr><td>{escape(label)}</td><td>{escape(str(r[key]))}</td></tr>"
-                   for label, key in ROWS)
+    rows = "".join(
+        f"<tr><td>{escape(label)}</td><td>{escape(str(r[key]))}</td></tr>" for label, key in ROWS
+    )
     return f"""<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><title>Chaos run {result.run_id}</title>
 <style>

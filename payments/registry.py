@@ -84,4 +84,3 @@ def get_handler(kind: str) -> HandlerSpec:
         return _HANDLERS[kind]
     except KeyError:
         raise ConfigurationError(f"no handler registered for operation kind {kind!r}") from None
-

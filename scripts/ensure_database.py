@@ -32,7 +32,10 @@ def main() -> int:
                 conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
                 print(f"created database {name}")
     except psycopg.OperationalError as exc:
-        print(f"cannot reach PostgreSQL at {conninfo['host']}:{conninfo['port']}: {exc}", file=sys.stderr)
+        print(
+            f"cannot reach PostgreSQL at {conninfo['host']}:{conninfo['port']}: {exc}",
+            file=sys.stderr,
+        )
         return 1
     return 0
 

@@ -31,6 +31,7 @@ def page(monkeypatch):
     # test` and .ci/run install Debian's chromium.
     assert Path(CHROMIUM).exists(), "Debian's chromium is missing: apt-get install chromium"
     from playwright import sync_api
+
     # Playwright's sync API keeps an event loop in this thread; Django refuses ORM
     # calls where a loop runs unless told that this (test-only) thread is safe.
     monkeypatch.setenv("DJANGO_ALLOW_ASYNC_UNSAFE", "true")

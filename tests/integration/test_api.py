@@ -26,13 +26,17 @@ def post(client: Client, path: str, body: object, **headers: str):
 
 
 def make_order(api: Client) -> int:
-    response = post(api, "/api/orders", {"amount": 1999, "currency": "eur", "email": "a@example.com"})
+    response = post(
+        api, "/api/orders", {"amount": 1999, "currency": "eur", "email": "a@example.com"}
+    )
     assert response.status_code == 201, response.content
     return response.json()["id"]
 
 
 def test_create_order__201_with_the_order(api):
-    response = post(api, "/api/orders", {"amount": 1999, "currency": "EUR", "email": "a@example.com"})
+    response = post(
+        api, "/api/orders", {"amount": 1999, "currency": "EUR", "email": "a@example.com"}
+    )
     assert response.status_code == 201
     body = response.json()
     assert body["amount"] == 1999
@@ -105,12 +109,21 @@ def test_checkout__202_with_operation_then_same_key_replays_without_enqueuing_tw
 def test_checkout__same_key_for_another_order_or_params_is_409(api, queue):
     first, second = make_order(api), make_order(api)
     headers = {"Idempotency-Key": "shared"}
-    assert post(api, f"/api/orders/{first}/checkout", {"payment_method": "pm_card_visa"},
-                **headers).status_code == 202
-    other_order = post(api, f"/api/orders/{second}/checkout", {"payment_method": "pm_card_visa"},
-                       **headers)
-    other_params = post(api, f"/api/orders/{first}/checkout",
-                        {"payment_method": "pm_card_chargeDeclined"}, **headers)
+    assert (
+        post(
+            api, f"/api/orders/{first}/checkout", {"payment_method": "pm_card_visa"}, **headers
+        ).status_code
+        == 202
+    )
+    other_order = post(
+        api, f"/api/orders/{second}/checkout", {"payment_method": "pm_card_visa"}, **headers
+    )
+    other_params = post(
+        api,
+        f"/api/orders/{first}/checkout",
+        {"payment_method": "pm_card_chargeDeclined"},
+        **headers,
+    )
     assert other_order.status_code == other_params.status_code == 409
     assert other_order.json()["error"]["code"] == "idempotency_conflict"
     assert "Idempotency-Key" in other_order.json()["error"]["message"]
@@ -148,14 +161,22 @@ def test_checkout__bad_input_is_400_and_writes_nothing(api, queue, headers, body
 
 def test_checkout__255_character_key_is_accepted(api, queue):
     order_id = make_order(api)
-    response = post(api, f"/api/orders/{order_id}/checkout", {"payment_method": "pm_card_visa"},
-                    **{"Idempotency-Key": "k" * 255})
+    response = post(
+        api,
+        f"/api/orders/{order_id}/checkout",
+        {"payment_method": "pm_card_visa"},
+        **{"Idempotency-Key": "k" * 255},
+    )
     assert response.status_code == 202
 
 
 def test_checkout__unknown_order_is_404(api, queue):
-    response = post(api, "/api/orders/999999/checkout", {"payment_method": "pm_card_visa"},
-                    **{"Idempotency-Key": "k"})
+    response = post(
+        api,
+        "/api/orders/999999/checkout",
+        {"payment_method": "pm_card_visa"},
+        **{"Idempotency-Key": "k"},
+    )
     assert response.status_code == 404
     assert response.json()["error"]["code"] == "order_not_found"
     assert not Operation.objects.exists()
@@ -163,8 +184,12 @@ def test_checkout__unknown_order_is_404(api, queue):
 
 def test_operation_detail__shows_state_and_steps(api, queue):
     order_id = make_order(api)
-    post(api, f"/api/orders/{order_id}/checkout", {"payment_method": "pm_card_visa"},
-         **{"Idempotency-Key": "show/me"})
+    post(
+        api,
+        f"/api/orders/{order_id}/checkout",
+        {"payment_method": "pm_card_visa"},
+        **{"Idempotency-Key": "show/me"},
+    )
     response = api.get("/api/operations/show/me")
     assert response.status_code == 200
     body = response.json()

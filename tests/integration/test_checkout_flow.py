@@ -82,9 +82,7 @@ def test_checkout__redelivered_job_after_success_charges_nothing(provider, queue
     assert provider.state.stats()["create_requests"] == 1
 
 
-def test_checkout__same_key_same_params_returns_same_operation_and_enqueues_once(
-    provider, queue
-):
+def test_checkout__same_key_same_params_returns_same_operation_and_enqueues_once(provider, queue):
     order = new_order()
     first, created = request_checkout(
         order_id=order.pk, key="k", payment_method="pm_card_visa", actor="t"

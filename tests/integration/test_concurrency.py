@@ -50,8 +50,9 @@ def new_operation(provider) -> Operation:
     provider.state.configure(slow_delay=0.5)  # the winner's call stays open for 0.5 s
     provider.state.enqueue_faults("slow", 1)
     order = create_order(amount=700, currency="eur", email="race@example.com")
-    op, _ = request_checkout(order_id=order.pk, key="race", payment_method="pm_card_visa",
-                             actor="test")
+    op, _ = request_checkout(
+        order_id=order.pk, key="race", payment_method="pm_card_visa", actor="test"
+    )
     return op
 
 
@@ -72,9 +73,7 @@ def test_two_workers_claim_the_same_step__loser_backs_off_without_calling(provid
 
     def claim_and_call(i: int) -> object:
         fresh = Operation.objects.get(pk=op.pk)
-        return run_external_step(
-            fresh, "charge", PaymentIntentCharge(fresh), owner=f"worker-{i}"
-        )
+        return run_external_step(fresh, "charge", PaymentIntentCharge(fresh), owner=f"worker-{i}")
 
     outcomes = race(2, claim_and_call)
 

@@ -33,8 +33,9 @@ pytestmark = pytest.mark.django_db(transaction=True)
 
 def paid_order(provider, queue, key: str = "fu-1"):
     order = create_order(amount=1234, currency="eur", email="fu@example.com")
-    op, _ = request_checkout(order_id=order.pk, key=key, payment_method="pm_card_visa",
-                             actor="test")
+    op, _ = request_checkout(
+        order_id=order.pk, key=key, payment_method="pm_card_visa", actor="test"
+    )
     return order, op
 
 
@@ -50,9 +51,10 @@ def test_paid_order__writes_follow_ups_once_each(provider, queue):
     for kind, consumer in ((RECORD_SALE, "ledger"), (COUNT_SALE, "sales_stats")):
         fu = follow_up(op, kind)
         assert fu.state == OperationState.SUCCEEDED
-        assert InboxEntry.objects.filter(
-            consumer=consumer, message_id=message_id_for(fu.key)
-        ).count() == 1
+        assert (
+            InboxEntry.objects.filter(consumer=consumer, message_id=message_id_for(fu.key)).count()
+            == 1
+        )
     assert LedgerEntry.objects.filter(order=order).count() == 1
     day = SalesDay.objects.get(currency="eur")
     assert (day.orders, day.total) == (1, 1234)
@@ -93,22 +95,24 @@ def test_crash_before_commit__message_runs_again_and_counts_once(provider, queue
     assert (day.orders, day.total) == (1, 1234)
 
 
-def test_crash_after_commit_before_ack__real_worker_skips_the_redelivery(
-    provider, queue, tmp_path
-):
+def test_crash_after_commit_before_ack__real_worker_skips_the_redelivery(provider, queue, tmp_path):
     order, op = paid_order(provider, queue, key="fu-crash")
     marker = tmp_path / "failpoint"
-    env = worker_env(provider.url, FENCE_FAILPOINTS="after_inbox_commit",
-                     FENCE_FAILPOINT_MARKER=str(marker))
+    env = worker_env(
+        provider.url, FENCE_FAILPOINTS="after_inbox_commit", FENCE_FAILPOINT_MARKER=str(marker)
+    )
     # The forking Worker hands a job whose work horse died back at once; with the
     # default FenceWorker the whole worker dies and RQ's abandoned-job cleanup
     # redelivers it later (tests/inbox/test_crashes.py covers that path).
     worker = start_worker(env, name="fu-crash", worker_class=FORKING)
     try:
         wait_until(
-            lambda: Operation.objects.filter(
-                key__startswith=f"{op.key}:", state=OperationState.SUCCEEDED
-            ).count() == 2,
+            lambda: (
+                Operation.objects.filter(
+                    key__startswith=f"{op.key}:", state=OperationState.SUCCEEDED
+                ).count()
+                == 2
+            ),
             timeout=40,
             what="both follow-ups to succeed",
         )

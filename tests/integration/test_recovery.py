@@ -85,9 +85,7 @@ def test_replay_with_the_same_key__returns_the_original_charge(provider, queue):
     assert charges(provider, op) == 1
 
 
-def test_not_found_within_grace__stays_uncertain_then_needs_review_after(
-    provider, queue, settings
-):
+def test_not_found_within_grace__stays_uncertain_then_needs_review_after(provider, queue, settings):
     order, op = uncertain_checkout(provider, queue)
     provider.state.reset()  # the provider lost it, or search has not caught up
     # Older than the provider's key retention: a replay could charge anew, so
@@ -129,8 +127,9 @@ def test_reconciler_never_replays_for_a_failed_operation(provider, queue):
     """An operation that gave up may only be looked up: a replay could charge it now."""
     provider.state.enqueue_faults("fail_before", 3)
     order = create_order(amount=100, currency="eur", email="x@example.com")
-    op, _ = request_checkout(order_id=order.pk, key="gave-up", payment_method="pm_card_visa",
-                             actor="test")
+    op, _ = request_checkout(
+        order_id=order.pk, key="gave-up", payment_method="pm_card_visa", actor="test"
+    )
     run_worker(queue)
     op.refresh_from_db()
     assert op.state == OperationState.FAILED
@@ -143,10 +142,13 @@ def test_reconciler_never_replays_for_a_failed_operation(provider, queue):
 
 
 def test_sweeper_after_a_redis_flush__every_operation_finishes_once(provider, queue, redis_conn):
-    orders = [create_order(amount=100 + i, currency="eur", email="s@example.com")
-              for i in range(5)]
-    ops = [request_checkout(order_id=o.pk, key=f"flush-{o.pk}", payment_method="pm_card_visa",
-                            actor="test")[0] for o in orders]
+    orders = [create_order(amount=100 + i, currency="eur", email="s@example.com") for i in range(5)]
+    ops = [
+        request_checkout(
+            order_id=o.pk, key=f"flush-{o.pk}", payment_method="pm_card_visa", actor="test"
+        )[0]
+        for o in orders
+    ]
     redis_conn.flushdb()  # every queued job is gone
     Operation.objects.update(dispatched_at=timezone.now() - timedelta(minutes=1))
 
@@ -163,8 +165,9 @@ def test_sweeper_after_a_redis_flush__every_operation_finishes_once(provider, qu
 
 def test_sweeper_leaves_live_jobs_alone(provider, queue):
     order = create_order(amount=100, currency="eur", email="s@example.com")
-    op, _ = request_checkout(order_id=order.pk, key="live", payment_method="pm_card_visa",
-                             actor="test")
+    op, _ = request_checkout(
+        order_id=order.pk, key="live", payment_method="pm_card_visa", actor="test"
+    )
     Operation.objects.update(dispatched_at=timezone.now() - timedelta(minutes=1))
 
     report = sweep(dry_run=True)
@@ -175,8 +178,9 @@ def test_sweeper_leaves_live_jobs_alone(provider, queue):
 
 def test_started_job_of_a_dead_worker__is_not_live_once_the_lease_ran_out(provider, queue):
     order = create_order(amount=100, currency="eur", email="s@example.com")
-    op, _ = request_checkout(order_id=order.pk, key="dead", payment_method="pm_card_visa",
-                             actor="test")
+    op, _ = request_checkout(
+        order_id=order.pk, key="dead", payment_method="pm_card_visa", actor="test"
+    )
     job = queue.fetch_job(Operation.objects.get(pk=op.pk).job_id)
     job.set_status(JobStatus.STARTED)
     now = timezone.now()
@@ -193,8 +197,9 @@ def test_started_job_of_a_dead_worker__is_not_live_once_the_lease_ran_out(provid
 
 def test_deferred_job__meets_a_live_lease_and_schedules_a_recheck(provider, queue):
     order = create_order(amount=100, currency="eur", email="s@example.com")
-    op, _ = request_checkout(order_id=order.pk, key="busy", payment_method="pm_card_visa",
-                             actor="test")
+    op, _ = request_checkout(
+        order_id=order.pk, key="busy", payment_method="pm_card_visa", actor="test"
+    )
     held = fence.acquire_lease(op.pk, owner="other-worker/1", seconds=30)
     assert held.acquired
 
@@ -210,8 +215,9 @@ def test_deferred_job__meets_a_live_lease_and_schedules_a_recheck(provider, queu
 
 def test_requeue_from_failed_registry_after_success__charges_nothing(provider, queue):
     order = create_order(amount=100, currency="eur", email="s@example.com")
-    op, _ = request_checkout(order_id=order.pk, key="requeue", payment_method="pm_card_visa",
-                             actor="test")
+    op, _ = request_checkout(
+        order_id=order.pk, key="requeue", payment_method="pm_card_visa", actor="test"
+    )
     run_worker(queue)
     stale = queue.enqueue(run_operation, op.pk)  # an old job an operator requeues
     run_worker(queue)
@@ -228,8 +234,9 @@ def test_dispatch_for_an_unknown_operation_is_an_error(provider, queue):
 def test_client_lists_every_charge_of_the_run(provider, queue):
     for i in range(3):
         order = create_order(amount=100 + i, currency="eur", email="s@example.com")
-        request_checkout(order_id=order.pk, key=f"list-{i}", payment_method="pm_card_visa",
-                         actor="test")
+        request_checkout(
+            order_id=order.pk, key=f"list-{i}", payment_method="pm_card_visa", actor="test"
+        )
     run_worker(queue)
     client = ProviderClient(provider.url, "sk_test_x", connect_timeout=1, read_timeout=2)
     assert len(list(client.list_payment_intents(limit=2))) == 3
@@ -239,8 +246,9 @@ def _failed_with_unsettled_charge(provider, queue, key: str):
     """An operation that gave up while its charge's outcome was not settled (409 case)."""
     provider.state.enqueue_faults("fail_before", 3)
     order = create_order(amount=300, currency="eur", email="u@example.com")
-    op, _ = request_checkout(order_id=order.pk, key=key, payment_method="pm_card_visa",
-                             actor="test")
+    op, _ = request_checkout(
+        order_id=order.pk, key=key, payment_method="pm_card_visa", actor="test"
+    )
     run_worker(queue)
     op.refresh_from_db()
     assert op.state == OperationState.FAILED
@@ -253,10 +261,13 @@ def test_failed_operation_found_charged__reopens_the_order_and_finishes(provider
     claim = op.claims.get(step="charge")
     # The request that met a 409 did go through at the provider after all.
     client = ProviderClient(provider.url, "sk_test_x", connect_timeout=1, read_timeout=2)
-    client.create_payment_intent(amount=300, currency="eur", payment_method="pm_card_visa",
-                                 metadata={"operation_key": op.key, "step": "charge",
-                                           "order_id": str(order.pk)},
-                                 idempotency_key=claim.idempotency_key)
+    client.create_payment_intent(
+        amount=300,
+        currency="eur",
+        payment_method="pm_card_visa",
+        metadata={"operation_key": op.key, "step": "charge", "order_id": str(order.pk)},
+        idempotency_key=claim.idempotency_key,
+    )
     order.refresh_from_db()
     assert order.status == OrderStatus.PAYMENT_FAILED
 
@@ -279,16 +290,18 @@ def test_new_checkout_is_refused_while_an_earlier_charge_is_unsettled(provider, 
     order, op = _failed_with_unsettled_charge(provider, queue, "unsettled")
 
     with pytest.raises(CheckoutNotAllowed, match="may still have charged"):
-        request_checkout(order_id=order.pk, key="second-try", payment_method="pm_card_visa",
-                         actor="test")
+        request_checkout(
+            order_id=order.pk, key="second-try", payment_method="pm_card_visa", actor="test"
+        )
     assert not Operation.objects.filter(key="second-try").exists()
 
 
 def test_scheduled_job_no_scheduler_picked_up__is_delivered_anew(provider, queue):
     """RQ retried an abandoned job with a backoff, but no scheduler runs (its holder died)."""
     order = create_order(amount=100, currency="eur", email="s@example.com")
-    op, _ = request_checkout(order_id=order.pk, key="stale-retry", payment_method="pm_card_visa",
-                             actor="test")
+    op, _ = request_checkout(
+        order_id=order.pk, key="stale-retry", payment_method="pm_card_visa", actor="test"
+    )
     op.refresh_from_db()
     job = queue.fetch_job(op.job_id)
     queue.remove(job)

@@ -38,24 +38,51 @@ class Command(BaseCommand):
         d = ChaosConfig()
         parser.add_argument("--orders", type=int, default=d.orders, help="N orders.")
         parser.add_argument("--workers", type=int, default=d.workers, help="K workers.")
-        parser.add_argument("--drop-rate", type=_rate, default=d.drop_rate,
-                            help="Charges accepted, then the connection dropped.")
-        parser.add_argument("--slow-rate", type=_rate, default=d.slow_rate,
-                            help="Charges answered after the client's timeout.")
-        parser.add_argument("--fail-rate", type=_rate, default=d.fail_rate,
-                            help="500s (half before executing, half after).")
-        parser.add_argument("--decline-rate", type=_rate, default=d.decline_rate,
-                            help="Orders paid with a card that is declined.")
-        parser.add_argument("--kill-interval", type=_interval, default=(d.kill_min, d.kill_max),
-                            metavar="MIN-MAX", help="Seconds between worker kills, e.g. 0.5-2.")
+        parser.add_argument(
+            "--drop-rate",
+            type=_rate,
+            default=d.drop_rate,
+            help="Charges accepted, then the connection dropped.",
+        )
+        parser.add_argument(
+            "--slow-rate",
+            type=_rate,
+            default=d.slow_rate,
+            help="Charges answered after the client's timeout.",
+        )
+        parser.add_argument(
+            "--fail-rate",
+            type=_rate,
+            default=d.fail_rate,
+            help="500s (half before executing, half after).",
+        )
+        parser.add_argument(
+            "--decline-rate",
+            type=_rate,
+            default=d.decline_rate,
+            help="Orders paid with a card that is declined.",
+        )
+        parser.add_argument(
+            "--kill-interval",
+            type=_interval,
+            default=(d.kill_min, d.kill_max),
+            metavar="MIN-MAX",
+            help="Seconds between worker kills, e.g. 0.5-2.",
+        )
         parser.add_argument("--no-flush", action="store_true", help="Do not flush Redis.")
         parser.add_argument("--seed", type=int, default=d.seed, help="Replay a run's choices.")
-        parser.add_argument("--timeout", type=float, default=d.timeout,
-                            help="Seconds to wait for every operation to settle.")
-        parser.add_argument("--worker-class", default=None,
-                            help="RQ worker class, e.g. rq.worker.SimpleWorker.")
-        parser.add_argument("--output", default=None,
-                            help="Directory for report.json and report.html.")
+        parser.add_argument(
+            "--timeout",
+            type=float,
+            default=d.timeout,
+            help="Seconds to wait for every operation to settle.",
+        )
+        parser.add_argument(
+            "--worker-class", default=None, help="RQ worker class, e.g. rq.worker.SimpleWorker."
+        )
+        parser.add_argument(
+            "--output", default=None, help="Directory for report.json and report.html."
+        )
 
     def handle(self, *args: object, **options: object) -> None:
         if options["orders"] < 1 or options["workers"] < 1:
@@ -87,6 +114,9 @@ class Command(BaseCommand):
         self.stdout.write(f"\nReport: {html_path}\n        {json_path}")
         if result.violations:
             raise CommandError("invariant violated: " + "; ".join(result.violations))
-        self.stdout.write(self.style.SUCCESS(
-            "No double charge, no charge without a claim, one invoice and one ledger line per "
-            "paid order; every operation settled."))
+        self.stdout.write(
+            self.style.SUCCESS(
+                "No double charge, no charge without a claim, one invoice and one ledger line per "
+                "paid order; every operation settled."
+            )
+        )
