@@ -21,13 +21,19 @@ install: $(VENV)/.installed
 env: .env
 
 db: install env
-	$(PY) scripts/ensure_database.py
+	$(PY) -m devtools.ensure_database
 
 migrate: db
 	$(PY) manage.py migrate --noinput -v 0
 
-demo: migrate
-	$(PY) manage.py demo
+# The chaos run starts workers and flushes its Redis: it gets a database of its own
+# and a Redis database of its own, never the ones `make run` or production use.
+DEMO_ENV := DATABASE_URL=postgres://postgres@127.0.0.1:5432/fence_demo REDIS_URL=redis://127.0.0.1:6379/3
+
+demo: install env
+	$(DEMO_ENV) $(PY) -m devtools.ensure_database
+	$(DEMO_ENV) $(PY) manage.py migrate --noinput -v 0
+	$(DEMO_ENV) $(PY) manage.py demo
 
 run: migrate
 	$(PY) manage.py runstack
@@ -41,9 +47,12 @@ browser:
 test: db browser
 	$(PY) -m pytest
 
-lint: install
+# Style, the layers (import-linter contracts in pyproject.toml) and the types (mypy).
+lint: install env
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/lint-imports
+	$(VENV)/bin/mypy
 
 format: install
 	$(VENV)/bin/ruff format .
@@ -53,7 +62,7 @@ format: install
 BENCH_ENV := DATABASE_URL=postgres://postgres@127.0.0.1:5432/fence_bench REDIS_URL=redis://127.0.0.1:6379/2
 
 bench: install env
-	$(BENCH_ENV) $(PY) scripts/ensure_database.py
+	$(BENCH_ENV) $(PY) -m devtools.ensure_database
 	$(BENCH_ENV) $(PY) manage.py migrate --noinput -v 0
 	$(BENCH_ENV) $(PY) manage.py bench
 

@@ -1,7 +1,7 @@
 """The operators' admin: read-only pages for operations, orders and invoices.
 
 Nothing here edits a row: there is no add, change or delete. Operators act
-through the desk's buttons (payments.admin_views), which call payments.desk.
+through the desk's buttons (payments.desk.views), which call payments.desk.services.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from django.utils.html import format_html, format_html_join
 from django.utils.safestring import mark_safe
 from django.utils.timesince import timesince
 
-from payments import desk
-from payments.admin_display import (
+from payments.desk import services as desk
+from payments.desk.display import (
     AGED_STATES,
     BADGE_COLOURS,
     key_values,
@@ -29,7 +29,7 @@ from payments.admin_display import (
     state_badge,
     when,
 )
-from payments.admin_views import DESK_ACTIONS, DeskViewsMixin, job_link, with_state_since
+from payments.desk.views import DESK_ACTIONS, DeskViewsMixin, job_link, with_state_since
 from payments.models import (
     Invoice,
     Operation,

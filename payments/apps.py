@@ -8,4 +8,8 @@ class PaymentsConfig(AppConfig):
     verbose_name = "Payments"
 
     def ready(self) -> None:
-        from payments import checkout, checks, metrics  # noqa: F401  (handler, checks, receivers)
+        # Registers the checkout handlers (the engine runs none it was not told of),
+        # the system checks and the metrics' signal receivers.
+        from payments import checks  # noqa: F401
+        from payments.checkout import followups, handler  # noqa: F401
+        from payments.observability import metrics  # noqa: F401

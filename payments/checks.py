@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -17,8 +16,8 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from inbox.conf import inbox_settings
-from payments.conf import payments_setting
+from payments.conf import payments_settings
+from payments.engine.queues import PROBE_TIMEOUT, redis_client
 
 #: RQ redelivers an abandoned job 60-90 s after its worker died; an orphaned
 #: work horse must be dead by then, so a job may not run longer than this.
@@ -41,12 +40,26 @@ def check_database_is_postgresql(app_configs: Any = None, **kwargs: Any) -> list
 
 
 @register()
+def check_payments_settings(app_configs: Any = None, **kwargs: Any) -> list[Error]:
+    """PAYMENTS has only known keys, each of the right type and range."""
+    try:
+        payments_settings()
+    except ImproperlyConfigured as exc:
+        return [Error(str(exc), hint="See payments/conf.py for every key.", id="payments.E009")]
+    return []
+
+
+@register()
 def check_timeout_chain(app_configs: Any = None, **kwargs: Any) -> list[Error]:
     """HTTP connect+read timeout < job timeout <= claim lease, and job timeout <= 60 s."""
-    connect = float(payments_setting("PROVIDER_CONNECT_TIMEOUT"))
-    read = float(payments_setting("PROVIDER_READ_TIMEOUT"))
-    job = int(payments_setting("JOB_TIMEOUT"))
-    lease = int(payments_setting("CLAIM_LEASE"))
+    try:
+        conf = payments_settings()
+    except ImproperlyConfigured:
+        return []  # payments.E009 reports it
+    connect = conf.provider_connect_timeout
+    read = conf.provider_read_timeout
+    job = conf.job_timeout
+    lease = conf.claim_lease
     values = (
         f"PROVIDER_CONNECT_TIMEOUT={connect:g}s, PROVIDER_READ_TIMEOUT={read:g}s, "
         f"JOB_TIMEOUT={job}s, CLAIM_LEASE={lease}s"
@@ -79,7 +92,7 @@ def check_timeout_chain(app_configs: Any = None, **kwargs: Any) -> list[Error]:
                 id="payments.E004",
             )
         )
-    queue = settings.RQ_QUEUES.get(payments_setting("QUEUE"), {})
+    queue = settings.RQ_QUEUES.get(conf.queue, {})
     if queue.get("DEFAULT_TIMEOUT") not in (None, job):
         errors.append(
             Error(
@@ -136,14 +149,12 @@ def check_no_development_secrets(app_configs: Any = None, **kwargs: Any) -> list
 
 def _redis_endpoints() -> dict[str, Redis]:
     """Return one client per distinct queue Redis (by its connection settings)."""
-    from payments.health import PROBE_TIMEOUT, queue_connection
-
     seen: dict[str, Redis] = {}
     for name, config in settings.RQ_QUEUES.items():
         where = _location_of_queue(config)
         label = f"{where[0]}:{where[1]}/{where[2]}" if where else name
         if label not in seen:
-            seen[label] = queue_connection(name, timeout=PROBE_TIMEOUT)
+            seen[label] = redis_client(name, timeout=PROBE_TIMEOUT)
     return seen
 
 
@@ -268,40 +279,3 @@ def check_redis_roles_do_not_share_keys(
                 )
             )
     return messages
-
-
-@register("payments")
-def check_claim_retention(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
-    """Claims must outlive the redelivery horizon, or a late redelivery charges again."""
-    raw = (getattr(settings, "PAYMENTS", None) or {}).get("CLAIM_RETENTION")
-    if raw is None:
-        return []  # claims are never purged
-    if isinstance(raw, timedelta):
-        retention = raw
-    elif isinstance(raw, int | float) and not isinstance(raw, bool) and raw > 0:
-        retention = timedelta(seconds=raw)
-    else:
-        return [
-            Error(
-                f"PAYMENTS['CLAIM_RETENTION'] must be a positive number of seconds, a "
-                f"timedelta or None, not {raw!r}.",
-                id="payments.E008",
-            )
-        ]
-    try:
-        horizon = inbox_settings().redelivery_horizon
-    except ImproperlyConfigured:
-        return []  # inbox.E001 reports it
-    if retention >= horizon:
-        return []
-    return [
-        CheckWarning(
-            f"PAYMENTS['CLAIM_RETENTION'] ({retention}) is shorter than the redelivery horizon "
-            f"({horizon}): a job requeued after its claims are purged would call the provider "
-            "again.",
-            hint="Keep claims at least as long as RQ keeps failed jobs (INBOX['REDELIVERY_"
-            "HORIZON'], rq's failure_ttl), or leave CLAIM_RETENTION unset (never purged).",
-            obj="PAYMENTS['CLAIM_RETENTION']",
-            id="payments.W005",
-        )
-    ]

@@ -1,30 +1,121 @@
-"""The payments app's settings, read through one accessor with defaults."""
+"""The payments app's settings: one optional dict, `settings.PAYMENTS`, read and validated here.
+
+Every key, its default and its meaning:
+
+``PROVIDER_URL`` (``"http://127.0.0.1:8765"``)
+    Base URL of the Stripe-compatible provider.
+``PROVIDER_API_KEY`` (``"sk_test_fake"``)
+    Sent as ``Authorization: Bearer``.
+``PROVIDER_CONNECT_TIMEOUT`` / ``PROVIDER_READ_TIMEOUT`` (``3.0`` / ``10.0`` seconds)
+    The HTTP timeouts of one provider call; their sum must stay under ``JOB_TIMEOUT``.
+``PROVIDER_KEY_RETENTION`` (``86400`` seconds)
+    How long the provider keeps an idempotency key; a same-key replay is only
+    tried well inside it.
+``JOB_TIMEOUT`` (``30`` seconds, at most 60)
+    RQ's job timeout for payments jobs.
+``CLAIM_LEASE`` (``45`` seconds, at least ``JOB_TIMEOUT``)
+    How long an operation lease and a step claim belong to their worker.
+``MAX_ATTEMPTS`` (``3``)
+    Attempts of an operation in total, the first included.
+``RETRY_BACKOFF`` (``[2, 8]`` seconds)
+    Delay before the 2nd, 3rd, ... attempt (the last value repeats).
+``RECONCILE_GRACE`` (``900`` seconds)
+    How long an outcome may stay unknown before the operation goes to needs_review.
+``QUEUE`` (``"payments"``)
+    The RQ queue (an ``RQ_QUEUES`` entry) that delivers operations.
+
+`payments.E000` reports a bad value at start-up; the timeout chain between
+them is checked by `payments.E002`-`E005`.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from django.conf import settings
-
-DEFAULTS: dict[str, Any] = {
-    "PROVIDER_URL": "http://127.0.0.1:8765",
-    "PROVIDER_API_KEY": "sk_test_fake",
-    "PROVIDER_CONNECT_TIMEOUT": 3.0,
-    "PROVIDER_READ_TIMEOUT": 10.0,
-    "PROVIDER_KEY_RETENTION": 24 * 3600,
-    "JOB_TIMEOUT": 30,
-    "CLAIM_LEASE": 45,
-    "MAX_ATTEMPTS": 3,
-    "RETRY_BACKOFF": [2, 8],
-    "RECONCILE_GRACE": 15 * 60,
-    "QUEUE": "payments",
-    #: How long step claims are kept (seconds); None: forever (nothing purges them today).
-    "CLAIM_RETENTION": None,
-}
+from django.core.exceptions import ImproperlyConfigured
 
 
-def payments_setting(name: str) -> Any:
-    """Return PAYMENTS[name] from the settings, or its default."""
-    if name not in DEFAULTS:
-        raise KeyError(f"unknown payments setting {name!r}")
-    return getattr(settings, "PAYMENTS", {}).get(name, DEFAULTS[name])
+@dataclass(frozen=True)
+class PaymentsSettings:
+    """The validated PAYMENTS settings (durations in seconds)."""
+
+    provider_url: str = "http://127.0.0.1:8765"
+    provider_api_key: str = "sk_test_fake"
+    provider_connect_timeout: float = 3.0
+    provider_read_timeout: float = 10.0
+    provider_key_retention: int = 24 * 3600
+    job_timeout: int = 30
+    claim_lease: int = 45
+    max_attempts: int = 3
+    retry_backoff: tuple[int, ...] = (2, 8)
+    reconcile_grace: int = 15 * 60
+    queue: str = "payments"
+
+    def backoff_before(self, attempt: int) -> int:
+        """Return the delay in seconds before attempt `attempt + 1` (1-based `attempt`)."""
+        backoff = self.retry_backoff or (0,)
+        return backoff[min(attempt - 1, len(backoff) - 1)]
+
+
+_DEFAULTS = PaymentsSettings()
+KNOWN_KEYS = frozenset(name.upper() for name in PaymentsSettings.__dataclass_fields__)
+
+
+def _number(name: str, value: Any, *, integer: bool, minimum: float) -> Any:
+    kinds = (int,) if integer else (int, float)
+    if isinstance(value, bool) or not isinstance(value, kinds) or value < minimum:
+        kind = "an integer" if integer else "a number"
+        raise ImproperlyConfigured(
+            f"PAYMENTS[{name!r}] must be {kind} >= {minimum}, not {value!r}."
+        )
+    return int(value) if integer else float(value)
+
+
+def _text(name: str, value: Any) -> str:
+    if not isinstance(value, str) or not value:
+        raise ImproperlyConfigured(f"PAYMENTS[{name!r}] must be a non-empty string.")
+    return value
+
+
+def payments_settings() -> PaymentsSettings:
+    """Read ``settings.PAYMENTS`` afresh, apply the defaults and validate it.
+
+    Read on every call (a small dict) so that ``override_settings`` works.
+    Raises ImproperlyConfigured on an unknown key or a bad value.
+    """
+    raw = getattr(settings, "PAYMENTS", None) or {}
+    if not isinstance(raw, dict):
+        raise ImproperlyConfigured("PAYMENTS must be a dict.")
+    unknown = sorted(set(raw) - KNOWN_KEYS)
+    if unknown:
+        raise ImproperlyConfigured(f"Unknown PAYMENTS keys: {', '.join(unknown)}.")
+
+    def get(name: str) -> Any:
+        return raw.get(name.upper(), getattr(_DEFAULTS, name))
+
+    backoff = get("retry_backoff")
+    if not isinstance(backoff, list | tuple) or not backoff:
+        raise ImproperlyConfigured("PAYMENTS['RETRY_BACKOFF'] must be a non-empty list of seconds.")
+    return PaymentsSettings(
+        provider_url=_text("PROVIDER_URL", get("provider_url")),
+        provider_api_key=_text("PROVIDER_API_KEY", get("provider_api_key")),
+        provider_connect_timeout=_number(
+            "PROVIDER_CONNECT_TIMEOUT", get("provider_connect_timeout"), integer=False, minimum=0.01
+        ),
+        provider_read_timeout=_number(
+            "PROVIDER_READ_TIMEOUT", get("provider_read_timeout"), integer=False, minimum=0.01
+        ),
+        provider_key_retention=_number(
+            "PROVIDER_KEY_RETENTION", get("provider_key_retention"), integer=True, minimum=3600
+        ),
+        job_timeout=_number("JOB_TIMEOUT", get("job_timeout"), integer=True, minimum=1),
+        claim_lease=_number("CLAIM_LEASE", get("claim_lease"), integer=True, minimum=1),
+        max_attempts=_number("MAX_ATTEMPTS", get("max_attempts"), integer=True, minimum=1),
+        retry_backoff=tuple(
+            _number("RETRY_BACKOFF", seconds, integer=True, minimum=0) for seconds in backoff
+        ),
+        reconcile_grace=_number("RECONCILE_GRACE", get("reconcile_grace"), integer=True, minimum=1),
+        queue=_text("QUEUE", get("queue")),
+    )

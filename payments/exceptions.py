@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from datetime import datetime
 
-from payments.outcomes import Outcome
+from payments.engine.outcomes import Outcome
 
 
 class PaymentsError(Exception):

@@ -2,7 +2,7 @@
 
 The fence is three tables: Operation (one business intent), StepClaim (the
 UNIQUE(operation, step) row inserted before a side effect) and OperationEvent
-(the audit trail). Writes go through `payments.fence`; nothing else edits them.
+(the audit trail). Writes go through `payments.engine.fence`; nothing else edits them.
 """
 
 from __future__ import annotations
@@ -114,10 +114,6 @@ class Operation(models.Model):
 
     def __str__(self) -> str:
         return self.key
-
-    @property
-    def is_final(self) -> bool:
-        return self.state in FINAL_OPERATION_STATES
 
 
 class ClaimState(models.TextChoices):

@@ -12,6 +12,8 @@ from pathlib import Path
 import environ
 from django.core.exceptions import ImproperlyConfigured
 
+from payments.conf import PaymentsSettings
+
 BASE_DIR = Path(__file__).resolve().parent.parent
 
 env = environ.Env()
@@ -49,6 +51,11 @@ INSTALLED_APPS = [
     "inbox",
     "payments",
 ]
+# Developer tooling (fake provider, chaos run, bench, local stack): installed only
+# with DEBUG on, or when DEVTOOLS=1 says so explicitly. Production never has it.
+DEVTOOLS = env.bool("DEVTOOLS", default=DEBUG)
+if DEVTOOLS:
+    INSTALLED_APPS.append("devtools")
 
 MIDDLEWARE = [
     "django.middleware.security.SecurityMiddleware",
@@ -107,7 +114,10 @@ STATIC_ROOT = BASE_DIR / "var" / "static"
 REDIS_URL = env.str("REDIS_URL", default="redis://127.0.0.1:6379/0")
 
 RQ_QUEUES = {
-    "payments": {"URL": REDIS_URL, "DEFAULT_TIMEOUT": env.int("JOB_TIMEOUT", default=30)},
+    "payments": {
+        "URL": REDIS_URL,
+        "DEFAULT_TIMEOUT": env.int("JOB_TIMEOUT", default=PaymentsSettings.job_timeout),
+    },
 }
 # Enqueue only after the surrounding transaction commits (django-rq's default,
 # stated here because the outbox design depends on it).
@@ -115,7 +125,7 @@ RQ_QUEUES = {
 RQ = {
     "COMMIT_MODE": "on_db_commit",
     "QUEUE_CLASS": "inbox.queues.MessageQueue",
-    "WORKER_CLASS": env.str("RQ_WORKER_CLASS", default="payments.worker.FenceWorker"),
+    "WORKER_CLASS": env.str("RQ_WORKER_CLASS", default="payments.engine.worker.FenceWorker"),
 }
 
 # --- Inbox: consumer-side dedup; rows must outlive every redelivery. ----------
@@ -131,19 +141,21 @@ INBOX = {
 
 # --- Payments: provider and the timeout chain -------------------------------
 # HTTP connect + read timeout < JOB_TIMEOUT <= CLAIM_LEASE (checked at start-up).
-PAYMENTS = {
-    "PROVIDER_URL": env.str("PAYMENT_PROVIDER_URL", default="http://127.0.0.1:8765"),
-    "PROVIDER_API_KEY": env.str("PAYMENT_PROVIDER_API_KEY", default="sk_test_fake"),
-    "PROVIDER_CONNECT_TIMEOUT": env.float("PROVIDER_CONNECT_TIMEOUT", default=3.0),
-    "PROVIDER_READ_TIMEOUT": env.float("PROVIDER_READ_TIMEOUT", default=10.0),
-    "PROVIDER_KEY_RETENTION": env.int("PROVIDER_KEY_RETENTION", default=24 * 3600),
-    "JOB_TIMEOUT": env.int("JOB_TIMEOUT", default=30),
-    "CLAIM_LEASE": env.int("CLAIM_LEASE", default=45),
-    "MAX_ATTEMPTS": env.int("MAX_ATTEMPTS", default=3),
-    "RETRY_BACKOFF": env.list("RETRY_BACKOFF", cast=int, default=[2, 8]),
-    "RECONCILE_GRACE": env.int("RECONCILE_GRACE", default=15 * 60),
-    "QUEUE": "payments",
+# Only the variables that are set reach PAYMENTS; the defaults live in one place,
+# payments/conf.py (PaymentsSettings), which validates the result.
+_PAYMENTS_ENV = {
+    "PROVIDER_URL": ("PAYMENT_PROVIDER_URL", env.str),
+    "PROVIDER_API_KEY": ("PAYMENT_PROVIDER_API_KEY", env.str),
+    "PROVIDER_CONNECT_TIMEOUT": ("PROVIDER_CONNECT_TIMEOUT", env.float),
+    "PROVIDER_READ_TIMEOUT": ("PROVIDER_READ_TIMEOUT", env.float),
+    "PROVIDER_KEY_RETENTION": ("PROVIDER_KEY_RETENTION", env.int),
+    "JOB_TIMEOUT": ("JOB_TIMEOUT", env.int),
+    "CLAIM_LEASE": ("CLAIM_LEASE", env.int),
+    "MAX_ATTEMPTS": ("MAX_ATTEMPTS", env.int),
+    "RETRY_BACKOFF": ("RETRY_BACKOFF", lambda name: env.list(name, cast=int)),
+    "RECONCILE_GRACE": ("RECONCILE_GRACE", env.int),
 }
+PAYMENTS = {key: read(var) for key, (var, read) in _PAYMENTS_ENV.items() if var in env}
 
 EMAIL_BACKEND = env.str("EMAIL_BACKEND", default="django.core.mail.backends.console.EmailBackend")
 DEFAULT_FROM_EMAIL = env.str("DEFAULT_FROM_EMAIL", default="shop@example.com")

@@ -13,7 +13,7 @@ from redis import Redis
 from rq import SimpleWorker
 from rq.queue import Queue
 
-from payments.provider.fake import FakeProviderServer
+from devtools.fake_provider.server import FakeProviderServer
 
 TEST_REDIS_URL = os.environ.get("TEST_REDIS_URL", "redis://127.0.0.1:6379/15")
 

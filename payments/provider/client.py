@@ -26,7 +26,7 @@ from typing import Any
 import requests
 from requests.adapters import HTTPAdapter
 
-from payments.outcomes import Outcome
+from payments.engine.outcomes import Outcome
 from payments.provider.errors import (
     ProviderError,
     UncertainProviderError,

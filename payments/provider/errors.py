@@ -18,7 +18,7 @@ from typing import Any
 import requests
 from urllib3.exceptions import ConnectTimeoutError, NewConnectionError
 
-from payments.outcomes import Outcome
+from payments.engine.outcomes import Outcome
 
 
 class ProviderError(Exception):

@@ -14,11 +14,11 @@ from datetime import timedelta
 from django.db import transaction
 from django.utils import timezone
 
-from payments import fence
-from payments.charge import PaymentIntentCharge
-from payments.checkout import mark_order_failed, request_checkout
+from payments.checkout.charge import PaymentIntentCharge
+from payments.checkout.handler import mark_order_failed, request_checkout
+from payments.checkout.orders import create_order
+from payments.engine import fence
 from payments.models import ClaimState, Operation, OperationState, Order, OrderStatus, StepClaim
-from payments.orders import create_order
 from payments.provider.client import ProviderClient
 from payments.provider.errors import CardDeclined
 

@@ -11,9 +11,9 @@ from collections.abc import Callable
 import pytest
 from django.db import connection
 
-from payments.checkout import request_checkout
+from payments.checkout.handler import request_checkout
+from payments.checkout.orders import create_order
 from payments.models import Operation
-from payments.orders import create_order
 from tests.conftest import run_worker
 
 
@@ -35,7 +35,7 @@ def failed_by_invoice_bug(monkeypatch: pytest.MonkeyPatch, queue, key: str = "ch
         raise RuntimeError("invoice numbering bug")
 
     with monkeypatch.context() as patch:
-        patch.setattr("payments.checkout.issue_invoice", broken_invoice)
+        patch.setattr("payments.checkout.handler.issue_invoice", broken_invoice)
         op = checkout(key)
         run_worker(queue)
     op.refresh_from_db()

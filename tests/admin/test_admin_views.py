@@ -16,7 +16,7 @@ from django.urls import reverse
 from django.utils import timezone
 
 from payments.admin import BADGE_COLOURS
-from payments.jobs import run_operation
+from payments.engine.jobs import run_operation
 from payments.models import (
     ClaimState,
     FenceAuditRun,

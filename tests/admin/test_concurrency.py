@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import pytest
 
-from payments import desk
-from payments.desk import DeskError
+from payments.desk import services as desk
+from payments.desk.services import DeskError
 from payments.models import ClaimState, Invoice, Operation, OperationEvent, OperationState
 from tests.admin import flows
 from tests.admin.conftest import NEW_ATTEMPT, RECONCILE, VIEW, make_user

@@ -12,9 +12,10 @@ import pytest
 from django.core.exceptions import PermissionDenied
 from django.db import transaction
 
-from payments import desk, fence
-from payments.checkout import CheckoutNotAllowed, request_checkout
-from payments.desk import DeskError, ReasonRequired
+from payments.checkout.handler import CheckoutNotAllowed, request_checkout
+from payments.desk import services as desk
+from payments.desk.services import DeskError, ReasonRequired
+from payments.engine import fence
 from payments.models import ClaimState, Operation, OperationEvent, OperationState, OrderStatus
 from tests.admin import builders
 from tests.admin.builders import order_of

@@ -10,7 +10,7 @@ from django.urls import reverse
 from rq.job import Job
 from rq.registry import FailedJobRegistry
 
-from payments import desk
+from payments.desk import services as desk
 from payments.models import Invoice, OperationState
 from tests.admin import flows
 from tests.admin.conftest import RECONCILE, VIEW, make_user

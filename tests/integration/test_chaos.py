@@ -14,7 +14,10 @@ from tests.support.workers import worker_env
 pytestmark = pytest.mark.django_db(transaction=True)
 
 
-def test_chaos_run__no_double_charge_nothing_lost(provider, redis_conn, monkeypatch, tmp_path):
+def test_chaos_run__no_double_charge_nothing_lost(
+    provider, redis_conn, monkeypatch, tmp_path, settings
+):
+    settings.DEBUG = True  # a developer's machine: demo refuses to run otherwise
     provider.stop()  # the run starts its own provider with faults switched on
     for name, value in worker_env("http://unused").items():
         if name in ("DATABASE_URL", "REDIS_URL", "SECRET_KEY", "API_TOKEN"):

@@ -12,8 +12,10 @@ import pytest
 from django.core import mail
 from rq.registry import FailedJobRegistry
 
-from payments.checkout import CheckoutNotAllowed, request_checkout
-from payments.dispatch import dispatch
+from payments.checkout.handler import CheckoutNotAllowed, request_checkout
+from payments.checkout.orders import create_order
+from payments.engine.dispatch import dispatch
+from payments.engine.recovery import reconcile
 from payments.exceptions import OperationConflict
 from payments.models import (
     ClaimState,
@@ -25,8 +27,6 @@ from payments.models import (
     OrderStatus,
     StepClaim,
 )
-from payments.orders import create_order
-from payments.recovery import reconcile
 from tests.conftest import run_worker
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -198,7 +198,7 @@ def test_read_timeout__leaves_claim_uncertain_and_never_charges_twice(provider, 
 
 
 def test_malformed_job__fails_visibly_without_retry(provider, queue):
-    from payments.jobs import run_operation
+    from payments.engine.jobs import run_operation
 
     bad = queue.enqueue(run_operation, "not-an-id")
     missing = queue.enqueue(run_operation, 987654)

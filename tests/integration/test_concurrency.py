@@ -12,13 +12,13 @@ import threading
 import pytest
 from django.db import connection
 
-from payments import runtime
-from payments.charge import PaymentIntentCharge
-from payments.checkout import request_checkout
+from payments.checkout.charge import PaymentIntentCharge
+from payments.checkout.handler import request_checkout
+from payments.checkout.orders import create_order
+from payments.engine import runtime
+from payments.engine.steps import run_external_step
 from payments.exceptions import StepBusy
 from payments.models import ClaimState, Operation, OperationState
-from payments.orders import create_order
-from payments.steps import run_external_step
 
 # Transactional: each thread's connection must see what the others committed.
 pytestmark = pytest.mark.django_db(transaction=True)

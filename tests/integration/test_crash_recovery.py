@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import pytest
 
-from payments.checkout import request_checkout
-from payments.failpoints import POINTS
+from payments.checkout.handler import request_checkout
+from payments.checkout.orders import create_order
+from payments.engine.failpoints import POINTS
 from payments.models import ClaimState, Invoice, Operation, OperationState, OrderStatus
-from payments.orders import create_order
 from tests.support.workers import FORKING, SIMPLE, Supervisor, wait_until, worker_env
 
 # Transactional: the worker processes must see the committed rows.

@@ -24,7 +24,7 @@ import pytest
 import requests
 from django.core.management import CommandError, call_command
 
-from payments.provider.fake import FakeProviderServer, parse_search_query
+from devtools.fake_provider.server import FakeProviderServer, parse_search_query
 from tests.fixtures.provider import (
     FakeClock,
     fake_provider,  # noqa: F401

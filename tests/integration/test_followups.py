@@ -13,10 +13,11 @@ from django.db import connection
 
 from inbox.handlers import inbox_guard
 from inbox.models import InboxEntry
-from payments import checkout as checkout_module
-from payments.checkout import request_checkout
-from payments.dispatch import dispatch
-from payments.followups import COUNT_SALE, RECORD_SALE, message_id_for
+from payments.checkout import handler as checkout_module
+from payments.checkout.handler import request_checkout
+from payments.checkout.names import COUNT_SALE, RECORD_SALE
+from payments.checkout.orders import create_order
+from payments.engine.dispatch import dispatch, message_id_for
 from payments.models import (
     ClaimState,
     LedgerEntry,
@@ -24,7 +25,6 @@ from payments.models import (
     OperationState,
     SalesDay,
 )
-from payments.orders import create_order
 from tests.conftest import run_worker
 from tests.support.workers import FORKING, start_worker, stop_worker, wait_until, worker_env
 

@@ -7,19 +7,19 @@ what a "dead" worker committed.
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from datetime import timedelta
 
 import pytest
 from django.utils import timezone
 
-from payments import fence
-from payments import followups as followups_module
-from payments.checkout import CheckoutNotAllowed, request_checkout
-from payments.dispatch import dispatch
+from payments.checkout.handler import CheckoutNotAllowed, request_checkout
+from payments.checkout.orders import create_order
+from payments.engine import fence, handlers, messages
+from payments.engine.dispatch import dispatch
+from payments.engine.recovery import reconcile
+from payments.engine.runtime import execute
 from payments.models import ClaimState, Operation, OperationState, OrderStatus, StepClaim
-from payments.orders import create_order
-from payments.recovery import reconcile
-from payments.runtime import execute
 from tests.conftest import run_worker
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -87,7 +87,7 @@ def test_giving_up_after_the_money_was_taken__needs_review_and_the_order_is_not_
     def broken_invoice(order_id: int, reference: str) -> dict:
         raise RuntimeError("invoice numbering bug")
 
-    monkeypatch.setattr("payments.checkout.issue_invoice", broken_invoice)
+    monkeypatch.setattr("payments.checkout.handler.issue_invoice", broken_invoice)
     order, op = new_checkout("charged-then-bug")
 
     with caplog.at_level(logging.ERROR, logger="payments.alerts"):
@@ -167,8 +167,11 @@ def test_follow_up_error_after_its_commit__is_delivered_not_retried(provider, qu
     def committed_then_timed_out(operation_id: int, worker_id: str) -> str:
         raise TimeoutError("job time ran out on the way back")
 
-    monkeypatch.setitem(followups_module.FOLLOW_UPS, "record_sale", committed_then_timed_out)
-    outcome = followups_module.deliver(follow_up.pk, worker_id="w/1")
+    spec = handlers.get_handler("record_sale")
+    monkeypatch.setitem(
+        handlers._HANDLERS, "record_sale", replace(spec, func=committed_then_timed_out)
+    )
+    outcome = messages.deliver(follow_up.pk, worker_id="w/1")
 
     follow_up.refresh_from_db()
     assert outcome == "delivered"
@@ -177,7 +180,7 @@ def test_follow_up_error_after_its_commit__is_delivered_not_retried(provider, qu
 
 
 def _request(op: Operation) -> dict:
-    from payments.charge import PaymentIntentCharge
+    from payments.checkout.charge import PaymentIntentCharge
 
     return PaymentIntentCharge(op).build_request()
 

@@ -12,14 +12,14 @@ import pytest
 from django.utils import timezone
 from rq.job import JobStatus
 
-from payments import fence
-from payments.checkout import request_checkout
-from payments.dispatch import dispatch
-from payments.jobs import run_operation
+from payments.checkout.handler import request_checkout
+from payments.checkout.orders import create_order
+from payments.engine import fence
+from payments.engine.dispatch import dispatch
+from payments.engine.jobs import run_operation
+from payments.engine.recovery import job_is_live, reconcile, sweep
 from payments.models import ClaimState, Operation, OperationState, Order, OrderStatus
-from payments.orders import create_order
 from payments.provider.client import ProviderClient
-from payments.recovery import job_is_live, reconcile, sweep
 from tests.conftest import run_worker
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -285,7 +285,7 @@ def test_failed_operation_found_charged__reopens_the_order_and_finishes(provider
 
 
 def test_new_checkout_is_refused_while_an_earlier_charge_is_unsettled(provider, queue):
-    from payments.checkout import CheckoutNotAllowed
+    from payments.checkout.handler import CheckoutNotAllowed
 
     order, op = _failed_with_unsettled_charge(provider, queue, "unsettled")
 

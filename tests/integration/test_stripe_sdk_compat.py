@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import stripe
 
-from payments.provider.fake import FakeProviderServer
+from devtools.fake_provider.server import FakeProviderServer
 from tests.fixtures.provider import fake_provider  # noqa: F401
 
 API_KEY = "sk_test_sdk"

@@ -12,9 +12,9 @@ from typing import Any
 
 import pytest
 
-from payments.checkout import request_checkout
+from payments.checkout.handler import request_checkout
+from payments.checkout.orders import create_order
 from payments.models import Operation, Order
-from payments.orders import create_order
 from project.logging import JsonFormatter
 
 
@@ -34,7 +34,7 @@ class JsonLog:
 
     def steps(self) -> list[dict[str, Any]]:
         """Return the step.start / step.end records, in order."""
-        return [r for r in self.records() if r.get("logger") == "payments.telemetry"]
+        return [r for r in self.records() if r.get("logger") == "payments.engine.telemetry"]
 
 
 @pytest.fixture

@@ -4,17 +4,18 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Iterator
-from datetime import timedelta
 from urllib.parse import urlsplit
 
 import pytest
 from django.conf import settings as django_settings
 from django.core.checks import registry
+from django.core.exceptions import ImproperlyConfigured
 from django.db import connections
 from redis import Redis
 from redis.exceptions import ResponseError
 
 from payments import checks
+from payments.conf import PaymentsSettings, payments_settings
 from tests.conftest import TEST_REDIS_URL
 
 REAL_SECRETS = {"SECRET_KEY": "k" * 20 + uuid.uuid4().hex * 2, "API_TOKEN": uuid.uuid4().hex}
@@ -49,7 +50,7 @@ def test_timeout_chain__quiet_on_the_default_settings():
 def test_timeout_chain__names_the_values_when_broken(settings, changes, expected):
     settings.PAYMENTS = {**settings.PAYMENTS, **changes}
     settings.RQ_QUEUES = {
-        name: {**config, "DEFAULT_TIMEOUT": settings.PAYMENTS["JOB_TIMEOUT"]}
+        name: {**config, "DEFAULT_TIMEOUT": payments_settings().job_timeout}
         for name, config in settings.RQ_QUEUES.items()
     }
     messages = [m for m in checks.check_timeout_chain() if m.id == expected]
@@ -215,31 +216,30 @@ def test_w004__two_caches_in_one_database_need_distinct_prefixes(settings):
     assert checks.check_redis_roles_do_not_share_keys() == []
 
 
-# --- W005/E008: claim retention ---------------------------------------------------
+# --- E009: the PAYMENTS settings themselves --------------------------------------
 
 
-def test_claim_retention__quiet_by_default_claims_are_never_purged():
-    assert "CLAIM_RETENTION" not in django_settings.PAYMENTS
-    assert checks.check_claim_retention() == []
+def test_payments_settings__defaults_live_in_one_place(settings):
+    settings.PAYMENTS = {}
+    assert payments_settings() == PaymentsSettings()
+    assert checks.check_payments_settings() == []
 
 
-def test_claim_retention__fires_when_shorter_than_the_redelivery_horizon(settings):
-    settings.INBOX = {**settings.INBOX, "REDELIVERY_HORIZON": 365 * 86400}
-    settings.PAYMENTS = {**settings.PAYMENTS, "CLAIM_RETENTION": 30 * 86400}
-    messages = checks.check_claim_retention()
-    assert ids(messages) == ["payments.W005"]
-    assert "30 days" in messages[0].msg
-
-
-def test_claim_retention__quiet_when_it_covers_the_horizon(settings):
-    settings.INBOX = {**settings.INBOX, "REDELIVERY_HORIZON": 365 * 86400}
-    settings.PAYMENTS = {**settings.PAYMENTS, "CLAIM_RETENTION": timedelta(days=400)}
-    assert checks.check_claim_retention() == []
-    settings.INBOX = {**settings.INBOX, "REDELIVERY_HORIZON": 7 * 86400}
-    settings.PAYMENTS = {**settings.PAYMENTS, "CLAIM_RETENTION": 8 * 86400}
-    assert checks.check_claim_retention() == []
-
-
-def test_claim_retention__malformed_is_an_error(settings):
-    settings.PAYMENTS = {**settings.PAYMENTS, "CLAIM_RETENTION": "a year"}
-    assert ids(checks.check_claim_retention()) == ["payments.E008"]
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"JOB_TIMEOUT": "30"},
+        {"MAX_ATTEMPTS": 0},
+        {"RETRY_BACKOFF": []},
+        {"CLAIM_RETENTION": 86400},  # removed: claims are kept for good
+        {"PROVIDER_URL": ""},
+    ],
+)
+def test_payments_settings__a_bad_value_is_error_e009_naming_it(settings, bad):
+    settings.PAYMENTS = {**settings.PAYMENTS, **bad}
+    with pytest.raises(ImproperlyConfigured, match=next(iter(bad))):
+        payments_settings()
+    messages = checks.check_payments_settings()
+    assert ids(messages) == ["payments.E009"]
+    assert next(iter(bad)) in messages[0].msg
+    assert checks.check_timeout_chain() == []  # E009 speaks for it

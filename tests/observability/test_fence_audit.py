@@ -20,7 +20,7 @@ from django.core.management.base import CommandError
 from django.db import connection, transaction
 from django.utils import timezone
 
-from payments import fence
+from payments.engine import fence
 from payments.management.commands.fence_audit import parse_since
 from payments.models import ClaimState, FenceAuditRun, Operation
 from payments.provider.client import ProviderClient

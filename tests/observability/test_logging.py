@@ -17,7 +17,7 @@ CANARY_KEY = "sk_test_CanaryProviderKey9f8e7d6c"
 CARD = "4242424242424242"
 CARD_SPACED = "4000 0566 5566 5556"
 BEARER = "Bearer tok_CanaryBearer123"
-LOGGERS = ["payments.runtime", "payments.alerts", "inbox", "django.request", "rq.worker", ""]
+LOGGERS = ["payments.engine.runtime", "payments.alerts", "inbox", "django.request", "rq.worker", ""]
 
 
 # --- the rules ----------------------------------------------------------------

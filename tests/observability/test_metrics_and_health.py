@@ -10,8 +10,8 @@ from django.core.management import call_command
 from prometheus_client.parser import text_string_to_metric_families
 
 from inbox.handlers import inbox_guard
-from payments.metrics import COUNTER_PREFIX
 from payments.models import ClaimState, Operation, OperationState, StepClaim
+from payments.observability.metrics import COUNTER_PREFIX
 from tests.conftest import run_worker
 from tests.observability.conftest import checkout
 

@@ -11,13 +11,13 @@ from datetime import datetime
 
 import pytest
 
-from payments import fence
+from payments.engine import fence
+from payments.engine.handlers import get_handler
+from payments.engine.runtime import Run
+from payments.engine.steps import run_external_step
+from payments.engine.telemetry import OUTCOMES
 from payments.exceptions import StepBusy
 from payments.models import OperationState
-from payments.registry import get_handler
-from payments.runtime import Run
-from payments.steps import run_external_step
-from payments.telemetry import OUTCOMES
 from tests.conftest import run_worker
 from tests.observability.conftest import checkout
 

@@ -42,7 +42,7 @@ def worker_env(provider_url: str, **extra: str) -> dict[str, str]:
 
 
 FORKING = "rq.worker.Worker"
-SIMPLE = "payments.worker.FenceWorker"
+SIMPLE = "payments.engine.worker.FenceWorker"
 
 
 def start_worker(

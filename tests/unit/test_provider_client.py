@@ -33,7 +33,8 @@ from urllib3.exceptions import (
     ReadTimeoutError,
 )
 
-from payments.outcomes import Outcome
+from devtools.fake_provider.server import FakeProviderServer
+from payments.engine.outcomes import Outcome
 from payments.provider.client import (
     PaymentIntent,
     ProviderClient,
@@ -49,7 +50,6 @@ from payments.provider.errors import (
     TransientProviderError,
     UncertainProviderError,
 )
-from payments.provider.fake import FakeProviderServer
 from tests.fixtures.provider import (
     TEST_API_KEY,
     FakeClock,

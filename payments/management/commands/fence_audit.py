@@ -15,9 +15,9 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.db.models import Q
 from django.utils import timezone
 
-from payments.audit import AuditResult, audit
-from payments.conf import payments_setting
+from payments.conf import payments_settings
 from payments.models import FenceAuditRun
+from payments.observability.audit import AuditResult, audit
 from payments.provider.client import PaymentIntent, ProviderClient
 from payments.provider.errors import ProviderError
 
@@ -79,7 +79,7 @@ class Command(BaseCommand):
             "since": options["since"],
             "window_start": window_start.isoformat(),
             "intents_listed": len(intents),
-            "reconcile_grace_seconds": payments_setting("RECONCILE_GRACE"),
+            "reconcile_grace_seconds": payments_settings().reconcile_grace,
         }
         self._store(started, window_start, exit_code, summary)
         if options["format"] == "json":

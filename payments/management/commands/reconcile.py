@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from payments.recovery import reconcile
+from payments.engine.recovery import reconcile
 
 
 class Command(BaseCommand):

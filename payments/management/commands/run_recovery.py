@@ -8,7 +8,7 @@ import threading
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.db import close_old_connections
 
-from payments.recovery import reconcile, sweep
+from payments.engine.recovery import reconcile, sweep
 
 
 class Command(BaseCommand):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from payments.recovery import sweep
+from payments.engine.recovery import sweep
 
 
 class Command(BaseCommand):

@@ -1,0 +1,90 @@
+"""Job functions the benchmark runs next to the real ones: the unfenced twins and no-ops.
+
+Never used by the product. The unfenced checkout does the same business work
+as the fenced `checkout` handler (charge, invoice, e-mail, paid, two follow-up
+jobs) with no lease, claim, event or inbox row: what the fence is measured
+against.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+from django.core.mail import send_mail
+from django.db import transaction
+from django.db.models import F
+from django.utils import timezone
+
+from inbox.handlers import inbox_handler
+from payments.engine.queues import payments_queue
+from payments.models import Invoice, LedgerEntry, Order, OrderStatus, SalesDay
+from payments.provider.client import ProviderClient
+
+
+def noop() -> None:
+    """Do nothing: the queue's own ceiling."""
+
+
+def unfenced_checkout(order_id: int, payment_method: str) -> str:
+    order = Order.objects.get(pk=order_id)
+    intent = ProviderClient.from_settings().create_payment_intent(
+        amount=order.amount,
+        currency=order.currency,
+        payment_method=payment_method,
+        metadata={
+            "operation_key": f"unfenced-{order_id}",
+            "step": "charge",
+            "order_id": str(order_id),
+        },
+        idempotency_key=uuid.uuid4().hex,
+    )
+    with transaction.atomic():
+        Invoice.objects.create(
+            order=order,
+            number=f"INV-{order.pk:08d}",
+            amount=order.amount,
+            currency=order.currency,
+            provider_reference=intent.id,
+        )
+    send_mail(f"Order {order.pk} is paid", f"Reference {intent.id}.", None, [order.customer_email])
+    with transaction.atomic():
+        Order.objects.filter(pk=order_id).update(status=OrderStatus.PAID)
+    queue = payments_queue()
+    queue.enqueue(unfenced_record_sale, order_id, intent.id)
+    queue.enqueue(unfenced_count_sale, order_id)
+    return intent.id
+
+
+def unfenced_record_sale(order_id: int, reference: str) -> None:
+    order = Order.objects.get(pk=order_id)
+    with transaction.atomic():
+        LedgerEntry.objects.create(
+            order=order, amount=order.amount, currency=order.currency, provider_reference=reference
+        )
+
+
+def unfenced_count_sale(order_id: int) -> None:
+    order = Order.objects.get(pk=order_id)
+    with transaction.atomic():
+        day, _ = SalesDay.objects.get_or_create(day=timezone.now().date(), currency=order.currency)
+        SalesDay.objects.filter(pk=day.pk).update(
+            orders=F("orders") + 1, total=F("total") + order.amount
+        )
+
+
+def _write_ledger_line(order_id: int) -> None:
+    LedgerEntry.objects.create(
+        order_id=order_id, amount=1, currency="eur", provider_reference="bench"
+    )
+
+
+def local_unprotected(order_id: int) -> None:
+    """A local handler in its own transaction, without the inbox."""
+    with transaction.atomic():
+        _write_ledger_line(order_id)
+
+
+@inbox_handler(consumer="bench")
+def local_protected(order_id: int) -> None:
+    """The same handler behind the inbox (its row commits with the write)."""
+    _write_ledger_line(order_id)

@@ -1,0 +1,244 @@
+"""The benchmark scenarios. Every figure is measured in the same run, side by side.
+
+Throughput comes from RQ's own job timestamps (first start to last end of the
+batch), so worker start-up is not counted; jobs are enqueued before the
+workers start. Provider calls go over real HTTP to the fake provider, which
+answers after `latency` seconds as a real provider would (Stripe's creates
+take hundreds of milliseconds; the default here is a conservative 20 ms).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
+
+import requests
+from django.conf import settings
+from django.db import connection
+from rq.job import Job
+from rq.registry import FailedJobRegistry, FinishedJobRegistry
+
+from devtools.bench import jobs
+from devtools.scratch import claim_scratch, flush_scratch
+from devtools.stack import Stack, free_port
+from payments.checkout.handler import request_checkout
+from payments.checkout.orders import create_order
+from payments.engine.queues import payments_queue
+from payments.engine.recovery import reconcile
+from payments.models import Operation, OperationState, Order
+
+WORKER_CLASSES = {
+    "Worker (forking)": "rq.worker.Worker",
+    "FenceWorker (SimpleWorker)": "payments.engine.worker.FenceWorker",
+}
+TABLES = [
+    "payments_operationevent", "payments_stepclaim", "payments_invoice",
+    "payments_ledgerentry", "payments_salesday", "payments_fenceauditrun",
+    "payments_operation", "payments_order", "inbox_inboxentry",
+]  # fmt: skip
+
+
+class Bench:
+    """Runs batches of jobs on real worker processes against one fake provider."""
+
+    def __init__(self, *, latency: float, log_dir: Path, say: Callable[[str], None]) -> None:
+        self.say = say
+        self.port = free_port()
+        env = {
+            **os.environ,
+            "PAYMENT_PROVIDER_URL": f"http://127.0.0.1:{self.port}",
+            "LOG_LEVEL": "WARNING",
+            "EMAIL_BACKEND": "django.core.mail.backends.dummy.EmailBackend",
+        }
+        self.stack = Stack(env=env, log_dir=log_dir)
+        self.latency = latency
+        self.queue = payments_queue()
+        claim_scratch(self.queue.connection, "the bench")
+        settings.PAYMENTS = {**settings.PAYMENTS, "PROVIDER_URL": env["PAYMENT_PROVIDER_URL"]}
+        settings.EMAIL_BACKEND = env["EMAIL_BACKEND"]
+
+    def __enter__(self) -> Bench:
+        self.stack.start_provider(self.port, "--latency", str(self.latency))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stack.stop()
+
+    def set_latency(self, seconds: float) -> None:
+        """Change how long the provider takes per charge."""
+        requests.post(
+            f"http://127.0.0.1:{self.port}/_fake/config", json={"latency": seconds}, timeout=5
+        ).raise_for_status()
+
+    def reset(self) -> None:
+        """Empty the bench database's tables and the queue's Redis database."""
+        with connection.cursor() as cursor:
+            cursor.execute(f"TRUNCATE {', '.join(TABLES)} RESTART IDENTITY CASCADE")
+        flush_scratch(self.queue.connection, "the bench")
+        # Ids restart, so operation keys (and idempotency keys) repeat: the
+        # provider must forget the last batch or it would replay its answers.
+        requests.post(f"http://127.0.0.1:{self.port}/_fake/reset", timeout=5).raise_for_status()
+
+    def batch(self, prepare: Callable[[], int], *, workers: int, worker_class: str) -> float:
+        """Enqueue with `prepare` (returns how many jobs will run), run them; return seconds."""
+        self.reset()
+        expected = prepare()
+        procs = [self.stack.start_worker(WORKER_CLASSES[worker_class]) for _ in range(workers)]
+        finished = FinishedJobRegistry(queue=self.queue)
+        failed = FailedJobRegistry(queue=self.queue)
+        deadline = time.monotonic() + 600
+        while finished.count + failed.count < expected:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"batch did not finish: {finished.count}/{expected}")
+            time.sleep(0.05)
+        for proc in procs:
+            self.stack.kill(proc)
+        self.stack.procs = [p for p in self.stack.procs if p not in procs]
+        if failed.count:
+            raise RuntimeError(f"{failed.count} jobs failed; see {self.stack.log_dir}")
+        done = Job.fetch_many(finished.get_job_ids(), connection=self.queue.connection)
+        start = min(j.started_at for j in done if j)
+        end = max(j.ended_at for j in done if j)
+        return (end - start).total_seconds()
+
+
+def _orders(n: int) -> list[Order]:
+    return [
+        create_order(amount=1000 + i, currency="eur", email="bench@example.com") for i in range(n)
+    ]
+
+
+def fenced(n: int) -> Callable[[], int]:
+    def prepare() -> int:
+        for order in _orders(n):
+            request_checkout(
+                order_id=order.pk,
+                key=f"bench-{order.pk}",
+                payment_method="pm_card_visa",
+                actor="bench",
+            )
+        return 3 * n  # the checkout and its two follow-ups
+
+    return prepare
+
+
+def unfenced(n: int) -> Callable[[], int]:
+    def prepare() -> int:
+        queue = payments_queue()
+        for order in _orders(n):
+            queue.enqueue(jobs.unfenced_checkout, order.pk, "pm_card_visa")
+        return 3 * n
+
+    return prepare
+
+
+def noop(n: int) -> Callable[[], int]:
+    def prepare() -> int:
+        queue = payments_queue()
+        with queue.connection.pipeline() as pipe:
+            queue.enqueue_many([queue.prepare_data(jobs.noop) for _ in range(n)], pipeline=pipe)
+            pipe.execute()
+        return n
+
+    return prepare
+
+
+def inbox_cost(bench: Bench, n: int, rounds: int) -> dict[str, float]:
+    """Per-job milliseconds of a local handler with and without the inbox (in-process)."""
+    from rq import SimpleWorker
+
+    order = create_order(amount=1, currency="eur", email="bench@example.com")
+    timings: dict[str, list[float]] = {"unprotected": [], "protected": []}
+    for _ in range(rounds):
+        for name, func in (
+            ("unprotected", jobs.local_unprotected),
+            ("protected", jobs.local_protected),
+        ):
+            bench.queue.connection.flushdb()
+            with bench.queue.connection.pipeline() as pipe:
+                bench.queue.enqueue_many(
+                    [bench.queue.prepare_data(func, (order.pk,)) for _ in range(n)], pipeline=pipe
+                )
+                pipe.execute()
+            worker = SimpleWorker([bench.queue], connection=bench.queue.connection)
+            started = time.perf_counter()
+            worker.work(burst=True, with_scheduler=False, logging_level="WARNING")
+            timings[name].append((time.perf_counter() - started) / n * 1000)
+    # The fastest round of each side: noise (other processes on 2 cores) only adds time.
+    return {name: min(values) for name, values in timings.items()}
+
+
+def reconciler_rate(bench: Bench, m: int, worker_class: str) -> dict[str, float]:
+    """Settle m uncertain charges (accepted, answer dropped); claims settled per second."""
+    prepare = fenced(m)
+
+    def uncertain_only() -> int:
+        requests.post(
+            f"http://127.0.0.1:{bench.port}/_fake/faults",
+            json={"mode": "drop_after_accept", "count": m},
+            timeout=5,
+        ).raise_for_status()
+        prepare()
+        return m  # the checkouts end uncertain; no follow-ups yet
+
+    bench.batch(uncertain_only, workers=2, worker_class=worker_class)
+    uncertain = Operation.objects.filter(state=OperationState.UNCERTAIN).count()
+    if uncertain != m:
+        states = sorted(Operation.objects.values_list("state", flat=True))
+        raise RuntimeError(f"expected {m} uncertain operations, found {states}")
+    started = time.perf_counter()
+    report = reconcile(batch_size=m)
+    seconds = time.perf_counter() - started
+    return {
+        "uncertain": uncertain,
+        "settled": report.count("done"),
+        "seconds": seconds,
+        "per_second": report.count("done") / seconds,
+    }
+
+
+def purge_rate(rows: int, batch_size: int) -> dict[str, float]:
+    """Batched purge of expired inbox rows against one unbounded DELETE of the same rows."""
+    from inbox.services import purge_expired
+
+    def fill() -> None:
+        with connection.cursor() as cursor:
+            cursor.execute(
+                "INSERT INTO inbox_inboxentry (consumer, message_id, handled_at) "
+                "SELECT 'bench-purge', md5(g::text), now() - interval '30 days' "
+                "FROM generate_series(1, %s) g",
+                [rows],
+            )
+            cursor.execute("ANALYZE inbox_inboxentry")
+
+    fill()
+    started = time.perf_counter()
+    result = purge_expired(
+        consumer="bench-purge", older_than=timedelta(days=7), batch_size=batch_size
+    )
+    batched = time.perf_counter() - started
+    fill()
+    started = time.perf_counter()
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "DELETE FROM inbox_inboxentry WHERE consumer = 'bench-purge' "
+            "AND handled_at < now() - interval '7 days'"
+        )
+        unbounded_rows = cursor.rowcount
+    unbounded = time.perf_counter() - started
+    return {
+        "rows": result.deleted,
+        "batch_size": batch_size,
+        "batches": result.batches,
+        "batched_seconds": batched,
+        "batched_rows_per_second": result.deleted / batched,
+        "longest_batch_seconds": result.longest_batch_seconds,
+        "unbounded_rows": unbounded_rows,
+        "unbounded_seconds": unbounded,
+        "unbounded_rows_per_second": unbounded_rows / unbounded,
+        "ratio_batched_to_unbounded_rate": (result.deleted / batched)
+        / (unbounded_rows / unbounded),
+    }

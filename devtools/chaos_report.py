@@ -1,0 +1,136 @@
+"""Render a chaos run: a text table, a JSON file and a one-page HTML report with a chart."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from html import escape
+from pathlib import Path
+
+from devtools.chaos import ChaosResult
+
+ROWS = [
+    ("orders", "orders"),
+    ("orders paid", "orders_paid"),
+    ("orders declined or failed", "orders_declined_or_failed"),
+    ("provider successes", "provider_successes"),
+    ("charge claims done", "charge_claims_done"),
+    ("double charges", "double_charges"),
+    ("provider successes without a claim", "provider_successes_without_claim"),
+    ("paid orders with exactly one invoice", "paid_orders_with_one_invoice"),
+    ("paid orders with exactly one ledger line", "paid_orders_with_one_ledger_line"),
+    ("uncertain outcomes", "uncertain_outcomes"),
+    ("  settled automatically", "uncertain_settled_automatically"),
+    ("workers SIGKILLed", "workers_killed"),
+    ("Redis flushed", "redis_flushed"),
+    ("time to drain (s)", "drain_seconds"),
+]
+
+STATE_COLOURS = {
+    "succeeded": "#2e7d32",
+    "failed": "#c62828",
+    "needs_review": "#ef6c00",
+    "uncertain": "#f9a825",
+    "retrying": "#1565c0",
+    "running": "#6a1b9a",
+    "pending": "#757575",
+}
+
+
+def table(result: ChaosResult) -> list[str]:
+    """Return the report as aligned text lines."""
+    r = result.report
+    states = ", ".join(f"{s} {n}" for s, n in sorted(r["operations_by_state"].items()))
+    rows = [("checkout operations by state", states)]
+    rows += [(label, r[key]) for label, key in ROWS]
+    width = max(len(label) for label, _ in rows)
+    return [f"  {label:<{width}}  {value}" for label, value in rows]
+
+
+def write_files(result: ChaosResult, directory: Path) -> tuple[Path, Path]:
+    """Write report.json and report.html into `directory`; return both paths."""
+    directory.mkdir(parents=True, exist_ok=True)
+    data = {
+        "run_id": result.run_id,
+        "config": asdict(result.config),
+        "violations": result.violations,
+        **result.report,
+    }
+    json_path = directory / "report.json"
+    json_path.write_text(json.dumps(data, indent=2, sort_keys=True, default=str))
+    html_path = directory / "report.html"
+    html_path.write_text(_html(result))
+    return json_path, html_path
+
+
+def _bars(items: list[tuple[str, int, str]], width: int = 520) -> str:
+    """Return an inline SVG horizontal bar chart of (label, value, colour)."""
+    top = max((v for _, v, _ in items), default=1) or 1
+    row = 28
+    # 230 px of labels, the bars, then room for the value after the longest bar.
+    parts = [f'<svg width="{230 + width + 80}" height="{row * len(items) + 10}" role="img">']
+    for i, (label, value, colour) in enumerate(items):
+        y = i * row + 5
+        w = max(2, int(width * value / top)) if value else 0
+        parts.append(
+            f'<text x="0" y="{y + 17}" font-size="14">{escape(label)}</text>'
+            f'<rect x="230" y="{y}" width="{w}" height="22" fill="{colour}"/>'
+            f'<text x="{236 + w}" y="{y + 17}" font-size="14">{value}</text>'
+        )
+    parts.append("</svg>")
+    return "".join(parts)
+
+
+def _html(result: ChaosResult) -> str:
+    r = result.report
+    ok = not result.violations
+    verdict = (
+        "No double charge, nothing lost."
+        if ok
+        else "Invariant violated: " + "; ".join(result.violations)
+    )
+    states = sorted(r["operations_by_state"].items(), key=lambda kv: -kv[1])
+    state_chart = _bars([(s, n, STATE_COLOURS.get(s, "#999")) for s, n in states])
+    invariant_chart = _bars(
+        [
+            ("orders paid", r["orders_paid"], "#2e7d32"),
+            ("provider successes", r["provider_successes"], "#1565c0"),
+            ("charge claims done", r["charge_claims_done"], "#6a1b9a"),
+            ("double charges", r["double_charges"], "#c62828"),
+            ("unfenced charges", r["provider_successes_without_claim"], "#c62828"),
+        ]
+    )
+    chaos_chart = _bars(
+        [
+            ("workers SIGKILLed", r["workers_killed"], "#424242"),
+            ("uncertain outcomes", r["uncertain_outcomes"], "#f9a825"),
+            ("settled automatically", r["uncertain_settled_automatically"], "#2e7d32"),
+        ]
+    )
+    cfg = result.config
+    rows = "".join(
+        f"<tr><td>{escape(label)}</td><td>{escape(str(r[key]))}</td></tr>" for label, key in ROWS
+    )
+    return f"""<!doctype html>
+<html lang="en"><head><meta charset="utf-8"><title>Chaos run {result.run_id}</title>
+<style>
+body {{ font-family: system-ui, sans-serif; margin: 2rem; color: #222; max-width: 900px; }}
+.verdict {{ padding: .8rem 1rem; border-radius: 6px; font-size: 1.2rem;
+  background: {"#e8f5e9" if ok else "#ffebee"}; color: {"#1b5e20" if ok else "#b71c1c"}; }}
+table {{ border-collapse: collapse; margin-top: 1rem; }}
+td {{ padding: .2rem 1rem .2rem 0; border-bottom: 1px solid #eee; }}
+h2 {{ margin-top: 2rem; font-size: 1.1rem; }}
+</style></head><body>
+<h1>Chaos run {result.run_id}</h1>
+<p class="verdict">{escape(verdict)}</p>
+<p>{r["orders"]} orders, {cfg.workers} workers, a worker SIGKILLed every
+{cfg.kill_min}&ndash;{cfg.kill_max} s, provider faults: {cfg.drop_rate:.0%} accepted then dropped,
+{cfg.slow_rate:.0%} answered after the client's timeout, {cfg.fail_rate:.0%} 500s,
+{cfg.decline_rate:.0%} declined cards; {"Redis flushed once halfway" if r["redis_flushed"] else "no Redis flush"}; seed {cfg.seed}.
+Drained in {r["drain_seconds"]} s.</p>
+<h2>Where every operation ended</h2>{state_chart}
+<h2>The invariant: one provider success per paid order, each with one claim</h2>{invariant_chart}
+<h2>What went wrong on purpose, and what recovered</h2>{chaos_chart}
+<h2>All figures</h2><table>{rows}</table>
+</body></html>
+"""

@@ -1,0 +1,417 @@
+"""A fake Stripe-compatible payment provider: a real HTTP/1.1 server on the stdlib.
+
+It serves the provider contract of DESIGN.md from its own in-memory state
+(`devtools.fake_provider.state`), never from the application's database, so
+tests and the demo can compare what the provider did with what the fence
+recorded.
+
+Provider API (`Authorization: Bearer sk_...`, form-encoded POST, JSON answers,
+a `Request-Id` header on every answer):
+
+- `POST /v1/payment_intents`: `amount`, `currency`, `confirm`, `payment_method`
+  (`pm_card_visa` succeeds, `pm_card_chargeDeclined` answers 402),
+  `metadata[...]`; other Stripe parameters (description, expand[] ...) are
+  accepted and ignored. `Idempotency-Key` replays the stored answer with
+  `Idempotent-Replayed: true`, answers 400 idempotency_error for other
+  parameters and 409 while the first request is in flight.
+- `GET /v1/payment_intents/{id}`, `GET /v1/payment_intents/search?query=...`
+  (`metadata['k']:'v'` and `status:'...'` clauses joined by AND; only intents
+  older than `search_lag` seconds are found) and `GET /v1/payment_intents`
+  (list, newest first: `limit`, `starting_after`, `ending_before`,
+  `created[gt|gte|lt|lte]`).
+
+Control API (no auth; JSON in and out):
+
+- `POST /_fake/faults` `{"mode": "...", "count": N}` queues N faults for the
+  next create requests. Modes: `drop_after_accept` (charge, store the answer
+  for the key, close the socket without answering), `slow` (charge, wait
+  `slow_delay` s before answering), `fail_before` (500 with
+  `Stripe-Should-Retry: true`, nothing executed or stored), `fail_after`
+  (charge, store and answer a 500), `rate_limit` (429, not stored).
+- `POST /_fake/config` sets `<mode>_rate` (random faults, seeded by `seed`),
+  `slow_delay`, `search_lag`, `key_retention`, `api_key`.
+- `POST /_fake/reset` forgets intents, keys, queued faults and counters.
+- `GET /_fake/stats` returns counters; `GET /_fake/health` returns `{"status": "ok"}`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import secrets
+import socket
+import threading
+import time
+from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+from urllib.parse import parse_qsl, urlsplit
+
+from devtools.fake_provider.state import (
+    DECLINING_CARDS,
+    SUCCEEDING_CARDS,
+    FakeConfig,
+    FakeState,
+    Reply,
+    error_reply,
+    invalid,
+)
+
+logger = logging.getLogger(__name__)
+
+_PI_PATH = "/v1/payment_intents"
+
+_CLAUSE = re.compile(
+    r"""\s*(?:metadata\[(?P<kq>['"])(?P<key>(?:\\.|(?!(?P=kq))[^\\])*)(?P=kq)\]"""
+    r"""|(?P<field>status|currency))\s*:\s*"""
+    r"""(?P<vq>['"])(?P<value>(?:\\.|(?!(?P=vq))[^\\])*)(?P=vq)\s*""",
+    re.S,
+)
+_AND = re.compile(r"AND\s+", re.I)
+
+
+def _unescape(text: str) -> str:
+    return re.sub(r"\\(.)", r"\1", text)
+
+
+def parse_search_query(query: str) -> list[tuple[str, str]] | None:
+    """Parse `metadata['k']:'v' AND status:'s'`; return [(path, value)] or None."""
+    clauses: list[tuple[str, str]] = []
+    pos = 0
+    while True:
+        match = _CLAUSE.match(query, pos)
+        if match is None:
+            return None
+        path = match["field"] or "metadata." + _unescape(match["key"])
+        clauses.append((path, _unescape(match["value"])))
+        pos = match.end()
+        if pos == len(query):
+            return clauses
+        joiner = _AND.match(query, pos)
+        if joiner is None:
+            return None
+        pos = joiner.end()
+
+
+def parse_create(params: list[tuple[str, str]]) -> dict[str, Any] | Reply:
+    """Validate create parameters; return them parsed or a 400 (never stored)."""
+    flat = dict(params)
+    raw_amount = flat.get("amount")
+    if raw_amount is None or raw_amount == "":
+        return invalid("Missing required param: amount.", param="amount", code="parameter_missing")
+    if not re.fullmatch(r"-?\d+", raw_amount):
+        return invalid("Invalid integer: amount.", param="amount", code="parameter_invalid_integer")
+    amount = int(raw_amount)
+    if amount < 1:
+        return invalid("Amount must be at least 1.", param="amount", code="amount_too_small")
+    if amount > 99_999_999:
+        return invalid("Amount is too large.", param="amount", code="amount_too_large")
+    currency = flat.get("currency", "")
+    if not currency:
+        return invalid(
+            "Missing required param: currency.", param="currency", code="parameter_missing"
+        )
+    if not re.fullmatch(r"[A-Za-z]{3}", currency):
+        return invalid("Invalid currency.", param="currency", code="parameter_invalid_string")
+    confirm_raw = flat.get("confirm", "false").lower()
+    if confirm_raw not in ("true", "false"):
+        return invalid(
+            "Invalid boolean: confirm.", param="confirm", code="parameter_invalid_boolean"
+        )
+    confirm = confirm_raw == "true"
+    payment_method = flat.get("payment_method") or None
+    if payment_method is None and confirm:
+        return invalid(
+            "A payment method is required to confirm.",
+            param="payment_method",
+            code="parameter_missing",
+        )
+    if payment_method is not None and payment_method not in SUCCEEDING_CARDS | set(DECLINING_CARDS):
+        # The method id is not echoed: the fake keeps to the no-PII rule too.
+        return invalid("No such PaymentMethod.", param="payment_method", code="resource_missing")
+    metadata = {m.group(1): v for k, v in params if (m := re.fullmatch(r"metadata\[(.+)\]", k))}
+    if len(metadata) > 50 or any(len(k) > 40 or len(v) > 500 for k, v in metadata.items()):
+        return invalid("Metadata exceeds the limits.", param="metadata", code="parameter_invalid")
+    return {
+        "amount": amount,
+        "currency": currency.lower(),
+        "confirm": confirm,
+        "payment_method": payment_method,
+        "metadata": metadata,
+    }
+
+
+class _Server(ThreadingHTTPServer):
+    """Threading server that remembers open connections so stop() can close them."""
+
+    daemon_threads = True
+    allow_reuse_address = True
+
+    def __init__(self, address: tuple[str, int], state: FakeState, stopping: threading.Event):
+        self.state = state
+        self.stopping = stopping
+        self.connections: set[socket.socket] = set()
+        self.connections_lock = threading.Lock()
+        super().__init__(address, _Handler)
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        # Clients that time out and hang up are part of the game, not errors.
+        logger.debug("fake provider: connection error from %s", client_address, exc_info=True)
+
+
+class _Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"  # keep-alive, so Content-Length must be right
+    server_version = "FakeProvider/1.0"
+    sys_version = ""
+    timeout = 120  # idle keep-alive connections do not hold a thread forever
+    # Headers and body go out in two writes; without TCP_NODELAY, Nagle and
+    # the client's delayed ACK add ~40 ms to every answer.
+    disable_nagle_algorithm = True
+    server: _Server
+
+    def setup(self) -> None:
+        super().setup()
+        with self.server.connections_lock:
+            self.server.connections.add(self.connection)
+
+    def finish(self) -> None:
+        with self.server.connections_lock:
+            self.server.connections.discard(self.connection)
+        try:
+            super().finish()
+        except OSError:
+            pass  # the peer is gone; nothing left to flush
+
+    def version_string(self) -> str:
+        return self.server_version
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 (stdlib name)
+        logger.debug("fake provider: " + format, *args)
+
+    def do_GET(self) -> None:
+        self._dispatch("GET")
+
+    def do_POST(self) -> None:
+        self._dispatch("POST")
+
+    def do_DELETE(self) -> None:
+        self._dispatch("DELETE")
+
+    # --- plumbing ---------------------------------------------------------------
+
+    def _dispatch(self, method: str) -> None:
+        try:
+            body = self._read_body()
+            parts = urlsplit(self.path)
+            if parts.path.startswith("/_fake/"):
+                reply = self._control(method, parts.path, body)
+            else:
+                reply = self._api(method, parts.path, parts.query, body)
+        except Exception:
+            logger.exception("fake provider: handler failed")
+            reply = error_reply(500, "api_error", "The fake provider failed.")
+        self._send(reply)
+
+    def _read_body(self) -> bytes:
+        length = int(self.headers.get("Content-Length") or 0)
+        return self.rfile.read(length) if length > 0 else b""
+
+    def _send(self, reply: Reply) -> None:
+        if reply.drop:
+            # Close without a byte of answer: the client cannot know what happened.
+            self.close_connection = True
+            try:
+                self.connection.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass  # already closed by the peer
+            return
+        payload = json.dumps(reply.body).encode()
+        try:
+            self.send_response(reply.status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(payload)))
+            self.send_header("Request-Id", "req_" + secrets.token_hex(8))
+            for name, value in reply.headers:
+                self.send_header(name, value)
+            self.end_headers()
+            self.wfile.write(payload)
+            self.wfile.flush()
+        except OSError:
+            # The client gave up (a read timeout during a slow fault); that is
+            # exactly the situation the fault exists to create.
+            self.close_connection = True
+
+    # --- provider API -----------------------------------------------------------
+
+    def _api(self, method: str, path: str, query: str, body: bytes) -> Reply:
+        state = self.server.state
+        if not state.check_api_key(_bearer(self.headers.get("Authorization"))):
+            # The key is never echoed, not even masked.
+            return error_reply(401, "invalid_request_error", "Invalid API Key provided.")
+        args = parse_qsl(query, keep_blank_values=True)
+        if method == "POST" and path == _PI_PATH:
+            params = parse_qsl(body.decode("utf-8", "replace"), keep_blank_values=True)
+            key = self.headers.get("Idempotency-Key") or None
+            if key is not None and len(key) > 255:
+                return invalid("Idempotency-Key is too long.", param="Idempotency-Key")
+            return state.create_payment_intent(
+                params, parse_create(params), key, sleep=self.server.stopping.wait
+            )
+        if method != "GET":
+            return _unrecognized(method, path)
+        flat = dict(args)
+        if path == f"{_PI_PATH}/search":
+            limit = _limit(flat.get("limit"))
+            if isinstance(limit, Reply):
+                return limit
+            if not flat.get("query"):
+                return invalid(
+                    "Missing required param: query.", param="query", code="parameter_missing"
+                )
+            clauses = parse_search_query(flat["query"])
+            if clauses is None:
+                return invalid("Unsupported search query.", param="query", code="parameter_invalid")
+            page = flat.get("page") or "page_0"
+            if not re.fullmatch(r"page_\d+", page):
+                return invalid("Invalid page.", param="page", code="parameter_invalid")
+            return state.search_payment_intents(clauses, limit, int(page.removeprefix("page_")))
+        if path == _PI_PATH:
+            return self._list(state, flat)
+        if path.startswith(_PI_PATH + "/") and path.count("/") == 3:
+            return state.retrieve_payment_intent(path.rsplit("/", 1)[1])
+        return _unrecognized(method, path)
+
+    @staticmethod
+    def _list(state: FakeState, flat: dict[str, str]) -> Reply:
+        limit = _limit(flat.get("limit"))
+        if isinstance(limit, Reply):
+            return limit
+        created: dict[str, int] = {}
+        for name, value in flat.items():
+            match = re.fullmatch(r"created(?:\[(gt|gte|lt|lte)\])?", name)
+            if match is None:
+                continue
+            if not re.fullmatch(r"-?\d+", value):
+                return invalid("Invalid integer.", param=name, code="parameter_invalid_integer")
+            created[match[1] or "eq"] = int(value)
+        return state.list_payment_intents(
+            limit=limit,
+            created=created,
+            starting_after=flat.get("starting_after") or None,
+            ending_before=flat.get("ending_before") or None,
+        )
+
+    # --- control API ------------------------------------------------------------
+
+    def _control(self, method: str, path: str, body: bytes) -> Reply:
+        state = self.server.state
+        if method == "GET" and path == "/_fake/health":
+            return Reply(200, {"status": "ok"})
+        if method == "GET" and path == "/_fake/stats":
+            return Reply(200, state.stats())
+        if method != "POST":
+            return _unrecognized(method, path)
+        try:
+            data = json.loads(body or b"{}")
+            if not isinstance(data, dict):
+                raise ValueError("a JSON object is required")
+            if path == "/_fake/faults":
+                queued = state.enqueue_faults(str(data.get("mode")), int(data.get("count", 1)))
+                return Reply(200, {"queued": queued})
+            if path == "/_fake/config":
+                state.configure(**data)
+                return Reply(200, state.stats()["config"])
+            if path == "/_fake/reset":
+                state.reset()
+                return Reply(200, {"reset": True})
+        except (ValueError, TypeError) as exc:
+            return invalid(f"Bad control request: {exc}")
+        return _unrecognized(method, path)
+
+
+def _bearer(header: str | None) -> str | None:
+    if header and header[:7].lower() == "bearer ":
+        return header[7:].strip()
+    return None
+
+
+def _limit(raw: str | None) -> int | Reply:
+    if raw is None or raw == "":
+        return 10
+    if not raw.isdigit() or not 1 <= int(raw) <= 100:
+        return invalid(
+            "Limit must be between 1 and 100.", param="limit", code="parameter_invalid_integer"
+        )
+    return int(raw)
+
+
+def _unrecognized(method: str, path: str) -> Reply:
+    return error_reply(
+        404, "invalid_request_error", f"Unrecognized request URL ({method}: {path})."
+    )
+
+
+class FakeProviderServer:
+    """Run the fake provider on a real socket; bind in the constructor, serve on start()."""
+
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        *,
+        clock: Callable[[], float] = time.time,
+        **config: Any,
+    ) -> None:
+        self.state = FakeState(FakeConfig(**config), clock=clock)
+        self._stopping = threading.Event()
+        self._httpd = _Server((host, port), self.state, self._stopping)
+        self._thread: threading.Thread | None = None
+
+    @property
+    def host(self) -> str:
+        return str(self._httpd.server_address[0])
+
+    @property
+    def port(self) -> int:
+        return int(self._httpd.server_address[1])
+
+    @property
+    def url(self) -> str:
+        """Base URL for clients, e.g. `http://127.0.0.1:54321`."""
+        host = self.host
+        return f"http://[{host}]:{self.port}" if ":" in host else f"http://{host}:{self.port}"
+
+    def start(self) -> FakeProviderServer:
+        """Serve in a daemon thread and return self."""
+        if self._thread is None:
+            self._thread = threading.Thread(
+                target=self._httpd.serve_forever,
+                kwargs={"poll_interval": 0.05},
+                name=f"fake-provider-{self.port}",
+                daemon=True,
+            )
+            self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Stop serving, wake slow faults, close open connections and the socket."""
+        self._stopping.set()
+        if self._thread is not None:
+            self._httpd.shutdown()
+            self._thread.join(timeout=5)
+            self._thread = None
+        with self._httpd.connections_lock:
+            open_connections = list(self._httpd.connections)
+        for conn in open_connections:
+            try:
+                conn.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass  # already closed
+        self._httpd.server_close()
+
+    def __enter__(self) -> FakeProviderServer:
+        return self.start()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()

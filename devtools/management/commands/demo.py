@@ -1,0 +1,127 @@
+"""`make demo`: the chaos run. No double charge, nothing lost, whatever dies."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from django.conf import settings
+from django.core.management.base import BaseCommand, CommandError, CommandParser
+
+from devtools.chaos import ChaosConfig, run_chaos
+from devtools.chaos_report import table, write_files
+
+
+def _rate(value: str) -> float:
+    rate = float(value)
+    if not 0 <= rate <= 1:
+        raise ValueError(value)
+    return rate
+
+
+def _interval(value: str) -> tuple[float, float]:
+    low, _, high = value.partition("-")
+    pair = (float(low), float(high or low))
+    if pair[0] <= 0 or pair[1] < pair[0]:
+        raise ValueError(value)
+    return pair
+
+
+class Command(BaseCommand):
+    help = (
+        "Chaos run: start the fake provider with faults, K real RQ workers, the API server and "
+        "the recovery loop; check N orders out through the HTTP API while a random worker is "
+        "SIGKILLed every few seconds and Redis is flushed once; wait until every operation is "
+        "settled; print and save a report (JSON and HTML). Exits 1 on any invariant violation."
+    )
+
+    def add_arguments(self, parser: CommandParser) -> None:
+        d = ChaosConfig()
+        parser.add_argument("--orders", type=int, default=d.orders, help="N orders.")
+        parser.add_argument("--workers", type=int, default=d.workers, help="K workers.")
+        parser.add_argument(
+            "--drop-rate",
+            type=_rate,
+            default=d.drop_rate,
+            help="Charges accepted, then the connection dropped.",
+        )
+        parser.add_argument(
+            "--slow-rate",
+            type=_rate,
+            default=d.slow_rate,
+            help="Charges answered after the client's timeout.",
+        )
+        parser.add_argument(
+            "--fail-rate",
+            type=_rate,
+            default=d.fail_rate,
+            help="500s (half before executing, half after).",
+        )
+        parser.add_argument(
+            "--decline-rate",
+            type=_rate,
+            default=d.decline_rate,
+            help="Orders paid with a card that is declined.",
+        )
+        parser.add_argument(
+            "--kill-interval",
+            type=_interval,
+            default=(d.kill_min, d.kill_max),
+            metavar="MIN-MAX",
+            help="Seconds between worker kills, e.g. 0.5-2.",
+        )
+        parser.add_argument("--no-flush", action="store_true", help="Do not flush Redis.")
+        parser.add_argument("--seed", type=int, default=d.seed, help="Replay a run's choices.")
+        parser.add_argument(
+            "--timeout",
+            type=float,
+            default=d.timeout,
+            help="Seconds to wait for every operation to settle.",
+        )
+        parser.add_argument(
+            "--worker-class", default=None, help="RQ worker class, e.g. rq.worker.SimpleWorker."
+        )
+        parser.add_argument(
+            "--output", default=None, help="Directory for report.json and report.html."
+        )
+
+    def handle(self, *args: object, **options: object) -> None:
+        if not settings.DEBUG:
+            raise CommandError(
+                "demo starts workers with DEBUG on and flushes its Redis database: it is a "
+                "development tool; set DEBUG=1 (make demo gives it its own database and Redis)."
+            )
+        if options["orders"] < 1 or options["workers"] < 1:
+            raise CommandError("--orders and --workers must be at least 1.")
+        kill_min, kill_max = options["kill_interval"]
+        config = ChaosConfig(
+            orders=options["orders"], workers=options["workers"],
+            drop_rate=options["drop_rate"], slow_rate=options["slow_rate"],
+            fail_rate=options["fail_rate"], decline_rate=options["decline_rate"],
+            kill_min=kill_min, kill_max=kill_max, flush=not options["no_flush"],
+            seed=options["seed"], timeout=options["timeout"],
+            worker_class=options["worker_class"],
+        )  # fmt: skip
+        var = Path(settings.BASE_DIR) / "var"
+        self.stdout.write(
+            f"Chaos run: {config.orders} orders, {config.workers} workers, kills every "
+            f"{kill_min}-{kill_max}s, faults drop {config.drop_rate:.0%} / slow "
+            f"{config.slow_rate:.0%} / 500 {config.fail_rate:.0%}, declines "
+            f"{config.decline_rate:.0%}, seed {config.seed}"
+        )
+        result = run_chaos(config, log_dir=var / "log", say=self.stdout.write)
+        if not result.report:
+            raise CommandError("the chaos run did not finish; see the logs")
+        self.stdout.write("")
+        for line in table(result):
+            self.stdout.write(line)
+        out = Path(options["output"]) if options["output"] else var / "demo" / result.run_id
+        json_path, html_path = write_files(result, out)
+        self.stdout.write(f"\nReport: {html_path}\n        {json_path}")
+        if result.violations:
+            raise CommandError("invariant violated: " + "; ".join(result.violations))
+        self.stdout.write(
+            self.style.SUCCESS(
+                "No double charge, no charge without a claim, one invoice and one ledger line per "
+                "paid order; every operation settled."
+            )
+        )

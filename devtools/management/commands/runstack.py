@@ -1,0 +1,85 @@
+"""Run the whole stack for a person to try: API + admin, workers, fake provider, recovery."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import signal
+import threading
+from pathlib import Path
+
+from django.conf import settings
+from django.contrib.auth import get_user_model
+from django.contrib.auth.models import Permission
+from django.core.management.base import BaseCommand, CommandError, CommandParser
+
+from devtools.stack import Stack
+
+
+class Command(BaseCommand):
+    help = (
+        "Start the API and admin server, RQ workers (one process per queue, with the "
+        "scheduler), the fake provider and the recovery loop; print the URLs and the API "
+        "token; stop everything on Ctrl-C. For development (DEBUG) only."
+    )
+
+    def add_arguments(self, parser: CommandParser) -> None:
+        parser.add_argument("--port", type=int, default=8000, help="API and admin port.")
+        parser.add_argument("--provider-port", type=int, default=8765)
+        parser.add_argument("--workers", type=int, default=2)
+
+    def handle(self, *args: object, **options: object) -> None:
+        if not settings.DEBUG:
+            raise CommandError("runstack is a development tool; set DEBUG=1.")
+        if options["workers"] < 1:
+            raise CommandError("--workers must be at least 1.")
+        provider_url = f"http://127.0.0.1:{options['provider_port']}"
+        env = {**os.environ, "PAYMENT_PROVIDER_URL": provider_url}
+        stack = Stack(env=env, log_dir=Path(settings.BASE_DIR) / "var" / "log" / "run")
+        password = self._operator()
+        stop = threading.Event()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: stop.set())
+        try:
+            stack.start_provider(options["provider_port"])
+            stack.start_api(options["port"])
+            for _ in range(options["workers"]):
+                stack.start_worker()
+            stack.start_recovery(interval=10)
+            base = f"http://127.0.0.1:{options['port']}"
+            self.stdout.write(self.style.SUCCESS("Running. Ctrl-C stops everything."))
+            self.stdout.write(
+                f"  API          {base}/api/  (Authorization: Bearer {settings.API_TOKEN})"
+            )
+            self.stdout.write(
+                f"  Admin        {base}/admin/  (operator / {password})"
+                if password
+                else f"  Admin        {base}/admin/"
+            )
+            self.stdout.write(f"  RQ dashboard {base}/admin/rq/")
+            self.stdout.write(
+                f"  Provider     {provider_url}  (control: {provider_url}/_fake/stats)"
+            )
+            self.stdout.write(f"  Logs         {stack.log_dir}")
+            self.stdout.write(
+                "  Try: curl -s -H 'Authorization: Bearer "
+                f'{settings.API_TOKEN}\' -d \'{{"amount": 1999, "currency": "eur", '
+                f'"email": "a@example.com"}}\' {base}/api/orders'
+            )
+            stop.wait()
+        finally:
+            stack.stop()
+
+    def _operator(self) -> str | None:
+        """Create a development operator with the reconciliation permissions, once."""
+        user_model = get_user_model()
+        if user_model.objects.filter(username="operator").exists():
+            return None
+        password = secrets.token_urlsafe(9)
+        user = user_model.objects.create_user("operator", password=password, is_staff=True)
+        user.user_permissions.set(
+            Permission.objects.filter(content_type__app_label__in=["payments", "inbox"])
+            .exclude(codename__startswith=("add_"))
+            .exclude(codename__startswith="delete_")
+        )
+        return password

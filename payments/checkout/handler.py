@@ -1,0 +1,169 @@
+"""The built-in `checkout` operation: charge -> invoice -> confirmation e-mail -> paid.
+
+Paying the order also writes its follow-ups (ledger line, sales counter) as
+operation rows in the same transaction; see payments.checkout.followups.
+
+`request_checkout` is what the synchronous API calls: it writes the operation
+in the same transaction as the order's change and enqueues on commit. The
+charge itself runs in a worker, in `checkout`.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from django.core.mail import send_mail
+from django.db import transaction
+from django.utils import timezone
+
+from payments.checkout.charge import PaymentIntentCharge
+from payments.checkout.followups import write_follow_ups_in_tx
+from payments.checkout.names import CHARGE, CHECKOUT, CONFIRMATION_EMAIL, INVOICE, MARK_PAID
+from payments.engine import fence
+from payments.engine.dispatch import dispatch_on_commit
+from payments.engine.effects import DeliveryPolicy
+from payments.engine.handlers import handler
+from payments.engine.runtime import Run
+from payments.exceptions import InvalidTransition
+from payments.models import ClaimState, Invoice, Operation, Order, OrderStatus, StepClaim
+
+logger = logging.getLogger("payments.checkout.handler")
+
+CHECKOUT_OPEN_STATUSES = frozenset({OrderStatus.PENDING, OrderStatus.PAYMENT_FAILED})
+
+
+class CheckoutNotAllowed(InvalidTransition):
+    """The order is already being paid or paid: a new key cannot start a second charge."""
+
+
+def request_checkout(
+    *, order_id: int, key: str, payment_method: str, actor: str, retry_of: Operation | None = None
+) -> tuple[Operation, bool]:
+    """Write the checkout operation for an order and enqueue it on commit.
+
+    Returns (operation, created). The same key with the same parameters returns
+    the existing operation and enqueues nothing; with other parameters it raises
+    OperationConflict. A new key for an order that is not open for checkout
+    raises CheckoutNotAllowed. Raises Order.DoesNotExist for an unknown order.
+    """
+    with transaction.atomic():
+        order = Order.objects.select_for_update().get(pk=order_id)
+        params = {
+            "order_id": order.pk,
+            "amount": order.amount,
+            "currency": order.currency,
+            "payment_method": payment_method,
+        }
+        existing = Operation.objects.filter(key=key).first()
+        if existing is None:
+            if order.status not in CHECKOUT_OPEN_STATUSES:
+                raise CheckoutNotAllowed(
+                    f"order {order.pk} is {order.status}; it cannot be checked out"
+                )
+            if _earlier_charge_unsettled(order):
+                raise CheckoutNotAllowed(
+                    f"an earlier payment attempt of order {order.pk} may still have charged; "
+                    "it must be settled first"
+                )
+        op, created = fence.create_operation_in_tx(
+            key=key,
+            kind=CHECKOUT,
+            entity_type="order",
+            entity_id=order.pk,
+            params=params,
+            actor=actor,
+            retry_of=retry_of,
+        )
+        if created:
+            order.status = OrderStatus.PROCESSING
+            order.save(update_fields=["status", "updated_at"])
+            dispatch_on_commit(op)
+    return op, created
+
+
+def _earlier_charge_unsettled(order: Order) -> bool:
+    """Tell whether an earlier checkout of the order charged, or may have.
+
+    A new checkout is safe only when every earlier charge claim failed.
+    """
+    return (
+        StepClaim.objects.filter(
+            operation__kind=CHECKOUT,
+            operation__entity_type="order",
+            operation__entity_id=str(order.pk),
+            step=CHARGE,
+        )
+        .exclude(state=ClaimState.FAILED)
+        .exists()
+    )
+
+
+def reopen_order(operation: Operation) -> None:
+    """Put a failed order back in processing. Runs in the transaction that resumes it."""
+    Order.objects.filter(pk=operation.params["order_id"], status=OrderStatus.PAYMENT_FAILED).update(
+        status=OrderStatus.PROCESSING, updated_at=timezone.now()
+    )
+
+
+def mark_order_failed(operation: Operation) -> None:
+    """Mark the order's payment failed. Runs inside the transaction that fails the operation."""
+    Order.objects.filter(pk=operation.params["order_id"], status=OrderStatus.PROCESSING).update(
+        status=OrderStatus.PAYMENT_FAILED
+    )
+
+
+def issue_invoice(order_id: int, reference: str) -> dict[str, Any]:
+    """Create the order's invoice. Runs inside the step's transaction."""
+    order = Order.objects.get(pk=order_id)
+    invoice = Invoice.objects.create(
+        order=order,
+        number=f"INV-{order.pk:08d}",
+        amount=order.amount,
+        currency=order.currency,
+        provider_reference=reference,
+    )
+    return {"invoice": invoice.number}
+
+
+def send_confirmation(order_id: int, reference: str) -> dict[str, Any]:
+    """Send the order confirmation e-mail."""
+    order = Order.objects.get(pk=order_id)
+    amount = f"{order.amount / 100:.2f} {order.currency.upper()}"
+    send_mail(
+        subject=f"Order {order.pk} is paid",
+        message=f"We received your payment of {amount} (reference {reference}).",
+        from_email=None,
+        recipient_list=[order.customer_email],
+    )
+    return {"sent": True}
+
+
+def mark_paid(order_id: int, reference: str, operation: Operation) -> dict[str, Any]:
+    """Mark the order paid and write its follow-ups. Runs inside the step's transaction."""
+    order = Order.objects.select_for_update().get(pk=order_id)
+    order.status = OrderStatus.PAID
+    order.save(update_fields=["status", "updated_at"])
+    write_follow_ups_in_tx(order, reference, parent_key=operation.key, actor="checkout")
+    return {"status": OrderStatus.PAID}
+
+
+@handler(
+    CHECKOUT,
+    on_failure=mark_order_failed,
+    on_resume=reopen_order,
+    effects={CHARGE: PaymentIntentCharge},
+    steps={INVOICE, CONFIRMATION_EMAIL, MARK_PAID},
+)
+def checkout(run: Run) -> None:
+    """Charge the order once, invoice it, confirm by e-mail, mark it paid."""
+    order_id = int(run.params["order_id"])
+    charge = run.external(CHARGE)
+    reference = charge["reference"]
+    run.local(INVOICE, lambda: issue_invoice(order_id, reference))
+    run.side_effect(
+        CONFIRMATION_EMAIL,
+        lambda: send_confirmation(order_id, reference),
+        policy=DeliveryPolicy.AT_MOST_ONCE,
+    )
+    run.local(MARK_PAID, lambda: mark_paid(order_id, reference, run.operation))

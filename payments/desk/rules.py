@@ -1,0 +1,256 @@
+"""What the desk allows: read-only checks that raise DeskError, and the reference check.
+
+`payments.desk.services` runs these before it acts and again under the operation's
+lock; the admin runs them to show which buttons apply and why the others do
+not. Nothing here writes.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+from django.utils import timezone
+
+from payments.checkout.charge import PaymentIntentCharge
+from payments.checkout.names import CHECKOUT
+from payments.engine import fence
+from payments.engine.handlers import HandlerSpec, get_handler
+from payments.exceptions import InvalidTransition, PaymentsError
+from payments.models import ClaimState, Operation, OperationState, Order, OrderStatus, StepClaim
+from payments.provider.errors import ProviderError, ResourceMissing
+
+#: A claim without a reference must be this old before "not found" counts: the
+#: provider's search may lag writes, and a request our read timeout cut off may
+#: still be executing at the provider.
+LOOKUP_MARGIN = timedelta(seconds=60)
+
+_ATTEMPT_SUFFIX = re.compile(r":attempt-(\d+)$")
+
+
+class DeskError(InvalidTransition):
+    """The operation's current state forbids what the operator asked; nothing was changed."""
+
+    def __init__(self, message: str, *, operation_key: str = "", action: str = "") -> None:
+        self.operation_key = operation_key
+        self.action = action
+        self.detail = message  # without the key, for a page that shows the operation already
+        super().__init__(f"{operation_key}: {message}" if operation_key else message)
+
+
+class ReasonRequired(DeskError):
+    """A judgement (resume, mark a step, new attempt) needs a written reason."""
+
+
+def next_attempt_key(key: str) -> str:
+    """Return the key of the next attempt: `k` -> `k:attempt-2` -> `k:attempt-3`."""
+    match = _ATTEMPT_SUFFIX.search(key)
+    base, n = (key[: match.start()], int(match.group(1))) if match else (key, 1)
+    new_key = f"{base}:attempt-{n + 1}"
+    if len(new_key) > 255:
+        raise DeskError("the next attempt's key would exceed 255 characters", operation_key=key)
+    return new_key
+
+
+# --- what the desk offers for one operation (the admin's buttons) ----------------
+
+
+@dataclass(frozen=True)
+class DeskActions:
+    """Which actions the state allows now; a refused action maps to the reason why."""
+
+    refused: dict[str, str]
+    settleable_steps: list[str]
+
+
+def available_actions(operation: Operation) -> DeskActions:
+    """Tell which actions the operation's state allows (permissions are the caller's)."""
+    claims = list(operation.claims.all())
+    spec = get_handler(operation.kind)
+    refused: dict[str, str] = {}
+    checks = {
+        "resume": lambda: check_resume(operation, claims, reopen=True),
+        "new_attempt": lambda: check_new_attempt(operation, claims, spec),
+    }
+    for action, check in checks.items():
+        try:
+            check()
+        except PaymentsError as exc:
+            refused[action] = getattr(exc, "detail", str(exc))
+    steps = []
+    for step in spec.effects:
+        try:
+            settleable_claim(operation, claims, step, spec)
+        except PaymentsError:
+            continue
+        steps.append(step)
+    if not steps:
+        refused["mark_step"] = "no step is waiting to be settled"
+    return DeskActions(refused=refused, settleable_steps=steps)
+
+
+# --- checks (raise DeskError; read-only) -----------------------------------------
+
+
+def check_resume(op: Operation, claims: list[StepClaim], *, reopen: bool = False) -> None:
+    if op.state == OperationState.SUCCEEDED:
+        raise DeskError("it succeeded; there is nothing to resume", operation_key=op.key)
+    if op.state in (OperationState.PENDING, OperationState.RETRYING):
+        raise DeskError(
+            f"it is {op.state} and will run; the sweeper delivers a lost job again",
+            operation_key=op.key,
+        )
+    check_no_live_lease(op)
+    for claim in claims:
+        if claim.state == ClaimState.UNCERTAIN:
+            raise DeskError(
+                f"step {claim.step} is uncertain: query the provider, or mark the step "
+                "succeeded or failed after checking",
+                operation_key=op.key,
+            )
+        if claim.state == ClaimState.FAILED and op.state == OperationState.FAILED:
+            raise DeskError(
+                f"step {claim.step} was refused; the same key would be refused again: "
+                "start a new attempt instead",
+                operation_key=op.key,
+            )
+    if reopen and op.state == OperationState.FAILED:
+        check_entity_reopenable(op)
+
+
+def check_new_attempt(op: Operation, claims: list[StepClaim], spec: HandlerSpec) -> None:
+    if op.kind != CHECKOUT:
+        raise DeskError(
+            f"new attempts exist for checkout only, not {op.kind}", operation_key=op.key
+        )
+    if op.state != OperationState.FAILED:
+        raise DeskError(
+            f"it is {op.state}; only a failed operation may get a new attempt",
+            operation_key=op.key,
+        )
+    newer = op.retries.order_by("pk").first()
+    if newer is not None:
+        raise DeskError(f"a new attempt exists already: {newer.key}", operation_key=op.key)
+    for claim in claims:
+        if claim.step in spec.effects and claim.state != ClaimState.FAILED:
+            raise DeskError(
+                f"step {claim.step} is {claim.state}: it may have charged; a new key could "
+                "charge twice. Settle it first",
+                operation_key=op.key,
+            )
+    order = Order.objects.filter(pk=op.params.get("order_id")).first()
+    if order is None or order.status != OrderStatus.PAYMENT_FAILED:
+        status = order.status if order is not None else "missing"
+        raise DeskError(
+            f"the order is {status}, not open for a new payment attempt", operation_key=op.key
+        )
+
+
+def settleable_claim(
+    op: Operation, claims: list[StepClaim], step: str, spec: HandlerSpec
+) -> StepClaim:
+    """Return the claim of an external step that waits to be settled, or raise DeskError."""
+    if step not in spec.effects:
+        raise DeskError(f"{step!r} is not a step with a provider look-up", operation_key=op.key)
+    if op.state == OperationState.SUCCEEDED:
+        raise DeskError("it succeeded; its steps are settled", operation_key=op.key)
+    check_no_live_lease(op)
+    claim = next((c for c in claims if c.step == step), None)
+    if claim is None:
+        raise DeskError(f"step {step} never started; resume instead", operation_key=op.key)
+    if claim.state in (ClaimState.DONE, ClaimState.FAILED):
+        raise DeskError(f"step {step} is settled already ({claim.state})", operation_key=op.key)
+    if claim.state == ClaimState.CLAIMED and not fence.claim_expired(claim):
+        raise DeskError(
+            f"a worker holds step {step} until {claim.lease_expires_at:%H:%M:%S}",
+            operation_key=op.key,
+        )
+    return claim
+
+
+def check_no_live_lease(op: Operation) -> None:
+    if (
+        op.state == OperationState.RUNNING
+        and op.lease_expires_at is not None
+        and op.lease_expires_at > timezone.now()
+    ):
+        raise DeskError(
+            f"a worker runs it now (lease until {op.lease_expires_at:%H:%M:%S})",
+            operation_key=op.key,
+        )
+
+
+def check_reference_unused(op: Operation, claim: StepClaim, reference: str) -> None:
+    other = (
+        StepClaim.objects.filter(provider_reference=reference)
+        .exclude(pk=claim.pk)
+        .select_related("operation")
+        .first()
+    )
+    if other is not None:
+        raise DeskError(
+            f"reference {reference} already settles {other.operation.key}/{other.step}",
+            operation_key=op.key,
+        )
+
+
+def check_entity_reopenable(op: Operation) -> None:
+    """Refuse to run a failed operation again once its entity moved on without it."""
+    # Same kind only: a paid order's follow-ups (ledger, stats) are not a second charge.
+    others = Operation.objects.filter(
+        kind=op.kind, entity_type=op.entity_type, entity_id=op.entity_id
+    )
+    newer = others.exclude(pk=op.pk).exclude(state=OperationState.FAILED).first()
+    if newer is not None:
+        raise DeskError(
+            f"{op.entity_type} {op.entity_id} has another operation ({newer.key}, "
+            f"{newer.state}); running this one again could charge twice",
+            operation_key=op.key,
+        )
+    if op.kind == CHECKOUT:
+        order = Order.objects.filter(pk=op.params.get("order_id")).first()
+        if order is None or order.status != OrderStatus.PAYMENT_FAILED:
+            status = order.status if order is not None else "missing"
+            raise DeskError(f"the order is {status}; it cannot be charged", operation_key=op.key)
+
+
+# --- the provider check of a reference -------------------------------------------
+
+
+def verified_success(
+    op: Operation, claim: StepClaim, spec: HandlerSpec, reference: str
+) -> dict[str, Any]:
+    """Fetch `reference` and check it is this step's succeeded charge; return what it shows."""
+    effect = spec.effect(claim.step, op)
+    if not isinstance(effect, PaymentIntentCharge):
+        raise DeskError(f"step {claim.step} cannot be checked by reference", operation_key=op.key)
+    try:
+        intent = effect.client.retrieve_payment_intent(reference)
+    except (ResourceMissing, ValueError) as exc:
+        raise DeskError(f"the provider has no charge {reference}", operation_key=op.key) from exc
+    except ProviderError as exc:
+        raise DeskError(
+            f"could not check {reference} with the provider ({type(exc).__name__}); "
+            "nothing was changed",
+            operation_key=op.key,
+        ) from exc
+    problems = []
+    if intent.status != "succeeded":
+        problems.append(f"its status is {intent.status}")
+    if intent.metadata.get("operation_key") != op.key:
+        problems.append("it belongs to another operation")
+    elif intent.metadata.get("step", claim.step) != claim.step:
+        problems.append(f"it belongs to step {intent.metadata.get('step')}")
+    request = claim.request or {}
+    if "amount" in request and int(request["amount"]) != intent.amount:
+        problems.append(f"its amount is {intent.amount}, not {request['amount']}")
+    if "currency" in request and str(request["currency"]).lower() != intent.currency.lower():
+        problems.append(f"its currency is {intent.currency}, not {request['currency']}")
+    if problems:
+        raise DeskError(
+            f"{reference} does not settle step {claim.step}: " + "; ".join(problems),
+            operation_key=op.key,
+        )
+    return {"status": intent.status, "amount": intent.amount, "currency": intent.currency}

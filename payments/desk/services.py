@@ -1,0 +1,413 @@
+"""The operators' desk: every decision a person takes on an operation, as a service.
+
+The admin's buttons call these functions and so do the tests; nothing else
+edits operations on an operator's behalf. Each service checks the user's
+permission, locks the operation (SELECT ... FOR UPDATE) so that two operators
+serialise, re-checks the state under that lock, writes an audit row with the
+actor `operator:<username>` and the reason, and raises a DeskError (an
+InvalidTransition) when the state forbids the action. The second of two
+concurrent operators therefore gets a clear refusal, and nothing happens twice.
+
+Provider look-ups happen before the transaction opens (no transaction is held
+across an HTTP call); what they showed is re-checked under the lock.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from django.core.exceptions import PermissionDenied
+from django.db import transaction
+from django.utils import timezone
+
+from payments.checkout.handler import CheckoutNotAllowed, request_checkout
+from payments.checkout.names import CHECKOUT
+from payments.desk.rules import (
+    LOOKUP_MARGIN,
+    DeskActions,
+    DeskError,
+    ReasonRequired,
+    available_actions,
+    check_entity_reopenable,
+    check_new_attempt,
+    check_reference_unused,
+    check_resume,
+    next_attempt_key,
+    settleable_claim,
+    verified_success,
+)
+from payments.engine import fence, recovery
+from payments.engine.dispatch import dispatch_on_commit
+from payments.engine.handlers import get_handler
+from payments.engine.outcomes import Outcome
+from payments.engine.steps import view_of
+from payments.models import ClaimState, Operation, OperationState, Order, StepClaim
+
+if TYPE_CHECKING:
+    from django.contrib.auth.models import AbstractBaseUser
+
+logger = logging.getLogger("payments.desk.services")
+
+RECONCILE_PERMISSION = "payments.reconcile_operation"
+NEW_ATTEMPT_PERMISSION = "payments.start_new_attempt"
+
+__all__ = [
+    "LOOKUP_MARGIN",
+    "DeskActions",
+    "DeskError",
+    "ReasonRequired",
+    "available_actions",
+    "mark_step_failed",
+    "mark_step_succeeded",
+    "next_attempt_key",
+    "query_provider",
+    "resume",
+    "start_new_attempt",
+]
+
+
+def actor_of(user: AbstractBaseUser) -> str:
+    """Return the audit actor of an operator."""
+    return f"operator:{user.get_username()}"
+
+
+# --- query the provider ----------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class QueryOutcome:
+    """What querying the provider did to one operation."""
+
+    operation_id: int
+    key: str
+    outcome: str  # a reconcile outcome ("done", "failed", ...) or "nothing_to_settle"
+    state_before: str
+    state_after: str
+
+
+@dataclass
+class QueryReport:
+    """The outcome of `query_provider` for each selected operation, in selection order."""
+
+    rows: list[QueryOutcome] = field(default_factory=list)
+
+    def summary(self) -> str:
+        counts: dict[str, int] = {}
+        for row in self.rows:
+            counts[row.outcome] = counts.get(row.outcome, 0) + 1
+        return ", ".join(
+            f"{n} {outcome.replace('_', ' ')}" for outcome, n in sorted(counts.items())
+        )
+
+
+def query_provider(operation_ids: list[int], *, user: AbstractBaseUser) -> QueryReport:
+    """Ask the provider what happened to the selected operations' unsettled steps.
+
+    Runs the reconciler on the selection (stored reference, else a replay with
+    the same key, else a metadata search; never a new key) and records, per
+    operation, one audit row saying the operator asked and what came back.
+    """
+    _require(user, RECONCILE_PERMISSION)
+    ids = sorted({int(i) for i in operation_ids})
+    if not ids:
+        raise DeskError("select at least one operation", action="query_provider")
+    actor = actor_of(user)
+    before = dict(Operation.objects.filter(pk__in=ids).values_list("pk", "state"))
+    claims = StepClaim.objects.filter(operation_id__in=ids).count()
+    report = recovery.reconcile(actor=actor, operation_ids=ids, batch_size=max(claims, 1))
+    outcome_of = {key: outcome for outcome, keys in report.outcomes.items() for key in keys}
+    result = QueryReport()
+    for op_id in ids:
+        if op_id not in before:
+            continue
+        with transaction.atomic():
+            op = fence.locked_operation_in_tx(op_id)
+            outcome = outcome_of.get(op.key, "nothing_to_settle")
+            fence.record_event_in_tx(
+                op,
+                from_state=op.state,
+                to_state=op.state,
+                actor=actor,
+                reason=f"queried the provider: {outcome.replace('_', ' ')}",
+            )
+        result.rows.append(QueryOutcome(op.pk, op.key, outcome, before[op_id], op.state))
+    logger.info("operator queried the provider for %s operations: %s", len(ids), result.summary())
+    return result
+
+
+# --- resume ----------------------------------------------------------------------
+
+
+def _resume_in_tx(op: Operation, *, actor: str, reason: str) -> None:
+    """Make the locked operation due now with a fresh budget of attempts; enqueue on commit."""
+    fence.release_in_tx(
+        op,
+        OperationState.RETRYING,
+        actor=actor,
+        reason=reason,
+        next_attempt_at=timezone.now(),
+        attempts=0,
+        last_error="",
+    )
+    dispatch_on_commit(op)
+
+
+def resume(operation: Operation | int, *, user: AbstractBaseUser, reason: str) -> Operation:
+    """Run the operation again with the SAME key (retrying, due now, enqueued on commit).
+
+    Safe because every step replays its claim: a done step returns its stored
+    result, a released claim is retried with its stored idempotency key (the
+    provider replays a charge that already happened). Refused when:
+    - it succeeded, or is queued already (pending, retrying: the sweeper
+      re-delivers a lost job), or a worker holds a live lease;
+    - a step is uncertain: running it again could not tell more than the
+      provider can; query the provider or mark the step after checking;
+    - it failed because the provider refused a step (a decline stays a
+      decline with the same key: start a new attempt instead);
+    - it failed and its order moved on (paid, or another attempt runs).
+    A failed operation gets a fresh budget of attempts and its order goes back
+    to processing, so that no second checkout can start beside it.
+    """
+    _require(user, RECONCILE_PERMISSION)
+    reason = _reason(reason)
+    actor = actor_of(user)
+    with transaction.atomic():
+        op = fence.locked_operation_in_tx(_pk(operation))
+        claims = _locked_claims_in_tx(op)
+        check_resume(op, claims)
+        if op.state == OperationState.FAILED:
+            _reopen_entity_in_tx(op)
+        _resume_in_tx(op, actor=actor, reason=f"resumed: {reason}")
+    logger.info("operation %s resumed by an operator", op.key)
+    return op
+
+
+# --- settle a step by hand -------------------------------------------------------
+
+
+def mark_step_succeeded(
+    operation: Operation | int,
+    step: str,
+    *,
+    reference: str,
+    user: AbstractBaseUser,
+    reason: str,
+) -> StepClaim:
+    """Record an unsettled step as done with the provider's reference, then resume.
+
+    The reference is checked with the provider first: the charge must exist,
+    be succeeded, carry this operation's key (and step) in its metadata and
+    the claim's amount and currency. A reference that another claim already
+    carries is refused: one charge pays for one step.
+    """
+    _require(user, RECONCILE_PERMISSION)
+    reason = _reason(reason)
+    reference = (reference or "").strip()
+    actor = actor_of(user)
+    op = Operation.objects.get(pk=_pk(operation))
+    if not reference:
+        raise DeskError("the provider reference is required", operation_key=op.key)
+    spec = get_handler(op.kind)
+    claim = settleable_claim(op, list(op.claims.all()), step, spec)
+    if claim.provider_reference and claim.provider_reference != reference:
+        raise DeskError(
+            f"step {step} already carries reference {claim.provider_reference}, not {reference}",
+            operation_key=op.key,
+        )
+    check_reference_unused(op, claim, reference)
+    intent = verified_success(op, claim, spec, reference)
+    with transaction.atomic():
+        locked = fence.locked_operation_in_tx(op.pk)
+        row = _unchanged_claim_in_tx(claim)
+        settleable_claim(locked, _locked_claims_in_tx(locked), step, spec)
+        check_reference_unused(locked, row, reference)
+        if locked.state == OperationState.FAILED:
+            _reopen_entity_in_tx(locked)
+        settled = fence.settle_claim(
+            row,
+            ClaimState.DONE,
+            actor=actor,
+            reason=f"marked succeeded ({reference}): {reason}",
+            reference=reference,
+            result={"reference": reference, **intent, "settled_by": actor},
+        )
+        _resume_in_tx(
+            locked, actor=actor, reason=f"step {step} marked succeeded; resuming: {reason}"
+        )
+    logger.info("operation %s step %s marked succeeded by an operator", op.key, step)
+    return settled
+
+
+def mark_step_failed(
+    operation: Operation | int, step: str, *, user: AbstractBaseUser, reason: str
+) -> StepClaim:
+    """Record an unsettled step as failed and fail the operation (its failure hook runs).
+
+    A step marked failed must not have charged, or the charge would stand
+    outside the fence. So the provider is asked first (by the stored
+    reference, else by a metadata search) and a success there refuses the
+    action. Without a reference, "not found" only counts once the claim is
+    older than LOOKUP_MARGIN (search lags; a cut-off request may still run).
+    """
+    _require(user, RECONCILE_PERMISSION)
+    reason = _reason(reason)
+    actor = actor_of(user)
+    op = Operation.objects.get(pk=_pk(operation))
+    spec = get_handler(op.kind)
+    claim = settleable_claim(op, list(op.claims.all()), step, spec)
+    try:
+        found = spec.effect(step, op).find(view_of(claim))
+    except Exception as exc:  # provider down, or the intent is still processing
+        raise DeskError(
+            f"could not check step {step} with the provider ({type(exc).__name__}); "
+            "nothing was changed",
+            operation_key=op.key,
+        ) from exc
+    if found is not None and found.outcome == Outcome.SUCCESS:
+        raise DeskError(
+            f"the provider shows step {step} succeeded ({found.reference}); "
+            "mark it succeeded instead",
+            operation_key=op.key,
+        )
+    if found is None and not claim.provider_reference:
+        if timezone.now() - claim.updated_at < LOOKUP_MARGIN:
+            raise DeskError(
+                f"step {step} was last tried less than {int(LOOKUP_MARGIN.total_seconds())} s "
+                "ago; the provider's search may not show it yet. Try again shortly",
+                operation_key=op.key,
+            )
+    with transaction.atomic():
+        locked = fence.locked_operation_in_tx(op.pk)
+        row = _unchanged_claim_in_tx(claim)
+        settleable_claim(locked, _locked_claims_in_tx(locked), step, spec)
+        settled = fence.settle_claim(
+            row,
+            ClaimState.FAILED,
+            actor=actor,
+            reason=f"marked failed: {reason}",
+            reference=found.reference if found is not None else None,
+            result=found.as_result() if found is not None else {"status": "not_found"},
+            error=f"marked failed by {actor}: {reason}",
+        )
+        if locked.state != OperationState.FAILED:
+            fence.release_in_tx(
+                locked,
+                OperationState.FAILED,
+                actor=actor,
+                reason=f"step {step} marked failed: {reason}",
+                last_error=f"step {step} marked failed by {actor}",
+            )
+            if spec.on_failure is not None:
+                spec.on_failure(locked)
+    logger.info("operation %s step %s marked failed by an operator", op.key, step)
+    return settled
+
+
+# --- a new attempt, with a new key -----------------------------------------------
+
+
+def start_new_attempt(
+    operation: Operation | int,
+    *,
+    user: AbstractBaseUser,
+    reason: str,
+    payment_method: str | None = None,
+) -> Operation:
+    """Start a NEW checkout operation with a new key (`<key>:attempt-<n>`), linked by retry_of.
+
+    A new key may charge again, so it is only allowed when the old operation
+    failed and no external step of it may have charged: every external claim
+    failed or absent (none uncertain, claimed or done), no new attempt exists
+    yet, and the order is open for checkout again (payment failed).
+    """
+    _require(user, RECONCILE_PERMISSION)
+    _require(user, NEW_ATTEMPT_PERMISSION)
+    reason = _reason(reason)
+    actor = actor_of(user)
+    with transaction.atomic():
+        op = fence.locked_operation_in_tx(_pk(operation))
+        spec = get_handler(op.kind)
+        check_new_attempt(op, _locked_claims_in_tx(op), spec)
+        new_key = next_attempt_key(op.key)
+        try:
+            new, created = request_checkout(
+                order_id=int(op.params["order_id"]),
+                key=new_key,
+                payment_method=payment_method or op.params["payment_method"],
+                actor=actor,
+                retry_of=op,
+            )
+        except CheckoutNotAllowed as exc:
+            raise DeskError(str(exc), operation_key=op.key, action="new_attempt") from exc
+        if not created:
+            raise DeskError(f"key {new_key} is already used", operation_key=op.key)
+        fence.record_event_in_tx(
+            new, to_state=new.state, actor=actor, reason=f"new attempt of {op.key}: {reason}"
+        )
+        fence.record_event_in_tx(
+            op,
+            from_state=op.state,
+            to_state=op.state,
+            actor=actor,
+            reason=f"new attempt {new.key} started: {reason}",
+        )
+    logger.info("operation %s: new attempt %s started by an operator", op.key, new.key)
+    return new
+
+
+# --- helpers that run inside the caller's transaction ----------------------------
+
+
+def _reopen_entity_in_tx(op: Operation) -> None:
+    """Run the handler's `on_resume` on a failed operation's entity. Runs inside the caller's tx.
+
+    For a checkout, the order's lock serialises with request_checkout, so a
+    customer cannot start a second checkout while this operation runs again.
+    """
+    if op.kind == CHECKOUT:
+        Order.objects.select_for_update().filter(pk=op.params.get("order_id")).first()
+    check_entity_reopenable(op)
+    spec = get_handler(op.kind)
+    if spec.on_resume is not None:
+        spec.on_resume(op)
+
+
+def _locked_claims_in_tx(op: Operation) -> list[StepClaim]:
+    """Return the operation's claims locked FOR UPDATE. Runs inside the caller's transaction."""
+    return list(StepClaim.objects.select_for_update().filter(operation=op).order_by("pk"))
+
+
+def _unchanged_claim_in_tx(claim: StepClaim) -> StepClaim:
+    """Lock the claim and refuse if it changed since the provider was asked (in the caller's tx)."""
+    row = StepClaim.objects.select_for_update().select_related("operation").get(pk=claim.pk)
+    if (row.state, row.provider_reference, row.updated_at) != (
+        claim.state,
+        claim.provider_reference,
+        claim.updated_at,
+    ):
+        raise DeskError(
+            f"step {row.step} changed while the provider was asked (now {row.state}); look again",
+            operation_key=row.operation.key,
+        )
+    return row
+
+
+# --- small helpers ---------------------------------------------------------------
+
+
+def _require(user: AbstractBaseUser, permission: str) -> None:
+    if not (user.is_active and user.is_staff and user.has_perm(permission)):
+        raise PermissionDenied(f"{permission} is required")
+
+
+def _reason(reason: str) -> str:
+    cleaned = (reason or "").strip()
+    if not cleaned:
+        raise ReasonRequired("a reason is required for this decision")
+    return cleaned[:1000]
+
+
+def _pk(operation: Operation | int) -> int:
+    return operation.pk if isinstance(operation, Operation) else int(operation)

@@ -1,0 +1,59 @@
+"""The contract between the fence and an external effect (a provider call).
+
+The fence calls `perform` with the request stored on the claim and the claim's
+idempotency key, and `find` to learn what happened when an answer was lost.
+Neither side knows the other's internals: an effect raises exceptions that
+carry an `outcome` attribute (payments.engine.outcomes.Outcome) and returns
+EffectResult for a success or a refusal.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any, Protocol
+
+from payments.engine.outcomes import Outcome
+
+
+@dataclass(frozen=True)
+class EffectResult:
+    """A settled answer: SUCCESS (with the provider's reference) or PERMANENT (refused)."""
+
+    outcome: Outcome
+    reference: str = ""
+    data: dict[str, Any] = field(default_factory=dict)
+
+    def as_result(self) -> dict[str, Any]:
+        return {"reference": self.reference, **self.data}
+
+
+@dataclass(frozen=True)
+class ClaimView:
+    """What an effect may know of a claim when asked to find its outcome."""
+
+    operation_key: str
+    step: str
+    idempotency_key: str
+    reference: str
+    request: dict[str, Any]
+
+
+class ExternalEffect(Protocol):
+    """An external call fenced by a step claim."""
+
+    def build_request(self) -> dict[str, Any]:
+        """Return the call's parameters; stored on the claim and sent unchanged on every try."""
+
+    def perform(self, request: dict[str, Any], idempotency_key: str) -> EffectResult:
+        """Make the call; raise an exception with `.outcome` when no settled answer came."""
+
+    def find(self, claim: ClaimView) -> EffectResult | None:
+        """Look the outcome up (by reference, else by metadata); None when not found."""
+
+
+class DeliveryPolicy(StrEnum):
+    """How a side effect without a lookup (plain e-mail) treats an unknown outcome."""
+
+    AT_MOST_ONCE = "at_most_once"  # skip when it may have happened; never send twice
+    AT_LEAST_ONCE = "at_least_once"  # send again when unsure; the repeat is flagged

@@ -1,0 +1,459 @@
+"""The fence core: operations, step claims and their audit trail.
+
+It knows no HTTP, no business step, no admin screen and no view: handlers, the
+admin desk, the API and the recovery code call into it. Functions whose name
+ends in `_in_tx` (or whose docstring says so) run inside the caller's
+transaction; the others own theirs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any
+
+from django.db import IntegrityError, transaction
+from django.utils import timezone
+
+from payments.conf import payments_settings
+from payments.engine.failpoints import BEFORE_RECORD_COMMIT, failpoint
+from payments.exceptions import InvalidTransition, OperationConflict
+from payments.models import (
+    ClaimState,
+    Operation,
+    OperationEvent,
+    OperationState,
+    StepClaim,
+)
+
+# --- keys and fingerprints -----------------------------------------------------
+
+
+def fingerprint(kind: str, entity_type: str, entity_id: str, params: dict[str, Any]) -> str:
+    """Hash what makes two requests the same intent (kind, entity, parameters)."""
+    canonical = json.dumps(
+        {"kind": kind, "entity": [entity_type, str(entity_id)], "params": params},
+        sort_keys=True,
+        separators=(",", ":"),
+    )
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def derive_idempotency_key(operation_key: str, step: str) -> str:
+    """Derive the provider idempotency key of a step: stable, bounded, no attempt number."""
+    digest = hashlib.sha256(f"{operation_key}\x1f{step}".encode()).hexdigest()
+    return f"fence_{digest[:48]}"
+
+
+def unique_violation_of(exc: IntegrityError, constraint: str) -> bool:
+    """Tell whether `exc` is a violation of exactly the named constraint."""
+    diag = getattr(exc.__cause__, "diag", None)
+    return getattr(diag, "constraint_name", None) == constraint
+
+
+# --- audit -----------------------------------------------------------------------
+
+
+def record_event_in_tx(
+    operation: Operation,
+    *,
+    to_state: str,
+    actor: str,
+    from_state: str = "",
+    step: str = "",
+    reason: str = "",
+) -> OperationEvent:
+    """Write one audit row. Runs inside the caller's transaction."""
+    return OperationEvent.objects.create(
+        operation=operation,
+        step=step,
+        from_state=from_state,
+        to_state=to_state,
+        actor=actor[:255],
+        reason=reason,
+    )
+
+
+# --- operations ------------------------------------------------------------------
+
+
+def create_operation_in_tx(
+    *,
+    key: str,
+    kind: str,
+    entity_type: str,
+    entity_id: str | int,
+    params: dict[str, Any],
+    actor: str,
+    retry_of: Operation | None = None,
+) -> tuple[Operation, bool]:
+    """Create the operation for `key`, or return the existing one with the same fingerprint.
+
+    Runs inside the caller's transaction, next to the business change that asks
+    for it (the row is the durable outbox). Returns (operation, created).
+    Raises OperationConflict when the key exists with another fingerprint.
+    """
+    if not transaction.get_connection().in_atomic_block:
+        raise InvalidTransition("create_operation_in_tx must run inside transaction.atomic()")
+    entity_id = str(entity_id)
+    fp = fingerprint(kind, entity_type, entity_id, params)
+    try:
+        with transaction.atomic():  # savepoint: a duplicate key must not abort the caller
+            op = Operation.objects.create(
+                key=key,
+                kind=kind,
+                entity_type=entity_type,
+                entity_id=entity_id,
+                params=params,
+                fingerprint=fp,
+                retry_of=retry_of,
+            )
+    except IntegrityError as exc:
+        if not unique_violation_of(exc, Operation.KEY_CONSTRAINT):
+            raise
+        existing = Operation.objects.get(key=key)
+        if existing.fingerprint != fp:
+            raise OperationConflict(
+                key,
+                existing_kind=existing.kind,
+                existing_entity=f"{existing.entity_type} {existing.entity_id}",
+            ) from exc
+        return existing, False
+    record_event_in_tx(op, to_state=OperationState.PENDING, actor=actor, reason="created")
+    return op, True
+
+
+def transition_in_tx(
+    operation: Operation,
+    to_state: OperationState,
+    *,
+    actor: str,
+    reason: str = "",
+    **fields: Any,
+) -> None:
+    """Move a locked operation to `to_state`, audited. Runs inside the caller's transaction.
+
+    The caller holds the row (select_for_update) so the check and the write are one.
+    """
+    from_state = operation.state
+    operation.state = to_state
+    for name, value in fields.items():
+        setattr(operation, name, value)
+    operation.save(update_fields=["state", "updated_at", *fields])
+    if from_state != to_state or reason:
+        record_event_in_tx(
+            operation, from_state=from_state, to_state=to_state, actor=actor, reason=reason
+        )
+
+
+def locked_operation_in_tx(operation_id: int) -> Operation:
+    """Return the operation row locked FOR UPDATE. Runs inside the caller's transaction."""
+    return Operation.objects.select_for_update().get(pk=operation_id)
+
+
+@dataclass(frozen=True)
+class LeaseResult:
+    """The answer of acquire_lease: the operation, and whether this worker now holds it."""
+
+    operation: Operation
+    acquired: bool
+
+
+def acquire_lease(operation_id: int, *, owner: str, seconds: int) -> LeaseResult:
+    """Take the operation's lease if it is runnable and no live lease is held."""
+    now = timezone.now()
+    with transaction.atomic():
+        op = locked_operation_in_tx(operation_id)
+        leased_by_other = (
+            op.state == OperationState.RUNNING
+            and op.lease_expires_at is not None
+            and op.lease_expires_at > now
+            and op.lease_owner != owner
+        )
+        runnable = op.state in (
+            OperationState.PENDING,
+            OperationState.RETRYING,
+            OperationState.RUNNING,
+        )
+        if not runnable or leased_by_other:
+            return LeaseResult(op, acquired=False)
+        reason = "lease expired; taken over" if op.state == OperationState.RUNNING else ""
+        transition_in_tx(
+            op,
+            OperationState.RUNNING,
+            actor=owner,
+            reason=reason,
+            lease_owner=owner,
+            lease_expires_at=now + timedelta(seconds=seconds),
+            next_attempt_at=None,
+        )
+    return LeaseResult(op, acquired=True)
+
+
+def release_in_tx(
+    operation: Operation,
+    to_state: OperationState,
+    *,
+    actor: str,
+    reason: str = "",
+    **fields: Any,
+) -> None:
+    """Leave RUNNING for `to_state` and drop the lease. Runs inside the caller's transaction."""
+    transition_in_tx(
+        operation,
+        to_state,
+        actor=actor,
+        reason=reason,
+        lease_owner="",
+        lease_expires_at=None,
+        **fields,
+    )
+
+
+def record_failed_attempt_in_tx(
+    operation: Operation,
+    *,
+    actor: str,
+    reason: str,
+    give_up_to: OperationState = OperationState.FAILED,
+) -> bool:
+    """Count one failed attempt of the locked operation; return True when it gave up.
+
+    Under MAX_ATTEMPTS the operation is RETRYING, due after the next backoff;
+    at MAX_ATTEMPTS it goes to `give_up_to` (FAILED unless the caller knows an
+    effect happened or may have). The lease is dropped either way. Runs inside
+    the caller's transaction.
+    """
+    attempt = operation.attempts + 1
+    if attempt >= payments_settings().max_attempts:
+        release_in_tx(
+            operation,
+            give_up_to,
+            actor=actor,
+            reason=f"gave up after {attempt} attempts: {reason}"[:500],
+            attempts=attempt,
+            last_error=reason,
+        )
+        return True
+    backoff = payments_settings().retry_backoff or [0]
+    delay = backoff[min(attempt - 1, len(backoff) - 1)]
+    release_in_tx(
+        operation,
+        OperationState.RETRYING,
+        actor=actor,
+        reason=f"attempt {attempt} failed: {reason}"[:500],
+        attempts=attempt,
+        last_error=reason,
+        next_attempt_at=timezone.now() + timedelta(seconds=delay),
+    )
+    return False
+
+
+def holds_lease_in_tx(operation: Operation, owner: str) -> bool:
+    """Tell whether `owner` still holds the lease of the locked operation."""
+    return operation.state == OperationState.RUNNING and operation.lease_owner == owner
+
+
+# --- claims --------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ClaimResult:
+    """The answer of a claim insert: the row, and whether this call inserted it."""
+
+    claim: StepClaim
+    created: bool
+
+
+def claim_step(
+    operation: Operation,
+    step: str,
+    *,
+    owner: str,
+    lease_seconds: int,
+    request: dict[str, Any] | None = None,
+    provider_call: bool = True,
+) -> ClaimResult:
+    """Insert and COMMIT the claim of an external step; on conflict return the existing row.
+
+    Must be called outside any transaction: the claim has to be durable before
+    the external call it fences. `provider_call` derives and stores the
+    provider idempotency key (not for effects that have none, like e-mail).
+    """
+    if transaction.get_connection().in_atomic_block:
+        raise InvalidTransition("claim_step must commit before the external call; no atomic()")
+    now = timezone.now()
+    try:
+        with transaction.atomic():
+            claim = StepClaim.objects.create(
+                operation=operation,
+                step=step,
+                state=ClaimState.CLAIMED,
+                idempotency_key=derive_idempotency_key(operation.key, step)
+                if provider_call
+                else "",
+                request=request,
+                attempts=1,  # the claimant acts at once; each take-over adds one
+                claimed_by=owner,
+                claimed_at=now,
+                lease_expires_at=now + timedelta(seconds=lease_seconds),
+            )
+            record_event_in_tx(
+                operation, step=step, to_state=ClaimState.CLAIMED, actor=owner, reason="claimed"
+            )
+    except IntegrityError as exc:
+        if not unique_violation_of(exc, StepClaim.UNIQUE_CONSTRAINT):
+            raise
+        return ClaimResult(StepClaim.objects.get(operation=operation, step=step), created=False)
+    return ClaimResult(claim, created=True)
+
+
+def insert_local_claim_in_tx(operation: Operation, step: str, *, owner: str) -> StepClaim:
+    """Insert a `done` claim for a local step. Runs inside the transaction of the step's writes.
+
+    A concurrent duplicate raises IntegrityError on the claim constraint, which
+    rolls the whole transaction back: the step's writes happen once.
+    """
+    now = timezone.now()
+    claim = StepClaim.objects.create(
+        operation=operation,
+        step=step,
+        state=ClaimState.DONE,
+        claimed_by=owner,
+        claimed_at=now,
+        settled_at=now,
+        attempts=1,
+    )
+    record_event_in_tx(operation, step=step, to_state=ClaimState.DONE, actor=owner)
+    return claim
+
+
+def store_local_result_in_tx(claim: StepClaim, result: dict[str, Any]) -> None:
+    """Store a local step's result on its claim. Runs inside the step's transaction."""
+    StepClaim.objects.filter(pk=claim.pk).update(result=result)
+
+
+def _locked_claim_in_tx(claim_id: int) -> StepClaim:
+    """Return the claim locked FOR UPDATE (not its operation), with its operation loaded."""
+    return (
+        StepClaim.objects.select_for_update(of=("self",))
+        .select_related("operation")
+        .get(pk=claim_id)
+    )
+
+
+def take_over_claim(claim: StepClaim, *, owner: str, lease_seconds: int) -> StepClaim | None:
+    """Take a claim to act on it; return the fresh row, or None while another worker holds it.
+
+    A settled row (done, failed) is returned as it is, untaken: the caller
+    replays its result or refuses, and never calls again. A claimed row that
+    its previous owner did not release (that owner died, or its job was cut
+    off, between claim and record) becomes uncertain: that call may have run.
+    A row released after a transient failure stays claimed: nothing ran.
+    """
+    now = timezone.now()
+    with transaction.atomic():
+        row = _locked_claim_in_tx(claim.pk)
+        if row.state in (ClaimState.DONE, ClaimState.FAILED):
+            return row
+        live = (
+            row.lease_expires_at is not None
+            and row.lease_expires_at > now
+            and row.claimed_by not in ("", owner)
+        )
+        if live:
+            return None
+        previous, from_state = row.claimed_by, row.state
+        if row.state == ClaimState.CLAIMED and previous:
+            row.state = ClaimState.UNCERTAIN
+        row.claimed_by = owner
+        row.lease_expires_at = now + timedelta(seconds=lease_seconds)
+        row.attempts += 1
+        row.save(
+            update_fields=["state", "claimed_by", "lease_expires_at", "attempts", "updated_at"]
+        )
+        if previous and previous != owner or row.state != from_state:
+            record_event_in_tx(
+                row.operation,
+                step=row.step,
+                from_state=from_state,
+                to_state=row.state,
+                actor=owner,
+                reason=f"taken over from {previous or 'a released claim'}"
+                + ("; its call may have run" if row.state != from_state else ""),
+            )
+    return row
+
+
+def settle_claim(
+    claim: StepClaim,
+    state: ClaimState,
+    *,
+    actor: str,
+    reason: str = "",
+    reference: str | None = None,
+    result: dict[str, Any] | None = None,
+    error: str = "",
+) -> StepClaim:
+    """Record a claim's outcome (done, failed, uncertain) with its reference, audited."""
+    now = timezone.now()
+    with transaction.atomic():
+        row = _locked_claim_in_tx(claim.pk)
+        if row.state in (ClaimState.DONE, ClaimState.FAILED) and row.state != state:
+            raise InvalidTransition(
+                f"claim {row.operation_id}/{row.step} is already {row.state}, not {state}"
+            )
+        from_state = row.state
+        row.state = state
+        if reference:
+            row.provider_reference = reference
+        if result is not None:
+            row.result = result
+        row.error = error[:2000]
+        if state == ClaimState.UNCERTAIN:
+            row.lease_expires_at = None
+        else:
+            row.settled_at = now
+            row.lease_expires_at = None
+        row.save()
+        record_event_in_tx(
+            row.operation,
+            step=row.step,
+            from_state=from_state,
+            to_state=state,
+            actor=actor,
+            reason=reason or error[:500],
+        )
+        if state == ClaimState.DONE:
+            failpoint(BEFORE_RECORD_COMMIT)
+    return row
+
+
+def release_claim(claim: StepClaim, *, actor: str, reason: str) -> None:
+    """Drop a claim's lease after a transient failure: the next attempt may take it at once.
+
+    Its state stays: a claimed row is then "released" (nothing ran), an
+    uncertain one stays uncertain (an earlier call may have run).
+    """
+    with transaction.atomic():
+        row = _locked_claim_in_tx(claim.pk)
+        if row.state not in (ClaimState.CLAIMED, ClaimState.UNCERTAIN):
+            return
+        row.lease_expires_at, row.claimed_by, row.error = None, "", reason[:2000]
+        row.save(update_fields=["lease_expires_at", "claimed_by", "error", "updated_at"])
+        record_event_in_tx(
+            row.operation,
+            step=row.step,
+            from_state=row.state,
+            to_state=row.state,
+            actor=actor,
+            reason=f"released after transient failure: {reason}"[:2000],
+        )
+
+
+def claim_expired(claim: StepClaim, now: datetime | None = None) -> bool:
+    """Tell whether a CLAIMED row's owner is gone (lease released or run out)."""
+    now = now or timezone.now()
+    return claim.lease_expires_at is None or claim.lease_expires_at <= now

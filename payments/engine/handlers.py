@@ -1,0 +1,260 @@
+"""The one registry of handlers, and `Run`, what a fenced handler is given.
+
+Two kinds of handler, one registry (`get_handler` answers for both):
+
+* a **fenced handler** runs an operation's named steps under step claims:
+
+      @handler(CHECKOUT, on_failure=mark_order_failed, effects={CHARGE: PaymentIntentCharge})
+      def checkout(run: Run) -> None:
+          charge = run.external(CHARGE)
+          run.local(INVOICE, lambda: ...)
+
+* a **message handler** (`@message_handler(kind, consumer=...)`) is a
+  local-only operation delivered behind the inbox: its writes, its inbox row
+  and the operation's `succeeded` commit together, so a redelivery skips it.
+
+Modules that declare handlers must be imported at start-up (in an
+AppConfig.ready()); a worker that has not imported one parks its operations
+in needs_review.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from django.db import IntegrityError, transaction
+
+from inbox.handlers import inbox_handler
+from payments.conf import payments_settings
+from payments.engine import fence, telemetry
+from payments.engine.effects import DeliveryPolicy, ExternalEffect
+from payments.engine.steps import run_external_step
+from payments.exceptions import ConfigurationError, StepBusy, StepTransient
+from payments.models import ClaimState, Operation, OperationState, StepClaim
+
+logger = logging.getLogger("payments.engine.runtime")
+
+EffectFactory = Callable[[Operation], ExternalEffect]
+EntityHook = Callable[[Operation], None]
+
+
+@dataclass(frozen=True)
+class HandlerSpec:
+    """A registered handler: how its operations run and what the engine may call on its behalf.
+
+    `on_failure` runs inside the transaction that marks the operation failed;
+    `on_resume` inside the one that runs a failed operation again (the provider
+    showed its step succeeded, or an operator resumed it) and undoes what
+    on_failure did. `effects` maps each external step to a factory building its
+    effect from the operation, so recovery can settle a step without the
+    handler. `consumer` is set for message handlers (the inbox consumer name).
+    """
+
+    kind: str
+    func: Callable[..., object]
+    on_failure: EntityHook | None = None
+    on_resume: EntityHook | None = None
+    effects: dict[str, EffectFactory] = field(default_factory=dict)
+    steps: frozenset[str] = frozenset()
+    consumer: str | None = None
+
+    def effect(self, step: str, operation: Operation) -> ExternalEffect:
+        """Build the effect of `step` for `operation`."""
+        try:
+            factory = self.effects[step]
+        except KeyError:
+            raise ConfigurationError(
+                f"handler {self.kind!r} declares no external effect for step {step!r}"
+            ) from None
+        return factory(operation)
+
+    @property
+    def known_steps(self) -> frozenset[str]:
+        """Every step name this handler may record (external effects included)."""
+        return self.steps | frozenset(self.effects)
+
+
+_HANDLERS: dict[str, HandlerSpec] = {}
+
+
+def _register(spec: HandlerSpec) -> None:
+    existing = _HANDLERS.get(spec.kind)
+    if existing is not None and existing.func is not spec.func:
+        raise ConfigurationError(f"a handler for {spec.kind!r} is already registered")
+    _HANDLERS[spec.kind] = spec
+
+
+def handler(
+    kind: str,
+    *,
+    on_failure: EntityHook | None = None,
+    on_resume: EntityHook | None = None,
+    effects: dict[str, EffectFactory] | None = None,
+    steps: frozenset[str] | set[str] = frozenset(),
+) -> Callable[[Callable[[Run], object]], Callable[[Run], object]]:
+    """Register the decorated function as the fenced handler of operations of `kind`.
+
+    `steps` names its local and side-effect steps (external ones are the keys of
+    `effects`): a step name recorded on an unfinished operation that no handler
+    declares is reported by the `payments.E010` check, so a rename cannot
+    silently derive a new idempotency key for a step that already ran.
+    """
+
+    def register(func: Callable[[Run], object]) -> Callable[[Run], object]:
+        _register(
+            HandlerSpec(
+                kind=kind,
+                func=func,
+                on_failure=on_failure,
+                on_resume=on_resume,
+                effects=dict(effects or {}),
+                steps=frozenset(steps),
+            )
+        )
+        return func
+
+    return register
+
+
+def message_handler(kind: str, *, consumer: str) -> Callable[[EntityHook], EntityHook]:
+    """Register the decorated function as the handler of `kind` messages behind the inbox.
+
+    The function gets the operation, locked, inside the transaction that also
+    records the inbox row and marks the operation succeeded; it writes and
+    returns. A redelivered message never calls it again.
+    """
+
+    def register(func: EntityHook) -> EntityHook:
+        @inbox_handler(consumer=consumer)
+        def deliver(operation_id: int, worker_id: str) -> str:
+            op = fence.locked_operation_in_tx(operation_id)
+            func(op)
+            succeed_message_in_tx(op, worker_id)
+            return "delivered"
+
+        deliver.__name__ = deliver.__qualname__ = f"deliver_{kind}"
+        _register(HandlerSpec(kind=kind, func=deliver, consumer=consumer))
+        return func
+
+    return register
+
+
+def succeed_message_in_tx(op: Operation, worker_id: str) -> None:
+    """Mark a delivered message's operation succeeded. Runs inside the caller's transaction."""
+    fence.transition_in_tx(
+        op, OperationState.SUCCEEDED, actor=worker_id, reason="delivered", next_attempt_at=None
+    )
+
+
+def get_handler(kind: str) -> HandlerSpec:
+    """Return the handler of `kind`, or raise ConfigurationError."""
+    try:
+        return _HANDLERS[kind]
+    except KeyError:
+        raise ConfigurationError(f"no handler registered for operation kind {kind!r}") from None
+
+
+def registered_handlers() -> dict[str, HandlerSpec]:
+    """Return a copy of the registry: kind -> spec."""
+    return dict(_HANDLERS)
+
+
+# --- what a fenced handler gets -------------------------------------------------------
+
+
+@dataclass
+class Run:
+    """What a fenced handler gets: its operation and the three kinds of step."""
+
+    operation: Operation
+    worker_id: str
+    spec: HandlerSpec
+
+    @property
+    def params(self) -> dict[str, Any]:
+        return self.operation.params
+
+    def external(self, step: str) -> dict[str, Any]:
+        """Run an external step (claim committed before the call); return its result."""
+        effect = self.spec.effect(step, self.operation)
+        return run_external_step(self.operation, step, effect, owner=self.worker_id)
+
+    @telemetry.traced("local")
+    def local(self, step: str, func: Callable[[], dict[str, Any] | None]) -> dict[str, Any]:
+        """Run a local step: its claim and its writes commit together, once."""
+        try:
+            with transaction.atomic():
+                claim = fence.insert_local_claim_in_tx(self.operation, step, owner=self.worker_id)
+                result = func() or {}
+                fence.store_local_result_in_tx(claim, result)
+        except IntegrityError as exc:
+            if not fence.unique_violation_of(exc, StepClaim.UNIQUE_CONSTRAINT):
+                raise  # any other integrity error is a bug, not a duplicate
+            existing = StepClaim.objects.get(operation=self.operation, step=step)
+            telemetry.note(outcome=telemetry.SKIPPED, transaction=telemetry.ROLLBACK)
+            logger.info("step %s/%s already done; skipped", self.operation.key, step)
+            return existing.result or {}
+        return result
+
+    @telemetry.traced("side_effect")
+    def side_effect(
+        self, step: str, func: Callable[[], dict[str, Any] | None], *, policy: DeliveryPolicy
+    ) -> dict[str, Any]:
+        """Run an effect that cannot be looked up (plain e-mail) under its declared policy."""
+        lease = payments_settings().claim_lease
+        claimed = fence.claim_step(
+            self.operation, step, owner=self.worker_id, lease_seconds=lease, provider_call=False
+        )
+        claim = claimed.claim
+        resend = False
+        if not claimed.created:
+            if claim.state in (ClaimState.DONE, ClaimState.FAILED):
+                telemetry.note(outcome=telemetry.SKIPPED, transaction=telemetry.NONE)
+                return claim.result or {}
+            taken = fence.take_over_claim(claim, owner=self.worker_id, lease_seconds=lease)
+            if taken is not None and taken.state in (ClaimState.DONE, ClaimState.FAILED):
+                return taken.result or {}  # settled meanwhile by another worker
+            if taken is None:
+                raise StepBusy(
+                    operation_key=self.operation.key, step=step, until=claim.lease_expires_at
+                )
+            claim = taken
+            if policy == DeliveryPolicy.AT_MOST_ONCE:
+                result = {"sent": "unknown", "skipped": True, "policy": str(policy)}
+                telemetry.note(outcome=telemetry.SKIPPED)
+                logger.warning(
+                    "step %s/%s may have run before; skipped (at most once)",
+                    self.operation.key,
+                    step,
+                )
+                fence.settle_claim(
+                    claim,
+                    ClaimState.DONE,
+                    actor=self.worker_id,
+                    result=result,
+                    reason="outcome unknown; skipped under at-most-once",
+                )
+                return result
+            resend = True
+        try:
+            result = dict(func() or {})
+        except Exception as exc:  # the effect's own failure; the policy decides
+            reason = f"{type(exc).__name__}: {exc}"[:500]
+            if policy == DeliveryPolicy.AT_LEAST_ONCE:
+                fence.release_claim(claim, actor=self.worker_id, reason=reason)
+                raise StepTransient(reason, operation_key=self.operation.key, step=step) from exc
+            result = {"sent": False, "error": type(exc).__name__, "policy": str(policy)}
+            telemetry.note(outcome=telemetry.PERMANENT)
+            logger.warning(
+                "step %s/%s failed; not retried (at most once)", self.operation.key, step
+            )
+            fence.settle_claim(
+                claim, ClaimState.DONE, actor=self.worker_id, result=result, reason=reason
+            )
+            return result
+        result.update({"policy": str(policy), "resent": resend})
+        fence.settle_claim(claim, ClaimState.DONE, actor=self.worker_id, result=result)
+        return result

@@ -1,0 +1,59 @@
+"""Deliver a message handler's operation behind the inbox: once, with bounded retries.
+
+A message handler (`payments.engine.handlers.message_handler`) is local-only:
+its writes, its inbox row and its operation's `succeeded` commit in one
+transaction. The dispatcher gives every delivery of one operation the same
+message id (derived from the operation's key, see dispatch.message_id_for), so every redelivery (RQ retry,
+abandoned job, failed-registry requeue, the sweeper) is skipped by the inbox.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.db import transaction
+
+from payments.engine import fence
+from payments.engine.handlers import get_handler, succeed_message_in_tx
+from payments.engine.runtime import retry_or_give_up
+from payments.models import Operation, OperationState
+
+
+def deliver(operation_id: int, *, worker_id: str, job: Any = None) -> str:
+    """Deliver one message: run its handler once, count failures, bound retries."""
+    op = Operation.objects.get(pk=operation_id)
+    spec = get_handler(op.kind)
+    # No check of the operation's state here: the inbox decides, in the
+    # handler's own transaction. A message requeued by an operator after its
+    # attempts ran out has no inbox row (each attempt rolled back) and runs.
+    try:
+        outcome = spec.func(operation_id, worker_id)
+    except Exception as exc:  # rolled back with its inbox row; count it outside
+        return _failed_attempt(op, worker_id, f"{type(exc).__name__}: {exc}", job)
+    if outcome is None:
+        _settle_duplicate(op, worker_id)
+        return "duplicate"
+    return str(outcome)
+
+
+def _settle_duplicate(op: Operation, worker_id: str) -> None:
+    """The inbox row proves the handler committed: its operation succeeded."""
+    with transaction.atomic():
+        locked = fence.locked_operation_in_tx(op.pk)
+        if locked.state != OperationState.SUCCEEDED:
+            succeed_message_in_tx(locked, worker_id)
+
+
+def _failed_attempt(op: Operation, worker_id: str, reason: str, job: Any) -> str:
+    """Count a failed delivery; schedule the next or give up visibly.
+
+    Raises, unless the handler had committed already (the error came after,
+    e.g. the job's time ran out on the way back): then it is delivered.
+    """
+    with transaction.atomic():
+        locked = fence.locked_operation_in_tx(op.pk)
+        if locked.state == OperationState.SUCCEEDED:
+            return "delivered"
+        gave_up = fence.record_failed_attempt_in_tx(locked, actor=worker_id, reason=reason)
+    retry_or_give_up(locked, gave_up=gave_up, reason=reason, job=job)
+    return "unreachable"  # retry_or_give_up always raises

@@ -1,0 +1,310 @@
+"""Recovery: the sweeper (nothing is lost) and the reconciler (nothing stays unknown).
+
+The sweeper re-enqueues operations that are due but have no live job: Redis
+may lose every job, the operation rows are the record. The reconciler asks the
+provider what happened to uncertain claims, by reference, else by a replay with
+the same key, else by a metadata search. It never calls with a new key.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+
+from django.db import transaction
+from django.db.models import Q
+from django.utils import timezone
+from rq.exceptions import NoSuchJobError
+from rq.job import Job, JobStatus
+from rq.registry import ScheduledJobRegistry, StartedJobRegistry
+
+from payments.conf import payments_settings
+from payments.engine import fence
+from payments.engine.dispatch import dispatch, dispatch_on_commit
+from payments.engine.handlers import get_handler
+from payments.engine.queues import payments_queue
+from payments.engine.steps import reconcile_step
+from payments.exceptions import (
+    ConfigurationError,
+    StepConflict,
+    StepNeedsReview,
+    StepRefused,
+    StepTransient,
+    StepUncertain,
+)
+from payments.models import (
+    FINAL_OPERATION_STATES,
+    ClaimState,
+    Operation,
+    OperationState,
+    StepClaim,
+)
+
+logger = logging.getLogger("payments.engine.recovery")
+alerts = logging.getLogger("payments.alerts")
+
+#: A freshly dispatched operation is left alone this long before it counts as lost.
+DISPATCH_GRACE = timedelta(seconds=10)
+#: A scheduled job this late means no scheduler picked it up (none runs, or the one
+#: holding RQ's scheduler lock died and the lock has not expired): deliver it anew.
+SCHEDULED_GRACE = timedelta(seconds=15)
+
+
+@dataclass
+class SweepReport:
+    examined: int = 0
+    dispatched: list[str] = field(default_factory=list)
+    live: int = 0
+
+
+def job_is_live(op: Operation, now: datetime) -> bool:
+    """Tell whether the operation's last job will still run (or is running)."""
+    if not op.job_id:
+        return False
+    queue = payments_queue()
+    try:
+        job = Job.fetch(op.job_id, connection=queue.connection)
+    except NoSuchJobError:
+        return False
+    status = job.get_status(refresh=False)
+    if status in (JobStatus.QUEUED, JobStatus.DEFERRED):
+        return True
+    if status == JobStatus.SCHEDULED:
+        # RQ's own retry of an abandoned or failed job is scheduled too; only
+        # the registry knows when it is due.
+        try:
+            due = ScheduledJobRegistry(queue=queue).get_scheduled_time(job)
+        except NoSuchJobError:
+            return False
+        if due.tzinfo is None:
+            due = due.replace(tzinfo=UTC)
+        return now < due + SCHEDULED_GRACE
+    if status == JobStatus.STARTED:
+        if op.state == OperationState.RUNNING:
+            # The lease outlives the job timeout: once it ran out, no horse runs the job.
+            return op.lease_expires_at is not None and op.lease_expires_at > now
+        started = job.started_at
+        if started is not None and started.tzinfo is None:  # rq stores naive UTC
+            started = started.replace(tzinfo=UTC)
+        limit = timedelta(seconds=payments_settings().claim_lease)
+        return started is not None and now - started < limit
+    return False
+
+
+def due_operations(now: datetime) -> Q:
+    """Operations a worker should be running now."""
+    return (
+        Q(state=OperationState.PENDING)
+        & (Q(dispatched_at__isnull=True) | Q(dispatched_at__lt=now - DISPATCH_GRACE))
+        | Q(state=OperationState.RETRYING)
+        & (Q(next_attempt_at__isnull=True) | Q(next_attempt_at__lte=now))
+        | Q(state=OperationState.RUNNING, lease_expires_at__lt=now)
+    )
+
+
+def sweep(*, dry_run: bool = False, batch_size: int = 500) -> SweepReport:
+    """Re-enqueue due operations that have no live job."""
+    queue = payments_queue()
+    try:  # moves jobs of dead workers out of the started registry (RQ's own cleanup)
+        StartedJobRegistry(queue=queue).cleanup()
+    except Exception:  # Redis down: the sweep below fails loudly on its own
+        logger.warning("started-registry cleanup failed", exc_info=True)
+    now = timezone.now()
+    report = SweepReport()
+    for op in Operation.objects.filter(due_operations(now)).order_by("id")[:batch_size]:
+        report.examined += 1
+        if job_is_live(op, now):
+            report.live += 1
+            continue
+        report.dispatched.append(op.key)
+        if not dry_run:
+            dispatch(op.pk)
+            logger.info("operation %s had no live job; dispatched again", op.key)
+    return report
+
+
+@dataclass
+class ReconcileReport:
+    examined: int = 0
+    outcomes: dict[str, list[str]] = field(default_factory=dict)
+
+    def add(self, outcome: str, key: str) -> None:
+        self.outcomes.setdefault(outcome, []).append(key)
+
+    def count(self, outcome: str) -> int:
+        return len(self.outcomes.get(outcome, []))
+
+
+def claims_to_reconcile(operation_ids: list[int] | None = None) -> Q:
+    """Unsettled claims of operations no worker will run: uncertain, failed or under review."""
+    unsettled = Q(state__in=[ClaimState.UNCERTAIN, ClaimState.CLAIMED])
+    if operation_ids is not None:
+        return unsettled & Q(operation_id__in=operation_ids)
+    return unsettled & Q(operation__state__in=[OperationState.UNCERTAIN, OperationState.FAILED])
+
+
+def reconcile(
+    *,
+    actor: str = "reconciler",
+    dry_run: bool = False,
+    operation_ids: list[int] | None = None,
+    batch_size: int = 200,
+    time_budget: float | None = None,
+) -> ReconcileReport:
+    """Settle unsettled external claims by asking the provider; move their operations on.
+
+    `time_budget` (seconds) stops starting new claims once spent, so that a
+    slow provider cannot hold up the sweep that runs in the same loop.
+    """
+    report = ReconcileReport()
+    started = time.monotonic()
+    claims = (
+        StepClaim.objects.filter(claims_to_reconcile(operation_ids))
+        .select_related("operation")
+        .order_by("claimed_at", "id")[:batch_size]
+    )
+    for claim in claims:
+        if time_budget is not None and time.monotonic() - started > time_budget:
+            report.add("left_for_next_round", claim.operation.key)
+            continue
+        op = claim.operation
+        try:
+            spec = get_handler(op.kind)
+        except ConfigurationError:  # one unknown kind must not stop every other claim
+            logger.error("operation %s: no handler for kind %s", op.key, op.kind)
+            report.add("no_handler", op.key)
+            continue
+        if claim.step not in spec.effects:
+            continue  # a side effect without lookup: its policy decides when the op resumes
+        report.examined += 1
+        if dry_run:
+            report.add("would_check", op.key)
+            continue
+        try:
+            outcome = settle_one(claim, actor=actor)
+        except Exception:  # one bad claim must not stop the others from settling
+            logger.exception("reconciling %s/%s failed", op.key, claim.step)
+            outcome = "error"
+        report.add(outcome, op.key)
+    if not dry_run and operation_ids is None:
+        _resume_stranded(actor, report)
+    return report
+
+
+def stranded_operations() -> Q:
+    """Operations the provider answered for that stayed put (a crash between two commits).
+
+    An uncertain operation with no unsettled claim, or a failed one with a
+    charge done, was left between its claim's settlement and its own move.
+    """
+    settled_but_uncertain = Q(state=OperationState.UNCERTAIN) & ~Q(
+        claims__state__in=[ClaimState.UNCERTAIN, ClaimState.CLAIMED]
+    )
+    charged_but_failed = Q(
+        state=OperationState.FAILED,
+        claims__state=ClaimState.DONE,
+        claims__provider_reference__gt="",
+    )
+    return settled_but_uncertain | charged_but_failed
+
+
+def _resume_stranded(actor: str, report: ReconcileReport) -> None:
+    """Resume stranded operations: the runtime replays what is settled and decides."""
+    for op in Operation.objects.filter(stranded_operations()).distinct()[:200]:
+        try:
+            spec = get_handler(op.kind)
+            _move(
+                op,
+                OperationState.RETRYING,
+                actor,
+                "claims settled; resuming",
+                on_resume=spec.on_resume,
+                resume=True,
+            )
+        except Exception:
+            logger.exception("resuming stranded operation %s failed", op.key)
+            report.add("error", op.key)
+        else:
+            report.add("resumed", op.key)
+
+
+def settle_one(claim: StepClaim, *, actor: str) -> str:
+    """Reconcile one claim and move its operation; return the outcome's name."""
+    op = claim.operation
+    spec = get_handler(op.kind)
+    taken = fence.take_over_claim(claim, owner=actor, lease_seconds=payments_settings().claim_lease)
+    if taken is None:
+        return "busy"
+    if taken.state in (ClaimState.DONE, ClaimState.FAILED):
+        return "already_settled"  # someone settled it meanwhile; the stranded pass moves the op
+    # Read now, not when the batch was listed: an operator may have failed it since.
+    state = Operation.objects.values_list("state", flat=True).get(pk=op.pk)
+    allow_replay = state not in FINAL_OPERATION_STATES
+    try:
+        reconcile_step(taken, spec.effect(claim.step, op), actor=actor, allow_replay=allow_replay)
+    except StepRefused as exc:
+        _move(
+            op,
+            OperationState.FAILED,
+            actor,
+            f"provider: refused ({exc.provider_code})",
+            on_failure=spec.on_failure,
+        )
+        return "failed"
+    except StepNeedsReview:
+        _move(op, OperationState.NEEDS_REVIEW, actor, "not found after the grace period")
+        alerts.error("operation %s needs review: outcome of %s unknown", op.key, claim.step)
+        return "needs_review"
+    except StepConflict:
+        _move(op, OperationState.NEEDS_REVIEW, actor, "idempotency conflict")
+        alerts.error("operation %s: idempotency conflict at %s", op.key, claim.step)
+        return "needs_review"
+    except StepUncertain:
+        if state not in (OperationState.UNCERTAIN, *FINAL_OPERATION_STATES):
+            _move(op, OperationState.UNCERTAIN, actor, "outcome not known yet")
+        return "still_uncertain"
+    except StepTransient:
+        # Provider unreachable, or the first request still in flight: let the
+        # next round (or a worker) take the claim at once.
+        fence.release_claim(taken, actor=actor, reason="lookup failed; next round")
+        return "retry_later"
+    _move(
+        op,
+        OperationState.RETRYING,
+        actor,
+        "provider shows the step succeeded; resuming",
+        on_resume=spec.on_resume,
+        resume=True,
+    )
+    return "done"
+
+
+def _move(
+    op: Operation,
+    state: OperationState,
+    actor: str,
+    reason: str,
+    *,
+    on_failure=None,
+    on_resume=None,
+    resume: bool = False,
+) -> None:
+    with transaction.atomic():
+        locked = fence.locked_operation_in_tx(op.pk)
+        if locked.state == OperationState.RUNNING and (
+            locked.lease_expires_at and locked.lease_expires_at > timezone.now()
+        ):
+            return  # a worker runs it now and will see the settled claim itself
+        if locked.state == OperationState.SUCCEEDED:
+            return
+        was_failed = locked.state == OperationState.FAILED
+        fields = {"next_attempt_at": timezone.now()} if resume else {}
+        fence.release_in_tx(locked, state, actor=actor, reason=reason, **fields)
+        if on_failure is not None and state == OperationState.FAILED and not was_failed:
+            on_failure(locked)
+        if on_resume is not None and resume and was_failed:
+            on_resume(locked)
+        if resume:
+            dispatch_on_commit(locked)

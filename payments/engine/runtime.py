@@ -1,0 +1,214 @@
+"""Run an operation's handler under the fence, and map each outcome to a state.
+
+    lease    take the operation (no other live worker runs it)
+    steps    the handler's named steps; completed ones replay their stored result
+    settle   succeeded | failed | retrying (transient) | uncertain | needs_review
+
+The runtime owns its transactions; the job that calls it only passes ids.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from django.db import transaction
+
+from payments.conf import payments_settings
+from payments.engine import fence
+from payments.engine.handlers import HandlerSpec, Run, get_handler
+from payments.exceptions import (
+    ConfigurationError,
+    RetriesExhausted,
+    RetryLater,
+    StepBusy,
+    StepConflict,
+    StepNeedsReview,
+    StepRefused,
+    StepTransient,
+    StepUncertain,
+)
+from payments.models import (
+    RUNNABLE_OPERATION_STATES,
+    ClaimState,
+    Operation,
+    OperationState,
+    StepClaim,
+)
+
+logger = logging.getLogger("payments.engine.runtime")
+alerts = logging.getLogger("payments.alerts")
+
+
+def execute(operation_id: int, *, worker_id: str, job: Any = None) -> str:
+    """Run the operation's handler once; return what became of it.
+
+    Raises RetryLater (RQ retries the job after its backoff) or
+    RetriesExhausted (the job goes to the failed registry).
+    """
+    kind = Operation.objects.values_list("kind", flat=True).get(pk=operation_id)
+    try:
+        spec = get_handler(kind)
+    except ConfigurationError as exc:  # e.g. a kind renamed by a deploy: a person decides
+        return _unrunnable(operation_id, worker_id, str(exc))
+    leased = fence.acquire_lease(
+        operation_id, owner=worker_id, seconds=payments_settings().claim_lease
+    )
+    op = leased.operation
+    if not leased.acquired:
+        logger.info("operation %s not run: %s", op.key, _why_not(op))
+        if op.state == OperationState.RUNNING:
+            return "deferred"  # another worker's live lease: look again when it ends
+        return f"skipped:{op.state}"
+    try:
+        spec.func(Run(op, worker_id, spec))
+    except StepBusy as exc:
+        _finish(op, OperationState.RETRYING, worker_id, str(exc), next_attempt_at=exc.until)
+        return "deferred"
+    except StepRefused as exc:
+        _fail(op, spec, worker_id, str(exc))
+        return "failed"
+    except StepNeedsReview as exc:
+        _finish(op, OperationState.NEEDS_REVIEW, worker_id, str(exc))
+        alerts.error("operation %s needs review: %s", op.key, exc.step)
+        return "needs_review"
+    except StepConflict as exc:
+        _finish(op, OperationState.NEEDS_REVIEW, worker_id, str(exc))
+        alerts.error("operation %s: idempotency conflict at step %s", op.key, exc.step)
+        return "needs_review"
+    except StepUncertain as exc:
+        _finish(op, OperationState.UNCERTAIN, worker_id, str(exc))
+        logger.warning("operation %s uncertain at step %s; reconciling", op.key, exc.step)
+        return "uncertain"
+    except StepTransient as exc:
+        _transient(op, spec, worker_id, str(exc), job, step_error=exc)
+    except Exception as exc:  # a bug or a database error: bounded retries, then visible
+        logger.exception("operation %s: unexpected error in handler %s", op.key, op.kind)
+        _transient(op, spec, worker_id, f"{type(exc).__name__}: {exc}", job)
+    _finish(op, OperationState.SUCCEEDED, worker_id, "all steps done")
+    return "succeeded"
+
+
+def _why_not(op: Operation) -> str:
+    if op.state == OperationState.RUNNING:
+        return f"leased by {op.lease_owner} until {op.lease_expires_at}"
+    return f"state is {op.state}"
+
+
+def _finish(
+    op: Operation, state: OperationState, worker_id: str, reason: str, **fields: Any
+) -> bool:
+    """Leave RUNNING if this worker still holds the lease; return whether it did."""
+    with transaction.atomic():
+        locked = fence.locked_operation_in_tx(op.pk)
+        if not fence.holds_lease_in_tx(locked, worker_id):
+            logger.warning("operation %s: lease lost before %s; left as is", op.key, state)
+            return False
+        if state in (OperationState.SUCCEEDED, OperationState.NEEDS_REVIEW):
+            fields.setdefault("last_error", "" if state == OperationState.SUCCEEDED else reason)
+        fence.release_in_tx(locked, state, actor=worker_id, reason=reason[:500], **fields)
+    return True
+
+
+def _unrunnable(operation_id: int, worker_id: str, reason: str) -> str:
+    """Park an operation no handler can run in needs_review, with an alert."""
+    with transaction.atomic():
+        locked = fence.locked_operation_in_tx(operation_id)
+        if locked.state not in RUNNABLE_OPERATION_STATES:
+            return f"skipped:{locked.state}"
+        fence.release_in_tx(
+            locked, OperationState.NEEDS_REVIEW, actor=worker_id, reason=reason, last_error=reason
+        )
+    alerts.error("operation %s cannot run: %s", locked.key, reason)
+    return "needs_review"
+
+
+def _give_up_state_in_tx(op: Operation, spec: HandlerSpec, *, in_flight: bool) -> OperationState:
+    """Where an operation goes when it stops trying. Runs inside the caller's transaction.
+
+    FAILED only when no external effect happened or may have: money taken by
+    an earlier step (its later steps keep failing) needs a person; an effect
+    whose outcome is unknown needs the reconciler. Neither may fail the order.
+    """
+    external = StepClaim.objects.filter(operation=op, step__in=list(spec.effects))
+    if external.filter(state=ClaimState.DONE).exists():
+        return OperationState.NEEDS_REVIEW
+    if in_flight or external.filter(state=ClaimState.UNCERTAIN).exists():
+        return OperationState.UNCERTAIN
+    return OperationState.FAILED
+
+
+def _fail(op: Operation, spec: HandlerSpec, worker_id: str, reason: str) -> None:
+    with transaction.atomic():
+        locked = fence.locked_operation_in_tx(op.pk)
+        if not fence.holds_lease_in_tx(locked, worker_id):
+            return
+        state = _give_up_state_in_tx(locked, spec, in_flight=False)
+        if state == OperationState.UNCERTAIN:
+            state = OperationState.FAILED  # the refused step settled; others are not in doubt
+        fence.release_in_tx(locked, state, actor=worker_id, reason=reason[:500], last_error=reason)
+        if state == OperationState.FAILED and spec.on_failure is not None:
+            spec.on_failure(locked)
+    if state == OperationState.NEEDS_REVIEW:
+        alerts.error("operation %s: a step was refused after money was taken", op.key)
+    logger.info("operation %s %s: %s", op.key, state, reason[:200])
+
+
+def _transient(
+    op: Operation,
+    spec: HandlerSpec,
+    worker_id: str,
+    reason: str,
+    job: Any,
+    step_error: StepTransient | None = None,
+) -> None:
+    """Count a transient failure; schedule the next attempt or give up. Always raises.
+
+    Giving up fails the operation and settles the failing step's claim as
+    failed only when every try was refused before anything executed (see
+    _give_up_state_in_tx): not after a 409 (a same-key request may still
+    succeed), not when an earlier call may have run, not after money was taken.
+    """
+    in_flight = step_error is not None and step_error.in_flight
+    with transaction.atomic():
+        locked = fence.locked_operation_in_tx(op.pk)
+        if not fence.holds_lease_in_tx(locked, worker_id):
+            raise RetryLater(op.key, locked.attempts + 1, "lease lost")
+        give_up_to = _give_up_state_in_tx(locked, spec, in_flight=in_flight)
+        gave_up = fence.record_failed_attempt_in_tx(
+            locked, actor=worker_id, reason=reason, give_up_to=give_up_to
+        )
+        if gave_up and give_up_to == OperationState.FAILED:
+            if spec.on_failure is not None:
+                spec.on_failure(locked)
+            if step_error is not None:
+                _settle_refused_in_tx(locked, step_error.step, worker_id, reason)
+    retry_or_give_up(locked, gave_up=gave_up, reason=reason, job=job)
+
+
+def retry_or_give_up(op: Operation, *, gave_up: bool, reason: str, job: Any) -> None:
+    """Raise to RQ after a counted failure: RetryLater, or RetriesExhausted with an alert."""
+    if gave_up:
+        alerts.error(
+            "operation %s gave up after %s attempts (now %s); job sent to the failed registry",
+            op.key,
+            op.attempts,
+            op.state,
+        )
+        if job is not None:
+            job.retries_left = 0  # the DB counted the attempts: no further RQ retry
+        raise RetriesExhausted(op.key, op.attempts, reason[:200])
+    raise RetryLater(op.key, op.attempts, reason[:200])
+
+
+def _settle_refused_in_tx(op: Operation, step: str, worker_id: str, reason: str) -> None:
+    """Mark a released claim failed after the last transient try. Runs inside the caller's tx."""
+    claim = StepClaim.objects.filter(operation=op, step=step, state=ClaimState.CLAIMED).first()
+    if claim is not None:
+        fence.settle_claim(
+            claim,
+            ClaimState.FAILED,
+            actor=worker_id,
+            error=f"gave up: {reason}",
+            reason="every attempt was refused before executing",
+        )

@@ -1,0 +1,192 @@
+"""The external-step protocol: claim, call with the stored key, record; reconcile when unsure.
+
+    claim   INSERT step_claim ... ; COMMIT          (fence.claim_step)
+    call    effect.perform(request, idempotency_key)
+    record  UPDATE step_claim SET done, reference   (fence.settle_claim)
+
+Used by the runtime for a running handler and by recovery for a claim left
+uncertain. No transaction is held open across a call.
+"""
+
+from __future__ import annotations
+
+import logging
+from datetime import timedelta
+from typing import Any
+
+from django.utils import timezone
+from rq.timeouts import BaseTimeoutException
+
+from payments.conf import payments_settings
+from payments.engine import fence, telemetry
+from payments.engine.effects import ClaimView, EffectResult, ExternalEffect
+from payments.engine.failpoints import AFTER_CLAIM_COMMIT, AFTER_PROVIDER_ACCEPT, failpoint
+from payments.engine.outcomes import Outcome
+from payments.exceptions import (
+    StepBusy,
+    StepConflict,
+    StepNeedsReview,
+    StepRefused,
+    StepTransient,
+    StepUncertain,
+)
+from payments.models import ClaimState, Operation, StepClaim
+
+logger = logging.getLogger("payments.engine.steps")
+
+
+def view_of(claim: StepClaim) -> ClaimView:
+    """Return what an effect may know of `claim`."""
+    return ClaimView(
+        operation_key=claim.operation.key,
+        step=claim.step,
+        idempotency_key=claim.idempotency_key,
+        reference=claim.provider_reference,
+        request=claim.request or {},
+    )
+
+
+def replay_allowed(claim: StepClaim) -> bool:
+    """Tell whether the provider still keeps the claim's key (a replay cannot charge anew).
+
+    One hour of margin under the provider's retention keeps clock skew and a
+    slow request from turning a replay into a second charge.
+    """
+    retention = timedelta(seconds=payments_settings().provider_key_retention)
+    return timezone.now() - claim.claimed_at < retention - timedelta(hours=1)
+
+
+@telemetry.traced("external")
+def run_external_step(
+    operation: Operation, step: str, effect: ExternalEffect, *, owner: str
+) -> dict[str, Any]:
+    """Run one external step under its claim and return its recorded result.
+
+    Raises StepBusy when another worker holds the claim, and a StepError
+    subclass when the step did not complete.
+    """
+    lease = payments_settings().claim_lease
+    claimed = fence.claim_step(
+        operation, step, owner=owner, lease_seconds=lease, request=effect.build_request()
+    )
+    claim = claimed.claim
+    if claimed.created:
+        return call_effect(claim, effect, actor=owner)
+    if claim.state == ClaimState.DONE:
+        telemetry.note(outcome=telemetry.SKIPPED, transaction=telemetry.NONE)
+        logger.info("step %s/%s already done; replaying its result", operation.key, step)
+        return claim.result or {}
+    if claim.state == ClaimState.FAILED:
+        telemetry.note(transaction=telemetry.NONE)
+        raise StepRefused("refused earlier", operation_key=operation.key, step=step)
+    taken = fence.take_over_claim(claim, owner=owner, lease_seconds=lease)
+    if taken is None:
+        raise StepBusy(operation_key=operation.key, step=step, until=claim.lease_expires_at)
+    if taken.state == ClaimState.FAILED:
+        raise StepRefused("refused earlier", operation_key=operation.key, step=step)
+    if taken.state == ClaimState.DONE:
+        telemetry.note(outcome=telemetry.SKIPPED, transaction=telemetry.NONE)
+        return taken.result or {}
+    # Released after a transient failure, or left behind by a dead worker, or
+    # uncertain: settle it without ever using a new key.
+    return reconcile_step(taken, effect, actor=owner)
+
+
+@telemetry.traced("external")
+def reconcile_step(
+    claim: StepClaim, effect: ExternalEffect, *, actor: str, allow_replay: bool = True
+) -> dict[str, Any]:
+    """Settle a claim whose outcome is unknown: reference, else same-key replay, else search.
+
+    A replay may execute a call that never reached the provider, so it is only
+    allowed while the operation still wants the effect (not once it failed).
+    """
+    if claim.provider_reference or not allow_replay or not replay_allowed(claim):
+        return _settle_from_lookup(claim, effect, actor=actor)
+    try:
+        return call_effect(claim, effect, actor=actor)
+    except StepUncertain:
+        # The provider replayed a stored error, or the replay's answer was lost
+        # too: only a lookup can tell more now.
+        claim.refresh_from_db()
+        return _settle_from_lookup(claim, effect, actor=actor)
+
+
+@telemetry.traced("external", call=True)
+def call_effect(claim: StepClaim, effect: ExternalEffect, *, actor: str) -> dict[str, Any]:
+    """Call the provider with the claim's stored request and key; record what came back."""
+    op_key, step = claim.operation.key, claim.step
+    failpoint(AFTER_CLAIM_COMMIT)
+    try:
+        answer = effect.perform(claim.request or {}, claim.idempotency_key)
+    except BaseTimeoutException as exc:
+        # The job's own time is up mid-call: the call may have run. Record that
+        # and stop here (no lookup), so the job ends inside its lease.
+        fence.settle_claim(claim, ClaimState.UNCERTAIN, actor=actor, error=type(exc).__name__)
+        raise
+    except Exception as exc:  # classified below; an unclassified error may follow a send
+        outcome = getattr(exc, "outcome", Outcome.UNCERTAIN)
+        code = str(getattr(exc, "code", "") or "")
+        reason = f"{type(exc).__name__}: {exc}"[:500]
+        if outcome == Outcome.TRANSIENT:
+            fence.release_claim(claim, actor=actor, reason=reason)
+            error = StepTransient(reason, operation_key=op_key, step=step, provider_code=code)
+            error.in_flight = bool(getattr(exc, "in_flight", False))
+            raise error from exc
+        if outcome == Outcome.CONFLICT:
+            fence.settle_claim(claim, ClaimState.UNCERTAIN, actor=actor, error=reason)
+            raise StepConflict(reason, operation_key=op_key, step=step, provider_code=code) from exc
+        if outcome == Outcome.PERMANENT:
+            fence.settle_claim(claim, ClaimState.FAILED, actor=actor, error=reason)
+            raise StepRefused(reason, operation_key=op_key, step=step, provider_code=code) from exc
+        fence.settle_claim(claim, ClaimState.UNCERTAIN, actor=actor, error=reason)
+        raise StepUncertain(reason, operation_key=op_key, step=step, provider_code=code) from exc
+    failpoint(AFTER_PROVIDER_ACCEPT)
+    return _record(claim, answer, actor=actor)
+
+
+def _record(claim: StepClaim, answer: EffectResult, *, actor: str) -> dict[str, Any]:
+    result = answer.as_result()
+    telemetry.note(reference=answer.reference)
+    if answer.outcome == Outcome.SUCCESS:
+        fence.settle_claim(
+            claim, ClaimState.DONE, actor=actor, reference=answer.reference, result=result
+        )
+        return result
+    code = str(answer.data.get("code", ""))
+    fence.settle_claim(
+        claim,
+        ClaimState.FAILED,
+        actor=actor,
+        reference=answer.reference,
+        result=result,
+        error=f"refused: {code}",
+    )
+    raise StepRefused(
+        f"refused: {code}", operation_key=claim.operation.key, step=claim.step, provider_code=code
+    )
+
+
+def _settle_from_lookup(claim: StepClaim, effect: ExternalEffect, *, actor: str) -> dict[str, Any]:
+    op_key, step = claim.operation.key, claim.step
+    try:
+        found = effect.find(view_of(claim))
+    except Exception as exc:  # provider down while reconciling: stay as we are
+        telemetry.note(transaction=telemetry.NONE)
+        raise StepTransient(
+            f"lookup failed: {type(exc).__name__}", operation_key=op_key, step=step
+        ) from exc
+    if found is not None:
+        return _record(claim, found, actor=actor)
+    grace = timedelta(seconds=payments_settings().reconcile_grace)
+    if timezone.now() - claim.claimed_at > grace:
+        if claim.state != ClaimState.UNCERTAIN:
+            fence.settle_claim(claim, ClaimState.UNCERTAIN, actor=actor, error="not found")
+        raise StepNeedsReview(
+            "not found at the provider after the grace period", operation_key=op_key, step=step
+        )
+    if claim.state != ClaimState.UNCERTAIN:
+        fence.settle_claim(
+            claim, ClaimState.UNCERTAIN, actor=actor, error="not found yet (search may lag)"
+        )
+    raise StepUncertain("not found at the provider yet", operation_key=op_key, step=step)

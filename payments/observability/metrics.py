@@ -1,0 +1,266 @@
+"""Prometheus metrics of the fence, computed at scrape time so that no process must live.
+
+RQ runs each job in a forked work horse that exits after the job, so an
+in-process counter dies with it. Hence two sources, both outside the process:
+
+- gauges are computed from the database and RQ's registries on every scrape
+  (`FenceCollector`): claims and operations by state, the oldest uncertain
+  claim, the last fence audit, jobs by RQ status;
+- true counters are either derived from rows that are never deleted
+  (retries = OperationEvent rows into `retrying`), or kept in Redis with
+  HINCRBY under the `observability:counter:` prefix of the queue's Redis
+  (provider calls by outcome class, inbox duplicates skipped per consumer).
+  That Redis runs `noeviction` (checked by payments.W001); if it is flushed
+  the counters restart at 0, which Prometheus' rate() treats as a reset.
+
+The endpoint (`metrics_view`) wants `Authorization: Bearer <METRICS_TOKEN>`
+or a staff session; see docs/observability.md.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+from django.conf import settings
+from django.db.models import Count, Min
+from django.dispatch import receiver
+from django.http import HttpRequest, HttpResponse
+from django.utils import timezone
+from django.views.decorators.cache import never_cache
+from django.views.decorators.http import require_safe
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+from redis import Redis
+from redis.exceptions import RedisError
+from rq.registry import (
+    DeferredJobRegistry,
+    FailedJobRegistry,
+    ScheduledJobRegistry,
+    StartedJobRegistry,
+)
+
+from inbox.signals import duplicate_skipped
+from payments.engine.outcomes import Outcome
+from payments.engine.queues import PROBE_TIMEOUT, redis_client
+from payments.engine.signals import provider_call_finished
+from payments.models import (
+    ClaimState,
+    FenceAuditRun,
+    OperationEvent,
+    OperationState,
+    StepClaim,
+)
+from payments.models import Operation as OperationRow
+
+logger = logging.getLogger("payments.observability.metrics")
+
+COUNTER_PREFIX = "observability:counter:"
+PROVIDER_CALLS = "payments_provider_calls_total"
+INBOX_DUPLICATES = "inbox_duplicates_skipped_total"
+
+# --- counters kept in Redis ---------------------------------------------------------
+
+
+def _counter_redis() -> Redis:
+    """Return the queue Redis client that keeps the counters, with probe timeouts."""
+    return redis_client(timeout=PROBE_TIMEOUT)
+
+
+def increment(metric: str, label: str, amount: int = 1) -> None:
+    """Add `amount` to the counter `metric{label}`; never fail the caller over a metric."""
+    try:
+        _counter_redis().hincrby(COUNTER_PREFIX + metric, label, amount)
+    except Exception:  # a lost increment is a smaller harm than a failed step
+        logger.warning("metric %s not counted: redis unavailable", metric)
+
+
+def count_provider_call(outcome: str) -> None:
+    """Count one provider call by its outcome class (success, transient, ...)."""
+    increment(PROVIDER_CALLS, outcome)
+
+
+@receiver(provider_call_finished)
+def count_provider_call_of_engine(sender: object, *, outcome: str, **kwargs: object) -> None:
+    """Count a provider call the engine made (the engine's signal)."""
+    count_provider_call(outcome)
+
+
+@receiver(duplicate_skipped)
+def count_inbox_duplicate(sender: object, *, consumer: str, **kwargs: object) -> None:
+    """Count one redelivered message that the inbox skipped (the inbox's signal)."""
+    increment(INBOX_DUPLICATES, consumer)
+
+
+def _read_counters(client: Redis, metric: str) -> dict[str, float]:
+    raw = client.hgetall(COUNTER_PREFIX + metric)
+    return {k.decode(): float(v) for k, v in raw.items()}
+
+
+# --- the collector ------------------------------------------------------------------
+
+RQ_REGISTRIES = {
+    "started": StartedJobRegistry,
+    "scheduled": ScheduledJobRegistry,
+    "deferred": DeferredJobRegistry,
+    "failed": FailedJobRegistry,
+}
+
+
+class FenceCollector(Collector):
+    """Compute every metric from the database and Redis when Prometheus scrapes."""
+
+    def collect(self) -> Iterator[Metric]:
+        up = GaugeMetricFamily(
+            "payments_metrics_source_up",
+            "Whether a metrics source could be read during this scrape (1) or not (0).",
+            labels=["source"],
+        )
+        try:
+            families = list(self._database())
+        except Exception:  # a scrape reports a broken source; it does not fail
+            logger.warning("metrics: database unreadable", exc_info=True)
+            families, db_up = [], 0.0
+        else:
+            db_up = 1.0
+        yield from families
+        up.add_metric(["database"], db_up)
+        try:
+            families = list(self._redis())
+        except RedisError:
+            logger.warning("metrics: redis unreadable", exc_info=True)
+            families, redis_up = [], 0.0
+        else:
+            redis_up = 1.0
+        yield from families
+        up.add_metric(["redis"], redis_up)
+        yield up
+
+    def _database(self) -> Iterator[Metric]:
+        claims = GaugeMetricFamily(
+            "payments_step_claims", "Step claims by state.", labels=["state"]
+        )
+        by_state = dict(StepClaim.objects.values_list("state").annotate(n=Count("id")))
+        for state in ClaimState:
+            claims.add_metric([state.value], by_state.get(state.value, 0))
+        yield claims
+
+        operations = GaugeMetricFamily(
+            "payments_operations",
+            "Operations by state (uncertain and needs_review want a person or the reconciler).",
+            labels=["state"],
+        )
+        by_state = dict(OperationRow.objects.values_list("state").annotate(n=Count("id")))
+        for state in OperationState:
+            operations.add_metric([state.value], by_state.get(state.value, 0))
+        yield operations
+
+        oldest = StepClaim.objects.filter(state=ClaimState.UNCERTAIN).aggregate(
+            at=Min("claimed_at")
+        )["at"]
+        age = (timezone.now() - oldest).total_seconds() if oldest else 0.0
+        yield GaugeMetricFamily(
+            "payments_oldest_uncertain_claim_age_seconds",
+            "Age of the oldest uncertain claim since it was claimed; 0 when there is none.",
+            value=max(age, 0.0),
+        )
+
+        retries = CounterMetricFamily(
+            "payments_operation_retries",
+            "Transient failures that scheduled another attempt (OperationEvent rows).",
+            value=OperationEvent.objects.filter(to_state=OperationState.RETRYING).count(),
+        )
+        yield retries
+
+        last = FenceAuditRun.objects.order_by("-finished_at").first()
+        if last is not None:
+            yield GaugeMetricFamily(
+                "payments_fence_audit_last_exit_code",
+                "Exit code of the last fence_audit run: 0 clean, 1 findings, 2 provider unread.",
+                value=last.exit_code,
+            )
+            yield GaugeMetricFamily(
+                "payments_fence_audit_last_run_timestamp_seconds",
+                "When the last fence_audit run finished (Unix time).",
+                value=last.finished_at.timestamp(),
+            )
+
+    def _redis(self) -> Iterator[Metric]:
+        client = _counter_redis()
+        calls = CounterMetricFamily(
+            "payments_provider_calls",
+            "Provider calls made under a claim, by outcome class.",
+            labels=["outcome"],
+        )
+        counted = _read_counters(client, PROVIDER_CALLS)
+        for outcome in sorted({o.value for o in Outcome} | set(counted)):
+            calls.add_metric([outcome], counted.get(outcome, 0.0))
+        yield calls
+
+        duplicates = CounterMetricFamily(
+            "inbox_duplicates_skipped",
+            "Redelivered messages that the inbox skipped, per consumer.",
+            labels=["consumer"],
+        )
+        for consumer, value in sorted(_read_counters(client, INBOX_DUPLICATES).items()):
+            duplicates.add_metric([consumer], value)
+        yield duplicates
+
+        jobs = GaugeMetricFamily(
+            "rq_jobs",
+            "RQ jobs by queue and status (registries read without cleanup).",
+            labels=["queue", "status"],
+        )
+        for name in settings.RQ_QUEUES:
+            conn = redis_client(name, timeout=PROBE_TIMEOUT)
+            jobs.add_metric([name, "queued"], conn.llen(f"rq:queue:{name}"))
+            for status, registry_class in RQ_REGISTRIES.items():
+                # No cleanup: a scrape must not move jobs between registries.
+                registry = registry_class(name, connection=conn)
+                jobs.add_metric([name, status], registry.get_job_count(cleanup=False))
+        yield jobs
+
+
+_registry: CollectorRegistry | None = None
+
+
+def registry() -> CollectorRegistry:
+    """Return the registry the endpoint exposes (built once, on first use)."""
+    global _registry
+    if _registry is None:
+        built = CollectorRegistry(auto_describe=False)  # no DB query at registration
+        built.register(FenceCollector())
+        _registry = built
+    return _registry
+
+
+# --- the endpoint ---------------------------------------------------------------------
+
+
+def _authorized(request: HttpRequest) -> bool | None:
+    """True: let in; False: authenticated but not allowed; None: no valid credentials."""
+    token: str = getattr(settings, "METRICS_TOKEN", "") or ""
+    header = request.headers.get("Authorization", "")
+    if token and header[:7].lower() == "bearer ":
+        return True if hmac.compare_digest(header[7:].strip(), token) else None
+    user: Any = getattr(request, "user", None)
+    if user is not None and user.is_authenticated:
+        return bool(user.is_active and user.is_staff)
+    return None
+
+
+@never_cache
+@require_safe
+def metrics_view(request: HttpRequest) -> HttpResponse:
+    """Expose the metrics in Prometheus' text format to a scraper or a staff user."""
+    allowed = _authorized(request)
+    if allowed is None:
+        response = HttpResponse("authentication required\n", status=401, content_type="text/plain")
+        response["WWW-Authenticate"] = 'Bearer realm="metrics"'
+        return response
+    if not allowed:
+        return HttpResponse("forbidden\n", status=403, content_type="text/plain")
+    return HttpResponse(generate_latest(registry()), content_type=CONTENT_TYPE_LATEST)
