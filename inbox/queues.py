@@ -100,9 +100,13 @@ class MessageQueue(DjangoRQ):
         if options.get("failure_ttl") is None:
             horizon = inbox_settings().redelivery_horizon
             options["failure_ttl"] = int(horizon.total_seconds())
-        return super().create_job(func, *positional, job_id=job_id, meta=meta, **options)
+        # Passed in `options`: mypy cannot tell that `positional` stops before job_id and meta.
+        options["job_id"] = job_id
+        options["meta"] = meta
+        return super().create_job(func, *positional, **options)
 
-    def enqueue_call(self, *args: Any, **kwargs: Any) -> Job | None:
+    # DjangoRQ returns None when it defers the enqueue to on_commit; rq's Queue says Job.
+    def enqueue_call(self, *args: Any, **kwargs: Any) -> Job | None:  # type: ignore[override]
         """Enqueue (deferred to on_commit inside atomic), unless inside an inbox handler."""
         self._refuse_inside_inbox_handler()
         return super().enqueue_call(*args, **kwargs)

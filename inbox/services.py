@@ -6,6 +6,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from typing import TypeAlias, cast
 
 from django.db import connection, transaction
 from django.utils import timezone
@@ -16,6 +17,9 @@ from inbox.models import InboxEntry
 
 ProgressCallback = Callable[[int, int, float], None]
 """Called after each batch with (batch number, rows deleted so far, batch seconds)."""
+
+SqlParam: TypeAlias = str | datetime | list[str]
+"""A parameter of the purge's WHERE clauses: a consumer, a cutoff or a list of consumers."""
 
 
 @dataclass(frozen=True)
@@ -34,9 +38,12 @@ class PurgeResult:
 
 
 def _check_identity(consumer: str, message_id: str) -> None:
-    if not consumer or len(consumer) > InboxEntry._meta.get_field("consumer").max_length:
+    # Both are CharFields, whose max_length is always set.
+    consumer_max = cast(int, InboxEntry._meta.get_field("consumer").max_length)
+    message_id_max = cast(int, InboxEntry._meta.get_field("message_id").max_length)
+    if not consumer or len(consumer) > consumer_max:
         raise InvalidMessageId(f"Consumer name must be 1-200 characters, got {consumer!r}.")
-    if not message_id or len(message_id) > InboxEntry._meta.get_field("message_id").max_length:
+    if not message_id or len(message_id) > message_id_max:
         raise InvalidMessageId(f"Message id must be 1-255 characters, got {message_id!r}.")
 
 
@@ -68,7 +75,7 @@ def record_message(consumer: str, message_id: str) -> bool:
 
 def _purge_groups(
     consumer: str | None, older_than: timedelta | None, now: datetime
-) -> list[tuple[str, list[object]]]:
+) -> list[tuple[str, list[SqlParam]]]:
     """Return (WHERE clause, params) pairs that together select every expired row.
 
     Without a consumer and without ``older_than``, each consumer with its own
@@ -82,7 +89,7 @@ def _purge_groups(
     if older_than is not None:
         return [("handled_at < %s", [now - older_than])]
     named = conf.named_consumers
-    groups: list[tuple[str, list[object]]] = [
+    groups: list[tuple[str, list[SqlParam]]] = [
         ("consumer = %s AND handled_at < %s", [name, now - conf.retention_for(name)])
         for name in named
     ]

@@ -211,7 +211,7 @@ class OperationAdmin(DeskViewsMixin, admin.ModelAdmin):
     @admin.display(description="attempts chain")
     def attempt_links(self, obj: Operation) -> str:
         links = []
-        if obj.retry_of_id:
+        if obj.retry_of_id and obj.retry_of is not None:
             links.append(("new attempt of", obj.retry_of_id, obj.retry_of.key))
         links += [("retried as", r.pk, r.key) for r in obj.retries.order_by("pk")]
         if not links:

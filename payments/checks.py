@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from django.conf import settings
 from django.core.checks import CheckMessage, Error, Tags, register
 from django.core.checks import Warning as CheckWarning
 from django.core.exceptions import ImproperlyConfigured
-from django.db import connections
+from django.db import DatabaseError, connections
 from redis import Redis
 from redis.connection import parse_url
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -17,6 +17,7 @@ from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from payments.conf import payments_settings
+from payments.engine.handlers import unknown_recorded_names
 from payments.engine.queues import PROBE_TIMEOUT, redis_client
 
 #: RQ redelivers an abandoned job 60-90 s after its worker died; an orphaned
@@ -164,7 +165,9 @@ def check_queue_redis_does_not_evict(app_configs: Any = None, **kwargs: Any) -> 
     messages: list[CheckMessage] = []
     for label, client in _redis_endpoints().items():
         try:
-            policy = client.config_get("maxmemory-policy").get("maxmemory-policy")
+            # A sync client: redis-py's annotations also allow the asyncio client's Awaitable.
+            config = cast("dict[str, Any]", client.config_get("maxmemory-policy"))
+            policy = config.get("maxmemory-policy")
         except (RedisConnectionError, RedisTimeoutError) as exc:
             messages.append(
                 CheckWarning(
@@ -279,3 +282,26 @@ def check_redis_roles_do_not_share_keys(
                 )
             )
     return messages
+
+
+@register(Tags.database)
+def check_recorded_names_are_registered(
+    app_configs: Any = None, databases: Any = None, **kwargs: Any
+) -> list[CheckMessage]:
+    """Kinds and step names on unfinished operations must be known to the registered handlers."""
+    if not databases:
+        return []
+    try:
+        problems = unknown_recorded_names()
+    except DatabaseError:  # no table yet (before migrate): nothing is in flight
+        return []
+    return [
+        Error(
+            f"{problem}, but no registered handler declares it.",
+            hint="A renamed kind or step derives new idempotency keys for steps that already "
+            "ran: deploy the rename only once no operation that recorded the old name is "
+            "unfinished, or keep the old name.",
+            id="payments.E010",
+        )
+        for problem in problems
+    ]

@@ -24,7 +24,7 @@ Every key, its default and its meaning:
 ``QUEUE`` (``"payments"``)
     The RQ queue (an ``RQ_QUEUES`` entry) that delivers operations.
 
-`payments.E000` reports a bad value at start-up; the timeout chain between
+`payments.E009` reports a bad value at start-up; the timeout chain between
 them is checked by `payments.E002`-`E005`.
 """
 

@@ -111,3 +111,20 @@ class RetriesExhausted(PaymentsError):
 
 class InvalidTransition(PaymentsError):
     """An operator or service asked for a state change the current state forbids."""
+
+
+class IllegalTransition(InvalidTransition):
+    """The transition table (payments.engine.transitions) forbids this state change."""
+
+    def __init__(self, *, what: str, name: str, from_state: str, to_state: str) -> None:
+        self.what, self.name = what, name
+        self.from_state, self.to_state = from_state, to_state
+        super().__init__(f"{what} {name}: {from_state} -> {to_state} is not allowed")
+
+
+class NotClaimOwner(InvalidTransition):
+    """A claim was to be settled or released by someone who does not hold it; nothing changed."""
+
+    def __init__(self, *, name: str, owner: str, actor: str) -> None:
+        self.name, self.owner, self.actor = name, owner, actor
+        super().__init__(f"claim {name} is held by {owner or 'nobody'}, not {actor}")

@@ -10,7 +10,7 @@ from __future__ import annotations
 from django.db import models
 from django.db.models import Q
 
-OPERATION_KEY_CONSTRAINT = "payments_operation_key_uniq"
+OPERATION_KEY_CONSTRAINT = "payments_operation_scope_key_uniq"
 CLAIM_UNIQUE_CONSTRAINT = "payments_stepclaim_operation_step_uniq"
 
 
@@ -73,12 +73,20 @@ RUNNABLE_OPERATION_STATES = frozenset(
 )
 
 
+class KeyScope(models.TextChoices):
+    """Whose namespace an operation key lives in: UNIQUE(scope, key), so the two never collide."""
+
+    CLIENT = "client", "Client"  # chosen by the caller (the API's Idempotency-Key)
+    DERIVED = "derived", "Derived"  # made by the system: a follow-up or a new attempt of a parent
+
+
 class Operation(models.Model):
     """One business intent, e.g. "check out order 42", keyed for idempotency."""
 
     KEY_CONSTRAINT = OPERATION_KEY_CONSTRAINT
 
     key = models.CharField(max_length=255)
+    scope = models.CharField(max_length=16, choices=KeyScope, default=KeyScope.CLIENT)
     kind = models.CharField(max_length=64)
     entity_type = models.CharField(max_length=64)
     entity_id = models.CharField(max_length=64)
@@ -96,12 +104,16 @@ class Operation(models.Model):
     retry_of = models.ForeignKey(
         "self", null=True, blank=True, on_delete=models.PROTECT, related_name="retries"
     )
+    #: The operation whose step wrote this one (a follow-up); None for a client's intent.
+    parent = models.ForeignKey(
+        "self", null=True, blank=True, on_delete=models.PROTECT, related_name="follow_ups"
+    )
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
 
     class Meta:
         constraints = [
-            models.UniqueConstraint(fields=["key"], name=OPERATION_KEY_CONSTRAINT),
+            models.UniqueConstraint(fields=["scope", "key"], name=OPERATION_KEY_CONSTRAINT),
         ]
         indexes = [
             models.Index(fields=["state", "next_attempt_at"], name="payments_op_state_due"),

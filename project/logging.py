@@ -65,10 +65,21 @@ def _configured_secrets() -> list[str]:
         getattr(settings, "SECRET_KEY", ""),
         getattr(settings, "API_TOKEN", ""),
         getattr(settings, "METRICS_TOKEN", ""),
-        (getattr(settings, "PAYMENTS", None) or {}).get("PROVIDER_API_KEY", ""),
+        _provider_api_key(),
     ]
     found = {v for v in values if isinstance(v, str) and len(v) >= _MIN_SECRET_LENGTH}
     return sorted(found, key=len, reverse=True)
+
+
+def _provider_api_key() -> str:
+    from django.core.exceptions import ImproperlyConfigured
+
+    from payments.conf import payments_settings
+
+    try:
+        return payments_settings().provider_api_key
+    except ImproperlyConfigured:  # payments.E009 reports it; redaction must not fail
+        return ""
 
 
 def redact(text: str) -> str:

@@ -1,34 +1,33 @@
 """Shared fixtures: real PostgreSQL (pytest-django's test database), real Redis, a real
-HTTP fake provider. Redis tests use their own database, flushed around each test."""
+HTTP fake provider. Redis tests use their own database, flushed around each test.
+
+Helpers (builders, flows, workers, users...) live in tests/support/; fixtures live in
+the conftest.py of the folder that needs them, here when more than one folder does.
+"""
 
 from __future__ import annotations
 
-import os
+import json
 from collections.abc import Iterator
 
 import django_rq
 import pytest
 from django.conf import settings
+from django.db import connection
 from redis import Redis
-from rq import SimpleWorker
 from rq.queue import Queue
 
 from devtools.fake_provider.server import FakeProviderServer
+from inbox.queues import MessageQueue
+from tests.support.config import TEST_PAYMENTS, TEST_REDIS_URL
+from tests.support.inbox_jobs import EFFECT_TABLE, QUEUE_NAME, SEEN_KEY, Effects
 
-TEST_REDIS_URL = os.environ.get("TEST_REDIS_URL", "redis://127.0.0.1:6379/15")
+# Import helpers from tests.support; this name stays only for modules not yet moved over.
+from tests.support.workers import run_worker  # noqa: F401  (tests/engine/test_fence_edges.py)
 
 # Point every queue at the test Redis database before anything creates a queue.
 for _config in settings.RQ_QUEUES.values():
     _config["URL"] = TEST_REDIS_URL
-
-#: Timeouts small enough for tests and still a valid chain (1.5 < 3 <= 3).
-TEST_PAYMENTS = {
-    "PROVIDER_CONNECT_TIMEOUT": 0.5,
-    "PROVIDER_READ_TIMEOUT": 1.0,
-    "JOB_TIMEOUT": 3,
-    "CLAIM_LEASE": 3,
-    "RETRY_BACKOFF": [0, 0],
-}
 
 
 @pytest.fixture
@@ -37,23 +36,81 @@ def redis_conn() -> Iterator[Redis]:
     conn.flushdb()
     yield conn
     conn.flushdb()
+    conn.close()
 
 
 @pytest.fixture
 def queue(redis_conn: Redis) -> Queue:
+    """The payments queue (tests/inbox/ overrides it with the inbox test queue)."""
     return django_rq.get_queue("payments")
 
 
+# --- The fake provider -----------------------------------------------------------------
+
+
 @pytest.fixture
-def provider(settings) -> Iterator[FakeProviderServer]:
-    """A fake provider on a free port, with the app's settings pointing at it."""
-    server = FakeProviderServer(search_lag=0).start()
-    settings.PAYMENTS = {**settings.PAYMENTS, **TEST_PAYMENTS, "PROVIDER_URL": server.url}
+def fake_provider() -> Iterator[FakeProviderServer]:
+    """Start a fake provider on a free port for one test, then stop it.
+
+    `slow` faults wait 1 s here (not 12 s): tests pair them with a client read
+    timeout well below that. Change anything with `fake_provider.state.configure()`.
+    """
+    server = FakeProviderServer("127.0.0.1", 0, slow_delay=1.0).start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def provider(fake_provider: FakeProviderServer, settings) -> FakeProviderServer:
+    """The fake provider, with the app's settings pointing at it (and e-mails kept in memory)."""
+    settings.PAYMENTS = {
+        **settings.PAYMENTS,
+        **TEST_PAYMENTS,
+        "PROVIDER_URL": fake_provider.url,
+    }
     settings.EMAIL_BACKEND = "django.core.mail.backends.locmem.EmailBackend"
-    yield server
-    server.stop()
+    return fake_provider
 
 
-def run_worker(queue: Queue) -> None:
-    """Run jobs until the queue is empty, in this process (and this DB connection)."""
-    SimpleWorker([queue], connection=queue.connection).work(burst=True, with_scheduler=False)
+# --- The inbox test queue (tests/inbox/ and tests/crash/) -------------------------------
+
+
+@pytest.fixture
+def inbox_queue(redis_conn: Redis, settings) -> MessageQueue:
+    """Return the inbox test queue, built by django-rq from settings like production queues.
+
+    Commit mode "auto": under ``django_db`` the test runs in a transaction
+    that never commits, so on_commit enqueues would never happen.
+    """
+    settings.RQ_QUEUES = {
+        **settings.RQ_QUEUES,
+        QUEUE_NAME: {"URL": TEST_REDIS_URL, "DEFAULT_TIMEOUT": 30},
+    }
+    q = django_rq.get_queue(QUEUE_NAME, connection=redis_conn, commit_mode="auto")
+    assert isinstance(q, MessageQueue)
+    return q
+
+
+@pytest.fixture
+def effects() -> Iterator[Effects]:
+    """Create the side table (raw SQL: the inbox app has no test models), drop it after."""
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"CREATE TABLE IF NOT EXISTS {EFFECT_TABLE} "
+            "(id bigserial PRIMARY KEY, message_id text, tag text NOT NULL)"
+        )
+    yield Effects()
+    with connection.cursor() as cursor:
+        cursor.execute(f"DROP TABLE IF EXISTS {EFFECT_TABLE}")
+
+
+@pytest.fixture
+def seen(redis_conn: Redis):
+    """Return a function listing every delivery the handlers noted, in order."""
+
+    def deliveries() -> list[dict[str, str]]:
+        return [json.loads(item) for item in redis_conn.lrange(SEEN_KEY, 0, -1)]
+
+    return deliveries

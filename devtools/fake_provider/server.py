@@ -1,6 +1,6 @@
 """A fake Stripe-compatible payment provider: a real HTTP/1.1 server on the stdlib.
 
-It serves the provider contract of DESIGN.md from its own in-memory state
+It serves the provider contract of docs/design.md from its own in-memory state
 (`devtools.fake_provider.state`), never from the application's database, so
 tests and the demo can compare what the provider did with what the fence
 recorded.

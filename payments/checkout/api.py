@@ -23,7 +23,7 @@ from django.views.decorators.http import require_http_methods
 from payments.checkout.handler import CheckoutNotAllowed, request_checkout
 from payments.checkout.orders import CURRENCIES, create_order
 from payments.exceptions import OperationConflict
-from payments.models import Operation, Order
+from payments.models import KeyScope, Operation, Order
 
 MAX_KEY_LENGTH = 255
 MAX_PAYMENT_METHOD_LENGTH = 255
@@ -206,7 +206,7 @@ def checkout(request: HttpRequest, order_id: int) -> JsonResponse:
 @api_view("GET")
 def operation_detail(request: HttpRequest, key: str) -> JsonResponse:
     """Show an operation: its state and its steps with their provider references."""
-    op = Operation.objects.filter(key=key).first()
+    op = Operation.objects.filter(scope=KeyScope.CLIENT, key=key).first()
     if op is None:
         raise ApiError(404, "operation_not_found", "No operation has this key.")
     return JsonResponse(_operation_json(op))

@@ -23,14 +23,18 @@ from payments.checkout.names import (
 from payments.engine import fence
 from payments.engine.dispatch import dispatch_on_commit
 from payments.engine.handlers import message_handler
-from payments.models import LedgerEntry, Operation, Order, SalesDay
+from payments.models import KeyScope, LedgerEntry, Operation, Order, SalesDay
 
 #: The follow-ups written for every paid order, in this order.
 FOLLOW_UPS = (RECORD_SALE, COUNT_SALE)
 
 
-def write_follow_ups_in_tx(order: Order, reference: str, *, parent_key: str, actor: str) -> None:
-    """Write the paid order's follow-up operations. Runs inside the caller's transaction."""
+def write_follow_ups_in_tx(order: Order, reference: str, *, parent: Operation, actor: str) -> None:
+    """Write the paid order's follow-up operations. Runs inside the caller's transaction.
+
+    Their keys are derived from the parent's id (scope DERIVED): whatever key a
+    client chose, a follow-up's key fits and can never collide with a client's.
+    """
     params = {
         "order_id": order.pk,
         "amount": order.amount,
@@ -39,7 +43,9 @@ def write_follow_ups_in_tx(order: Order, reference: str, *, parent_key: str, act
     }
     for kind in FOLLOW_UPS:
         op, created = fence.create_operation_in_tx(
-            key=f"{parent_key}:{kind}",
+            key=fence.follow_up_key(parent, kind),
+            scope=KeyScope.DERIVED,
+            parent=parent,
             kind=kind,
             entity_type="order",
             entity_id=order.pk,

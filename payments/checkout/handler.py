@@ -26,7 +26,15 @@ from payments.engine.effects import DeliveryPolicy
 from payments.engine.handlers import handler
 from payments.engine.runtime import Run
 from payments.exceptions import InvalidTransition
-from payments.models import ClaimState, Invoice, Operation, Order, OrderStatus, StepClaim
+from payments.models import (
+    ClaimState,
+    Invoice,
+    KeyScope,
+    Operation,
+    Order,
+    OrderStatus,
+    StepClaim,
+)
 
 logger = logging.getLogger("payments.checkout.handler")
 
@@ -38,7 +46,13 @@ class CheckoutNotAllowed(InvalidTransition):
 
 
 def request_checkout(
-    *, order_id: int, key: str, payment_method: str, actor: str, retry_of: Operation | None = None
+    *,
+    order_id: int,
+    key: str,
+    payment_method: str,
+    actor: str,
+    retry_of: Operation | None = None,
+    scope: str = KeyScope.CLIENT,
 ) -> tuple[Operation, bool]:
     """Write the checkout operation for an order and enqueue it on commit.
 
@@ -55,7 +69,7 @@ def request_checkout(
             "currency": order.currency,
             "payment_method": payment_method,
         }
-        existing = Operation.objects.filter(key=key).first()
+        existing = Operation.objects.filter(scope=scope, key=key).first()
         if existing is None:
             if order.status not in CHECKOUT_OPEN_STATUSES:
                 raise CheckoutNotAllowed(
@@ -74,6 +88,7 @@ def request_checkout(
             params=params,
             actor=actor,
             retry_of=retry_of,
+            scope=scope,
         )
         if created:
             order.status = OrderStatus.PROCESSING
@@ -144,7 +159,7 @@ def mark_paid(order_id: int, reference: str, operation: Operation) -> dict[str, 
     order = Order.objects.select_for_update().get(pk=order_id)
     order.status = OrderStatus.PAID
     order.save(update_fields=["status", "updated_at"])
-    write_follow_ups_in_tx(order, reference, parent_key=operation.key, actor="checkout")
+    write_follow_ups_in_tx(order, reference, parent=operation, actor="checkout")
     return {"status": OrderStatus.PAID}
 
 

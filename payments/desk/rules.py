@@ -7,12 +7,9 @@ not. Nothing here writes.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
-
-from django.utils import timezone
 
 from payments.checkout.charge import PaymentIntentCharge
 from payments.checkout.names import CHECKOUT
@@ -26,8 +23,6 @@ from payments.provider.errors import ProviderError, ResourceMissing
 #: provider's search may lag writes, and a request our read timeout cut off may
 #: still be executing at the provider.
 LOOKUP_MARGIN = timedelta(seconds=60)
-
-_ATTEMPT_SUFFIX = re.compile(r":attempt-(\d+)$")
 
 
 class DeskError(InvalidTransition):
@@ -44,14 +39,17 @@ class ReasonRequired(DeskError):
     """A judgement (resume, mark a step, new attempt) needs a written reason."""
 
 
-def next_attempt_key(key: str) -> str:
-    """Return the key of the next attempt: `k` -> `k:attempt-2` -> `k:attempt-3`."""
-    match = _ATTEMPT_SUFFIX.search(key)
-    base, n = (key[: match.start()], int(match.group(1))) if match else (key, 1)
-    new_key = f"{base}:attempt-{n + 1}"
-    if len(new_key) > 255:
-        raise DeskError("the next attempt's key would exceed 255 characters", operation_key=key)
-    return new_key
+def next_attempt_key(op: Operation) -> str:
+    """Return the derived key of the attempt after `op`: `<first id>:attempt-<n>`.
+
+    Derived keys live in their own scope (KeyScope.DERIVED), so no client key,
+    whatever its length or characters, can collide with one, and they stay short.
+    """
+    first, attempt = op, 1
+    while first.retry_of_id is not None:
+        first = Operation.objects.only("pk", "retry_of_id").get(pk=first.retry_of_id)
+        attempt += 1
+    return fence.attempt_key(first, attempt + 1)
 
 
 # --- what the desk offers for one operation (the admin's buttons) ----------------
@@ -171,13 +169,11 @@ def settleable_claim(
 
 
 def check_no_live_lease(op: Operation) -> None:
-    if (
-        op.state == OperationState.RUNNING
-        and op.lease_expires_at is not None
-        and op.lease_expires_at > timezone.now()
-    ):
+    """Refuse to act on an operation a worker holds (by the database's clock), naming who."""
+    if fence.lease_alive(op, fence.db_now()):
         raise DeskError(
-            f"a worker runs it now (lease until {op.lease_expires_at:%H:%M:%S})",
+            f"a worker runs it now ({op.lease_owner} holds the lease until "
+            f"{op.lease_expires_at:%H:%M:%S})",
             operation_key=op.key,
         )
 

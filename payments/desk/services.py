@@ -18,12 +18,15 @@ import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from django.contrib.auth.models import PermissionsMixin
 from django.core.exceptions import PermissionDenied
 from django.db import transaction
+from django.db.models.functions import Now
 from django.utils import timezone
 
 from payments.checkout.handler import CheckoutNotAllowed, request_checkout
 from payments.checkout.names import CHECKOUT
+from payments.conf import payments_settings
 from payments.desk.rules import (
     LOOKUP_MARGIN,
     DeskActions,
@@ -43,7 +46,7 @@ from payments.engine.dispatch import dispatch_on_commit
 from payments.engine.handlers import get_handler
 from payments.engine.outcomes import Outcome
 from payments.engine.steps import view_of
-from payments.models import ClaimState, Operation, OperationState, Order, StepClaim
+from payments.models import ClaimState, KeyScope, Operation, OperationState, Order, StepClaim
 
 if TYPE_CHECKING:
     from django.contrib.auth.models import AbstractBaseUser
@@ -102,37 +105,63 @@ class QueryReport:
         )
 
 
+#: States in which a worker may still run the operation: a query there only reads.
+WORKER_STATES = frozenset({OperationState.PENDING, OperationState.RUNNING, OperationState.RETRYING})
+
+
 def query_provider(operation_ids: list[int], *, user: AbstractBaseUser) -> QueryReport:
     """Ask the provider what happened to the selected operations' unsettled steps.
 
-    Runs the reconciler on the selection (stored reference, else a replay with
-    the same key, else a metadata search; never a new key) and records, per
-    operation, one audit row saying the operator asked and what came back.
+    Operations no worker will run (uncertain, failed, needs review) go through
+    the reconciler: stored reference, else a replay with the same key, else a
+    metadata search; never a new key. Operations a worker may still run
+    (pending, running, retrying) are only *read* (retrieve or search, no
+    replay, nothing settled): a replay there could execute a charge beside the
+    worker's own attempt; the worker records what happened. One under a live
+    lease is refused, naming who holds it and until when. Each operation gets
+    one audit row saying the operator asked and what came back.
     """
     _require(user, RECONCILE_PERMISSION)
     ids = sorted({int(i) for i in operation_ids})
     if not ids:
         raise DeskError("select at least one operation", action="query_provider")
     actor = actor_of(user)
-    before = dict(Operation.objects.filter(pk__in=ids).values_list("pk", "state"))
-    claims = StepClaim.objects.filter(operation_id__in=ids).count()
-    report = recovery.reconcile(actor=actor, operation_ids=ids, batch_size=max(claims, 1))
-    outcome_of = {key: outcome for outcome, keys in report.outcomes.items() for key in keys}
+    ops = {op.pk: op for op in Operation.objects.filter(pk__in=ids).annotate(db_now=Now())}
+    outcome_of: dict[int, str] = {}
+    settle_ids = []
+    for op_id, listed in ops.items():
+        if fence.lease_alive(listed, fence.clock_of(listed)):
+            outcome_of[op_id] = (
+                f"held by {listed.lease_owner} until {listed.lease_expires_at:%H:%M:%S}; "
+                "not queried"
+            )
+        elif listed.state in WORKER_STATES:
+            outcome_of[op_id] = recovery.look_up(listed)
+        else:
+            settle_ids.append(op_id)
+    if settle_ids:
+        claims = StepClaim.objects.filter(operation_id__in=settle_ids).count()
+        report = recovery.reconcile(
+            actor=actor, operation_ids=settle_ids, batch_size=max(claims, 1)
+        )
+        by_key = {key: outcome for outcome, keys in report.outcomes.items() for key in keys}
+        for op_id in settle_ids:
+            outcome_of[op_id] = by_key.get(ops[op_id].key, "nothing_to_settle")
     result = QueryReport()
     for op_id in ids:
-        if op_id not in before:
+        if op_id not in ops:
             continue
         with transaction.atomic():
             op = fence.locked_operation_in_tx(op_id)
-            outcome = outcome_of.get(op.key, "nothing_to_settle")
+            outcome = outcome_of[op_id]
             fence.record_event_in_tx(
                 op,
                 from_state=op.state,
                 to_state=op.state,
                 actor=actor,
-                reason=f"queried the provider: {outcome.replace('_', ' ')}",
+                reason=f"queried the provider: {outcome.replace('_', ' ')}"[:1000],
             )
-        result.rows.append(QueryOutcome(op.pk, op.key, outcome, before[op_id], op.state))
+        result.rows.append(QueryOutcome(op.pk, op.key, outcome, ops[op_id].state, op.state))
     logger.info("operator queried the provider for %s operations: %s", len(ids), result.summary())
     return result
 
@@ -225,6 +254,7 @@ def mark_step_succeeded(
         check_reference_unused(locked, row, reference)
         if locked.state == OperationState.FAILED:
             _reopen_entity_in_tx(locked)
+        row = _taken_by_operator_in_tx(row, actor, f"to mark it succeeded: {reason}")
         settled = fence.settle_claim(
             row,
             ClaimState.DONE,
@@ -282,6 +312,7 @@ def mark_step_failed(
         locked = fence.locked_operation_in_tx(op.pk)
         row = _unchanged_claim_in_tx(claim)
         settleable_claim(locked, _locked_claims_in_tx(locked), step, spec)
+        row = _taken_by_operator_in_tx(row, actor, f"to mark it failed: {reason}")
         settled = fence.settle_claim(
             row,
             ClaimState.FAILED,
@@ -330,7 +361,7 @@ def start_new_attempt(
         op = fence.locked_operation_in_tx(_pk(operation))
         spec = get_handler(op.kind)
         check_new_attempt(op, _locked_claims_in_tx(op), spec)
-        new_key = next_attempt_key(op.key)
+        new_key = next_attempt_key(op)
         try:
             new, created = request_checkout(
                 order_id=int(op.params["order_id"]),
@@ -338,6 +369,7 @@ def start_new_attempt(
                 payment_method=payment_method or op.params["payment_method"],
                 actor=actor,
                 retry_of=op,
+                scope=KeyScope.DERIVED,
             )
         except CheckoutNotAllowed as exc:
             raise DeskError(str(exc), operation_key=op.key, action="new_attempt") from exc
@@ -374,6 +406,15 @@ def _reopen_entity_in_tx(op: Operation) -> None:
         spec.on_resume(op)
 
 
+def _taken_by_operator_in_tx(row: StepClaim, actor: str, why: str) -> StepClaim:
+    """Make the operator the claim's owner, so that only they settle it (in the caller's tx)."""
+    lease = payments_settings().claim_lease
+    taken = fence.take_over_claim(row, owner=actor, lease_seconds=lease, why=why)
+    if taken is None:  # settleable_claim refused live claims under the same lock
+        raise DeskError(f"a worker holds step {row.step} now", operation_key=row.operation.key)
+    return taken
+
+
 def _locked_claims_in_tx(op: Operation) -> list[StepClaim]:
     """Return the operation's claims locked FOR UPDATE. Runs inside the caller's transaction."""
     return list(StepClaim.objects.select_for_update().filter(operation=op).order_by("pk"))
@@ -398,7 +439,8 @@ def _unchanged_claim_in_tx(claim: StepClaim) -> StepClaim:
 
 
 def _require(user: AbstractBaseUser, permission: str) -> None:
-    if not (user.is_active and user.is_staff and user.has_perm(permission)):
+    staff = user.is_active and getattr(user, "is_staff", False)
+    if not (staff and isinstance(user, PermissionsMixin) and user.has_perm(permission)):
         raise PermissionDenied(f"{permission} is required")
 
 

@@ -13,7 +13,8 @@ import json
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from datetime import datetime
+from typing import TYPE_CHECKING, Any, TypedDict, cast
 
 from django import forms
 from django.contrib import admin, messages
@@ -23,7 +24,7 @@ from django.db.models import Count, F, OuterRef, Q, QuerySet, Subquery
 from django.db.models.functions import Coalesce
 from django.http import Http404, HttpRequest, HttpResponse, HttpResponseRedirect
 from django.template.response import TemplateResponse
-from django.urls import NoReverseMatch, path, reverse
+from django.urls import NoReverseMatch, URLPattern, path, reverse
 from django.utils import timezone
 from django.utils.timesince import timesince
 from rq.job import Job
@@ -35,10 +36,28 @@ from payments.engine.queues import payments_queue, queue_index
 from payments.exceptions import PaymentsError
 from payments.models import FenceAuditRun, Operation, OperationEvent, OperationState
 
+if TYPE_CHECKING:
+    from django.contrib.auth.base_user import AbstractBaseUser
+    from django_stubs_ext import WithAnnotations
+
+    # The mixin is only ever mixed into a ModelAdmin of Operation (OperationAdmin);
+    # at run time its base stays `object`.
+    _DeskAdminBase = admin.ModelAdmin[Operation]
+else:
+    _DeskAdminBase = object
+
 logger = logging.getLogger("payments.admin")
 
 
-def with_state_since(queryset: QuerySet[Operation]) -> QuerySet[Operation]:
+class StateSince(TypedDict):
+    """The annotation `with_state_since` adds."""
+
+    state_since: datetime
+
+
+def with_state_since(
+    queryset: QuerySet[Operation],
+) -> QuerySet[WithAnnotations[Operation, StateSince]]:
     """Annotate `state_since`: when the operation entered its current state."""
     entered = (
         OperationEvent.objects.filter(operation=OuterRef("pk"), step="", to_state=OuterRef("state"))
@@ -77,8 +96,8 @@ def job_link(op: Operation) -> JobLink | None:
         return None
     try:
         job = Job.fetch(op.job_id, connection=payments_queue().connection)
-        status = job.get_status(refresh=False)
-        status = getattr(status, "value", status) or "unknown"
+        raw_status = job.get_status(refresh=False)
+        status: str = getattr(raw_status, "value", raw_status) or "unknown"
     except Exception:  # NoSuchJobError, or Redis unreachable: show the id without a link
         return JobLink(op.job_id, "gone", None)
     return JobLink(op.job_id, status, _rq_url("job_detail", queue_index(), op.job_id))
@@ -132,8 +151,13 @@ class DeskAction:
     run: Callable[[Operation, str, HttpRequest, dict[str, Any]], str]
 
 
+def _operator(request: HttpRequest) -> AbstractBaseUser:
+    """The signed-in operator: `admin_view` lets only active staff reach the desk."""
+    return cast("AbstractBaseUser", request.user)
+
+
 def _run_query(op: Operation, step: str, request: HttpRequest, data: dict[str, Any]) -> str:
-    report = desk.query_provider([op.pk], user=request.user)
+    report = desk.query_provider([op.pk], user=_operator(request))
     row = report.rows[0] if report.rows else None
     if row is None:
         return "Queried the provider: nothing to settle."
@@ -141,25 +165,27 @@ def _run_query(op: Operation, step: str, request: HttpRequest, data: dict[str, A
 
 
 def _run_resume(op: Operation, step: str, request: HttpRequest, data: dict[str, Any]) -> str:
-    desk.resume(op, user=request.user, reason=data["reason"])
+    desk.resume(op, user=_operator(request), reason=data["reason"])
     return f"Resumed with the same key: {data['reason']}"
 
 
 def _run_mark_succeeded(op: Operation, step: str, request: HttpRequest, data: dict) -> str:
     ref = data["reference"]
-    desk.mark_step_succeeded(op, step, reference=ref, user=request.user, reason=data["reason"])
+    desk.mark_step_succeeded(
+        op, step, reference=ref, user=_operator(request), reason=data["reason"]
+    )
     return f"Marked step {step} succeeded with {ref}: {data['reason']}"
 
 
 def _run_mark_failed(op: Operation, step: str, request: HttpRequest, data: dict) -> str:
-    desk.mark_step_failed(op, step, user=request.user, reason=data["reason"])
+    desk.mark_step_failed(op, step, user=_operator(request), reason=data["reason"])
     return f"Marked step {step} failed: {data['reason']}"
 
 
 def _run_new_attempt(op: Operation, step: str, request: HttpRequest, data: dict) -> str:
     new = desk.start_new_attempt(
         op,
-        user=request.user,
+        user=_operator(request),
         reason=data["reason"],
         payment_method=data.get("payment_method") or None,
     )
@@ -184,10 +210,10 @@ DESK_ACTIONS = {
 }  # fmt: skip
 
 
-class DeskViewsMixin:
+class DeskViewsMixin(_DeskAdminBase):
     """The desk's extra admin views, mixed into OperationAdmin."""
 
-    def get_urls(self) -> list:
+    def get_urls(self) -> list[URLPattern]:
         view = self.admin_site.admin_view
         info = f"{self.opts.app_label}_{self.opts.model_name}"
         desk_urls = [
@@ -275,7 +301,7 @@ class DeskViewsMixin:
         if request.POST.get("post"):
             ops = list(queryset)
             try:
-                report = desk.query_provider([op.pk for op in ops], user=request.user)
+                report = desk.query_provider([op.pk for op in ops], user=_operator(request))
             except PaymentsError as exc:
                 self.message_user(request, f"Nothing was changed: {exc}", messages.ERROR)
                 return None
@@ -392,6 +418,6 @@ def _audit_rows(run: FenceAuditRun | None) -> list[tuple[str, str]]:
 
 def _next_key_or_blank(op: Operation) -> str:
     try:
-        return desk.next_attempt_key(op.key)
+        return desk.next_attempt_key(op)
     except desk.DeskError:
         return ""

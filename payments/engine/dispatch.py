@@ -18,17 +18,19 @@ from django.utils import timezone
 from rq import Retry
 
 from payments.conf import payments_settings
+from payments.engine import fence
 from payments.engine.handlers import get_handler
 from payments.engine.queues import payments_queue
 from payments.exceptions import ConfigurationError
-from payments.models import Operation
+from payments.models import KeyScope, Operation
 
 logger = logging.getLogger("payments.engine.dispatch")
 
 
-def message_id_for(operation_key: str) -> str:
+def message_id_for(operation_key: str, scope: str = KeyScope.CLIENT) -> str:
     """Return the stable 32-hex message id of a message operation (the same on every delivery)."""
-    return hashlib.sha256(operation_key.encode()).hexdigest()[:32]
+    name = operation_key if scope == KeyScope.CLIENT else f"{scope}\x1e{operation_key}"
+    return hashlib.sha256(name.encode()).hexdigest()[:32]
 
 
 #: The RQ entry points, named by path: RQ stores the path with the job, and
@@ -45,7 +47,7 @@ def _delivery(op: Operation) -> tuple[str, str]:
         consumer = None
     if consumer is not None:
         # An inbox message: every delivery of it must carry the same id.
-        return DELIVER_MESSAGE, message_id_for(op.key)
+        return DELIVER_MESSAGE, message_id_for(op.key, op.scope)
     # The fence guards operations; each delivery is a job of its own.
     return RUN_OPERATION, uuid.uuid4().hex
 
@@ -69,9 +71,9 @@ def _enqueue(op: Operation, func: str, job_id: str, at: datetime | None) -> None
 
 def dispatch(operation_id: int, *, at: datetime | None = None) -> str:
     """Record a new job id, then enqueue the job (at `at`, else now); return the job id."""
-    op = Operation.objects.only("key", "kind").get(pk=operation_id)
+    op = Operation.objects.only("key", "kind", "scope").get(pk=operation_id)
     func, job_id = _delivery(op)
-    Operation.objects.filter(pk=op.pk).update(job_id=job_id, dispatched_at=timezone.now())
+    fence.record_dispatch_in_tx(op.pk, job_id)
     _enqueue(op, func, job_id, at)
     return job_id
 
@@ -85,10 +87,10 @@ def dispatch_on_commit(operation: Operation | int) -> None:
     op = (
         operation
         if isinstance(operation, Operation)
-        else Operation.objects.only("key", "kind").get(pk=operation)
+        else Operation.objects.only("key", "kind", "scope").get(pk=operation)
     )
     func, job_id = _delivery(op)
-    Operation.objects.filter(pk=op.pk).update(job_id=job_id, dispatched_at=timezone.now())
+    fence.record_dispatch_in_tx(op.pk, job_id)
 
     def deliver() -> None:
         try:

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import os
 import signal
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 from django.conf import settings
 
@@ -21,10 +23,29 @@ AFTER_RECORD_COMMIT = "after_record_commit"
 POINTS = (AFTER_CLAIM_COMMIT, AFTER_PROVIDER_ACCEPT, BEFORE_RECORD_COMMIT, AFTER_RECORD_COMMIT)
 #: A follow-up message whose handler and inbox row committed, before the job is acked.
 AFTER_INBOX_COMMIT = "after_inbox_commit"
+#: The last transient attempt released its claim and is about to give up (under the op's lock).
+BEFORE_GIVE_UP = "before_give_up"
+
+#: In-process hooks by point name, for tests that drive a race deterministically
+#: (a callback runs where a crash test would kill). Production registers none.
+_HOOKS: dict[str, Callable[[], None]] = {}
+
+
+@contextmanager
+def hooked(name: str, callback: Callable[[], None]) -> Iterator[None]:
+    """Run `callback` whenever this process reaches the point `name`, inside the block."""
+    _HOOKS[name] = callback
+    try:
+        yield
+    finally:
+        _HOOKS.pop(name, None)
 
 
 def failpoint(name: str) -> None:
-    """SIGKILL this process at the named point when a test asked for it."""
+    """Run a test's hook at the named point, or SIGKILL this process when a test asked for it."""
+    hook = _HOOKS.get(name)
+    if hook is not None:
+        hook()
     wanted = os.environ.get("FENCE_FAILPOINTS")
     if not wanted or name not in wanted.split(",") or not settings.DEBUG:
         return

@@ -8,25 +8,34 @@ transaction; the others own theirs.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
+import logging
+import os
+import secrets
+import socket
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Any
+from typing import Any, cast
 
-from django.db import IntegrityError, transaction
-from django.utils import timezone
+from django.db import IntegrityError, connection, transaction
+from django.db.models.functions import Now
 
 from payments.conf import payments_settings
+from payments.engine import transitions
 from payments.engine.failpoints import BEFORE_RECORD_COMMIT, failpoint
-from payments.exceptions import InvalidTransition, OperationConflict
+from payments.exceptions import InvalidTransition, NotClaimOwner, OperationConflict
 from payments.models import (
     ClaimState,
+    KeyScope,
     Operation,
     OperationEvent,
     OperationState,
     StepClaim,
 )
+
+logger = logging.getLogger("payments.engine.fence")
 
 # --- keys and fingerprints -----------------------------------------------------
 
@@ -41,10 +50,60 @@ def fingerprint(kind: str, entity_type: str, entity_id: str, params: dict[str, A
     return hashlib.sha256(canonical.encode()).hexdigest()
 
 
-def derive_idempotency_key(operation_key: str, step: str) -> str:
-    """Derive the provider idempotency key of a step: stable, bounded, no attempt number."""
-    digest = hashlib.sha256(f"{operation_key}\x1f{step}".encode()).hexdigest()
+def derive_idempotency_key(operation_key: str, step: str, scope: str = KeyScope.CLIENT) -> str:
+    """Derive the provider idempotency key of a step: stable, bounded, no attempt number.
+
+    A derived operation's scope goes into the hash, so that a client key equal
+    to a derived key can never share a provider idempotency key with it.
+    """
+    name = operation_key if scope == KeyScope.CLIENT else f"{scope}\x1e{operation_key}"
+    digest = hashlib.sha256(f"{name}\x1f{step}".encode()).hexdigest()
     return f"fence_{digest[:48]}"
+
+
+def follow_up_key(parent: Operation, kind: str) -> str:
+    """Return the derived key of `parent`'s follow-up of `kind` (scope DERIVED)."""
+    return f"{parent.pk}:{kind}"
+
+
+def attempt_key(first: Operation, attempt: int) -> str:
+    """Return the derived key of attempt `attempt` (2, 3, ...) of the first operation `first`."""
+    return f"{first.pk}:attempt-{attempt}"
+
+
+# --- who acts, and the clock -------------------------------------------------------
+
+
+def actor_id(role: str) -> str:
+    """Return an actor id unique to this process: role, host, pid and a random suffix.
+
+    Claims and leases are owned by these ids; two processes never share one,
+    so neither mistakes the other's live claim for its own.
+    """
+    return f"{role}:{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
+
+
+@functools.cache
+def process_actor(role: str, pid: int | None = None) -> str:
+    """Return this process's actor id for `role` (one per process: cached by pid)."""
+    return actor_id(role)
+
+
+def clock_of(row: Operation | StepClaim) -> datetime:
+    """Return the database's clock read with a locked row (its `db_now` annotation)."""
+    return cast(datetime, cast(Any, row).db_now)
+
+
+def db_now() -> datetime:
+    """Return PostgreSQL's clock (the transaction's start inside one): the only clock for leases.
+
+    Every host compares leases against the database's time, so a host whose
+    clock drifts cannot take over a live lease or keep an expired one.
+    """
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT now()")
+        (now,) = cursor.fetchone()
+    return now
 
 
 def unique_violation_of(exc: IntegrityError, constraint: str) -> bool:
@@ -88,6 +147,8 @@ def create_operation_in_tx(
     params: dict[str, Any],
     actor: str,
     retry_of: Operation | None = None,
+    parent: Operation | None = None,
+    scope: str = KeyScope.CLIENT,
 ) -> tuple[Operation, bool]:
     """Create the operation for `key`, or return the existing one with the same fingerprint.
 
@@ -103,6 +164,8 @@ def create_operation_in_tx(
         with transaction.atomic():  # savepoint: a duplicate key must not abort the caller
             op = Operation.objects.create(
                 key=key,
+                scope=scope,
+                parent=parent,
                 kind=kind,
                 entity_type=entity_type,
                 entity_id=entity_id,
@@ -113,7 +176,7 @@ def create_operation_in_tx(
     except IntegrityError as exc:
         if not unique_violation_of(exc, Operation.KEY_CONSTRAINT):
             raise
-        existing = Operation.objects.get(key=key)
+        existing = Operation.objects.get(scope=scope, key=key)
         if existing.fingerprint != fp:
             raise OperationConflict(
                 key,
@@ -138,6 +201,7 @@ def transition_in_tx(
     The caller holds the row (select_for_update) so the check and the write are one.
     """
     from_state = operation.state
+    transitions.check_operation(operation.key, from_state, to_state)
     operation.state = to_state
     for name, value in fields.items():
         setattr(operation, name, value)
@@ -148,9 +212,29 @@ def transition_in_tx(
         )
 
 
+def record_dispatch_in_tx(operation_id: int, job_id: str) -> None:
+    """Record the job id of a new delivery, by the DB's clock. Runs in the caller's transaction.
+
+    Not a state change: the sweeper reads it to tell a live delivery from a lost one.
+    """
+    Operation.objects.filter(pk=operation_id).update(job_id=job_id, dispatched_at=Now())
+
+
 def locked_operation_in_tx(operation_id: int) -> Operation:
-    """Return the operation row locked FOR UPDATE. Runs inside the caller's transaction."""
-    return Operation.objects.select_for_update().get(pk=operation_id)
+    """Return the operation row locked FOR UPDATE. Runs inside the caller's transaction.
+
+    The row carries `db_now`, the database's clock read in the same statement.
+    """
+    return Operation.objects.select_for_update().annotate(db_now=Now()).get(pk=operation_id)
+
+
+def lease_alive(operation: Operation, now: datetime) -> bool:
+    """Tell whether a worker holds the operation's lease at `now` (the database's clock)."""
+    return (
+        operation.state == OperationState.RUNNING
+        and operation.lease_expires_at is not None
+        and operation.lease_expires_at > now
+    )
 
 
 @dataclass(frozen=True)
@@ -163,15 +247,10 @@ class LeaseResult:
 
 def acquire_lease(operation_id: int, *, owner: str, seconds: int) -> LeaseResult:
     """Take the operation's lease if it is runnable and no live lease is held."""
-    now = timezone.now()
     with transaction.atomic():
         op = locked_operation_in_tx(operation_id)
-        leased_by_other = (
-            op.state == OperationState.RUNNING
-            and op.lease_expires_at is not None
-            and op.lease_expires_at > now
-            and op.lease_owner != owner
-        )
+        now = clock_of(op)
+        leased_by_other = lease_alive(op, now) and op.lease_owner != owner
         runnable = op.state in (
             OperationState.PENDING,
             OperationState.RETRYING,
@@ -237,8 +316,7 @@ def record_failed_attempt_in_tx(
             last_error=reason,
         )
         return True
-    backoff = payments_settings().retry_backoff or [0]
-    delay = backoff[min(attempt - 1, len(backoff) - 1)]
+    delay = payments_settings().backoff_before(attempt)
     release_in_tx(
         operation,
         OperationState.RETRYING,
@@ -246,7 +324,7 @@ def record_failed_attempt_in_tx(
         reason=f"attempt {attempt} failed: {reason}"[:500],
         attempts=attempt,
         last_error=reason,
-        next_attempt_at=timezone.now() + timedelta(seconds=delay),
+        next_attempt_at=db_now() + timedelta(seconds=delay),
     )
     return False
 
@@ -284,14 +362,14 @@ def claim_step(
     """
     if transaction.get_connection().in_atomic_block:
         raise InvalidTransition("claim_step must commit before the external call; no atomic()")
-    now = timezone.now()
     try:
         with transaction.atomic():
+            now = db_now()
             claim = StepClaim.objects.create(
                 operation=operation,
                 step=step,
                 state=ClaimState.CLAIMED,
-                idempotency_key=derive_idempotency_key(operation.key, step)
+                idempotency_key=derive_idempotency_key(operation.key, step, operation.scope)
                 if provider_call
                 else "",
                 request=request,
@@ -316,7 +394,7 @@ def insert_local_claim_in_tx(operation: Operation, step: str, *, owner: str) -> 
     A concurrent duplicate raises IntegrityError on the claim constraint, which
     rolls the whole transaction back: the step's writes happen once.
     """
-    now = timezone.now()
+    now = db_now()
     claim = StepClaim.objects.create(
         operation=operation,
         step=step,
@@ -336,53 +414,76 @@ def store_local_result_in_tx(claim: StepClaim, result: dict[str, Any]) -> None:
 
 
 def _locked_claim_in_tx(claim_id: int) -> StepClaim:
-    """Return the claim locked FOR UPDATE (not its operation), with its operation loaded."""
+    """Return the claim locked FOR UPDATE (not its operation), with its operation and `db_now`."""
     return (
         StepClaim.objects.select_for_update(of=("self",))
         .select_related("operation")
+        .annotate(db_now=Now())
         .get(pk=claim_id)
     )
 
 
-def take_over_claim(claim: StepClaim, *, owner: str, lease_seconds: int) -> StepClaim | None:
-    """Take a claim to act on it; return the fresh row, or None while another worker holds it.
+def _name(claim: StepClaim) -> str:
+    return f"{claim.operation.key}/{claim.step}"
+
+
+def _require_owner(row: StepClaim, actor: str) -> None:
+    """Refuse a settle or release by anyone but the claim's current owner (compare-and-set)."""
+    if row.claimed_by != actor:
+        logger.error(
+            "claim %s is held by %s; %s may not change it (state %s)",
+            _name(row),
+            row.claimed_by or "nobody",
+            actor,
+            row.state,
+        )
+        raise NotClaimOwner(name=_name(row), owner=row.claimed_by, actor=actor)
+
+
+def take_over_claim(
+    claim: StepClaim, *, owner: str, lease_seconds: int, why: str = ""
+) -> StepClaim | None:
+    """Take a claim to act on it; return the fresh row, or None while another owner holds it.
 
     A settled row (done, failed) is returned as it is, untaken: the caller
-    replays its result or refuses, and never calls again. A claimed row that
-    its previous owner did not release (that owner died, or its job was cut
-    off, between claim and record) becomes uncertain: that call may have run.
-    A row released after a transient failure stays claimed: nothing ran.
+    replays its result or refuses, and never calls again. A claimed row whose
+    owner did not release it (the owner died, or its job was cut off, between
+    claim and record) becomes uncertain: that call may have run. A row its
+    owner released after a transient failure stays claimed: nothing ran.
+    Runs in its own transaction, or inside the caller's (then as a savepoint).
     """
-    now = timezone.now()
     with transaction.atomic():
         row = _locked_claim_in_tx(claim.pk)
         if row.state in (ClaimState.DONE, ClaimState.FAILED):
             return row
         live = (
             row.lease_expires_at is not None
-            and row.lease_expires_at > now
+            and row.lease_expires_at > clock_of(row)
             and row.claimed_by not in ("", owner)
         )
         if live:
             return None
         previous, from_state = row.claimed_by, row.state
-        if row.state == ClaimState.CLAIMED and previous:
-            row.state = ClaimState.UNCERTAIN
+        in_doubt = row.state == ClaimState.CLAIMED and row.lease_expires_at is not None
+        to_state = ClaimState.UNCERTAIN if in_doubt else row.state
+        transitions.check_claim(_name(row), from_state, to_state)
+        row.state = to_state
         row.claimed_by = owner
-        row.lease_expires_at = now + timedelta(seconds=lease_seconds)
+        row.lease_expires_at = clock_of(row) + timedelta(seconds=lease_seconds)
         row.attempts += 1
         row.save(
             update_fields=["state", "claimed_by", "lease_expires_at", "attempts", "updated_at"]
         )
-        if previous and previous != owner or row.state != from_state:
+        if previous != owner or row.state != from_state:
             record_event_in_tx(
                 row.operation,
                 step=row.step,
                 from_state=from_state,
                 to_state=row.state,
                 actor=owner,
-                reason=f"taken over from {previous or 'a released claim'}"
-                + ("; its call may have run" if row.state != from_state else ""),
+                reason=f"taken over from {previous or 'nobody'}"
+                + ("; its call may have run" if row.state != from_state else "")
+                + (f": {why}" if why else ""),
             )
     return row
 
@@ -397,14 +498,17 @@ def settle_claim(
     result: dict[str, Any] | None = None,
     error: str = "",
 ) -> StepClaim:
-    """Record a claim's outcome (done, failed, uncertain) with its reference, audited."""
-    now = timezone.now()
+    """Record a claim's outcome (done, failed, uncertain) with its reference, audited.
+
+    Only the claim's current owner may settle it (compare-and-set on owner and
+    state, through the transition table): anyone else gets NotClaimOwner or
+    IllegalTransition and the row stays as it was. Runs in its own
+    transaction, or inside the caller's.
+    """
     with transaction.atomic():
         row = _locked_claim_in_tx(claim.pk)
-        if row.state in (ClaimState.DONE, ClaimState.FAILED) and row.state != state:
-            raise InvalidTransition(
-                f"claim {row.operation_id}/{row.step} is already {row.state}, not {state}"
-            )
+        transitions.check_claim(_name(row), row.state, state)
+        _require_owner(row, actor)
         from_state = row.state
         row.state = state
         if reference:
@@ -412,11 +516,9 @@ def settle_claim(
         if result is not None:
             row.result = result
         row.error = error[:2000]
-        if state == ClaimState.UNCERTAIN:
-            row.lease_expires_at = None
-        else:
-            row.settled_at = now
-            row.lease_expires_at = None
+        row.lease_expires_at = None
+        if state != ClaimState.UNCERTAIN:
+            row.settled_at = clock_of(row)
         row.save()
         record_event_in_tx(
             row.operation,
@@ -434,15 +536,17 @@ def settle_claim(
 def release_claim(claim: StepClaim, *, actor: str, reason: str) -> None:
     """Drop a claim's lease after a transient failure: the next attempt may take it at once.
 
-    Its state stays: a claimed row is then "released" (nothing ran), an
-    uncertain one stays uncertain (an earlier call may have run).
+    Only its owner releases it; the owner stays recorded. Its state stays: a
+    claimed row is then "released" (lease gone: nothing ran), an uncertain one
+    stays uncertain (an earlier call may have run).
     """
     with transaction.atomic():
         row = _locked_claim_in_tx(claim.pk)
         if row.state not in (ClaimState.CLAIMED, ClaimState.UNCERTAIN):
             return
-        row.lease_expires_at, row.claimed_by, row.error = None, "", reason[:2000]
-        row.save(update_fields=["lease_expires_at", "claimed_by", "error", "updated_at"])
+        _require_owner(row, actor)
+        row.lease_expires_at, row.error = None, reason[:2000]
+        row.save(update_fields=["lease_expires_at", "error", "updated_at"])
         record_event_in_tx(
             row.operation,
             step=row.step,
@@ -453,7 +557,16 @@ def release_claim(claim: StepClaim, *, actor: str, reason: str) -> None:
         )
 
 
+def released_by(claim: StepClaim, owner: str) -> bool:
+    """Tell whether `owner` claimed this step and released it after a refusal (nothing ran)."""
+    return (
+        claim.state == ClaimState.CLAIMED
+        and claim.claimed_by == owner
+        and claim.lease_expires_at is None
+    )
+
+
 def claim_expired(claim: StepClaim, now: datetime | None = None) -> bool:
-    """Tell whether a CLAIMED row's owner is gone (lease released or run out)."""
-    now = now or timezone.now()
+    """Tell whether a CLAIMED row's owner is gone (lease released or run out, by the DB's clock)."""
+    now = now or db_now()
     return claim.lease_expires_at is None or claim.lease_expires_at <= now

@@ -33,7 +33,13 @@ from payments.engine import fence, telemetry
 from payments.engine.effects import DeliveryPolicy, ExternalEffect
 from payments.engine.steps import run_external_step
 from payments.exceptions import ConfigurationError, StepBusy, StepTransient
-from payments.models import ClaimState, Operation, OperationState, StepClaim
+from payments.models import (
+    FINAL_OPERATION_STATES,
+    ClaimState,
+    Operation,
+    OperationState,
+    StepClaim,
+)
 
 logger = logging.getLogger("payments.engine.runtime")
 
@@ -160,6 +166,31 @@ def get_handler(kind: str) -> HandlerSpec:
 def registered_handlers() -> dict[str, HandlerSpec]:
     """Return a copy of the registry: kind -> spec."""
     return dict(_HANDLERS)
+
+
+def unknown_recorded_names() -> list[str]:
+    """Name every kind and step recorded on unfinished operations that no handler declares.
+
+    A step name feeds its provider idempotency key: a rename deployed while
+    operations are in flight would derive a new key for a step that already
+    ran. Run by the `payments.E010` check and by the worker before it starts.
+    """
+    unfinished = Operation.objects.exclude(state__in=FINAL_OPERATION_STATES)
+    problems = []
+    kinds = sorted(set(unfinished.values_list("kind", flat=True)))
+    for kind in kinds:
+        if kind not in _HANDLERS:
+            problems.append(f"operation kind {kind!r} is recorded on unfinished operations")
+    recorded = (
+        StepClaim.objects.filter(operation__in=unfinished)
+        .values_list("operation__kind", "step")
+        .distinct()
+    )
+    for kind, step in sorted(set(recorded)):
+        spec = _HANDLERS.get(kind)
+        if spec is not None and spec.consumer is None and step not in spec.known_steps:
+            problems.append(f"step {step!r} of {kind!r} is recorded on unfinished operations")
+    return problems
 
 
 # --- what a fenced handler gets -------------------------------------------------------

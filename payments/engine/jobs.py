@@ -7,7 +7,7 @@ from typing import Any
 
 from rq import get_current_job
 
-from payments.engine import messages, runtime
+from payments.engine import fence, messages, runtime
 from payments.engine.dispatch import dispatch
 from payments.engine.failpoints import AFTER_INBOX_COMMIT, AFTER_RECORD_COMMIT, failpoint
 from payments.exceptions import MalformedJob
@@ -43,7 +43,11 @@ def deliver_message(operation_id: int) -> str:
 
 
 def _worker_id(job: Any) -> str:
-    return f"{getattr(job, 'worker_name', None) or 'local'}/{os.getpid()}"
+    """The owner of the leases and claims this job takes: unique to the worker process."""
+    name = getattr(job, "worker_name", None)
+    if name:  # RQ's worker names are unique per worker (a uuid unless set)
+        return f"{name}/{os.getpid()}"
+    return fence.process_actor("worker", os.getpid())
 
 
 def _check(operation_id: object, job: Any) -> None:

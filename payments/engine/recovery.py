@@ -9,13 +9,14 @@ the same key, else by a metadata search. It never calls with a new key.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
 from django.db import transaction
 from django.db.models import Q
-from django.utils import timezone
 from rq.exceptions import NoSuchJobError
 from rq.job import Job, JobStatus
 from rq.registry import ScheduledJobRegistry, StartedJobRegistry
@@ -25,7 +26,7 @@ from payments.engine import fence
 from payments.engine.dispatch import dispatch, dispatch_on_commit
 from payments.engine.handlers import get_handler
 from payments.engine.queues import payments_queue
-from payments.engine.steps import reconcile_step
+from payments.engine.steps import past_grace, reconcile_step, view_of
 from payments.exceptions import (
     ConfigurationError,
     StepConflict,
@@ -111,7 +112,7 @@ def sweep(*, dry_run: bool = False, batch_size: int = 500) -> SweepReport:
         StartedJobRegistry(queue=queue).cleanup()
     except Exception:  # Redis down: the sweep below fails loudly on its own
         logger.warning("started-registry cleanup failed", exc_info=True)
-    now = timezone.now()
+    now = fence.db_now()
     report = SweepReport()
     for op in Operation.objects.filter(due_operations(now)).order_by("id")[:batch_size]:
         report.examined += 1
@@ -147,7 +148,7 @@ def claims_to_reconcile(operation_ids: list[int] | None = None) -> Q:
 
 def reconcile(
     *,
-    actor: str = "reconciler",
+    actor: str | None = None,
     dry_run: bool = False,
     operation_ids: list[int] | None = None,
     batch_size: int = 200,
@@ -158,6 +159,9 @@ def reconcile(
     `time_budget` (seconds) stops starting new claims once spent, so that a
     slow provider cannot hold up the sweep that runs in the same loop.
     """
+    # Each recovery process owns claims under its own id: run as many as you like,
+    # a claim taken over by one is live (leased) for every other.
+    actor = actor or fence.process_actor("reconciler", os.getpid())
     report = ReconcileReport()
     started = time.monotonic()
     claims = (
@@ -230,6 +234,28 @@ def _resume_stranded(actor: str, report: ReconcileReport) -> None:
             report.add("resumed", op.key)
 
 
+def look_up(op: Operation) -> str:
+    """Read what the provider shows for the operation's external steps; change nothing.
+
+    For operations a worker may still run: no replay (it could execute a call
+    beside the worker's), no claim taken or settled. Returns a short summary.
+    """
+    spec = get_handler(op.kind)
+    found = []
+    for claim in StepClaim.objects.filter(operation=op, step__in=list(spec.effects)):
+        try:
+            result = spec.effect(claim.step, op).find(view_of(claim))
+        except Exception as exc:  # provider down: say so, change nothing
+            found.append(f"{claim.step}: lookup failed ({type(exc).__name__})")
+            continue
+        if result is None:
+            found.append(f"{claim.step}: not found yet")
+        else:
+            found.append(f"{claim.step}: {result.outcome} {result.reference}".strip())
+    shown = "; ".join(found) or "no external step claimed yet"
+    return f"read only, a worker may still run it: {shown}"
+
+
 def settle_one(claim: StepClaim, *, actor: str) -> str:
     """Reconcile one claim and move its operation; return the outcome's name."""
     op = claim.operation
@@ -253,8 +279,8 @@ def settle_one(claim: StepClaim, *, actor: str) -> str:
             on_failure=spec.on_failure,
         )
         return "failed"
-    except StepNeedsReview:
-        _move(op, OperationState.NEEDS_REVIEW, actor, "not found after the grace period")
+    except StepNeedsReview as exc:
+        _move(op, OperationState.NEEDS_REVIEW, actor, str(exc))
         alerts.error("operation %s needs review: outcome of %s unknown", op.key, claim.step)
         return "needs_review"
     except StepConflict:
@@ -265,10 +291,16 @@ def settle_one(claim: StepClaim, *, actor: str) -> str:
         if state not in (OperationState.UNCERTAIN, *FINAL_OPERATION_STATES):
             _move(op, OperationState.UNCERTAIN, actor, "outcome not known yet")
         return "still_uncertain"
-    except StepTransient:
+    except StepTransient as exc:
         # Provider unreachable, or the first request still in flight: let the
-        # next round (or a worker) take the claim at once.
+        # next round (or a worker) take the claim at once; past the grace
+        # period a person decides, whatever the reason.
         fence.release_claim(taken, actor=actor, reason="lookup failed; next round")
+        if past_grace(taken):
+            reason = f"outcome unknown past the grace period; last try: {exc}"[:500]
+            _move(op, OperationState.NEEDS_REVIEW, actor, reason)
+            alerts.error("operation %s needs review: %s", op.key, reason)
+            return "needs_review"
         return "retry_later"
     _move(
         op,
@@ -293,14 +325,14 @@ def _move(
 ) -> None:
     with transaction.atomic():
         locked = fence.locked_operation_in_tx(op.pk)
-        if locked.state == OperationState.RUNNING and (
-            locked.lease_expires_at and locked.lease_expires_at > timezone.now()
-        ):
+        if fence.lease_alive(locked, fence.clock_of(locked)):
             return  # a worker runs it now and will see the settled claim itself
         if locked.state == OperationState.SUCCEEDED:
             return
         was_failed = locked.state == OperationState.FAILED
-        fields = {"next_attempt_at": timezone.now()} if resume else {}
+        fields: dict[str, Any] = {"next_attempt_at": fence.clock_of(locked)} if resume else {}
+        if state in (OperationState.NEEDS_REVIEW, OperationState.FAILED):
+            fields["last_error"] = reason  # the desk shows why
         fence.release_in_tx(locked, state, actor=actor, reason=reason, **fields)
         if on_failure is not None and state == OperationState.FAILED and not was_failed:
             on_failure(locked)

@@ -16,6 +16,7 @@ from django.db import transaction
 
 from payments.conf import payments_settings
 from payments.engine import fence
+from payments.engine.failpoints import BEFORE_GIVE_UP, failpoint
 from payments.engine.handlers import HandlerSpec, Run, get_handler
 from payments.exceptions import (
     ConfigurationError,
@@ -123,17 +124,27 @@ def _unrunnable(operation_id: int, worker_id: str, reason: str) -> str:
     return "needs_review"
 
 
-def _give_up_state_in_tx(op: Operation, spec: HandlerSpec, *, in_flight: bool) -> OperationState:
+def _give_up_state_in_tx(
+    op: Operation, spec: HandlerSpec, *, worker_id: str, in_flight: bool
+) -> OperationState:
     """Where an operation goes when it stops trying. Runs inside the caller's transaction.
 
     FAILED only when no external effect happened or may have: money taken by
     an earlier step (its later steps keep failing) needs a person; an effect
-    whose outcome is unknown needs the reconciler. Neither may fail the order.
+    whose outcome is unknown needs the reconciler. A claim is in doubt unless
+    it failed or THIS worker released it after a refusal: a claim its owner
+    never released (an error between the provider's answer and the record),
+    or one somebody else holds now, may have executed. Neither may fail the order.
     """
-    external = StepClaim.objects.filter(operation=op, step__in=list(spec.effects))
-    if external.filter(state=ClaimState.DONE).exists():
+    external = list(StepClaim.objects.filter(operation=op, step__in=list(spec.effects)))
+    if any(claim.state == ClaimState.DONE for claim in external):
         return OperationState.NEEDS_REVIEW
-    if in_flight or external.filter(state=ClaimState.UNCERTAIN).exists():
+    in_doubt = [
+        claim
+        for claim in external
+        if claim.state != ClaimState.FAILED and not fence.released_by(claim, worker_id)
+    ]
+    if in_flight or in_doubt:
         return OperationState.UNCERTAIN
     return OperationState.FAILED
 
@@ -143,9 +154,7 @@ def _fail(op: Operation, spec: HandlerSpec, worker_id: str, reason: str) -> None
         locked = fence.locked_operation_in_tx(op.pk)
         if not fence.holds_lease_in_tx(locked, worker_id):
             return
-        state = _give_up_state_in_tx(locked, spec, in_flight=False)
-        if state == OperationState.UNCERTAIN:
-            state = OperationState.FAILED  # the refused step settled; others are not in doubt
+        state = _give_up_state_in_tx(locked, spec, worker_id=worker_id, in_flight=False)
         fence.release_in_tx(locked, state, actor=worker_id, reason=reason[:500], last_error=reason)
         if state == OperationState.FAILED and spec.on_failure is not None:
             spec.on_failure(locked)
@@ -174,10 +183,13 @@ def _transient(
         locked = fence.locked_operation_in_tx(op.pk)
         if not fence.holds_lease_in_tx(locked, worker_id):
             raise RetryLater(op.key, locked.attempts + 1, "lease lost")
-        give_up_to = _give_up_state_in_tx(locked, spec, in_flight=in_flight)
+        failpoint(BEFORE_GIVE_UP)
+        give_up_to = _give_up_state_in_tx(locked, spec, worker_id=worker_id, in_flight=in_flight)
         gave_up = fence.record_failed_attempt_in_tx(
             locked, actor=worker_id, reason=reason, give_up_to=give_up_to
         )
+        if step_error is None:
+            _mark_own_claims_in_doubt_in_tx(locked, spec, worker_id, reason)
         if gave_up and give_up_to == OperationState.FAILED:
             if spec.on_failure is not None:
                 spec.on_failure(locked)
@@ -201,10 +213,39 @@ def retry_or_give_up(op: Operation, *, gave_up: bool, reason: str, job: Any) -> 
     raise RetryLater(op.key, op.attempts, reason[:200])
 
 
+def _mark_own_claims_in_doubt_in_tx(
+    op: Operation, spec: HandlerSpec, worker_id: str, reason: str
+) -> None:
+    """After an unexpected error, settle this worker's unreleased external claims uncertain.
+
+    The error came between claim and record (a deadlock, a statement timeout
+    after the provider's 200): the call may have run. Saying so at once lets
+    the reconciler look now instead of after the lease. Runs in the caller's tx.
+    """
+    held = StepClaim.objects.filter(
+        operation=op,
+        step__in=list(spec.effects),
+        state=ClaimState.CLAIMED,
+        claimed_by=worker_id,
+        lease_expires_at__isnull=False,
+    )
+    for claim in held:
+        fence.settle_claim(
+            claim,
+            ClaimState.UNCERTAIN,
+            actor=worker_id,
+            error=f"error before the outcome was recorded: {reason}"[:2000],
+        )
+
+
 def _settle_refused_in_tx(op: Operation, step: str, worker_id: str, reason: str) -> None:
-    """Mark a released claim failed after the last transient try. Runs inside the caller's tx."""
-    claim = StepClaim.objects.filter(operation=op, step=step, state=ClaimState.CLAIMED).first()
-    if claim is not None:
+    """Mark this worker's released claim failed after the last refused try (in the caller's tx).
+
+    Only a claim this worker released (compare-and-set on owner and lease): a
+    claim another actor took over since is theirs to settle.
+    """
+    claim = StepClaim.objects.filter(operation=op, step=step).first()
+    if claim is not None and fence.released_by(claim, worker_id):
         fence.settle_claim(
             claim,
             ClaimState.FAILED,

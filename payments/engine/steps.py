@@ -14,7 +14,6 @@ import logging
 from datetime import timedelta
 from typing import Any
 
-from django.utils import timezone
 from rq.timeouts import BaseTimeoutException
 
 from payments.conf import payments_settings
@@ -53,7 +52,13 @@ def replay_allowed(claim: StepClaim) -> bool:
     slow request from turning a replay into a second charge.
     """
     retention = timedelta(seconds=payments_settings().provider_key_retention)
-    return timezone.now() - claim.claimed_at < retention - timedelta(hours=1)
+    return fence.db_now() - claim.claimed_at < retention - timedelta(hours=1)
+
+
+def past_grace(claim: StepClaim) -> bool:
+    """Tell whether the claim's outcome has been unknown longer than RECONCILE_GRACE."""
+    grace = timedelta(seconds=payments_settings().reconcile_grace)
+    return fence.db_now() - claim.claimed_at > grace
 
 
 @telemetry.traced("external")
@@ -171,15 +176,22 @@ def _settle_from_lookup(claim: StepClaim, effect: ExternalEffect, *, actor: str)
     op_key, step = claim.operation.key, claim.step
     try:
         found = effect.find(view_of(claim))
-    except Exception as exc:  # provider down while reconciling: stay as we are
+    except Exception as exc:  # provider down while reconciling: stay as we are, until the grace
         telemetry.note(transaction=telemetry.NONE)
-        raise StepTransient(
-            f"lookup failed: {type(exc).__name__}", operation_key=op_key, step=step
-        ) from exc
+        reason = f"lookup failed: {type(exc).__name__}"
+        if past_grace(claim):
+            # Unknown for longer than the grace period, whatever the reason: a person decides.
+            if claim.state != ClaimState.UNCERTAIN:
+                fence.settle_claim(claim, ClaimState.UNCERTAIN, actor=actor, error=reason)
+            raise StepNeedsReview(
+                f"{reason}; outcome unknown past the grace period",
+                operation_key=op_key,
+                step=step,
+            ) from exc
+        raise StepTransient(reason, operation_key=op_key, step=step) from exc
     if found is not None:
         return _record(claim, found, actor=actor)
-    grace = timedelta(seconds=payments_settings().reconcile_grace)
-    if timezone.now() - claim.claimed_at > grace:
+    if past_grace(claim):
         if claim.state != ClaimState.UNCERTAIN:
             fence.settle_claim(claim, ClaimState.UNCERTAIN, actor=actor, error="not found")
         raise StepNeedsReview(

@@ -22,7 +22,7 @@ from __future__ import annotations
 import hmac
 import logging
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, cast
 
 from django.conf import settings
 from django.db.models import Count, Min
@@ -96,7 +96,8 @@ def count_inbox_duplicate(sender: object, *, consumer: str, **kwargs: object) ->
 
 
 def _read_counters(client: Redis, metric: str) -> dict[str, float]:
-    raw = client.hgetall(COUNTER_PREFIX + metric)
+    # A sync client: redis-py's annotations also allow the asyncio client's Awaitable.
+    raw = cast("dict[bytes, bytes]", client.hgetall(COUNTER_PREFIX + metric))
     return {k.decode(): float(v) for k, v in raw.items()}
 
 
@@ -154,8 +155,8 @@ class FenceCollector(Collector):
             labels=["state"],
         )
         by_state = dict(OperationRow.objects.values_list("state").annotate(n=Count("id")))
-        for state in OperationState:
-            operations.add_metric([state.value], by_state.get(state.value, 0))
+        for op_state in OperationState:
+            operations.add_metric([op_state.value], by_state.get(op_state.value, 0))
         yield operations
 
         oldest = StepClaim.objects.filter(state=ClaimState.UNCERTAIN).aggregate(
@@ -216,7 +217,7 @@ class FenceCollector(Collector):
         )
         for name in settings.RQ_QUEUES:
             conn = redis_client(name, timeout=PROBE_TIMEOUT)
-            jobs.add_metric([name, "queued"], conn.llen(f"rq:queue:{name}"))
+            jobs.add_metric([name, "queued"], cast(int, conn.llen(f"rq:queue:{name}")))
             for status, registry_class in RQ_REGISTRIES.items():
                 # No cleanup: a scrape must not move jobs between registries.
                 registry = registry_class(name, connection=conn)

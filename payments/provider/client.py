@@ -137,15 +137,15 @@ class ProviderClient:
 
     @classmethod
     def from_settings(cls, *, session: requests.Session | None = None) -> ProviderClient:
-        """Build a client from `settings.PAYMENTS` (read here, lazily, not at import)."""
-        from django.conf import settings
+        """Build a client from the PAYMENTS settings (read here, lazily, not at import)."""
+        from payments.conf import payments_settings
 
-        conf = settings.PAYMENTS
+        conf = payments_settings()
         return cls(
-            conf["PROVIDER_URL"],
-            conf["PROVIDER_API_KEY"],
-            connect_timeout=float(conf.get("PROVIDER_CONNECT_TIMEOUT", 3.0)),
-            read_timeout=float(conf.get("PROVIDER_READ_TIMEOUT", 10.0)),
+            conf.provider_url,
+            conf.provider_api_key,
+            connect_timeout=conf.provider_connect_timeout,
+            read_timeout=conf.provider_read_timeout,
             session=session,
         )
 
@@ -258,16 +258,16 @@ class ProviderClient:
                 allow_redirects=False,
             )
         except requests.RequestException as exc:
-            error = classify_exception(exc, context=context)
+            failure = classify_exception(exc, context=context)
             logger.info(
                 "provider call failed %s %s outcome=%s idempotency_key=%s error=%s",
                 method,
                 path,
-                error.outcome,
+                failure.outcome,
                 idempotency_key,
                 type(exc).__name__,
             )
-            raise error from exc
+            raise failure from exc
 
         status = response.status_code
         replayed = response.headers.get("Idempotent-Replayed", "").lower() == "true"

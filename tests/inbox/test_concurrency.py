@@ -13,7 +13,7 @@ from rq.timeouts import TimerDeathPenalty
 
 from inbox.models import InboxEntry
 from inbox.queues import MessageQueue
-from tests.inbox.jobs import QUEUE_NAME, handler_entered, release_handler, rendezvous_job
+from tests.support.inbox_jobs import QUEUE_NAME, handler_entered, release_handler, rendezvous_job
 
 
 class ThreadWorker(SimpleWorker):

@@ -24,8 +24,7 @@ from inbox.handlers import inbox_guard
 from inbox.models import InboxEntry
 from inbox.queues import MessageQueue
 from inbox.services import record_message
-from tests.inbox.conftest import run_worker
-from tests.inbox.jobs import (
+from tests.support.inbox_jobs import (
     AFTER_COMMIT,
     BEFORE_COMMIT,
     QUEUE_NAME,
@@ -34,6 +33,7 @@ from tests.inbox.jobs import (
     effect_then_ack_job,
     follow_up_job,
 )
+from tests.support.workers import run_worker
 
 pytestmark = pytest.mark.django_db
 

@@ -17,8 +17,14 @@ from rq.registry import FailedJobRegistry, ScheduledJobRegistry
 from inbox.exceptions import InvalidMessageId
 from inbox.models import InboxEntry
 from inbox.queues import MessageQueue, is_message_id, message_id_for_job_id
-from tests.inbox.conftest import run_worker
-from tests.inbox.jobs import BEFORE_COMMIT, QUEUE_NAME, arm_crash, effect_job, explicit_consumer_job
+from tests.support.inbox_jobs import (
+    BEFORE_COMMIT,
+    QUEUE_NAME,
+    arm_crash,
+    effect_job,
+    explicit_consumer_job,
+)
+from tests.support.workers import run_worker
 
 
 def test_settings__every_configured_queue_is_a_message_queue(redis_conn: Redis) -> None:

@@ -12,9 +12,6 @@ from typing import Any
 
 import pytest
 
-from payments.checkout.handler import request_checkout
-from payments.checkout.orders import create_order
-from payments.models import Operation, Order
 from project.logging import JsonFormatter
 
 
@@ -61,14 +58,3 @@ def closed_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
-
-
-def checkout(
-    *, email: str = "buyer@example.com", pm: str = "pm_card_visa", key: str | None = None
-) -> tuple[Order, Operation]:
-    """Create an order and ask for its checkout (the job is enqueued on commit)."""
-    order = create_order(amount=1999, currency="eur", email=email)
-    op, _ = request_checkout(
-        order_id=order.pk, key=key or f"obs-{order.pk}", payment_method=pm, actor="test"
-    )
-    return order, op

@@ -16,7 +16,7 @@ from redis.exceptions import ResponseError
 
 from payments import checks
 from payments.conf import PaymentsSettings, payments_settings
-from tests.conftest import TEST_REDIS_URL
+from tests.support.config import TEST_REDIS_URL
 
 REAL_SECRETS = {"SECRET_KEY": "k" * 20 + uuid.uuid4().hex * 2, "API_TOKEN": uuid.uuid4().hex}
 REDIS_CACHE = "django.core.cache.backends.redis.RedisCache"

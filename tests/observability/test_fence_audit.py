@@ -24,8 +24,8 @@ from payments.engine import fence
 from payments.management.commands.fence_audit import parse_since
 from payments.models import ClaimState, FenceAuditRun, Operation
 from payments.provider.client import ProviderClient
-from tests.conftest import run_worker
-from tests.observability.conftest import checkout
+from tests.support.flows import order_and_checkout
+from tests.support.workers import run_worker
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -65,7 +65,7 @@ def new_operation(key: str) -> Operation:
 
 
 def test_fence_audit__clean_after_a_normal_checkout(provider, queue):
-    _, op = checkout()
+    _, op = order_and_checkout()
     run_worker(queue)
 
     output, code = audit("--since", "1h")
@@ -101,7 +101,7 @@ def test_fence_audit__finds_a_planted_double_charge(provider, queue):
 
 
 def test_fence_audit__a_second_charge_beside_a_fenced_one_is_double_and_unfenced(provider, queue):
-    _, op = checkout()
+    _, op = order_and_checkout()
     run_worker(queue)
     fenced = op.claims.get(step="charge").provider_reference
     extra = plant({"operation_key": op.key, "step": "charge"}, "a-call-without-a-claim")

@@ -9,8 +9,8 @@ from django.core import mail
 
 from payments.models import OperationState
 from project.logging import PAYLOAD, JsonFormatter, RedactFilter, redact
-from tests.conftest import run_worker
-from tests.observability.conftest import checkout
+from tests.support.flows import order_and_checkout
+from tests.support.workers import run_worker
 
 CANARY_EMAIL = "canary.customer+pii@example.org"
 CANARY_KEY = "sk_test_CanaryProviderKey9f8e7d6c"
@@ -140,11 +140,11 @@ def test_whole_checkout__no_email_key_or_card_in_any_log_output(
         caplog.set_level(logging.DEBUG, logger=name)
 
     provider.state.enqueue_faults("fail_before", 1)  # a transient try, logged on the way
-    _, paid = checkout(email=CANARY_EMAIL)
-    _, declined = checkout(email=CANARY_EMAIL, pm="pm_card_chargeDeclined")
+    _, paid = order_and_checkout(email=CANARY_EMAIL)
+    _, declined = order_and_checkout(email=CANARY_EMAIL, pm="pm_card_chargeDeclined")
     run_worker(queue)
     provider.state.enqueue_faults("fail_before", 5)  # three tries, then an alert by e-mail
-    _, given_up = checkout(email=CANARY_EMAIL)
+    _, given_up = order_and_checkout(email=CANARY_EMAIL)
     run_worker(queue)
     # Careless calls, as a future change might make them: the filter must catch each.
     for name in LOGGERS:

@@ -12,8 +12,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from inbox.handlers import inbox_guard
 from payments.models import ClaimState, Operation, OperationState, StepClaim
 from payments.observability.metrics import COUNTER_PREFIX
-from tests.conftest import run_worker
-from tests.observability.conftest import checkout
+from tests.support.flows import order_and_checkout
+from tests.support.workers import run_worker
 
 TOKEN = "metrics-token-for-tests-0123456789"
 
@@ -71,9 +71,9 @@ def test_metrics__staff_session_may_read_other_users_may_not(client, settings, r
 
 def test_metrics__names_and_values_after_a_run(client, metrics_token, provider, queue):
     provider.state.enqueue_faults("fail_before", 1)  # the first charge is refused once
-    checkout()
-    checkout(pm="pm_card_chargeDeclined")
-    checkout()
+    order_and_checkout()
+    order_and_checkout(pm="pm_card_chargeDeclined")
+    order_and_checkout()
     run_worker(queue)
     with inbox_guard("emails", "message-1") as first:
         assert first
@@ -117,7 +117,7 @@ def test_metrics__counters_live_in_redis_and_survive_the_process(client, metrics
 def test_metrics__an_uncertain_claim_shows_its_age(client, metrics_token, provider, queue):
     provider.state.configure(slow_delay=1.5)  # longer than the 1 s read timeout
     provider.state.enqueue_faults("slow", 1)
-    _, op = checkout()
+    _, op = order_and_checkout()
     run_worker(queue)
     op.claims.filter(step="charge").update(claimed_at=op.created_at.replace(year=2000))
 

@@ -18,8 +18,8 @@ from payments.engine.steps import run_external_step
 from payments.engine.telemetry import OUTCOMES
 from payments.exceptions import StepBusy
 from payments.models import OperationState
-from tests.conftest import run_worker
-from tests.observability.conftest import checkout
+from tests.support.flows import order_and_checkout
+from tests.support.workers import run_worker
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -58,7 +58,7 @@ def by_step(records: list[dict]) -> dict[str, list[dict]]:
 
 
 def test_step_records__one_start_and_one_end_per_step_with_every_field(provider, queue, json_log):
-    order, op = checkout()
+    order, op = order_and_checkout()
 
     run_worker(queue)
 
@@ -99,7 +99,7 @@ def test_step_records__one_start_and_one_end_per_step_with_every_field(provider,
 
 
 def test_step_records__a_decline_ends_permanent_with_its_reference(provider, queue, json_log):
-    _, op = checkout(pm="pm_card_chargeDeclined")
+    _, op = order_and_checkout(pm="pm_card_chargeDeclined")
 
     run_worker(queue)
 
@@ -113,7 +113,7 @@ def test_step_records__a_decline_ends_permanent_with_its_reference(provider, que
 
 def test_step_records__transient_tries_are_counted_by_attempt(provider, queue, json_log):
     provider.state.enqueue_faults("fail_before", 2)
-    _, op = checkout()
+    _, op = order_and_checkout()
 
     run_worker(queue)
 
@@ -128,7 +128,7 @@ def test_step_records__transient_tries_are_counted_by_attempt(provider, queue, j
 
 
 def test_step_records__replayed_steps_end_skipped_without_a_call(provider, queue, json_log):
-    _, op = checkout()
+    _, op = order_and_checkout()
     run_worker(queue)
     spec = get_handler(op.kind)
     json_log.buffer.truncate(0)
@@ -148,7 +148,7 @@ def test_step_records__replayed_steps_end_skipped_without_a_call(provider, queue
 
 
 def test_step_records__a_live_claim_of_another_worker_ends_busy(provider, queue, json_log):
-    _, op = checkout()  # not run: the claim below stands for a worker in the middle of it
+    _, op = order_and_checkout()  # not run: the claim below stands for a worker in the middle of it
     fence.claim_step(op, "charge", owner="other-worker", lease_seconds=30)
     spec = get_handler(op.kind)
 
@@ -163,7 +163,7 @@ def test_step_records__a_live_claim_of_another_worker_ends_busy(provider, queue,
 def test_step_records__a_lost_answer_ends_uncertain_at_warning(provider, queue, json_log):
     provider.state.configure(slow_delay=1.5)  # longer than the 1 s read timeout
     provider.state.enqueue_faults("slow", 1)
-    checkout()
+    order_and_checkout()
 
     run_worker(queue)
 

@@ -1,4 +1,4 @@
-"""Real `rqworker` processes for delivery and crash tests."""
+"""Workers for the tests: an RQ worker in this process, or real `rqworker` processes."""
 
 from __future__ import annotations
 
@@ -12,20 +12,40 @@ from pathlib import Path
 
 from django.conf import settings
 from django.db import connection
+from rq import SimpleWorker
+from rq.queue import Queue
 
-from tests.conftest import TEST_PAYMENTS, TEST_REDIS_URL
+from tests.support.config import TEST_PAYMENTS, TEST_REDIS_URL
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def run_worker(queue: Queue, *, with_scheduler: bool = False) -> None:
+    """Run jobs until the queue is empty, in this process (and this DB connection)."""
+    # work() installs its own SIGINT/SIGTERM handlers; give pytest its own back.
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        SimpleWorker([queue], connection=queue.connection).work(
+            burst=True, with_scheduler=with_scheduler
+        )
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
+
+
+def database_url() -> str:
+    """The URL of the test database, for a process of its own."""
+    db = connection.settings_dict
+    auth = (db["USER"] or "postgres") + (f":{db['PASSWORD']}" if db["PASSWORD"] else "")
+    return f"postgres://{auth}@{db['HOST'] or '127.0.0.1'}:{db['PORT'] or 5432}/{db['NAME']}"
+
+
 def worker_env(provider_url: str, **extra: str) -> dict[str, str]:
     """The environment of a worker that uses the test database, test Redis and the fake."""
-    db = connection.settings_dict
     env = {
         **os.environ,
         "DEBUG": "1",
-        "DATABASE_URL": f"postgres://{db['USER'] or 'postgres'}@{db['HOST'] or '127.0.0.1'}:"
-        f"{db['PORT'] or 5432}/{db['NAME']}",
+        "DATABASE_URL": database_url(),
         "REDIS_URL": TEST_REDIS_URL,
         "PAYMENT_PROVIDER_URL": provider_url,
         "PROVIDER_CONNECT_TIMEOUT": str(TEST_PAYMENTS["PROVIDER_CONNECT_TIMEOUT"]),

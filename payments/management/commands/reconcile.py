@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from payments.engine.recovery import reconcile
@@ -17,8 +19,8 @@ class Command(BaseCommand):
         parser.add_argument("--dry-run", action="store_true", help="List, ask nothing.")
         parser.add_argument("--batch-size", type=int, default=200, help="Claims per run.")
 
-    def handle(self, *args: object, **options: object) -> None:
-        batch_size = options["batch_size"]
+    def handle(self, *args: Any, **options: Any) -> None:
+        batch_size: int = options["batch_size"]
         if batch_size < 1:
             raise CommandError("--batch-size must be at least 1.")
         try:

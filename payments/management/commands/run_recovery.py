@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import signal
 import threading
+from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.db import close_old_connections
@@ -21,8 +22,8 @@ class Command(BaseCommand):
         parser.add_argument("--interval", type=float, default=10.0, help="Seconds between runs.")
         parser.add_argument("--once", action="store_true", help="Run one round and exit.")
 
-    def handle(self, *args: object, **options: object) -> None:
-        interval = options["interval"]
+    def handle(self, *args: Any, **options: Any) -> None:
+        interval: float = options["interval"]
         if interval <= 0:
             raise CommandError("--interval must be positive.")
         stop = threading.Event()

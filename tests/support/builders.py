@@ -67,6 +67,8 @@ def call_provider(claim: StepClaim) -> tuple[str, str]:
 
 
 def move(op: Operation, state: OperationState, *, reason: str = "", **fields) -> Operation:
+    """Move the operation as its worker would: take the lease (if runnable), then leave it."""
+    fence.acquire_lease(op.pk, owner=WORKER, seconds=30)
     with transaction.atomic():
         locked = fence.locked_operation_in_tx(op.pk)
         fence.release_in_tx(locked, state, actor=WORKER, reason=reason, **fields)

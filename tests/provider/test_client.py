@@ -7,10 +7,6 @@ timeout) are raised by a transport adapter with the exception chain requests
 builds, so they still travel through the client's own request path.
 """
 
-# Test functions take the imported `fake_provider` fixture as an argument,
-# which pyflakes reads as shadowing the import.
-# ruff: noqa: F811
-
 from __future__ import annotations
 
 import json
@@ -50,12 +46,7 @@ from payments.provider.errors import (
     TransientProviderError,
     UncertainProviderError,
 )
-from tests.fixtures.provider import (
-    TEST_API_KEY,
-    FakeClock,
-    fake_provider,  # noqa: F401
-    make_client,
-)
+from tests.support.provider import TEST_API_KEY, FakeClock, make_client
 
 CARD = {"amount": 1000, "currency": "eur", "payment_method": "pm_card_visa"}
 INTENT_JSON = {

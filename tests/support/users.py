@@ -1,8 +1,7 @@
-"""Fixtures of the desk and admin tests: operators with their permissions, a logged-in client."""
+"""Operators with exactly the permissions a test names (the desk's fixtures build on these)."""
 
 from __future__ import annotations
 
-import pytest
 from django.contrib.auth.models import Permission, User
 from django.test import Client
 
@@ -20,21 +19,6 @@ def make_user(username: str, *perms: str, staff: bool = True) -> User:
             Permission.objects.get(content_type__app_label=app_label, codename=codename)
         )
     return User.objects.get(pk=user.pk)  # a fresh instance: no stale permission cache
-
-
-@pytest.fixture
-def viewer(db) -> User:
-    return make_user("vera", *VIEW)
-
-
-@pytest.fixture
-def operator(db) -> User:
-    return make_user("alice", *VIEW, RECONCILE)
-
-
-@pytest.fixture
-def senior(db) -> User:
-    return make_user("sam", *VIEW, RECONCILE, NEW_ATTEMPT)
 
 
 def client_for(user: User) -> Client:

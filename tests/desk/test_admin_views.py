@@ -26,10 +26,10 @@ from payments.models import (
     OrderStatus,
     StepClaim,
 )
-from tests.admin import builders
-from tests.admin.builders import order_of
-from tests.admin.conftest import client_for, make_user
-from tests.conftest import run_worker
+from tests.support import builders
+from tests.support.builders import order_of
+from tests.support.users import client_for, make_user
+from tests.support.workers import run_worker
 
 pytestmark = pytest.mark.django_db
 
@@ -285,10 +285,8 @@ def test_desk_action__start_new_attempt(provider, senior):
     client_for(senior).post(desk_url(op, "new_attempt"), {"reason": "new card authorised"})
 
     new = Operation.objects.get(retry_of=op)
-    assert new.key == "chk-1:attempt-2"
-    assert log_messages(op, senior) == [
-        "Started a new attempt chk-1:attempt-2: new card authorised"
-    ]
+    assert (new.key, new.scope) == (f"{op.pk}:attempt-2", "derived")
+    assert log_messages(op, senior) == [f"Started a new attempt {new.key}: new card authorised"]
 
 
 def test_desk_action__refusal_is_shown_and_changes_nothing(provider, operator):

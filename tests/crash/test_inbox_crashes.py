@@ -12,18 +12,16 @@ import os
 import signal
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
-from django.db import connection
 from rq import Retry
 from rq.job import JobStatus
 from rq.registry import FailedJobRegistry, StartedJobRegistry
 
 from inbox.models import InboxEntry
 from inbox.queues import MessageQueue
-from tests.inbox.conftest import REDIS_URL, run_worker
-from tests.inbox.jobs import (
+from tests.support.config import TEST_REDIS_URL
+from tests.support.inbox_jobs import (
     AFTER_COMMIT,
     BEFORE_COMMIT,
     QUEUE_NAME,
@@ -31,16 +29,9 @@ from tests.inbox.jobs import (
     effect_job,
     effect_then_ack_job,
 )
+from tests.support.workers import ROOT, database_url, run_worker
 
 pytestmark = pytest.mark.django_db(transaction=True)
-
-PROJECT_ROOT = Path(__file__).resolve().parents[2]
-
-
-def database_url_for_subprocess() -> str:
-    s = connection.settings_dict
-    auth = s["USER"] + (f":{s['PASSWORD']}" if s["PASSWORD"] else "")
-    return f"postgres://{auth}@{s['HOST'] or '127.0.0.1'}:{s['PORT'] or 5432}/{s['NAME']}"
 
 
 def run_worker_process_until_killed() -> None:
@@ -48,12 +39,12 @@ def run_worker_process_until_killed() -> None:
     env = {
         **os.environ,
         "DJANGO_SETTINGS_MODULE": "project.settings",
-        "DATABASE_URL": database_url_for_subprocess(),
+        "DATABASE_URL": database_url(),
         "INBOX_TEST_HARD_CRASH": "1",
     }
     proc = subprocess.run(
-        [sys.executable, "-m", "tests.inbox.crash_worker", REDIS_URL],
-        cwd=PROJECT_ROOT,
+        [sys.executable, "-m", "tests.support.inbox_worker", TEST_REDIS_URL],
+        cwd=ROOT,
         env=env,
         capture_output=True,
         timeout=60,
@@ -74,19 +65,19 @@ def expire_leases(queue: MessageQueue) -> None:
 
 
 def test_killed_before_commit__abandoned_retry_runs_effect_once(
-    queue: MessageQueue, effects, seen
+    inbox_queue: MessageQueue, effects, seen
 ) -> None:
-    arm_crash(queue.connection, BEFORE_COMMIT)
-    job = queue.enqueue(effect_job, "a", retry=Retry(max=1))
+    arm_crash(inbox_queue.connection, BEFORE_COMMIT)
+    job = inbox_queue.enqueue(effect_job, "a", retry=Retry(max=1))
 
     run_worker_process_until_killed()
     # The killed transaction rolled back: no effect, no inbox row.
     assert effects.count() == 0
     assert not InboxEntry.objects.exists()
 
-    expire_leases(queue)
-    assert queue.job_ids == [job.id]
-    run_worker(queue)
+    expire_leases(inbox_queue)
+    assert inbox_queue.job_ids == [job.id]
+    run_worker(inbox_queue)
 
     assert job.get_status(refresh=True) == JobStatus.FINISHED
     assert effects.count() == 1
@@ -95,20 +86,20 @@ def test_killed_before_commit__abandoned_retry_runs_effect_once(
 
 
 def test_killed_after_commit__requeued_job_is_skipped(
-    queue: MessageQueue, effects, caplog: pytest.LogCaptureFixture
+    inbox_queue: MessageQueue, effects, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.INFO, logger="inbox")
-    arm_crash(queue.connection, AFTER_COMMIT)
-    job = queue.enqueue(effect_then_ack_job, "a")
+    arm_crash(inbox_queue.connection, AFTER_COMMIT)
+    job = inbox_queue.enqueue(effect_then_ack_job, "a")
 
     run_worker_process_until_killed()
     assert effects.count() == 1  # committed before the kill
 
-    expire_leases(queue)  # no retries left: the abandoned job lands in the failed registry
-    registry = FailedJobRegistry(queue=queue)
+    expire_leases(inbox_queue)  # no retries left: the abandoned job lands in the failed registry
+    registry = FailedJobRegistry(queue=inbox_queue)
     assert job.id in registry.get_job_ids()
     registry.requeue(job.id)
-    run_worker(queue)
+    run_worker(inbox_queue)
 
     assert job.get_status(refresh=True) == JobStatus.FINISHED
     assert effects.count() == 1

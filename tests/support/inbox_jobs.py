@@ -1,4 +1,7 @@
-"""RQ job functions for the inbox tests; a real module so workers can import them.
+"""RQ job functions for the inbox tests; a real module so worker processes can import them.
+
+Jobs are stored in Redis by their path (``tests.support.inbox_jobs.effect_job``),
+so `tests.support.inbox_worker`, run in a process of its own, finds them here.
 
 Crashes are injected at named points: ``arm_crash(redis, point, times)``
 makes the next ``times`` passes through ``crash_at(point)`` fail. By default
@@ -117,3 +120,15 @@ def rendezvous_job(tag: str) -> str:
     if not release_handler.wait(timeout=30):
         raise TimeoutError("the test never released the handler")
     return tag
+
+
+class Effects:
+    """The side table handlers write to, so exactly-once is counted in the database."""
+
+    def count(self, tag: str | None = None) -> int:
+        with connection.cursor() as cursor:
+            if tag is None:
+                cursor.execute(f"SELECT count(*) FROM {EFFECT_TABLE}")
+            else:
+                cursor.execute(f"SELECT count(*) FROM {EFFECT_TABLE} WHERE tag = %s", [tag])
+            return cursor.fetchone()[0]

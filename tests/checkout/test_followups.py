@@ -17,16 +17,24 @@ from payments.checkout import handler as checkout_module
 from payments.checkout.handler import request_checkout
 from payments.checkout.names import COUNT_SALE, RECORD_SALE
 from payments.checkout.orders import create_order
+from payments.engine import fence
 from payments.engine.dispatch import dispatch, message_id_for
 from payments.models import (
     ClaimState,
+    KeyScope,
     LedgerEntry,
     Operation,
     OperationState,
     SalesDay,
 )
-from tests.conftest import run_worker
-from tests.support.workers import FORKING, start_worker, stop_worker, wait_until, worker_env
+from tests.support.workers import (
+    FORKING,
+    run_worker,
+    start_worker,
+    stop_worker,
+    wait_until,
+    worker_env,
+)
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -40,7 +48,7 @@ def paid_order(provider, queue, key: str = "fu-1"):
 
 
 def follow_up(parent: Operation, kind: str) -> Operation:
-    return Operation.objects.get(key=f"{parent.key}:{kind}")
+    return Operation.objects.get(parent=parent, kind=kind)
 
 
 def test_paid_order__writes_follow_ups_once_each(provider, queue):
@@ -52,7 +60,9 @@ def test_paid_order__writes_follow_ups_once_each(provider, queue):
         fu = follow_up(op, kind)
         assert fu.state == OperationState.SUCCEEDED
         assert (
-            InboxEntry.objects.filter(consumer=consumer, message_id=message_id_for(fu.key)).count()
+            InboxEntry.objects.filter(
+                consumer=consumer, message_id=message_id_for(fu.key, fu.scope)
+            ).count()
             == 1
         )
     assert LedgerEntry.objects.filter(order=order).count() == 1
@@ -70,7 +80,7 @@ def test_redelivered_message_after_commit__is_skipped(provider, queue, caplog):
     run_worker(queue)
 
     assert LedgerEntry.objects.filter(order=order).count() == 1
-    assert f"Skipping message {message_id_for(fu.key)} for ledger" in caplog.text
+    assert f"Skipping message {message_id_for(fu.key, fu.scope)} for ledger" in caplog.text
 
 
 def test_crash_before_commit__message_runs_again_and_counts_once(provider, queue, monkeypatch):
@@ -103,22 +113,22 @@ def test_crash_after_commit_before_ack__real_worker_skips_the_redelivery(provide
     )
     # The forking Worker hands a job whose work horse died back at once; with the
     # default FenceWorker the whole worker dies and RQ's abandoned-job cleanup
-    # redelivers it later (tests/inbox/test_crashes.py covers that path).
+    # redelivers it later (tests/crash/test_inbox_crashes.py covers that path).
     worker = start_worker(env, name="fu-crash", worker_class=FORKING)
     try:
         wait_until(
             lambda: (
-                Operation.objects.filter(
-                    key__startswith=f"{op.key}:", state=OperationState.SUCCEEDED
-                ).count()
-                == 2
+                Operation.objects.filter(parent=op, state=OperationState.SUCCEEDED).count() == 2
             ),
             timeout=40,
             what="both follow-ups to succeed",
         )
         # The killed delivery is handed back by RQ with the same id; wait until
         # both follow-up messages' jobs ran to the end (the redelivery included).
-        ids = [message_id_for(f"{op.key}:{kind}") for kind in (RECORD_SALE, COUNT_SALE)]
+        ids = [
+            message_id_for(fence.follow_up_key(op, kind), KeyScope.DERIVED)
+            for kind in (RECORD_SALE, COUNT_SALE)
+        ]
         wait_until(
             lambda: all(
                 (job := queue.fetch_job(i)) is not None and job.get_status() == "finished"

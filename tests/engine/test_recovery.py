@@ -20,7 +20,7 @@ from payments.engine.jobs import run_operation
 from payments.engine.recovery import job_is_live, reconcile, sweep
 from payments.models import ClaimState, Operation, OperationState, Order, OrderStatus
 from payments.provider.client import ProviderClient
-from tests.conftest import run_worker
+from tests.support.workers import run_worker
 
 pytestmark = pytest.mark.django_db(transaction=True)
 

@@ -7,10 +7,9 @@ first call open (`slow` fault) so the race really overlaps.
 
 from __future__ import annotations
 
-import threading
+from functools import partial
 
 import pytest
-from django.db import connection
 
 from payments.checkout.charge import PaymentIntentCharge
 from payments.checkout.handler import request_checkout
@@ -19,31 +18,10 @@ from payments.engine import runtime
 from payments.engine.steps import run_external_step
 from payments.exceptions import StepBusy
 from payments.models import ClaimState, Operation, OperationState
+from tests.support.concurrency import race
 
 # Transactional: each thread's connection must see what the others committed.
 pytestmark = pytest.mark.django_db(transaction=True)
-
-
-def race(n: int, target) -> list[object]:
-    """Run `target(i)` in n threads released together; return results or exceptions."""
-    barrier = threading.Barrier(n)
-    results: list[object] = [None] * n
-
-    def body(i: int) -> None:
-        try:
-            barrier.wait(timeout=10)
-            results[i] = target(i)
-        except Exception as exc:  # collected and asserted by the test
-            results[i] = exc
-        finally:
-            connection.close()
-
-    threads = [threading.Thread(target=body, args=(i,)) for i in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=30)
-    return results
 
 
 def new_operation(provider) -> Operation:
@@ -59,7 +37,7 @@ def new_operation(provider) -> Operation:
 def test_two_workers_run_the_same_operation__one_provider_call(provider, queue):
     op = new_operation(provider)
 
-    outcomes = race(2, lambda i: runtime.execute(op.pk, worker_id=f"worker-{i}"))
+    outcomes = race([partial(runtime.execute, op.pk, worker_id=f"worker-{i}") for i in range(2)])
 
     assert sorted(map(str, outcomes)) == ["deferred", "succeeded"]
     assert provider.state.stats()["create_requests"] == 1
@@ -75,7 +53,7 @@ def test_two_workers_claim_the_same_step__loser_backs_off_without_calling(provid
         fresh = Operation.objects.get(pk=op.pk)
         return run_external_step(fresh, "charge", PaymentIntentCharge(fresh), owner=f"worker-{i}")
 
-    outcomes = race(2, claim_and_call)
+    outcomes = race([partial(claim_and_call, i) for i in range(2)])
 
     busy = [o for o in outcomes if isinstance(o, StepBusy)]
     done = [o for o in outcomes if isinstance(o, dict)]

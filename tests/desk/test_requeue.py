@@ -12,9 +12,9 @@ from rq.registry import FailedJobRegistry
 
 from payments.desk import services as desk
 from payments.models import Invoice, OperationState
-from tests.admin import flows
-from tests.admin.conftest import RECONCILE, VIEW, make_user
-from tests.conftest import run_worker
+from tests.support import flows
+from tests.support.users import RECONCILE, VIEW, make_user
+from tests.support.workers import run_worker
 
 pytestmark = pytest.mark.django_db(transaction=True)
 

@@ -4,10 +4,6 @@ These tests speak plain HTTP with `requests` (not our client), so they pin
 what any Stripe-style client would see: status codes, bodies and headers.
 """
 
-# Test functions take the imported `fake_provider` fixture as an argument,
-# which pyflakes reads as shadowing the import.
-# ruff: noqa: F811
-
 from __future__ import annotations
 
 import random
@@ -25,10 +21,7 @@ import requests
 from django.core.management import CommandError, call_command
 
 from devtools.fake_provider.server import FakeProviderServer, parse_search_query
-from tests.fixtures.provider import (
-    FakeClock,
-    fake_provider,  # noqa: F401
-)
+from tests.support.provider import FakeClock
 
 AUTH = {"Authorization": "Bearer sk_test_contract"}
 CHARGE = {

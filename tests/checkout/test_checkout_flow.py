@@ -27,7 +27,7 @@ from payments.models import (
     OrderStatus,
     StepClaim,
 )
-from tests.conftest import run_worker
+from tests.support.workers import run_worker
 
 pytestmark = pytest.mark.django_db(transaction=True)
 

@@ -12,9 +12,10 @@ import pytest
 from payments.desk import services as desk
 from payments.desk.services import DeskError
 from payments.models import ClaimState, Invoice, Operation, OperationEvent, OperationState
-from tests.admin import flows
-from tests.admin.conftest import NEW_ATTEMPT, RECONCILE, VIEW, make_user
-from tests.conftest import run_worker
+from tests.support import flows
+from tests.support.concurrency import race
+from tests.support.users import NEW_ATTEMPT, RECONCILE, VIEW, make_user
+from tests.support.workers import run_worker
 
 # Transactional: each operator's connection must see what the other committed.
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -36,7 +37,7 @@ def test_two_operators_resume_at_once__one_resumes_the_other_is_refused(
     assert op.state == OperationState.NEEDS_REVIEW  # charged: never "failed"
     alice, bob = operators(RECONCILE)
 
-    results = flows.race(
+    results = race(
         [
             lambda u=u: desk.resume(op.pk, user=u, reason=f"{u.username}: bug fixed")
             for u in (alice, bob)
@@ -65,7 +66,7 @@ def test_two_operators_start_a_new_attempt_at_once__exactly_one_new_operation(pr
     assert op.state == OperationState.FAILED
     alice, bob = operators(RECONCILE, NEW_ATTEMPT)
 
-    results = flows.race(
+    results = race(
         [
             lambda u=u: desk.start_new_attempt(
                 op.pk,
@@ -96,7 +97,7 @@ def test_two_operators_mark_the_same_step_succeeded__recorded_once(provider, que
     [intent] = provider.state.intents(metadata={"operation_key": op.key})
     alice, bob = operators(RECONCILE)
 
-    results = flows.race(
+    results = race(
         [
             lambda u=u: desk.mark_step_succeeded(
                 op.pk, "charge", reference=intent["id"], user=u, reason="seen at the provider"

@@ -1,26 +1,35 @@
-"""Operations brought into shape by the real runtime: a worker in this process, real HTTP.
+"""Orders and checkouts, and operations brought into shape by the real runtime.
 
-For transactional tests only (a claim must commit before its call).
+`failed_by_invoice_bug` and `uncertain_after_read_timeout` run a worker in this
+process over real HTTP: for transactional tests only (a claim must commit
+before its call). The others only create rows and enqueue on commit.
 """
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Callable
-
 import pytest
-from django.db import connection
 
 from payments.checkout.handler import request_checkout
 from payments.checkout.orders import create_order
-from payments.models import Operation
-from tests.conftest import run_worker
+from payments.models import Operation, Order
+from tests.support.workers import run_worker
 
 
 def checkout(key: str = "chk-1", pm: str = "pm_card_visa") -> Operation:
     order = create_order(amount=2500, currency="eur", email="buyer@example.com")
     op, _ = request_checkout(order_id=order.pk, key=key, payment_method=pm, actor="api")
     return op
+
+
+def order_and_checkout(
+    *, email: str = "buyer@example.com", pm: str = "pm_card_visa", key: str | None = None
+) -> tuple[Order, Operation]:
+    """Create an order and ask for its checkout (the job is enqueued on commit)."""
+    order = create_order(amount=1999, currency="eur", email=email)
+    op, _ = request_checkout(
+        order_id=order.pk, key=key or f"obs-{order.pk}", payment_method=pm, actor="test"
+    )
+    return order, op
 
 
 def failed_by_invoice_bug(monkeypatch: pytest.MonkeyPatch, queue, key: str = "chk-1") -> Operation:
@@ -51,25 +60,3 @@ def uncertain_after_read_timeout(provider, queue, key: str = "chk-1") -> Operati
     assert provider.state.wait_idle(timeout=5)  # the charge is stored at the provider
     op.refresh_from_db()
     return op
-
-
-def race(targets: list[Callable[[], object]]) -> list[object]:
-    """Run each target in its own thread (own DB connection), released by one Barrier."""
-    barrier = threading.Barrier(len(targets))
-    results: list[object] = [None] * len(targets)
-
-    def body(i: int) -> None:
-        try:
-            barrier.wait(timeout=10)
-            results[i] = targets[i]()
-        except Exception as exc:  # collected and asserted by the test
-            results[i] = exc
-        finally:
-            connection.close()
-
-    threads = [threading.Thread(target=body, args=(i,)) for i in range(len(targets))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=30)
-    return results

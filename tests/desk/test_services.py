@@ -13,12 +13,20 @@ from django.core.exceptions import PermissionDenied
 from django.db import transaction
 
 from payments.checkout.handler import CheckoutNotAllowed, request_checkout
+from payments.checkout.orders import create_order
 from payments.desk import services as desk
 from payments.desk.services import DeskError, ReasonRequired
 from payments.engine import fence
-from payments.models import ClaimState, Operation, OperationEvent, OperationState, OrderStatus
-from tests.admin import builders
-from tests.admin.builders import order_of
+from payments.models import (
+    ClaimState,
+    KeyScope,
+    Operation,
+    OperationEvent,
+    OperationState,
+    OrderStatus,
+)
+from tests.support import builders
+from tests.support.builders import order_of
 
 pytestmark = pytest.mark.django_db
 
@@ -206,7 +214,12 @@ def test_mark_step_succeeded__checks_the_reference_records_it_and_resumes(
     assert op.state == OperationState.RETRYING
     assert len(callbacks) == 1
     events = operator_events(op, operator)
-    assert [(e.step, e.to_state) for e in events] == [("charge", "done"), ("", "retrying")]
+    # The operator takes the claim over (its worker never released it: in doubt), then settles.
+    assert [(e.step, e.to_state) for e in events] == [
+        ("charge", "uncertain"),
+        ("charge", "done"),
+        ("", "retrying"),
+    ]
     assert all("seen in the dashboard" in e.reason for e in events)
     assert successes(provider, op) == 1
 
@@ -287,7 +300,11 @@ def test_mark_step_failed__nothing_at_the_provider__fails_operation_and_order(pr
     assert op.state == OperationState.FAILED
     assert order_of(op).status == OrderStatus.PAYMENT_FAILED  # the handler's on_failure ran
     events = operator_events(op, operator)
-    assert [(e.step, e.to_state) for e in events] == [("charge", "failed"), ("", "failed")]
+    assert [(e.step, e.to_state) for e in events] == [
+        ("charge", "uncertain"),
+        ("charge", "failed"),
+        ("", "failed"),
+    ]
     assert all("provider support: none" in e.reason for e in events)
 
 
@@ -340,13 +357,13 @@ def test_start_new_attempt__new_key_linked_order_processing_audited(
     with django_capture_on_commit_callbacks() as callbacks:
         new = desk.start_new_attempt(op, user=senior, reason="customer called, new card ok")
 
-    assert new.key == "chk-1:attempt-2"
+    assert (new.key, new.scope) == (f"{op.pk}:attempt-2", KeyScope.DERIVED)
     assert new.retry_of_id == op.pk
     assert new.state == OperationState.PENDING
     assert new.params["order_id"] == op.params["order_id"]
     assert order_of(op).status == OrderStatus.PROCESSING
     assert len(callbacks) == 1
-    assert "new attempt chk-1:attempt-2 started" in operator_events(op, senior)[0].reason
+    assert f"new attempt {new.key} started" in operator_events(op, senior)[0].reason
     assert any("new attempt of chk-1" in e.reason for e in operator_events(new, senior))
 
 
@@ -354,7 +371,7 @@ def test_start_new_attempt__only_once(provider, senior):
     op, _ = builders.declined()
     desk.start_new_attempt(op, user=senior, reason="first")
 
-    with pytest.raises(DeskError, match="a new attempt exists already: chk-1:attempt-2"):
+    with pytest.raises(DeskError, match=f"a new attempt exists already: {op.pk}:attempt-2"):
         desk.start_new_attempt(op, user=senior, reason="second")
 
     assert Operation.objects.filter(retry_of=op).count() == 1
@@ -393,9 +410,17 @@ def test_start_new_attempt__needs_its_own_permission(provider, operator):
         desk.start_new_attempt(op, user=operator, reason="x")
 
 
-def test_next_attempt_key__counts_up_without_nesting():
-    assert desk.next_attempt_key("checkout:order:42") == "checkout:order:42:attempt-2"
-    assert desk.next_attempt_key("checkout:order:42:attempt-2") == "checkout:order:42:attempt-3"
+def test_next_attempt_key__counts_up_from_the_first_attempt_in_the_derived_scope(provider, senior):
+    op, _ = builders.declined()
+    assert desk.next_attempt_key(op) == f"{op.pk}:attempt-2"
+    second = desk.start_new_attempt(op, user=senior, reason="new card")
+    assert desk.next_attempt_key(second) == f"{op.pk}:attempt-3"
+    # A client may use the same string as its own key: another scope, no collision.
+    order = create_order(amount=100, currency="eur", email="c@example.com")
+    client_op, created = request_checkout(
+        order_id=order.pk, key=second.key, payment_method="pm_card_visa", actor="api"
+    )
+    assert created and client_op.pk != second.pk
 
 
 def test_available_actions__explain_what_the_state_refuses(provider):

@@ -5,17 +5,12 @@ own client's assumptions to be worth something. Network retries are off, so
 every SDK call is exactly one HTTP request and the fake's counts stay exact.
 """
 
-# Test functions take the imported `fake_provider` fixture as an argument,
-# which pyflakes reads as shadowing the import.
-# ruff: noqa: F811
-
 from __future__ import annotations
 
 import pytest
 import stripe
 
 from devtools.fake_provider.server import FakeProviderServer
-from tests.fixtures.provider import fake_provider  # noqa: F401
 
 API_KEY = "sk_test_sdk"
 

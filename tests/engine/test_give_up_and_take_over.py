@@ -20,7 +20,7 @@ from payments.engine.dispatch import dispatch
 from payments.engine.recovery import reconcile
 from payments.engine.runtime import execute
 from payments.models import ClaimState, Operation, OperationState, OrderStatus, StepClaim
-from tests.conftest import run_worker
+from tests.support.workers import run_worker
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -126,8 +126,9 @@ def test_reconciler_resumes_an_operation_stranded_between_settle_and_move(provid
     # The reconciler settled the claim, then died before moving the operation.
     claim = op.claims.get(step="charge")
     intent = provider.state.intents(metadata={"operation_key": op.key})[0]
+    taken = fence.take_over_claim(claim, owner="reconciler", lease_seconds=30)
     fence.settle_claim(
-        claim,
+        taken,
         ClaimState.DONE,
         actor="reconciler",
         reference=intent["id"],
@@ -161,7 +162,7 @@ def test_operation_of_an_unknown_kind__needs_review_instead_of_looping(provider,
 def test_follow_up_error_after_its_commit__is_delivered_not_retried(provider, queue, monkeypatch):
     order, op = new_checkout("late-error")
     run_worker(queue)
-    follow_up = Operation.objects.get(key=f"{op.key}:record_sale")
+    follow_up = Operation.objects.get(parent=op, kind="record_sale")
     assert follow_up.state == OperationState.SUCCEEDED
 
     def committed_then_timed_out(operation_id: int, worker_id: str) -> str:
@@ -207,8 +208,9 @@ def test_reconciler_resumes_a_failed_operation_whose_charge_was_settled_done(pro
     # operation, which an operator had failed meanwhile.
     claim = op.claims.get(step="charge")
     intent = provider.state.intents(metadata={"operation_key": op.key})[0]
+    taken = fence.take_over_claim(claim, owner="reconciler", lease_seconds=30)
     fence.settle_claim(
-        claim,
+        taken,
         ClaimState.DONE,
         actor="reconciler",
         reference=intent["id"],

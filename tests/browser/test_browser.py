@@ -13,9 +13,9 @@ import pytest
 from django.db import connections
 
 from payments.models import Operation, OperationState
-from tests.admin import flows
-from tests.admin.conftest import RECONCILE, VIEW, make_user
-from tests.conftest import run_worker
+from tests.support import flows
+from tests.support.users import RECONCILE, VIEW, make_user
+from tests.support.workers import run_worker
 
 # Transactional: the live server's thread must see what the test committed.
 pytestmark = [pytest.mark.browser, pytest.mark.django_db(transaction=True)]

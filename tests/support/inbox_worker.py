@@ -1,4 +1,4 @@
-"""Run one real rq worker process on the test queue: ``python -m tests.inbox.crash_worker URL``.
+"""Run one real rq worker process on the test queue: ``python -m tests.support.inbox_worker URL``.
 
 The tests arm a crash point and set ``INBOX_TEST_HARD_CRASH=1``, so the
 handler SIGKILLs this process mid-job, as when a machine dies.
@@ -16,7 +16,7 @@ def main(redis_url: str) -> None:
     from redis import Redis
     from rq import Queue, SimpleWorker
 
-    from tests.inbox.jobs import QUEUE_NAME
+    from tests.support.inbox_jobs import QUEUE_NAME
 
     connection = Redis.from_url(redis_url)
     # A plain rq Queue: the worker only dequeues; identity was set at enqueue.
