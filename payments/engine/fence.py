@@ -27,6 +27,7 @@ from payments.engine import transitions
 from payments.engine.failpoints import BEFORE_RECORD_COMMIT, failpoint
 from payments.exceptions import InvalidTransition, NotClaimOwner, OperationConflict
 from payments.models import (
+    RUNNABLE_OPERATION_STATES,
     ClaimState,
     KeyScope,
     Operation,
@@ -251,12 +252,7 @@ def acquire_lease(operation_id: int, *, owner: str, seconds: int) -> LeaseResult
         op = locked_operation_in_tx(operation_id)
         now = clock_of(op)
         leased_by_other = lease_alive(op, now) and op.lease_owner != owner
-        runnable = op.state in (
-            OperationState.PENDING,
-            OperationState.RETRYING,
-            OperationState.RUNNING,
-        )
-        if not runnable or leased_by_other:
+        if op.state not in RUNNABLE_OPERATION_STATES or leased_by_other:
             return LeaseResult(op, acquired=False)
         reason = "lease expired; taken over" if op.state == OperationState.RUNNING else ""
         transition_in_tx(
@@ -303,7 +299,7 @@ def record_failed_attempt_in_tx(
     Under MAX_ATTEMPTS the operation is RETRYING, due after the next backoff;
     at MAX_ATTEMPTS it goes to `give_up_to` (FAILED unless the caller knows an
     effect happened or may have). The lease is dropped either way. Runs inside
-    the caller's transaction.
+    the caller's transaction, on a row from locked_operation_in_tx (its clock).
     """
     attempt = operation.attempts + 1
     if attempt >= payments_settings().max_attempts:
@@ -324,7 +320,7 @@ def record_failed_attempt_in_tx(
         reason=f"attempt {attempt} failed: {reason}"[:500],
         attempts=attempt,
         last_error=reason,
-        next_attempt_at=db_now() + timedelta(seconds=delay),
+        next_attempt_at=clock_of(operation) + timedelta(seconds=delay),
     )
     return False
 

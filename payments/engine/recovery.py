@@ -85,7 +85,7 @@ def job_is_live(op: Operation, now: datetime) -> bool:
     if status == JobStatus.STARTED:
         if op.state == OperationState.RUNNING:
             # The lease outlives the job timeout: once it ran out, no horse runs the job.
-            return op.lease_expires_at is not None and op.lease_expires_at > now
+            return fence.lease_alive(op, now)
         started = job.started_at
         if started is not None and started.tzinfo is None:  # rq stores naive UTC
             started = started.replace(tzinfo=UTC)
