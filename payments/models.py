@@ -7,10 +7,65 @@ UNIQUE(operation, step) row inserted before a side effect) and OperationEvent
 
 from __future__ import annotations
 
+from typing import Any
+
 from django.db import models
 from django.db.models import Q
 
+from payments.engine.writes import writing
+
 OPERATION_KEY_CONSTRAINT = "payments_operation_scope_key_uniq"
+
+
+class FenceWriteRefused(RuntimeError):
+    """A fence row was to be written outside payments.engine.fence; nothing was written."""
+
+
+def _refuse_outside_fence(model: type[models.Model], what: str) -> None:
+    if not writing():
+        raise FenceWriteRefused(
+            f"{model.__name__}.{what} outside payments.engine.fence: fence rows change only "
+            "through the fence (and its transition table)"
+        )
+
+
+class FenceQuerySet(models.QuerySet):
+    """Reads as usual; writes only inside the fence (payments.engine.writes)."""
+
+    def update(self, **kwargs: Any) -> int:
+        _refuse_outside_fence(self.model, "update()")
+        return super().update(**kwargs)
+
+    def delete(self) -> tuple[int, dict[str, int]]:
+        _refuse_outside_fence(self.model, "delete()")
+        return super().delete()
+
+    def bulk_create(self, objs: Any, *args: Any, **kwargs: Any) -> Any:
+        _refuse_outside_fence(self.model, "bulk_create()")
+        return super().bulk_create(objs, *args, **kwargs)
+
+    def bulk_update(self, objs: Any, *args: Any, **kwargs: Any) -> Any:
+        _refuse_outside_fence(self.model, "bulk_update()")
+        return super().bulk_update(objs, *args, **kwargs)
+
+
+class FenceModel(models.Model):
+    """A fence row: written by payments.engine.fence only (save and delete refuse elsewhere)."""
+
+    objects = FenceQuerySet.as_manager()
+
+    class Meta:
+        abstract = True
+
+    def save(self, *args: Any, **kwargs: Any) -> None:
+        _refuse_outside_fence(type(self), "save()")
+        super().save(*args, **kwargs)
+
+    def delete(self, *args: Any, **kwargs: Any) -> Any:
+        _refuse_outside_fence(type(self), "delete()")
+        return super().delete(*args, **kwargs)
+
+
 CLAIM_UNIQUE_CONSTRAINT = "payments_stepclaim_operation_step_uniq"
 
 
@@ -80,7 +135,7 @@ class KeyScope(models.TextChoices):
     DERIVED = "derived", "Derived"  # made by the system: a follow-up or a new attempt of a parent
 
 
-class Operation(models.Model):
+class Operation(FenceModel):
     """One business intent, e.g. "check out order 42", keyed for idempotency."""
 
     KEY_CONSTRAINT = OPERATION_KEY_CONSTRAINT
@@ -135,7 +190,7 @@ class ClaimState(models.TextChoices):
     UNCERTAIN = "uncertain", "Uncertain"  # the effect may have happened; reconcile
 
 
-class StepClaim(models.Model):
+class StepClaim(FenceModel):
     """The fence: one row per (operation, step), inserted before the effect."""
 
     UNIQUE_CONSTRAINT = CLAIM_UNIQUE_CONSTRAINT
@@ -169,7 +224,7 @@ class StepClaim(models.Model):
         return f"{self.operation_id}:{self.step}"
 
 
-class OperationEvent(models.Model):
+class OperationEvent(FenceModel):
     """An audit row: one state change of an operation or of one of its steps."""
 
     operation = models.ForeignKey(Operation, on_delete=models.PROTECT, related_name="events")

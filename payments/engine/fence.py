@@ -25,6 +25,7 @@ from django.db.models.functions import Now
 from payments.conf import payments_settings
 from payments.engine import transitions
 from payments.engine.failpoints import BEFORE_RECORD_COMMIT, failpoint
+from payments.engine.writes import fence_writer
 from payments.exceptions import InvalidTransition, NotClaimOwner, OperationConflict
 from payments.models import (
     RUNNABLE_OPERATION_STATES,
@@ -116,6 +117,7 @@ def unique_violation_of(exc: IntegrityError, constraint: str) -> bool:
 # --- audit -----------------------------------------------------------------------
 
 
+@fence_writer
 def record_event_in_tx(
     operation: Operation,
     *,
@@ -139,6 +141,7 @@ def record_event_in_tx(
 # --- operations ------------------------------------------------------------------
 
 
+@fence_writer
 def create_operation_in_tx(
     *,
     key: str,
@@ -189,6 +192,7 @@ def create_operation_in_tx(
     return op, True
 
 
+@fence_writer
 def transition_in_tx(
     operation: Operation,
     to_state: OperationState,
@@ -213,6 +217,7 @@ def transition_in_tx(
         )
 
 
+@fence_writer
 def record_dispatch_in_tx(operation_id: int, job_id: str) -> None:
     """Record the job id of a new delivery, by the DB's clock. Runs in the caller's transaction.
 
@@ -341,6 +346,7 @@ class ClaimResult:
     created: bool
 
 
+@fence_writer
 def claim_step(
     operation: Operation,
     step: str,
@@ -384,6 +390,7 @@ def claim_step(
     return ClaimResult(claim, created=True)
 
 
+@fence_writer
 def insert_local_claim_in_tx(operation: Operation, step: str, *, owner: str) -> StepClaim:
     """Insert a `done` claim for a local step. Runs inside the transaction of the step's writes.
 
@@ -404,6 +411,7 @@ def insert_local_claim_in_tx(operation: Operation, step: str, *, owner: str) -> 
     return claim
 
 
+@fence_writer
 def store_local_result_in_tx(claim: StepClaim, result: dict[str, Any]) -> None:
     """Store a local step's result on its claim. Runs inside the step's transaction."""
     StepClaim.objects.filter(pk=claim.pk).update(result=result)
@@ -436,6 +444,7 @@ def _require_owner(row: StepClaim, actor: str) -> None:
         raise NotClaimOwner(name=_name(row), owner=row.claimed_by, actor=actor)
 
 
+@fence_writer
 def take_over_claim(
     claim: StepClaim, *, owner: str, lease_seconds: int, why: str = ""
 ) -> StepClaim | None:
@@ -484,6 +493,7 @@ def take_over_claim(
     return row
 
 
+@fence_writer
 def settle_claim(
     claim: StepClaim,
     state: ClaimState,
@@ -529,6 +539,7 @@ def settle_claim(
     return row
 
 
+@fence_writer
 def release_claim(claim: StepClaim, *, actor: str, reason: str) -> None:
     """Drop a claim's lease after a transient failure: the next attempt may take it at once.
 

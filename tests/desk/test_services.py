@@ -17,6 +17,7 @@ from payments.checkout.orders import create_order
 from payments.desk import services as desk
 from payments.desk.services import DeskError, ReasonRequired
 from payments.engine import fence
+from payments.engine.writes import fence_writes
 from payments.models import (
     ClaimState,
     KeyScope,
@@ -251,7 +252,8 @@ def test_mark_step_succeeded__refuses_a_charge_of_another_operation(provider, op
     other, _ = builders.succeeded(key="other")
     other_ref = other.claims.get(step="charge").provider_reference
     # Unrecorded here, so that only the provider's metadata can tell it is not ours.
-    other.claims.filter(step="charge").update(provider_reference="")
+    with fence_writes():  # hand-made state, as the test says
+        other.claims.filter(step="charge").update(provider_reference="")
     op, claim, _ = builders.uncertain(key="mine", charged=False)
 
     with pytest.raises(DeskError, match="belongs to another operation"):

@@ -18,6 +18,7 @@ from payments.engine import fence
 from payments.engine.dispatch import dispatch
 from payments.engine.jobs import run_operation
 from payments.engine.recovery import job_is_live, reconcile, sweep
+from payments.engine.writes import fence_writes
 from payments.models import ClaimState, Operation, OperationState, Order, OrderStatus
 from payments.provider.client import ProviderClient
 from tests.support.workers import run_worker
@@ -43,7 +44,8 @@ def charges(provider, op: Operation) -> int:
 def test_reference_found_succeeded__step_done_and_operation_finishes(provider, queue):
     order, op = uncertain_checkout(provider, queue)
     intent = provider.state.intents(metadata={"operation_key": op.key})[0]
-    op.claims.filter(step="charge").update(provider_reference=intent["id"])
+    with fence_writes():  # hand-made state, as the test says
+        op.claims.filter(step="charge").update(provider_reference=intent["id"])
 
     report = reconcile()
     run_worker(queue)
@@ -60,7 +62,8 @@ def test_reference_found_succeeded__step_done_and_operation_finishes(provider, q
 def test_reference_found_declined__step_and_operation_fail(provider, queue):
     order, op = uncertain_checkout(provider, queue, card="pm_card_chargeDeclined")
     intent = provider.state.intents(metadata={"operation_key": op.key})[0]
-    op.claims.filter(step="charge").update(provider_reference=intent["id"])
+    with fence_writes():  # hand-made state, as the test says
+        op.claims.filter(step="charge").update(provider_reference=intent["id"])
 
     report = reconcile()
 
@@ -91,7 +94,8 @@ def test_not_found_within_grace__stays_uncertain_then_needs_review_after(provide
     # Older than the provider's key retention: a replay could charge anew, so
     # only a search is allowed.
     old = timezone.now() - timedelta(hours=23, minutes=30)
-    op.claims.filter(step="charge").update(claimed_at=old)
+    with fence_writes():  # hand-made state, as the test says
+        op.claims.filter(step="charge").update(claimed_at=old)
     settings.PAYMENTS = {**settings.PAYMENTS, "RECONCILE_GRACE": 48 * 3600}
 
     within = reconcile()
@@ -133,7 +137,8 @@ def test_reconciler_never_replays_for_a_failed_operation(provider, queue):
     run_worker(queue)
     op.refresh_from_db()
     assert op.state == OperationState.FAILED
-    op.claims.filter(step="charge").update(state=ClaimState.CLAIMED, lease_expires_at=None)
+    with fence_writes():  # hand-made state, as the test says
+        op.claims.filter(step="charge").update(state=ClaimState.CLAIMED, lease_expires_at=None)
 
     reconcile()
 
@@ -150,7 +155,8 @@ def test_sweeper_after_a_redis_flush__every_operation_finishes_once(provider, qu
         for o in orders
     ]
     redis_conn.flushdb()  # every queued job is gone
-    Operation.objects.update(dispatched_at=timezone.now() - timedelta(minutes=1))
+    with fence_writes():  # hand-made state, as the test says
+        Operation.objects.update(dispatched_at=timezone.now() - timedelta(minutes=1))
 
     report = sweep()
     run_worker(queue)
@@ -168,7 +174,8 @@ def test_sweeper_leaves_live_jobs_alone(provider, queue):
     op, _ = request_checkout(
         order_id=order.pk, key="live", payment_method="pm_card_visa", actor="test"
     )
-    Operation.objects.update(dispatched_at=timezone.now() - timedelta(minutes=1))
+    with fence_writes():  # hand-made state, as the test says
+        Operation.objects.update(dispatched_at=timezone.now() - timedelta(minutes=1))
 
     report = sweep(dry_run=True)
 
@@ -184,12 +191,14 @@ def test_started_job_of_a_dead_worker__is_not_live_once_the_lease_ran_out(provid
     job = queue.fetch_job(Operation.objects.get(pk=op.pk).job_id)
     job.set_status(JobStatus.STARTED)
     now = timezone.now()
-    Operation.objects.filter(pk=op.pk).update(
-        state=OperationState.RUNNING, lease_owner="dead/1", lease_expires_at=now + timedelta(5)
-    )
+    with fence_writes():  # hand-made state, as the test says
+        Operation.objects.filter(pk=op.pk).update(
+            state=OperationState.RUNNING, lease_owner="dead/1", lease_expires_at=now + timedelta(5)
+        )
     assert job_is_live(Operation.objects.get(pk=op.pk), now)
 
-    Operation.objects.filter(pk=op.pk).update(lease_expires_at=now - timedelta(seconds=1))
+    with fence_writes():  # hand-made state, as the test says
+        Operation.objects.filter(pk=op.pk).update(lease_expires_at=now - timedelta(seconds=1))
 
     assert not job_is_live(Operation.objects.get(pk=op.pk), now)
     assert [k for k in sweep().dispatched] == ["dead"]
@@ -252,7 +261,8 @@ def _failed_with_unsettled_charge(provider, queue, key: str):
     run_worker(queue)
     op.refresh_from_db()
     assert op.state == OperationState.FAILED
-    op.claims.filter(step="charge").update(state=ClaimState.CLAIMED, lease_expires_at=None)
+    with fence_writes():  # hand-made state, as the test says
+        op.claims.filter(step="charge").update(state=ClaimState.CLAIMED, lease_expires_at=None)
     return order, op
 
 
@@ -314,7 +324,8 @@ def test_scheduled_job_no_scheduler_picked_up__is_delivered_anew(provider, queue
     assert not job_is_live(op, later)
 
     queue.scheduled_job_registry.schedule(job, now - timedelta(minutes=2))
-    Operation.objects.filter(pk=op.pk).update(dispatched_at=now - timedelta(minutes=2))
+    with fence_writes():  # hand-made state, as the test says
+        Operation.objects.filter(pk=op.pk).update(dispatched_at=now - timedelta(minutes=2))
     assert sweep().dispatched == ["stale-retry"]
     run_worker(queue)
     op.refresh_from_db()

@@ -21,6 +21,7 @@ from django.db import connection, transaction
 from django.utils import timezone
 
 from payments.engine import fence
+from payments.engine.writes import fence_writes
 from payments.management.commands.fence_audit import parse_since
 from payments.models import ClaimState, FenceAuditRun, Operation
 from payments.provider.client import ProviderClient
@@ -146,9 +147,10 @@ def test_fence_audit__uncertain_claims_past_the_grace_are_found_whatever_the_win
     op = new_operation("checkout:order:unsure")
     claim = fence.claim_step(op, "charge", owner="test", lease_seconds=30).claim
     fence.settle_claim(claim, ClaimState.UNCERTAIN, actor="test", error="read timeout")
-    claim.__class__.objects.filter(pk=claim.pk).update(
-        claimed_at=timezone.now() - timedelta(days=3)
-    )
+    with fence_writes():  # hand-made state, as the test says
+        claim.__class__.objects.filter(pk=claim.pk).update(
+            claimed_at=timezone.now() - timedelta(days=3)
+        )
 
     output, code = audit("--since", "30m")
 

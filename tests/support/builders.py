@@ -18,6 +18,7 @@ from payments.checkout.charge import PaymentIntentCharge
 from payments.checkout.handler import mark_order_failed, request_checkout
 from payments.checkout.orders import create_order
 from payments.engine import fence
+from payments.engine.writes import fence_writes
 from payments.models import ClaimState, Operation, OperationState, Order, OrderStatus, StepClaim
 from payments.provider.client import ProviderClient
 from payments.provider.errors import CardDeclined
@@ -35,17 +36,18 @@ def new_checkout(key: str = "chk-1", *, pm: str = "pm_card_visa", amount: int = 
 def claim_charge(op: Operation, *, age: timedelta = timedelta(0)) -> StepClaim:
     """The charge claim as `claim_step` inserts it, its lease already run out, `age` old."""
     now = timezone.now() - age
-    claim = StepClaim.objects.create(
-        operation=op,
-        step="charge",
-        state=ClaimState.CLAIMED,
-        idempotency_key=fence.derive_idempotency_key(op.key, "charge"),
-        request=PaymentIntentCharge(op).build_request(),
-        claimed_by=WORKER,
-        claimed_at=now,
-        lease_expires_at=now,
-        attempts=1,
-    )
+    with fence_writes():  # hand-made state, as the test says
+        claim = StepClaim.objects.create(
+            operation=op,
+            step="charge",
+            state=ClaimState.CLAIMED,
+            idempotency_key=fence.derive_idempotency_key(op.key, "charge"),
+            request=PaymentIntentCharge(op).build_request(),
+            claimed_by=WORKER,
+            claimed_at=now,
+            lease_expires_at=now,
+            attempts=1,
+        )
     return claim
 
 
@@ -80,7 +82,8 @@ def move(op: Operation, state: OperationState, *, reason: str = "", **fields) ->
 def backdate(claim: StepClaim, age: timedelta) -> None:
     """Make the claim look `age` old (its last write included)."""
     then = timezone.now() - age
-    StepClaim.objects.filter(pk=claim.pk).update(claimed_at=then, updated_at=then)
+    with fence_writes():  # hand-made state, as the test says
+        StepClaim.objects.filter(pk=claim.pk).update(claimed_at=then, updated_at=then)
 
 
 def uncertain(
