@@ -230,6 +230,22 @@ def test_desk_action__unknown_action_or_operation_is_404(provider, operator):
 # --- desk actions: what a POST does --------------------------------------------------
 
 
+def test_desk_action__query_provider_on_a_retrying_operation_says_it_only_reads(provider, operator):
+    op, claim, _ = builders.uncertain(charged=False)
+    builders.move(op, OperationState.RETRYING, reason="resumed")
+    client = client_for(operator)
+
+    page = client.get(desk_url(op, "query_provider")).content.decode()
+    assert "a worker may still run it" in page
+    assert "Nothing is replayed and nothing is settled" in page
+
+    response = client.post(desk_url(op, "query_provider"))
+    assert response.status_code == 302
+    claim.refresh_from_db()
+    assert claim.state == ClaimState.UNCERTAIN  # read only: the worker settles it
+    assert provider.state.stats()["create_requests"] == 0
+
+
 def test_desk_action__query_provider_settles_logs_and_redirects(provider, operator):
     op, claim, reference = builders.uncertain(charged=True)
     client = client_for(operator)
