@@ -21,6 +21,9 @@ Every key, its default and its meaning:
     Delay before the 2nd, 3rd, ... attempt (the last value repeats).
 ``RECONCILE_GRACE`` (``900`` seconds)
     How long an outcome may stay unknown before the operation goes to needs_review.
+``PROVIDER_DASHBOARD_URL`` (``""``: no links)
+    A template for a link to the provider's own page of a reference, with
+    ``{reference}`` in it, e.g. ``https://dashboard.stripe.com/payments/{reference}``.
 ``QUEUE`` (``"payments"``)
     The RQ queue (an ``RQ_QUEUES`` entry) that delivers operations.
 
@@ -52,6 +55,7 @@ class PaymentsSettings:
     retry_backoff: tuple[int, ...] = (2, 8)
     reconcile_grace: int = 15 * 60
     queue: str = "payments"
+    provider_dashboard_url: str = ""
 
     def backoff_before(self, attempt: int) -> int:
         """Return the delay in seconds before attempt `attempt + 1` (1-based `attempt`)."""
@@ -76,6 +80,14 @@ def _number(name: str, value: Any, *, integer: bool, minimum: float) -> Any:
 def _text(name: str, value: Any) -> str:
     if not isinstance(value, str) or not value:
         raise ImproperlyConfigured(f"PAYMENTS[{name!r}] must be a non-empty string.")
+    return value
+
+
+def _dashboard(name: str, value: Any) -> str:
+    if value == "":
+        return ""
+    if not isinstance(value, str) or "{reference}" not in value:
+        raise ImproperlyConfigured(f"PAYMENTS[{name!r}] must be a URL containing {{reference}}.")
     return value
 
 
@@ -118,4 +130,5 @@ def payments_settings() -> PaymentsSettings:
         ),
         reconcile_grace=_number("RECONCILE_GRACE", get("reconcile_grace"), integer=True, minimum=1),
         queue=_text("QUEUE", get("queue")),
+        provider_dashboard_url=_dashboard("PROVIDER_DASHBOARD_URL", get("provider_dashboard_url")),
     )

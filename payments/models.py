@@ -203,6 +203,9 @@ class StepClaim(FenceModel):
     request = models.JSONField(null=True, blank=True)
     result = models.JSONField(null=True, blank=True)
     error = models.TextField(blank=True)
+    #: What the provider showed at the last lookup (query, reconciler, fence_audit):
+    #: status, amount, currency, reference, checked_at, source. An observation, not a state.
+    provider_view = models.JSONField(null=True, blank=True)
     #: Times a worker acted under this claim (the first call, then each take-over).
     attempts = models.PositiveIntegerField(default=0)
     claimed_by = models.CharField(max_length=255)

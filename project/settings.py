@@ -154,6 +154,7 @@ _PAYMENTS_ENV = {
     "MAX_ATTEMPTS": ("MAX_ATTEMPTS", env.int),
     "RETRY_BACKOFF": ("RETRY_BACKOFF", lambda name: env.list(name, cast=int)),
     "RECONCILE_GRACE": ("RECONCILE_GRACE", env.int),
+    "PROVIDER_DASHBOARD_URL": ("PAYMENT_PROVIDER_DASHBOARD_URL", env.str),
 }
 PAYMENTS = {key: read(var) for key, (var, read) in _PAYMENTS_ENV.items() if var in env}
 

@@ -24,6 +24,7 @@ from django.db.models.functions import Now
 
 from payments.conf import payments_settings
 from payments.engine import transitions
+from payments.engine.effects import EffectResult
 from payments.engine.failpoints import BEFORE_RECORD_COMMIT, failpoint
 from payments.engine.writes import fence_writer
 from payments.exceptions import InvalidTransition, NotClaimOwner, OperationConflict
@@ -537,6 +538,18 @@ def settle_claim(
         if state == ClaimState.DONE:
             failpoint(BEFORE_RECORD_COMMIT)
     return row
+
+
+@fence_writer
+def note_provider_view(claim: StepClaim, found: EffectResult | None, *, source: str) -> None:
+    """Remember what the provider showed for a claim (None: not found). Not a state change."""
+    view: dict[str, Any] = {"source": source, "checked_at": db_now().isoformat()}
+    if found is None:
+        view["status"] = "not_found"
+    else:
+        view.update({"outcome": str(found.outcome), "reference": found.reference, **found.data})
+    StepClaim.objects.filter(pk=claim.pk).update(provider_view=view)
+    claim.provider_view = view
 
 
 @fence_writer

@@ -248,6 +248,7 @@ def look_up(op: Operation) -> str:
         except Exception as exc:  # provider down: say so, change nothing
             found.append(f"{claim.step}: lookup failed ({type(exc).__name__})")
             continue
+        fence.note_provider_view(claim, result, source="query")
         if result is None:
             found.append(f"{claim.step}: not found yet")
         else:

@@ -189,6 +189,7 @@ def _settle_from_lookup(claim: StepClaim, effect: ExternalEffect, *, actor: str)
                 step=step,
             ) from exc
         raise StepTransient(reason, operation_key=op_key, step=step) from exc
+    fence.note_provider_view(claim, found, source="reconciler")
     if found is not None:
         return _record(claim, found, actor=actor)
     if past_grace(claim):
