@@ -8,7 +8,6 @@ not. Nothing here writes.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any
 
 from payments.checkout.charge import PaymentIntentCharge
@@ -18,11 +17,6 @@ from payments.engine.handlers import HandlerSpec, get_handler
 from payments.exceptions import InvalidTransition, PaymentsError
 from payments.models import ClaimState, Operation, OperationState, Order, OrderStatus, StepClaim
 from payments.provider.errors import ProviderError, ResourceMissing
-
-#: A claim without a reference must be this old before "not found" counts: the
-#: provider's search may lag writes, and a request our read timeout cut off may
-#: still be executing at the provider.
-LOOKUP_MARGIN = timedelta(seconds=60)
 
 
 class DeskError(InvalidTransition):

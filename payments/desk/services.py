@@ -28,7 +28,6 @@ from payments.checkout.handler import CheckoutNotAllowed, request_checkout
 from payments.checkout.names import CHECKOUT
 from payments.conf import payments_settings
 from payments.desk.rules import (
-    LOOKUP_MARGIN,
     DeskActions,
     DeskError,
     ReasonRequired,
@@ -45,19 +44,19 @@ from payments.engine import fence, recovery
 from payments.engine.dispatch import dispatch_on_commit
 from payments.engine.handlers import get_handler
 from payments.engine.outcomes import Outcome
-from payments.engine.steps import view_of
+from payments.engine.steps import past_grace, replay_allowed, view_of
 from payments.models import ClaimState, KeyScope, Operation, OperationState, Order, StepClaim
 
 if TYPE_CHECKING:
     from django.contrib.auth.models import AbstractBaseUser
 
 logger = logging.getLogger("payments.desk.services")
+alerts = logging.getLogger("payments.alerts")
 
 RECONCILE_PERMISSION = "payments.reconcile_operation"
 NEW_ATTEMPT_PERMISSION = "payments.start_new_attempt"
 
 __all__ = [
-    "LOOKUP_MARGIN",
     "DeskActions",
     "DeskError",
     "ReasonRequired",
@@ -276,10 +275,17 @@ def mark_step_failed(
     """Record an unsettled step as failed and fail the operation (its failure hook runs).
 
     A step marked failed must not have charged, or the charge would stand
-    outside the fence. So the provider is asked first (by the stored
-    reference, else by a metadata search) and a success there refuses the
-    action. Without a reference, "not found" only counts once the claim is
-    older than LOOKUP_MARGIN (search lags; a cut-off request may still run).
+    outside the fence, and a new attempt would charge the order again. So it
+    is decided from the same evidence as "Query provider now":
+    - while the provider keeps the step's idempotency key (and no worker may
+      run the operation), the request is replayed with that same key: the
+      provider answers what it did (and a request that never reached it runs
+      now, as the operation intended). A success settles the step done and the
+      operation resumes; the action is refused;
+    - otherwise the provider is asked by the stored reference, else by a
+      metadata search; a success refuses the action, and "not found" only
+      counts once the claim is older than RECONCILE_GRACE (search lags; a
+      cut-off request may still run).
     """
     _require(user, RECONCILE_PERMISSION)
     reason = _reason(reason)
@@ -287,6 +293,20 @@ def mark_step_failed(
     op = Operation.objects.get(pk=_pk(operation))
     spec = get_handler(op.kind)
     claim = settleable_claim(op, list(op.claims.all()), step, spec)
+    if op.state not in WORKER_STATES and not claim.provider_reference and replay_allowed(claim):
+        recovery.reconcile(actor=actor, operation_ids=[op.pk])
+        claim.refresh_from_db()
+        if claim.state == ClaimState.DONE:
+            raise DeskError(
+                f"the provider shows step {step} succeeded ({claim.provider_reference}): it is "
+                "recorded as done and the operation resumes; nothing was marked failed",
+                operation_key=op.key,
+            )
+        if claim.state == ClaimState.FAILED:
+            logger.info("operation %s step %s: the provider refused it", op.key, step)
+            return claim  # the provider's own refusal settled it, and failed the operation
+        op.refresh_from_db()
+        claim = settleable_claim(op, list(op.claims.all()), step, spec)
     try:
         found = spec.effect(step, op).find(view_of(claim))
     except Exception as exc:  # provider down, or the intent is still processing
@@ -295,19 +315,21 @@ def mark_step_failed(
             "nothing was changed",
             operation_key=op.key,
         ) from exc
+    fence.note_provider_view(claim, found, source=f"mark failed by {actor}")
     if found is not None and found.outcome == Outcome.SUCCESS:
         raise DeskError(
             f"the provider shows step {step} succeeded ({found.reference}); "
             "mark it succeeded instead",
             operation_key=op.key,
         )
-    if found is None and not claim.provider_reference:
-        if timezone.now() - claim.updated_at < LOOKUP_MARGIN:
-            raise DeskError(
-                f"step {step} was last tried less than {int(LOOKUP_MARGIN.total_seconds())} s "
-                "ago; the provider's search may not show it yet. Try again shortly",
-                operation_key=op.key,
-            )
+    if found is None and not claim.provider_reference and not past_grace(claim):
+        grace = payments_settings().reconcile_grace // 60
+        raise DeskError(
+            f"step {step} is not found at the provider, but it was claimed less than {grace} "
+            "min ago: the provider's search may not show it yet. Try again after the grace "
+            "period",
+            operation_key=op.key,
+        )
     with transaction.atomic():
         locked = fence.locked_operation_in_tx(op.pk)
         row = _unchanged_claim_in_tx(claim)
@@ -357,6 +379,7 @@ def start_new_attempt(
     _require(user, NEW_ATTEMPT_PERMISSION)
     reason = _reason(reason)
     actor = actor_of(user)
+    _check_earlier_attempts_failed_at_provider(Operation.objects.get(pk=_pk(operation)), actor)
     with transaction.atomic():
         op = fence.locked_operation_in_tx(_pk(operation))
         spec = get_handler(op.kind)
@@ -387,6 +410,50 @@ def start_new_attempt(
         )
     logger.info("operation %s: new attempt %s started by an operator", op.key, new.key)
     return new
+
+
+def _check_earlier_attempts_failed_at_provider(op: Operation, actor: str) -> None:
+    """Refuse a new key while the provider shows a success for any earlier attempt of the entity.
+
+    A claim settled failed *by the provider* (a decline, with its reference)
+    is evidence; one failed without a provider answer (given up after refusals,
+    or marked failed by a person) is asked again, by reference or metadata
+    search, before a new key may charge the same order.
+    """
+    spec = get_handler(op.kind)
+    earlier = StepClaim.objects.filter(
+        operation__kind=op.kind,
+        operation__entity_type=op.entity_type,
+        operation__entity_id=op.entity_id,
+        step__in=list(spec.effects),
+        state=ClaimState.FAILED,
+        provider_reference="",
+    ).select_related("operation")
+    for claim in earlier:
+        try:
+            found = spec.effect(claim.step, claim.operation).find(view_of(claim))
+        except Exception as exc:  # provider down: no new key on a guess
+            raise DeskError(
+                f"could not check the earlier attempt {claim.operation.key} with the provider "
+                f"({type(exc).__name__}); no new attempt was started",
+                operation_key=op.key,
+                action="new_attempt",
+            ) from exc
+        fence.note_provider_view(claim, found, source=f"new attempt check by {actor}")
+        if found is not None and found.outcome == Outcome.SUCCESS:
+            alerts.error(
+                "operation %s step %s was settled failed but the provider shows %s succeeded",
+                claim.operation.key,
+                claim.step,
+                found.reference,
+            )
+            raise DeskError(
+                f"the provider shows the earlier attempt {claim.operation.key} succeeded "
+                f"({found.reference}) although it is recorded failed: a new key would charge "
+                "twice. It needs review",
+                operation_key=op.key,
+                action="new_attempt",
+            )
 
 
 # --- helpers that run inside the caller's transaction ----------------------------

@@ -288,7 +288,7 @@ def test_desk_action__mark_step_succeeded(provider, operator):
 
 
 def test_desk_action__mark_step_failed(provider, operator):
-    op, claim, _ = builders.uncertain(charged=False, age=timedelta(minutes=5))
+    op, claim, _ = builders.uncertain(charged=False, age=timedelta(days=2))  # past key retention
 
     client_for(operator).post(desk_url(op, "mark_failed", "charge"), {"reason": "none at provider"})
 

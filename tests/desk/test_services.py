@@ -25,13 +25,16 @@ from payments.models import (
     OperationEvent,
     OperationState,
     OrderStatus,
+    StepClaim,
 )
 from tests.support import builders
 from tests.support.builders import order_of
 
 pytestmark = pytest.mark.django_db
 
-OLD = timedelta(minutes=5)  # older than desk.LOOKUP_MARGIN
+OLD = timedelta(minutes=20)  # older than the grace period (RECONCILE_GRACE, 15 min)
+#: Older than the provider keeps idempotency keys: no replay, only lookups count.
+PAST_RETENTION = timedelta(days=2)
 
 
 def operator_events(op: Operation, user) -> list[OperationEvent]:
@@ -293,7 +296,7 @@ def test_mark_step_succeeded__needs_reference_reason_and_an_unsettled_step(provi
 
 
 def test_mark_step_failed__nothing_at_the_provider__fails_operation_and_order(provider, operator):
-    op, claim, _ = builders.uncertain(charged=False, age=OLD)
+    op, claim, _ = builders.uncertain(charged=False, age=PAST_RETENTION)
 
     settled = desk.mark_step_failed(op, "charge", user=operator, reason="provider support: none")
 
@@ -318,15 +321,74 @@ def test_mark_step_failed__refused_when_the_provider_shows_a_success(provider, o
 
     claim.refresh_from_db()
     op.refresh_from_db()
-    assert (claim.state, op.state) == (ClaimState.UNCERTAIN, OperationState.UNCERTAIN)
+    # The same-key replay recorded the success; the operation resumes to pay the order.
+    assert (claim.state, op.state) == (ClaimState.DONE, OperationState.RETRYING)
     assert successes(provider, op) == 1
 
 
 def test_mark_step_failed__refused_while_the_search_may_lag(provider, operator):
     op, claim, _ = builders.uncertain(charged=False)  # just now: search may not show it yet
+    builders.move(op, OperationState.FAILED, reason="gave up")  # failed: no replay any more
 
     with pytest.raises(DeskError, match="may not show it yet"):
         desk.mark_step_failed(op, "charge", user=operator, reason="nothing there")
+    claim.refresh_from_db()
+    assert claim.provider_view["status"] == "not_found"  # what the provider showed, kept
+
+
+def test_mark_step_failed__replays_with_the_same_key_while_the_provider_keeps_it(
+    provider, operator
+):
+    """The request never reached the provider: the same-key replay is the evidence (it runs now,
+    as the operation intended), so "mark failed" is refused and the operation resumes."""
+    op, claim, _ = builders.uncertain(charged=False, age=OLD)
+
+    with pytest.raises(DeskError, match="recorded as done and the operation resumes"):
+        desk.mark_step_failed(op, "charge", user=operator, reason="nothing there")
+
+    claim.refresh_from_db()
+    op.refresh_from_db()
+    assert claim.state == ClaimState.DONE
+    assert op.state == OperationState.RETRYING
+    assert successes(provider, op) == 1
+
+
+def test_mark_failed_then_new_attempt__never_charges_an_order_twice_while_search_lags(
+    provider, operator, senior
+):
+    """The desk's double charge: an uncertain charge that succeeded, the provider's search
+    lagging; "mark failed" accepted it and "start a new attempt" charged the order again."""
+    provider.state.configure(search_lag=3600)  # the search does not show the charge yet
+    op, claim, reference = builders.uncertain(charged=True, age=OLD)
+
+    with pytest.raises(DeskError, match=f"succeeded \\({reference}\\)"):
+        desk.mark_step_failed(op, "charge", user=operator, reason="not in the search")
+    with pytest.raises(DeskError):
+        desk.start_new_attempt(op, user=senior, reason="customer asked to retry")
+
+    claim.refresh_from_db()
+    assert (claim.state, claim.provider_reference) == (ClaimState.DONE, reference)
+    assert not Operation.objects.filter(retry_of=op).exists()
+    assert successes(provider, op) == 1
+
+
+def test_start_new_attempt__refused_when_a_claim_failed_without_the_provider_shows_success(
+    provider, senior
+):
+    """A claim recorded failed without a provider answer is asked again before a new key."""
+    op, claim, reference = builders.uncertain(charged=True, age=PAST_RETENTION)
+    with fence_writes():  # hand-made state: settled failed with no provider evidence (a bug)
+        StepClaim.objects.filter(pk=claim.pk).update(state=ClaimState.FAILED)
+    builders.move(op, OperationState.FAILED, reason="gave up")
+    builders.order_of(op).__class__.objects.filter(pk=op.params["order_id"]).update(
+        status=OrderStatus.PAYMENT_FAILED
+    )
+
+    with pytest.raises(DeskError, match=f"succeeded \\({reference}\\)"):
+        desk.start_new_attempt(op, user=senior, reason="new card")
+
+    assert not Operation.objects.filter(retry_of=op).exists()
+    assert successes(provider, op) == 1
 
 
 def test_mark_step_failed__refused_when_the_provider_cannot_be_asked(provider, operator, settings):
