@@ -1,9 +1,9 @@
 """The invariant we measure, against the provider's own list of payment intents.
 
-For every (operation, step) that calls the provider: provider-side successes
-<= 1, and every provider success has exactly one `done` claim carrying its
-reference. Any excess of provider successes over claims means a call ran
-without a claim.
+Per business entity (an order): provider-side successes <= 1, whatever
+operation or attempt made them; per (operation, step) likewise; and every
+provider success has exactly one `done` claim carrying its reference. Any
+excess of provider successes over claims means a call ran without a claim.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from django.db.models import Q
 from django.utils import timezone
 
 from payments.conf import payments_settings
-from payments.models import ClaimState, StepClaim
+from payments.models import ClaimState, Operation, StepClaim
 from payments.provider.client import PaymentIntent
 
 
@@ -29,6 +29,11 @@ class AuditResult:
     done_claims: int = 0
     #: (operation_key, step) -> references of more than one success: double charges.
     double_charges: dict[tuple[str, str], list[str]] = field(default_factory=dict)
+    #: (entity_type, entity_id) -> {"references": [...], "operations": [...]} of entities the
+    #: provider charged more than once, across operations and attempts: double charges.
+    double_charged_entities: dict[tuple[str, str], dict[str, list[str]]] = field(
+        default_factory=dict
+    )
     #: provider successes with no `done` claim carrying their reference.
     unfenced: list[str] = field(default_factory=list)
     #: `done` claims whose reference the provider does not list as succeeded.
@@ -41,14 +46,19 @@ class AuditResult:
     @property
     def clean(self) -> bool:
         return not (
-            self.double_charges or self.unfenced or self.unknown_references or self.stale_uncertain
+            self.double_charges
+            or self.double_charged_entities
+            or self.unfenced
+            or self.unknown_references
+            or self.stale_uncertain
         )
 
     @property
     def findings(self) -> int:
-        """Count the problems: each double-charged step, reference and stale claim once."""
+        """Count the problems: each double-charged entity and step, reference and stale claim."""
         return (
-            len(self.double_charges)
+            len(self.double_charged_entities)
+            + len(self.double_charges)
             + len(self.unfenced)
             + len(self.unknown_references)
             + len(self.stale_uncertain)
@@ -63,6 +73,10 @@ class AuditResult:
             "double_charges": [
                 {"operation_key": k, "step": s, "references": refs}
                 for (k, s), refs in sorted(self.double_charges.items())
+            ],
+            "double_charged_entities": [
+                {"entity_type": kind, "entity_id": ident, **found}
+                for (kind, ident), found in sorted(self.double_charged_entities.items())
             ],
             "unfenced": self.unfenced,
             "unknown_references": self.unknown_references,
@@ -90,16 +104,19 @@ def audit(
     result = AuditResult()
     by_step: dict[tuple[str, str], list[str]] = defaultdict(list)
     succeeded: set[str] = set()
+    metadata_of: dict[str, dict[str, str]] = {}
     for intent in intents:
         if intent.status != "succeeded":
             continue
         result.provider_successes += 1
         succeeded.add(intent.id)
+        metadata_of[intent.id] = dict(intent.metadata)
         key = (intent.metadata.get("operation_key", ""), intent.metadata.get("step", ""))
         result.steps[intent.id] = "/".join(key) if key[0] else "(no operation_key)"
         if key[0]:  # an intent made outside the fence is unfenced, not a double charge
             by_step[key].append(intent.id)
     result.double_charges = {k: sorted(refs) for k, refs in by_step.items() if len(refs) > 1}
+    result.double_charged_entities = _double_charged_entities(metadata_of)
 
     done = StepClaim.objects.filter(state=ClaimState.DONE).exclude(provider_reference="")
     fenced = set(
@@ -118,6 +135,9 @@ def audit(
     result.unknown_references = sorted(unknown)
     named = {*result.unfenced, *result.unknown_references}
     named.update(ref for refs in result.double_charges.values() for ref in refs)
+    named.update(
+        ref for found in result.double_charged_entities.values() for ref in found["references"]
+    )
     result.steps = {ref: where for ref, where in result.steps.items() if ref in named}
 
     grace = timedelta(seconds=payments_settings().reconcile_grace)
@@ -127,3 +147,48 @@ def audit(
         f"{c.operation.key}/{c.step}" for c in stale.select_related("operation").order_by("id")
     ]
     return result
+
+
+def _double_charged_entities(
+    metadata_of: dict[str, dict[str, str]],
+) -> dict[tuple[str, str], dict[str, list[str]]]:
+    """Group provider successes by the business entity they paid for; keep those paid twice.
+
+    A success's entity is its claim's operation's (entity_type, entity_id), or
+    for a success no claim carries, the operation named in its metadata, or
+    its `order_id` metadata: a charge made outside the fence still counts
+    against the order it paid for.
+    """
+    entity_of: dict[str, tuple[str, str]] = {}
+    operation_of: dict[str, str] = {}
+    claims = StepClaim.objects.filter(provider_reference__in=list(metadata_of)).select_related(
+        "operation"
+    )
+    for claim in claims.only(
+        "provider_reference", "operation__key", "operation__entity_type", "operation__entity_id"
+    ):
+        op = claim.operation
+        entity_of[claim.provider_reference] = (op.entity_type, op.entity_id)
+        operation_of[claim.provider_reference] = op.key
+    for ref, metadata in metadata_of.items():
+        if ref in entity_of:
+            continue
+        op_key = metadata.get("operation_key", "")
+        named = Operation.objects.filter(key=op_key).only("entity_type", "entity_id").first()
+        if named is not None:
+            entity_of[ref] = (named.entity_type, named.entity_id)
+            operation_of[ref] = op_key
+        elif metadata.get("order_id"):
+            entity_of[ref] = ("order", str(metadata["order_id"]))
+            operation_of[ref] = op_key or "(outside the fence)"
+    refs_of: dict[tuple[str, str], list[str]] = defaultdict(list)
+    for ref, entity in entity_of.items():
+        refs_of[entity].append(ref)
+    return {
+        entity: {
+            "references": sorted(refs),
+            "operations": sorted({operation_of[ref] for ref in refs}),
+        }
+        for entity, refs in refs_of.items()
+        if len(refs) > 1
+    }

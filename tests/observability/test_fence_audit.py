@@ -116,6 +116,37 @@ def test_fence_audit__a_second_charge_beside_a_fenced_one_is_double_and_unfenced
     assert report["steps"][extra] == f"{op.key}/charge"
 
 
+def test_fence_audit__two_successes_for_one_order_across_operations_are_a_double_charge(
+    provider, queue
+):
+    """The desk's story: a second attempt (another operation key) charged an order already
+    charged. Per (operation, step) nothing is double; per order it is."""
+    order, op = order_and_checkout()
+    run_worker(queue)
+    fenced = op.claims.get(step="charge").provider_reference
+    second = plant(
+        {"operation_key": f"{op.pk}:attempt-2", "step": "charge", "order_id": str(order.pk)},
+        "second-attempt-key",
+    )
+
+    output, code = audit("--format", "json")
+
+    report = json.loads(output)
+    assert code == report["exit_code"] == 1
+    assert report["double_charges"] == []  # no single step charged twice
+    assert report["double_charged_entities"] == [
+        {
+            "entity_type": "order",
+            "entity_id": str(order.pk),
+            "references": sorted([fenced, second]),
+            "operations": sorted([op.key, f"{op.pk}:attempt-2"]),
+        }
+    ]
+    table, _ = audit()
+    assert "Entities charged more than once (double charges, across operations): 1" in table
+    assert f"order {order.pk}: " in table
+
+
 def test_fence_audit__finds_a_planted_unfenced_charge(provider, queue):
     op = new_operation("checkout:order:unfenced")  # an operation with no done claim
     planted = plant({"operation_key": op.key, "step": "charge"}, "unfenced-key")

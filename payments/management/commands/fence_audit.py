@@ -121,6 +121,14 @@ class Command(BaseCommand):
         )
         sections = [
             (
+                "Entities charged more than once (double charges, across operations)",
+                [
+                    f"{kind} {ident}: {', '.join(found['references'])}  "
+                    f"(operations: {', '.join(found['operations'])})"
+                    for (kind, ident), found in sorted(result.double_charged_entities.items())
+                ],
+            ),
+            (
                 "Steps charged more than once (double charges)",
                 [
                     f"{key}/{step}: {', '.join(refs)}"
