@@ -291,7 +291,8 @@ def _measure(result: ChaosResult, provider_url: str) -> dict[str, object]:
         ).count(),
         "provider_successes": found.provider_successes,
         "charge_claims_done": found.done_claims,
-        "double_charges": len(found.double_charges) + len(found.double_charged_entities),
+        # per order (a step charged twice is an order charged twice too)
+        "double_charges": max(len(found.double_charges), len(found.double_charged_entities)),
         "provider_successes_without_claim": len(found.unfenced),
         "paid_orders_with_one_invoice": sum(1 for o in paid_ids if invoices.get(o) == 1),
         "paid_orders_with_one_ledger_line": sum(1 for o in paid_ids if ledger.get(o) == 1),
