@@ -46,6 +46,8 @@ class PaymentIntentCharge:
                 "operation_key": self.operation.key,
                 "step": CHARGE,
                 "order_id": str(params["order_id"]),
+                # Unique across key scopes: a client key may equal a derived one.
+                "operation_id": str(self.operation.pk),
             },
         }
 
@@ -78,9 +80,13 @@ class PaymentIntentCharge:
                 return _settled_or_none(self.client.retrieve_payment_intent(claim.reference))
             except ResourceMissing:
                 return None
-        found = self.client.search_payment_intents(
-            {"operation_key": claim.operation_key, "step": claim.step}
-        )
+        found = [
+            pi
+            for pi in self.client.search_payment_intents(
+                {"operation_key": claim.operation_key, "step": claim.step}
+            )
+            if _is_this_request(pi, claim.request)
+        ]
         succeeded = [pi for pi in found if pi.status == "succeeded"]
         if len(succeeded) > 1:
             alerts.error(
@@ -93,6 +99,20 @@ class PaymentIntentCharge:
             return _settled(succeeded[0])
         declined = [pi for pi in found if pi.status in DECLINED_STATUSES]
         return _settled(declined[0]) if declined else None
+
+
+def _is_this_request(intent: PaymentIntent, request: dict[str, Any]) -> bool:
+    """Tell whether a found intent is the one this claim's request made (not a namesake's).
+
+    Every metadata item the request sent, its amount and currency must match:
+    a key equal to another operation's (another scope) never settles this one.
+    """
+    metadata = request.get("metadata") or {}
+    if any(intent.metadata.get(name) != value for name, value in metadata.items()):
+        return False
+    if "amount" in request and int(request["amount"]) != intent.amount:
+        return False
+    return "currency" not in request or str(request["currency"]) == intent.currency
 
 
 def _settled(intent: PaymentIntent) -> EffectResult:

@@ -234,6 +234,9 @@ def verified_success(
     elif intent.metadata.get("step", claim.step) != claim.step:
         problems.append(f"it belongs to step {intent.metadata.get('step')}")
     request = claim.request or {}
+    sent = request.get("metadata") or {}
+    if "operation_id" in sent and intent.metadata.get("operation_id") != sent["operation_id"]:
+        problems.append("it was made for another operation with the same key")
     if "amount" in request and int(request["amount"]) != intent.amount:
         problems.append(f"its amount is {intent.amount}, not {request['amount']}")
     if "currency" in request and str(request["currency"]).lower() != intent.currency.lower():

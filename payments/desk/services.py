@@ -22,7 +22,6 @@ from django.contrib.auth.models import PermissionsMixin
 from django.core.exceptions import PermissionDenied
 from django.db import transaction
 from django.db.models.functions import Now
-from django.utils import timezone
 
 from payments.checkout.handler import CheckoutNotAllowed, request_checkout
 from payments.checkout.names import CHECKOUT
@@ -175,7 +174,7 @@ def _resume_in_tx(op: Operation, *, actor: str, reason: str) -> None:
         OperationState.RETRYING,
         actor=actor,
         reason=reason,
-        next_attempt_at=timezone.now(),
+        next_attempt_at=fence.clock_of(op),
         attempts=0,
         last_error="",
     )

@@ -586,6 +586,19 @@ def released_by(claim: StepClaim, owner: str) -> bool:
     )
 
 
+def claim_carrying(reference: str, *, besides: StepClaim) -> str | None:
+    """Name the other claim ("operation_key/step") that carries `reference`, if any."""
+    if not reference:
+        return None
+    other = (
+        StepClaim.objects.filter(provider_reference=reference)
+        .exclude(pk=besides.pk)
+        .select_related("operation")
+        .first()
+    )
+    return None if other is None else f"{other.operation.key}/{other.step}"
+
+
 def claim_expired(claim: StepClaim, now: datetime | None = None) -> bool:
     """Tell whether a CLAIMED row's owner is gone (lease released or run out, by the DB's clock)."""
     now = now or db_now()

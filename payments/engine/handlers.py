@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from django.db import IntegrityError, transaction
+from django.db.models import Q
 
 from inbox.handlers import inbox_handler
 from payments.conf import payments_settings
@@ -175,7 +176,14 @@ def unknown_recorded_names() -> list[str]:
     operations are in flight would derive a new key for a step that already
     ran. Run by the `payments.E010` check and by the worker before it starts.
     """
-    unfinished = Operation.objects.exclude(state__in=FINAL_OPERATION_STATES)
+    # A failed operation with a claim that is not failed may still run again (the
+    # reconciler's stranded pass, a desk resume): it counts as unfinished.
+    may_resume = Q(state=OperationState.FAILED) & Q(
+        claims__state__in=[ClaimState.DONE, ClaimState.UNCERTAIN, ClaimState.CLAIMED]
+    )
+    unfinished = Operation.objects.filter(
+        ~Q(state__in=FINAL_OPERATION_STATES) | may_resume
+    ).distinct()
     problems = []
     kinds = sorted(set(unfinished.values_list("kind", flat=True)))
     for kind in kinds:

@@ -32,6 +32,7 @@ from payments.exceptions import (
 from payments.models import ClaimState, Operation, StepClaim
 
 logger = logging.getLogger("payments.engine.steps")
+alerts = logging.getLogger("payments.alerts")
 
 
 def view_of(claim: StepClaim) -> ClaimView:
@@ -191,6 +192,20 @@ def _settle_from_lookup(claim: StepClaim, effect: ExternalEffect, *, actor: str)
         raise StepTransient(reason, operation_key=op_key, step=step) from exc
     fence.note_provider_view(claim, found, source="reconciler")
     if found is not None:
+        other = fence.claim_carrying(found.reference, besides=claim)
+        if other is not None:  # one provider object settles one step: never record it twice
+            alerts.error(
+                "lookup for %s/%s found %s, which already settles %s",
+                op_key,
+                step,
+                found.reference,
+                other,
+            )
+            raise StepNeedsReview(
+                f"the provider's {found.reference} already settles {other}",
+                operation_key=op_key,
+                step=step,
+            )
         return _record(claim, found, actor=actor)
     if past_grace(claim):
         if claim.state != ClaimState.UNCERTAIN:

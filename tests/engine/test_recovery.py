@@ -275,7 +275,7 @@ def test_failed_operation_found_charged__reopens_the_order_and_finishes(provider
         amount=300,
         currency="eur",
         payment_method="pm_card_visa",
-        metadata={"operation_key": op.key, "step": "charge", "order_id": str(order.pk)},
+        metadata=claim.request["metadata"],  # what the worker's request carried
         idempotency_key=claim.idempotency_key,
     )
     order.refresh_from_db()
