@@ -2,18 +2,24 @@
 
 Nothing here edits a row: there is no add, change or delete. Operators act
 through the desk's buttons (payments.desk.views), which call payments.desk.services.
+Money is shown by each currency's exponent (payments.money), times in one
+format (payments.desk.display.when), and a refused page names the permission
+it needs (templates/403.html).
 """
 
 from __future__ import annotations
 
 __all__ = ["BADGE_COLOURS", "InvoiceAdmin", "OperationAdmin", "OrderAdmin"]
 
+from collections.abc import Callable
+from functools import wraps
 from typing import Any
 
 from django.contrib import admin
 from django.contrib.admin.utils import unquote
+from django.core.exceptions import PermissionDenied
 from django.db.models import QuerySet
-from django.http import HttpRequest
+from django.http import HttpRequest, HttpResponse
 from django.urls import reverse
 from django.utils import timezone
 from django.utils.html import format_html, format_html_join
@@ -26,17 +32,87 @@ from payments.desk.display import (
     BADGE_COLOURS,
     key_values,
     pretty_json,
+    provider_view_table,
+    reference_link,
+    stale_badge,
     state_badge,
     when,
 )
-from payments.desk.views import DESK_ACTIONS, DeskViewsMixin, job_link, with_state_since
+from payments.desk.views import (
+    DESK_ACTIONS,
+    DeskViewsMixin,
+    attempts_of,
+    desk_counts,
+    follow_up_kinds,
+    follow_up_q,
+    job_link,
+    last_error_of,
+    stale_q,
+    with_attempts,
+    with_state_since,
+)
 from payments.models import (
     Invoice,
     Operation,
     OperationEvent,
+    OperationState,
     Order,
     StepClaim,
 )
+from payments.money import format_money, money_of
+
+
+class NamedPermissionsMixin:
+    """Say which permission a refused admin page needs (the styled 403 page shows it).
+
+    Django's own views raise a bare PermissionDenied; these checks run first
+    with the same rules and name the permission. Nobody adds, edits or deletes
+    here, whatever their permissions: every write goes through a service.
+    """
+
+    opts: Any
+    has_view_or_change_permission: Callable[..., bool]
+
+    def _view_permission(self) -> str:
+        return f"{self.opts.app_label}.view_{self.opts.model_name}"
+
+    def _require_view(self, request: HttpRequest) -> None:
+        if not self.has_view_or_change_permission(request):
+            raise PermissionDenied(self._view_permission())
+
+    def _read_only(self) -> PermissionDenied:
+        return PermissionDenied(
+            f"nobody edits {self.opts.verbose_name_plural} here: they change only through "
+            "their services (the desk's actions for operations)"
+        )
+
+    def changelist_view(self, request: HttpRequest, extra_context: Any = None) -> HttpResponse:
+        self._require_view(request)
+        return super().changelist_view(request, extra_context)  # type: ignore[misc]
+
+    def change_view(
+        self, request: HttpRequest, object_id: str, form_url: str = "", extra_context: Any = None
+    ) -> HttpResponse:
+        self._require_view(request)
+        if request.method == "POST":
+            raise self._read_only()
+        return super().change_view(request, object_id, form_url, extra_context)  # type: ignore[misc]
+
+    def history_view(
+        self, request: HttpRequest, object_id: str, extra_context: Any = None
+    ) -> HttpResponse:
+        self._require_view(request)
+        return super().history_view(request, object_id, extra_context)  # type: ignore[misc]
+
+    def add_view(
+        self, request: HttpRequest, form_url: str = "", extra_context: Any = None
+    ) -> HttpResponse:
+        raise self._read_only()
+
+    def delete_view(
+        self, request: HttpRequest, object_id: str, extra_context: Any = None
+    ) -> HttpResponse:
+        raise self._read_only()
 
 
 class ReadOnlyInline(admin.TabularInline):
@@ -69,11 +145,15 @@ class StepClaimInline(ReadOnlyInline):
         "step",
         "claim_state",
         "idempotency_key",
-        "provider_reference",
+        "reference",
         "attempts",
         "claimed",
         "outcome",
-    )  # who claimed and when it settled: in the audit trail below
+    )  # who claimed and when it settled: in the audit trail below; the provider's view above
+
+    @admin.display(description="provider reference")
+    def reference(self, obj: StepClaim) -> str:
+        return reference_link(obj.provider_reference)
 
     @admin.display(description="claimed at")
     def claimed(self, obj: StepClaim) -> str:
@@ -112,13 +192,62 @@ class OperationEventInline(ReadOnlyInline):
         return state_badge(obj.to_state)
 
 
+#: States a person must look at: there, an empty last error is filled from the audit trail.
+WAITING_FOR_A_PERSON = frozenset(
+    {OperationState.UNCERTAIN, OperationState.NEEDS_REVIEW, OperationState.FAILED}
+)
+
+
+class FollowUpFilter(admin.SimpleListFilter):
+    """Follow-ups (ledger, sales counter) are hidden unless asked for: a third of rows, no money."""
+
+    title = "follow-ups"
+    parameter_name = "followups"
+
+    def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
+        return [("all", "Shown"), ("only", "Only follow-ups")]
+
+    def choices(self, changelist: Any) -> Any:
+        for choice in super().choices(changelist):
+            if choice["display"] == "All":  # the default: no parameter
+                choice["display"] = "Hidden"
+            yield choice
+
+    def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any]:
+        value = self.value()
+        if value == "all":
+            return queryset
+        if value == "only":
+            return queryset.filter(follow_up_q())
+        if request.GET.get("kind") in follow_up_kinds():
+            return queryset  # a follow-up kind asked for by name
+        return queryset.exclude(follow_up_q())
+
+
+class LeaseFilter(admin.SimpleListFilter):
+    """Running operations whose worker's lease ran out: stuck until the sweeper takes them."""
+
+    title = "lease"
+    parameter_name = "lease"
+
+    def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
+        return [("stale", "Stale (running, lease expired)")]
+
+    def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any]:
+        if self.value() == "stale":
+            return queryset.filter(stale_q())
+        return queryset
+
+
 @admin.register(Operation)
-class OperationAdmin(DeskViewsMixin, admin.ModelAdmin):
+class OperationAdmin(NamedPermissionsMixin, DeskViewsMixin, admin.ModelAdmin):
     """Operations: find them, read them, and act through the desk."""
 
-    list_display = ("key", "kind", "order_link", "badge", "state_age", "attempts", "updated")
+    list_display = (
+        "key", "kind", "order_link", "amount", "badge", "state_age", "attempts_shown", "updated",
+    )  # fmt: skip
     list_display_links = ("key",)
-    list_filter = ("state", "kind")
+    list_filter = (FollowUpFilter, "state", LeaseFilter, "kind")
     search_fields = (
         "key",
         "=entity_id",
@@ -126,7 +255,8 @@ class OperationAdmin(DeskViewsMixin, admin.ModelAdmin):
         "=claims__idempotency_key",
     )
     search_help_text = (
-        "Operation key, order id, provider reference (pi_…) or idempotency key (fence_…)."
+        "Operation key, order id, provider reference (pi_…), idempotency key (fence_…) "
+        "or the customer's e-mail."
     )
     ordering = ("-updated_at",)
     list_per_page = 50
@@ -136,24 +266,39 @@ class OperationAdmin(DeskViewsMixin, admin.ModelAdmin):
         "key",
         "kind",
         "order_link",
+        "amount",
         "badge",
         "state_age",
-        "attempts",
-        "last_error",
-        "next_attempt_at",
+        "provider_side",
+        "attempts_shown",
+        "last_error_shown",
+        "next_attempt",
         "lease_owner",
-        "lease_expires_at",
+        "lease_expires",
         "rq_job",
-        "dispatched_at",
+        "dispatched",
         "params_pretty",
         "result_pretty",
         "attempt_links",
-        "created_at",
-        "updated_at",
+        "created",
+        "updated",
     )
 
     def get_queryset(self, request: HttpRequest) -> QuerySet[Operation]:
-        return with_state_since(super().get_queryset(request))
+        return with_attempts(with_state_since(super().get_queryset(request)))
+
+    def get_search_results(
+        self, request: HttpRequest, queryset: QuerySet[Operation], search_term: str
+    ) -> tuple[QuerySet[Operation], bool]:
+        """Search as declared, and by the customer's e-mail for those who may view orders."""
+        found, may_have_duplicates = super().get_search_results(request, queryset, search_term)
+        term = search_term.strip()
+        if "@" in term and request.user.has_perm("payments.view_order"):
+            orders = Order.objects.filter(customer_email__iexact=term).values_list("pk", flat=True)
+            ids = [str(pk) for pk in orders]
+            if ids:
+                found = found | queryset.filter(entity_type="order", entity_id__in=ids)
+        return found, may_have_duplicates
 
     def has_add_permission(self, request: HttpRequest) -> bool:
         return False
@@ -168,7 +313,14 @@ class OperationAdmin(DeskViewsMixin, admin.ModelAdmin):
 
     @admin.display(description="state", ordering="state")
     def badge(self, obj: Operation) -> str:
-        return state_badge(obj.state)
+        stale = stale_badge(obj)
+        if not stale:
+            return state_badge(obj.state)
+        return format_html("{} {}", state_badge(obj.state), stale)
+
+    @admin.display(description="amount")
+    def amount(self, obj: Operation) -> str:
+        return money_of(obj.params)
 
     @admin.display(description="in state for", ordering="state_since")
     def state_age(self, obj: Operation) -> str:
@@ -177,17 +329,61 @@ class OperationAdmin(DeskViewsMixin, admin.ModelAdmin):
             return "-"
         return timesince(since, timezone.now())
 
+    @admin.display(description="attempts", ordering="all_attempts")
+    def attempts_shown(self, obj: Operation) -> str:
+        return str(attempts_of(obj))
+
+    @admin.display(description="last error")
+    def last_error_shown(self, obj: Operation) -> str:
+        if obj.last_error:
+            return obj.last_error
+        if obj.state not in WAITING_FOR_A_PERSON:
+            return "-"  # a resumed or finished operation: its last reason is no error
+        reason = last_error_of(obj)
+        if not reason:
+            return "-"
+        return format_html(
+            '{} <small class="quiet">(no error recorded: the last audit row\'s reason)</small>',
+            reason,
+        )
+
+    @admin.display(description="at the provider")
+    def provider_side(self, obj: Operation) -> str:
+        table = provider_view_table(obj.claims.order_by("claimed_at", "pk"), obj.params)
+        if table:
+            return table
+        if obj.state in (OperationState.SUCCEEDED, OperationState.FAILED):
+            return mark_safe('<span class="quiet">No lookup recorded.</span>')
+        return mark_safe(
+            '<span class="quiet">Not looked up yet: “Query provider now” asks the provider.</span>'
+        )
+
     @admin.display(description="updated", ordering="updated_at")
     def updated(self, obj: Operation) -> str:
-        # Compact and sortable by eye: the list must fit beside the filters.
         return when(obj.updated_at)
+
+    @admin.display(description="created at", ordering="created_at")
+    def created(self, obj: Operation) -> str:
+        return when(obj.created_at)
+
+    @admin.display(description="next attempt at")
+    def next_attempt(self, obj: Operation) -> str:
+        return when(obj.next_attempt_at)
+
+    @admin.display(description="lease expires at")
+    def lease_expires(self, obj: Operation) -> str:
+        return when(obj.lease_expires_at)
+
+    @admin.display(description="dispatched at")
+    def dispatched(self, obj: Operation) -> str:
+        return when(obj.dispatched_at)
 
     @admin.display(description="order", ordering="entity_id")
     def order_link(self, obj: Operation) -> str:
         if obj.entity_type != "order":
             return f"{obj.entity_type} {obj.entity_id}"
         url = reverse("admin:payments_order_change", args=[obj.entity_id])
-        return format_html('<a href="{}">Order {}</a>', url, obj.entity_id)
+        return format_html('<a href="{}">Order&nbsp;{}</a>', url, obj.entity_id)
 
     @admin.display(description="RQ job")
     def rq_job(self, obj: Operation) -> str:
@@ -266,7 +462,7 @@ def _button(info: str, op: Operation, action: str, refused: str, step: str = "")
     return {"action": action, "label": label, "url": url, "refused": refused}
 
 
-class ReadOnlyAdmin(admin.ModelAdmin):
+class ReadOnlyAdmin(NamedPermissionsMixin, admin.ModelAdmin):
     """Browse only: the business rows are written by their services."""
 
     def has_add_permission(self, request: HttpRequest) -> bool:
@@ -281,19 +477,27 @@ class ReadOnlyAdmin(admin.ModelAdmin):
 
 @admin.register(Order)
 class OrderAdmin(ReadOnlyAdmin):
-    # No e-mail in the list: an operator needs it on one order's page at most.
-    list_display = ("id", "amount_display", "currency", "status", "created_at")
+    # No e-mail in the list: an operator needs it on one order's page at most (and may search it).
+    list_display = ("id", "amount_display", "status", "created")
     list_filter = ("status", "currency")
-    search_fields = ("=id",)
+    search_fields = ("=id", "=customer_email")
+    search_help_text = "Order id or the customer's e-mail (exact)."
     ordering = ("-created_at",)
     fields = readonly_fields = (
-        "id", "amount_display", "currency", "status", "customer_email", "created_at",
-        "updated_at", "operations",
+        "id", "amount_display", "status", "customer_email", "created", "updated", "operations",
     )  # fmt: skip
 
     @admin.display(description="amount", ordering="amount")
     def amount_display(self, obj: Order) -> str:
-        return f"{obj.amount / 100:.2f}"
+        return format_money(obj.amount, obj.currency)
+
+    @admin.display(description="created at", ordering="created_at")
+    def created(self, obj: Order) -> str:
+        return when(obj.created_at)
+
+    @admin.display(description="updated at", ordering="updated_at")
+    def updated(self, obj: Order) -> str:
+        return when(obj.updated_at)
 
     @admin.display(description="operations")
     def operations(self, obj: Order) -> str:
@@ -310,13 +514,48 @@ class OrderAdmin(ReadOnlyAdmin):
 
 @admin.register(Invoice)
 class InvoiceAdmin(ReadOnlyAdmin):
-    list_display = ("number", "order", "amount", "currency", "provider_reference", "created_at")
+    list_display = ("number", "order", "amount_display", "reference", "created")
     search_fields = ("=number", "=provider_reference", "=order__id")
     ordering = ("-created_at",)
     fields = readonly_fields = (
-        "number", "order", "amount", "currency", "provider_reference", "created_at",
+        "number", "order", "amount_display", "reference", "created",
     )  # fmt: skip
 
+    @admin.display(description="amount", ordering="amount")
+    def amount_display(self, obj: Invoice) -> str:
+        return format_money(obj.amount, obj.currency)
 
-# The admin index links to the Needs attention page (the template only adds a box).
+    @admin.display(description="provider reference", ordering="provider_reference")
+    def reference(self, obj: Invoice) -> str:
+        return reference_link(obj.provider_reference)
+
+    @admin.display(description="created at", ordering="created_at")
+    def created(self, obj: Invoice) -> str:
+        return when(obj.created_at)
+
+
+# --- the admin's home page shows the desk ---------------------------------------------
+
+
+def with_desk_counts(index: Callable[..., HttpResponse]) -> Callable[..., HttpResponse]:
+    """Wrap AdminSite.index: give the home page's desk box its counts per state.
+
+    Only for users who may view operations (the box is not shown to others);
+    the template is admin/payments/index.html.
+    """
+
+    @wraps(index)
+    def desk_index(request: HttpRequest, extra_context: dict[str, Any] | None = None):
+        extra = dict(extra_context or {})
+        if request.user.has_perm("payments.view_operation"):
+            extra["desk_counts"] = desk_counts()
+        return index(request, extra_context=extra)
+
+    return desk_index
+
+
 admin.site.index_template = "admin/payments/index.html"
+admin.site.index = with_desk_counts(admin.site.index)  # type: ignore[method-assign,assignment]
+# The operators' lists need the width: the app sidebar (three links, the same as the
+# breadcrumbs) would clip their columns at 1280 px.
+admin.site.enable_nav_sidebar = False

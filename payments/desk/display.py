@@ -1,14 +1,19 @@
-"""How the operators' pages render states, times and results: one place, one colour per state."""
+"""How the operators' pages render states, times, money and the provider's view: one place."""
 
 from __future__ import annotations
 
 import json
+from datetime import datetime
 from typing import Any
 
 from django.utils import timezone
+from django.utils.dateparse import parse_datetime
 from django.utils.html import format_html, format_html_join
+from django.utils.safestring import mark_safe
 
+from payments.conf import payments_settings
 from payments.models import ClaimState, OperationState
+from payments.money import format_money
 
 #: One colour per state, for operations and claims alike. ClaimState's `failed`
 #: and `uncertain` are the same values as OperationState's, with the same meaning.
@@ -24,10 +29,23 @@ BADGE_COLOURS: dict[str, str] = {
     ClaimState.CLAIMED: "#0b5ed7",
     ClaimState.DONE: "#146c43",
 }
-#: States whose age an operator watches: the longer, the likelier a customer waits.
-AGED_STATES = frozenset({OperationState.UNCERTAIN, OperationState.NEEDS_REVIEW})
+#: States whose age an operator watches (every unfinished one): the longer an
+#: operation waits, the likelier a customer waits too.
+AGED_STATES = frozenset(
+    {
+        OperationState.PENDING,
+        OperationState.RUNNING,
+        OperationState.RETRYING,
+        OperationState.UNCERTAIN,
+        OperationState.NEEDS_REVIEW,
+    }
+)
+#: The colour of the "stale" badge: running, but its worker's lease ran out.
+STALE_COLOUR = "#842029"
 
 LABELS = {**dict(OperationState.choices), **dict(ClaimState.choices)}
+
+_BADGE_STYLE = "color:#fff;padding:2px 8px;border-radius:10px;font-weight:600;white-space:nowrap"
 
 
 def state_badge(state: str) -> str:
@@ -35,19 +53,169 @@ def state_badge(state: str) -> str:
     if not state:
         return "-"
     return format_html(
-        '<span class="state-badge state-{}" style="background:{};color:#fff;padding:2px 8px;'
-        'border-radius:10px;font-weight:600;white-space:nowrap">{}</span>',
+        '<span class="state-badge state-{}" style="background:{};{}">{}</span>',
         state,
         BADGE_COLOURS.get(state, "#000"),
+        _BADGE_STYLE,
         LABELS.get(state, state),
     )
 
 
+def is_stale(op: Any, now: datetime | None = None) -> bool:
+    """Tell whether a running operation's lease has run out (its worker died or hangs)."""
+    expires = getattr(op, "lease_expires_at", None)
+    return (
+        getattr(op, "state", None) == OperationState.RUNNING
+        and expires is not None
+        and expires < (now or timezone.now())
+    )
+
+
+def stale_badge(op: Any, now: datetime | None = None) -> str:
+    """The "stale" badge of a running operation whose lease expired; "" otherwise."""
+    if not is_stale(op, now):
+        return ""
+    return format_html(
+        '<span class="desk-stale-badge" title="lease of {} expired at {}" '
+        'style="background:{};{}">stale</span>',
+        op.lease_owner or "its worker",
+        when(op.lease_expires_at),
+        STALE_COLOUR,
+        _BADGE_STYLE,
+    )
+
+
 def when(value: Any) -> str:
-    """A compact local timestamp for tables, where the default format wraps over four lines."""
-    if value is None:
+    """The one timestamp format of the desk: "2026-11-30 20:41:10 UTC" (ISO-like, with its zone).
+
+    Takes a datetime or an ISO 8601 string (as JSON fields keep them).
+    """
+    if isinstance(value, str):
+        value = parse_datetime(value)
+    if not isinstance(value, datetime):
         return "-"
-    return f"{timezone.localtime(value):%Y-%m-%d %H:%M:%S}"
+    if timezone.is_naive(value):
+        value = timezone.make_aware(value, timezone.get_default_timezone())
+    local = timezone.localtime(value)
+    return f"{local:%Y-%m-%d %H:%M:%S} {local.tzname() or ''}".rstrip()
+
+
+def dashboard_url(reference: str) -> str | None:
+    """The provider's own page of a reference (PROVIDER_DASHBOARD_URL), or None when not set."""
+    template = payments_settings().provider_dashboard_url
+    if not template or not reference:
+        return None
+    return template.replace("{reference}", reference)
+
+
+def reference_link(reference: str) -> str:
+    """A provider reference in code type, linked to the provider's dashboard when configured."""
+    if not reference:
+        return "-"
+    url = dashboard_url(reference)
+    if url is None:
+        return format_html('<code class="desk-ref">{}</code>', reference)
+    return format_html(
+        '<a class="desk-dashboard-link" href="{}" target="_blank" rel="noopener noreferrer" '
+        'title="open at the provider"><code class="desk-ref">{}</code>&nbsp;↗</a>',
+        url,
+        reference,
+    )
+
+
+#: How the provider's statuses read to an operator.
+PROVIDER_STATUS_COLOURS = {
+    "succeeded": "#146c43",
+    "not_found": "#5c636a",
+}
+
+
+def provider_status(view: dict[str, Any]) -> str:
+    """The status a lookup found, as a small badge (red for a refusal)."""
+    status = str(view.get("status") or view.get("outcome") or "unknown")
+    colour = PROVIDER_STATUS_COLOURS.get(status, "#b02a37" if status != "unknown" else "#5c636a")
+    label = status.replace("_", " ")
+    if view.get("code"):
+        label = f"{label} ({view['code']})"
+    return format_html(
+        '<span class="desk-provider-status provider-{}" style="background:{};{}">{}</span>',
+        status,
+        colour,
+        _BADGE_STYLE,
+        label,
+    )
+
+
+def provider_view_rows(claims: Any, params: dict[str, Any] | None) -> list[dict[str, Any]]:
+    """What the provider showed at the last lookup of each step, ready for a table.
+
+    `params` is the operation's: an amount at the provider that differs from
+    ours is flagged.
+    """
+    ours = (params or {}).get("amount"), str((params or {}).get("currency") or "").lower()
+    rows = []
+    for claim in claims:
+        view = claim.provider_view
+        if not isinstance(view, dict):
+            continue
+        amount = view.get("amount")
+        theirs = amount, str(view.get("currency") or "").lower()
+        rows.append(
+            {
+                "step": claim.step,
+                "charged_unrecorded": view.get("status") == "succeeded"
+                and claim.state != ClaimState.DONE,
+                "claim_state": LABELS.get(claim.state, claim.state),
+                "reference_text": str(view.get("reference") or ""),
+                "status": provider_status(view),
+                "amount": format_money(amount, view.get("currency")),
+                "amount_differs": amount is not None and ours[0] is not None and theirs != ours,
+                "reference": reference_link(str(view.get("reference") or "")),
+                "checked_at": when(view.get("checked_at")),
+                "source": str(view.get("source") or "-"),
+            }
+        )
+    return rows
+
+
+def provider_view_table(claims: Any, params: dict[str, Any] | None) -> str:
+    """The provider's view of every step as an HTML table ("" when no step was looked up)."""
+    rows = provider_view_rows(claims, params)
+    if not rows:
+        return ""
+    body = format_html_join(
+        "",
+        "<tr><td>{}</td><td>{}</td><td>{}{}</td><td>{}</td><td>{}</td><td>{}</td></tr>",
+        (
+            (
+                r["step"],
+                r["status"],
+                r["amount"],
+                mark_safe(' <strong class="desk-warning">≠ ours</strong>')
+                if r["amount_differs"]
+                else "",
+                r["reference"],
+                r["checked_at"],
+                r["source"],
+            )
+            for r in rows
+        ),
+    )
+    warnings = format_html_join(
+        "",
+        '<p class="desk-provider-warning"><strong>The provider shows step {} succeeded ({})'
+        "</strong> while ours is {}: the customer was charged. Query the provider, or mark "
+        "the step succeeded.</p>",
+        ((r["step"], r["reference_text"], r["claim_state"].lower()) for r in rows
+         if r["charged_unrecorded"]),
+    )  # fmt: skip
+    return format_html(
+        '<table class="desk-table desk-provider-view"><thead><tr><th>Step</th><th>Status</th>'
+        "<th>Amount</th><th>Reference</th><th>Checked at</th><th>By</th></tr></thead>"
+        "<tbody>{}</tbody></table>{}",
+        body,
+        warnings,
+    )
 
 
 def key_values(value: Any) -> str:

@@ -1,40 +1,79 @@
-"""The operators' desk in the admin: confirmation pages, actions and the Needs attention page.
+"""The operators' desk in the admin: confirmation pages, actions, Needs attention, CSV export.
 
 Each action follows django's `user_change_password`: explicit permission
 checks, GET shows what will happen with the operation's steps and a reason
 field, POST calls one service of `payments.desk.services` (which owns the transaction
-and the audit row), then `log_change`, `message_user` and a redirect. Nothing
-here edits a row itself.
+and the audit row), then `log_change`, `message_user` and a redirect. A
+refused action shows the form again with what was typed and why nothing
+changed. Nothing here edits a row itself.
 """
 
 from __future__ import annotations
 
-import json
+import csv
 import logging
-from collections.abc import Callable
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, TypedDict, cast
 
 from django import forms
 from django.contrib import admin, messages
+from django.contrib.admin.options import IncorrectLookupParameters
 from django.contrib.admin.utils import unquote
 from django.core.exceptions import PermissionDenied
-from django.db.models import Count, F, OuterRef, Q, QuerySet, Subquery
-from django.db.models.functions import Coalesce
-from django.http import Http404, HttpRequest, HttpResponse, HttpResponseRedirect
+from django.db.models import (
+    BigIntegerField,
+    Count,
+    F,
+    OuterRef,
+    Prefetch,
+    Q,
+    QuerySet,
+    Subquery,
+    Sum,
+)
+from django.db.models.fields.json import KT
+from django.db.models.functions import Cast, Coalesce, Greatest, Lower
+from django.http import (
+    Http404,
+    HttpRequest,
+    HttpResponse,
+    HttpResponseBadRequest,
+    HttpResponseRedirect,
+    StreamingHttpResponse,
+)
+from django.http.response import HttpResponseBase
 from django.template.response import TemplateResponse
 from django.urls import NoReverseMatch, URLPattern, path, reverse
 from django.utils import timezone
+from django.utils.html import format_html, format_html_join
+from django.utils.http import urlencode
 from django.utils.timesince import timesince
 from rq.job import Job
 from rq.registry import FailedJobRegistry
 
 from payments.desk import services as desk
-from payments.desk.display import state_badge
+from payments.desk.display import (
+    AGED_STATES,
+    is_stale,
+    provider_view_table,
+    reference_link,
+    state_badge,
+    when,
+)
+from payments.engine.handlers import registered_handlers
 from payments.engine.queues import payments_queue, queue_index
 from payments.exceptions import PaymentsError
-from payments.models import FenceAuditRun, Operation, OperationEvent, OperationState
+from payments.models import (
+    FenceAuditRun,
+    Operation,
+    OperationEvent,
+    OperationState,
+    StepClaim,
+)
+from payments.money import decimal_amount, format_totals, money_of
 
 if TYPE_CHECKING:
     from django.contrib.auth.base_user import AbstractBaseUser
@@ -66,6 +105,64 @@ def with_state_since(
         .values("created_at")[:1]
     )
     return queryset.annotate(state_since=Coalesce(Subquery(entered), F("updated_at")))
+
+
+class ClaimAttempts(TypedDict):
+    """The annotation `with_attempts` adds."""
+
+    all_attempts: int
+
+
+def with_attempts(queryset: QuerySet[Any]) -> QuerySet[Any]:
+    """Annotate `all_attempts`: the operation's attempts or its busiest claim's, the larger.
+
+    A resumed operation starts a fresh budget (attempts 0) while its charge
+    claim remembers every call made under it: an operator must see both.
+    """
+    busiest = (
+        StepClaim.objects.filter(operation=OuterRef("pk"))
+        .order_by("-attempts")
+        .values("attempts")[:1]
+    )
+    return queryset.annotate(all_attempts=Greatest(F("attempts"), Coalesce(Subquery(busiest), 0)))
+
+
+def attempts_of(op: Operation) -> int:
+    """The attempts an operator sees: annotated by `with_attempts`, else read from the claims."""
+    annotated = getattr(op, "all_attempts", None)
+    if annotated is not None:
+        return int(annotated)
+    claims = [c.attempts for c in op.claims.all()]
+    return max([op.attempts, *claims])
+
+
+def follow_up_kinds() -> list[str]:
+    """The kinds registered as message handlers (the follow-ups of a paid order)."""
+    return sorted(kind for kind, spec in registered_handlers().items() if spec.consumer is not None)
+
+
+def follow_up_q() -> Q:
+    """Operations that follow up another one: written by a parent step, or a message handler's."""
+    return Q(parent__isnull=False) | Q(kind__in=follow_up_kinds())
+
+
+def stale_q(now: datetime | None = None) -> Q:
+    """Running operations whose lease has run out: their worker died or hangs."""
+    return Q(state=OperationState.RUNNING, lease_expires_at__lt=now or timezone.now())
+
+
+def last_error_of(op: Operation) -> str:
+    """The operation's last error, else the reason of its last audit row that gives one."""
+    if op.last_error:
+        return op.last_error
+    last = (
+        OperationEvent.objects.filter(operation=op)
+        .exclude(reason="")
+        .order_by("-created_at", "-id")
+        .values_list("reason", flat=True)
+        .first()
+    )
+    return last or ""
 
 
 # --- RQ links --------------------------------------------------------------------
@@ -133,6 +230,16 @@ class MarkSucceededForm(ReasonForm):
     reference = forms.CharField(
         max_length=255,
         label="Provider reference",
+        # Wide enough for a whole `pi_…` id (27 characters at Stripe) and then some.
+        widget=forms.TextInput(
+            attrs={
+                "class": "vTextField desk-reference",
+                "size": 48,
+                "style": "width: 48ch; max-width: 100%",
+                "spellcheck": "false",
+                "autocomplete": "off",
+            }
+        ),
         help_text="The charge's id at the provider (pi_…); it is checked before anything changes.",
     )
 
@@ -192,6 +299,7 @@ def _run_new_attempt(op: Operation, step: str, request: HttpRequest, data: dict)
     return f"Started a new attempt {new.key}: {data['reason']}"
 
 
+VIEW_PERMISSION = "payments.view_operation"
 RECONCILE = ("payments.reconcile_operation",)
 DESK_ACTIONS = {
     a.name: a
@@ -222,6 +330,7 @@ class DeskViewsMixin(_DeskAdminBase):
                 view(self.needs_attention_view),
                 name=f"{info}_needs_attention",
             ),
+            path("export.csv", view(self.export_csv_view), name=f"{info}_export_csv"),
             path(
                 "<path:object_id>/steps/<str:step>/<str:action>/",
                 view(self.desk_action_view),
@@ -242,10 +351,12 @@ class DeskViewsMixin(_DeskAdminBase):
         )
 
     def _check_permissions(self, request: HttpRequest, permissions: tuple[str, ...]) -> None:
+        """Raise PermissionDenied naming the first permission the user lacks (the 403 shows it)."""
         if not self.has_view_permission(request):
-            raise PermissionDenied
-        if not all(request.user.has_perm(p) for p in permissions):
-            raise PermissionDenied
+            raise PermissionDenied(VIEW_PERMISSION)
+        for permission in permissions:
+            if not request.user.has_perm(permission):
+                raise PermissionDenied(permission)
 
     # --- one action on one operation -------------------------------------------
 
@@ -264,16 +375,20 @@ class DeskViewsMixin(_DeskAdminBase):
             f"admin:{self.opts.app_label}_{self.opts.model_name}_change", args=[op.pk]
         )
         form = spec.form(request.POST if request.method == "POST" else None)
+        status = 200
         if request.method == "POST" and form.is_valid():
             try:
                 # The desk service owns the transaction (and keeps HTTP calls out of it).
                 message = spec.run(op, step, request, form.cleaned_data)
             except PaymentsError as exc:
-                self.message_user(request, f"Nothing was changed: {exc}", messages.ERROR)
+                # Refused: the same form again, with what was typed and why nothing changed.
+                form.add_error(None, f"Nothing was changed: {getattr(exc, 'detail', exc)}")
+                status = 409
+                op = self.get_object(request, unquote(object_id)) or op  # it may have moved
+            else:
+                self.log_change(request, op, message)
+                self.message_user(request, message, messages.SUCCESS)
                 return HttpResponseRedirect(change_url)
-            self.log_change(request, op, message)
-            self.message_user(request, message, messages.SUCCESS)
-            return HttpResponseRedirect(change_url)
         context = {
             **self.admin_site.each_context(request),
             "title": f"{spec.title}: {op.key}" + (f" / {step}" if step else ""),
@@ -283,15 +398,24 @@ class DeskViewsMixin(_DeskAdminBase):
             "step": step,
             "form": form,
             "claims": [
-                {"claim": c, "badge": state_badge(c.state)}
+                {
+                    "claim": c,
+                    "badge": state_badge(c.state),
+                    "reference": reference_link(c.provider_reference),
+                }
                 for c in op.claims.order_by("claimed_at", "pk")
             ],
+            "amount": money_of(op.params),
+            "state_badge": state_badge(op.state),
+            "provider_view": provider_view_table(op.claims.order_by("claimed_at", "pk"), op.params),
             "next_key": _next_key_or_blank(op) if action == "new_attempt" else "",
             "change_url": change_url,
             "refused": _refusal(op, action, step),
         }
         request.current_app = self.admin_site.name
-        return TemplateResponse(request, "admin/payments/operation/desk_confirm.html", context)
+        return TemplateResponse(
+            request, "admin/payments/operation/desk_confirm.html", context, status=status
+        )
 
     # --- the changelist bulk action ------------------------------------------------
 
@@ -305,13 +429,13 @@ class DeskViewsMixin(_DeskAdminBase):
             except PaymentsError as exc:
                 self.message_user(request, f"Nothing was changed: {exc}", messages.ERROR)
                 return None
+            by_pk = {op.pk: op for op in ops}
             for row in report.rows:
-                op = next(o for o in ops if o.pk == row.operation_id)
-                self.log_change(request, op, f"Queried the provider: {row.outcome}")
+                self.log_change(
+                    request, by_pk[row.operation_id], f"Queried the provider: {row.outcome}"
+                )
             self.message_user(
-                request,
-                f"Queried the provider for {len(report.rows)} operation(s): {report.summary()}.",
-                messages.SUCCESS,
+                request, _query_report_message(report.rows, report.summary()), messages.SUCCESS
             )
             return None  # back to the changelist
         context = {
@@ -319,6 +443,10 @@ class DeskViewsMixin(_DeskAdminBase):
             "title": "Query provider now",
             "opts": self.opts,
             "queryset": queryset,
+            "rows": [
+                {"op": op, "badge": state_badge(op.state), "amount": money_of(op.params)}
+                for op in queryset
+            ],
             "action_checkbox_name": "_selected_action",
         }
         request.current_app = self.admin_site.name
@@ -329,48 +457,379 @@ class DeskViewsMixin(_DeskAdminBase):
     # --- Needs attention -----------------------------------------------------------
 
     def needs_attention_view(self, request: HttpRequest) -> HttpResponse:
-        """Counts by state, the oldest unknowns, RQ's failed jobs and the last fence audit."""
+        """Counts and money by state, the oldest waits, RQ's failed jobs, the last fence audit.
+
+        Follow-ups (ledger, sales counter) are counted apart: the headline
+        figures are the customers' payments.
+        """
         if not self.has_view_permission(request):
-            raise PermissionDenied
+            raise PermissionDenied(VIEW_PERMISSION)
         now = timezone.now()
-        counts = dict(Operation.objects.values_list("state").annotate(n=Count("pk")))
+        business = Operation.objects.exclude(follow_up_q())
+        counts = dict(business.values_list("state").annotate(n=Count("pk")))
+        totals = money_by_state(business)
         changelist = reverse(f"admin:{self.opts.app_label}_{self.opts.model_name}_changelist")
         states = [
             {"state": s, "label": s.label, "count": counts.get(s.value, 0),
+             "total": format_totals(totals.get(s.value, [])),
              "url": f"{changelist}?state__exact={s.value}"}
             for s in OperationState
         ]  # fmt: skip
-        oldest = {
-            name: _oldest(state, now)
-            for name, state in (
-                ("uncertain", OperationState.UNCERTAIN),
-                ("needs_review", OperationState.NEEDS_REVIEW),
-            )
-        }
+        oldest = [
+            {
+                "state": state,
+                "id": state.replace("_", "-"),
+                "label": state.label,
+                "oldest": _oldest(business, state, now),
+            }
+            for state in OperationState
+            if state in AGED_STATES
+        ]
+        follow_ups = Operation.objects.filter(follow_up_q())
         audit = FenceAuditRun.objects.order_by("-finished_at").first()
         context = {
             **self.admin_site.each_context(request),
             "title": "Needs attention",
             "opts": self.opts,
             "states": states,
-            "oldest_uncertain": oldest["uncertain"],
-            "oldest_needs_review": oldest["needs_review"],
+            "stale_count": business.filter(stale_q(now)).count(),
+            "stale_url": f"{changelist}?lease=stale",
+            "oldest": oldest,
+            "oldest_uncertain": next(o["oldest"] for o in oldest if o["state"] == "uncertain"),
+            "oldest_needs_review": next(
+                o["oldest"] for o in oldest if o["state"] == "needs_review"
+            ),
+            "follow_ups_open": follow_ups.exclude(state=OperationState.SUCCEEDED).count(),
+            "follow_ups_url": f"{changelist}?followups=only",
             "failed_jobs": _failed_jobs(),
             "audit": audit,
-            "audit_rows": _audit_rows(audit),
+            "audit_view": audit_view(audit, request),
             "changelist_url": changelist,
         }
         request.current_app = self.admin_site.name
         return TemplateResponse(request, "admin/payments/operation/needs_attention.html", context)
 
+    # --- CSV export of the filtered list ----------------------------------------------
 
-def _oldest(state: OperationState, now) -> dict[str, Any] | None:
-    op = with_state_since(Operation.objects.filter(state=state)).order_by("state_since").first()
+    def export_csv_view(self, request: HttpRequest) -> HttpResponseBase:
+        """The operations list as CSV, with the same filters, search and order as the page."""
+        if not self.has_view_permission(request):
+            raise PermissionDenied(VIEW_PERMISSION)
+        try:
+            changelist = self.get_changelist_instance(request)
+        except IncorrectLookupParameters:
+            return HttpResponseBadRequest("Unknown filter in the query string.")
+        rows = changelist.queryset.prefetch_related(
+            Prefetch("claims", queryset=StepClaim.objects.order_by("pk"))
+        )
+        stamp = timezone.now().strftime("%Y%m%d-%H%M%S")
+        response = StreamingHttpResponse(_csv_lines(rows), content_type="text/csv; charset=utf-8")
+        response["Content-Disposition"] = f'attachment; filename="operations-{stamp}.csv"'
+        return response
+
+
+# --- queries of the desk ------------------------------------------------------------------
+
+
+def money_by_state(queryset: QuerySet[Operation]) -> dict[str, list[tuple[str, int]]]:
+    """Sum the params' amounts per state and currency: {state: [(currency, minor units)]}.
+
+    Only operations whose params carry an integer amount count (a checkout
+    does; a kind without money does not).
+    """
+    rows = (
+        queryset.annotate(amount_text=KT("params__amount"), currency=Lower(KT("params__currency")))
+        .filter(amount_text__regex=r"^[0-9]{1,18}$")
+        .exclude(currency__isnull=True)
+        .values("state", "currency")
+        .annotate(total=Sum(Cast("amount_text", BigIntegerField())))
+        .order_by("state", "currency")
+    )
+    totals: dict[str, list[tuple[str, int]]] = defaultdict(list)
+    for row in rows:
+        totals[row["state"]].append((row["currency"], int(row["total"] or 0)))
+    return dict(totals)
+
+
+def desk_counts() -> list[dict[str, Any]]:
+    """What the admin's home page shows of the desk: unfinished and failed payments per state."""
+    business = Operation.objects.exclude(follow_up_q()).exclude(state=OperationState.SUCCEEDED)
+    counts = dict(business.values_list("state").annotate(n=Count("pk")))
+    changelist = reverse("admin:payments_operation_changelist")
+    rows = [
+        {"state": s, "label": s.label, "count": counts.get(s.value, 0),
+         "url": f"{changelist}?state__exact={s.value}"}
+        for s in OperationState
+        if s != OperationState.SUCCEEDED
+    ]  # fmt: skip
+    rows.append(
+        {"state": "stale", "label": "Stale (lease expired)",
+         "count": business.filter(stale_q()).count(), "url": f"{changelist}?lease=stale"}
+    )  # fmt: skip
+    return rows
+
+
+CSV_COLUMNS = (
+    "key", "kind", "entity_type", "entity_id", "amount", "currency", "state", "stale",
+    "in_state_since", "attempts", "last_error", "provider_references", "follow_up",
+    "created_at", "updated_at",
+)  # fmt: skip
+
+
+class _Echo:
+    """A file-like object whose write returns the line, for a streamed csv.writer."""
+
+    def write(self, value: str) -> str:
+        return value
+
+
+def _csv_safe(value: object) -> str:
+    """Keep a spreadsheet from reading a cell as a formula (keys and errors come from outside)."""
+    text = "" if value is None else str(value)
+    return f"'{text}" if text[:1] in ("=", "+", "-", "@", "\t", "\r") else text
+
+
+def _csv_lines(operations: Iterable[Operation]) -> Iterator[str]:
+    writer = csv.writer(_Echo())
+    yield writer.writerow(CSV_COLUMNS)
+    kinds = set(follow_up_kinds())
+    now = timezone.now()
+    for op in cast("QuerySet[Operation]", operations).iterator(chunk_size=500):
+        params = op.params if isinstance(op.params, dict) else {}
+        currency = str(params.get("currency") or "")
+        shown_amount = decimal_amount(params.get("amount"), currency)
+        claims = list(op.claims.all())
+        attempts = max([op.attempts, *(c.attempts for c in claims)])
+        references = ";".join(c.provider_reference for c in claims if c.provider_reference)
+        values = (
+            op.key, op.kind, op.entity_type, op.entity_id, shown_amount, currency.upper(),
+            op.state, "yes" if is_stale(op, now) else "",
+            when(getattr(op, "state_since", None)) if op.state in AGED_STATES else "",
+            attempts, op.last_error, references,
+            "yes" if op.parent_id is not None or op.kind in kinds else "",
+            when(op.created_at), when(op.updated_at),
+        )  # fmt: skip
+        yield writer.writerow([_csv_safe(v) for v in values])
+
+
+# --- the last fence audit, as tables ------------------------------------------------------
+
+#: Summary keys shown as figures, in this order (anything else appears under "Other").
+AUDIT_FIGURES = (
+    ("findings", "Findings"),
+    ("provider_successes", "Provider successes"),
+    ("done_claims", "Done claims"),
+)
+AUDIT_TABLES = (
+    "window_start",
+    "double_charges",
+    "double_charged_entities",
+    "unfenced",
+    "unknown_references",
+    "stale_uncertain",
+    "steps",
+    "clean",
+)
+#: At most this many rows per finding table (the command's output has them all).
+AUDIT_ROWS = 50
+
+
+def audit_view(run: FenceAuditRun | None, request: HttpRequest) -> dict[str, Any] | None:
+    """The last fence audit's summary as tables, with links to operations, orders and references."""
+    if run is None:
+        return None
+    summary = run.summary if isinstance(run.summary, dict) else {}
+    raw_steps = summary.get("steps")
+    steps: dict[str, Any] = raw_steps if isinstance(raw_steps, dict) else {}
+    links = _OperationLinks(summary, steps)
+    may_view_orders = request.user.has_perm("payments.view_order")
+
+    def where(reference: str) -> str:
+        place = str(steps.get(reference) or "")
+        if not place or "/" not in place:
+            return place or "-"
+        key, step = place.rsplit("/", 1)
+        return format_html("{} / {}", links.link(key), step)
+
+    def entity(item: dict[str, Any]) -> str:
+        kind, pk = str(item.get("entity_type") or ""), str(item.get("entity_id") or "")
+        if kind == "order" and pk and may_view_orders:
+            url = reverse("admin:payments_order_change", args=[pk])
+            return format_html('<a href="{}">Order {}</a>', url, pk)
+        return f"{kind} {pk}".strip() or "-"
+
+    def references(refs: Any) -> str:
+        return format_html_join(", ", "{}", ((reference_link(str(r)),) for r in _listed(refs)))
+
+    def operations(ops: Any) -> str:
+        keys = [_key_of(o) for o in _listed(ops)]
+        return format_html_join(", ", "{}", ((links.link(k),) for k in keys if k))
+
+    double = [
+        {"operation": links.link(str(d.get("operation_key") or "")), "step": d.get("step", ""),
+         "references": references(d.get("references"))}
+        for d in _listed(summary.get("double_charges")) if isinstance(d, dict)
+    ]  # fmt: skip
+    entities = [
+        {"entity": entity(d), "references": references(d.get("references")),
+         "operations": operations(d.get("operations"))}
+        for d in _listed(summary.get("double_charged_entities")) if isinstance(d, dict)
+    ]  # fmt: skip
+    unfenced = [
+        {"reference": reference_link(str(r)), "where": where(str(r))}
+        for r in _listed(summary.get("unfenced"))
+    ]
+    unknown = [
+        {"reference": reference_link(str(r)), "where": where(str(r))}
+        for r in _listed(summary.get("unknown_references"))
+    ]
+    stale = []
+    for item in _listed(summary.get("stale_uncertain")):
+        key, _, step = str(item).rpartition("/")
+        stale.append({"operation": links.link(key or str(item)), "step": step if key else "-"})
+    known = {name for name, _ in AUDIT_FIGURES} | set(AUDIT_TABLES)
+    return {
+        "clean": summary.get("clean"),
+        "finished": when(run.finished_at),
+        "finished_ago": timesince(run.finished_at, timezone.now()),
+        "window_start": when(run.window_start),
+        "figures": [(label, summary.get(name, "-")) for name, label in AUDIT_FIGURES],
+        "tables": [
+            {
+                "id": "audit-double-charges",
+                "title": "Double charges per step",
+                "columns": ("Operation", "Step", "References"),
+                "rows": [(d["operation"], d["step"], d["references"]) for d in double],
+                "total": _count(summary.get("double_charges")),
+            },
+            {
+                "id": "audit-double-charged-entities",
+                "title": "Double charges per order",
+                "columns": ("Order", "References", "Operations"),
+                "rows": [(d["entity"], d["references"], d["operations"]) for d in entities],
+                "total": _count(summary.get("double_charged_entities")),
+                "absent": "double_charged_entities" not in summary,
+            },
+            {
+                "id": "audit-unfenced",
+                "title": "Provider successes without a done claim (unfenced)",
+                "columns": ("Reference", "Operation / step (from the provider's metadata)"),
+                "rows": [(u["reference"], u["where"]) for u in unfenced],
+                "total": _count(summary.get("unfenced")),
+            },
+            {
+                "id": "audit-unknown",
+                "title": "Done claims the provider does not show succeeded",
+                "columns": ("Reference", "Operation / step"),
+                "rows": [(u["reference"], u["where"]) for u in unknown],
+                "total": _count(summary.get("unknown_references")),
+            },
+            {
+                "id": "audit-stale",
+                "title": "Uncertain past the grace period",
+                "columns": ("Operation", "Step"),
+                "rows": [(u["operation"], u["step"]) for u in stale],
+                "total": _count(summary.get("stale_uncertain")),
+            },
+        ],  # fmt: skip
+        "other": [
+            (name.replace("_", " ").capitalize(), _plain(value))
+            for name, value in sorted(summary.items())
+            if name not in known
+        ],
+    }
+
+
+def _listed(value: Any) -> list[Any]:
+    return list(value)[:AUDIT_ROWS] if isinstance(value, list | tuple) else []
+
+
+def _count(value: Any) -> int:
+    return len(value) if isinstance(value, list | tuple) else 0
+
+
+def _key_of(item: Any) -> str:
+    if isinstance(item, dict):
+        return str(item.get("operation_key") or item.get("key") or "")
+    return str(item)
+
+
+def _plain(value: Any) -> str:
+    if isinstance(value, list | tuple):
+        return ", ".join(str(v) for v in value) or "-"
+    if value is None or value == "":
+        return "-"
+    return str(value)
+
+
+class _OperationLinks:
+    """Links to the operations an audit names by key (one query for all of them)."""
+
+    def __init__(self, summary: dict[str, Any], steps: dict[str, Any]) -> None:
+        keys: set[str] = set()
+        for item in _listed(summary.get("double_charges")):
+            if isinstance(item, dict):
+                keys.add(str(item.get("operation_key") or ""))
+        for item in _listed(summary.get("double_charged_entities")):
+            if isinstance(item, dict):
+                keys.update(_key_of(o) for o in _listed(item.get("operations")))
+        keys.update(str(v).rpartition("/")[0] for v in _listed(summary.get("stale_uncertain")))
+        keys.update(str(v).rpartition("/")[0] for v in steps.values())
+        keys.discard("")
+        found: dict[str, list[int]] = defaultdict(list)
+        for key, pk in Operation.objects.filter(key__in=keys).values_list("key", "pk"):
+            found[key].append(pk)
+        self.pks = dict(found)
+        self.changelist = reverse("admin:payments_operation_changelist")
+
+    def link(self, key: str) -> str:
+        if not key:
+            return "-"
+        pks = self.pks.get(key, [])
+        if len(pks) == 1:
+            url = reverse("admin:payments_operation_change", args=[pks[0]])
+        elif pks:  # the same key in two scopes: let the list show both
+            url = f"{self.changelist}?{urlencode({'q': key, 'followups': 'all'})}"
+        else:
+            return format_html("<code>{}</code> <small>(no such operation)</small>", key)
+        return format_html('<a href="{}">{}</a>', url, key)
+
+
+def _query_report_message(rows: list[Any], summary: str) -> str:
+    """The bulk query's result: the counts, then each operation with what came back."""
+    items = format_html_join(
+        "",
+        '<li class="desk-query-row"><a href="{}">{}</a>: {} <small>({} → {})</small></li>',
+        (
+            (
+                reverse("admin:payments_operation_change", args=[row.operation_id]),
+                row.key,
+                str(row.outcome).replace("_", " "),
+                state_badge(row.state_before),
+                state_badge(row.state_after),
+            )
+            for row in rows
+        ),
+    )
+    return format_html(
+        'Queried the provider for {} operation(s): {}.<ul class="desk-query-report">{}</ul>',
+        len(rows),
+        summary,
+        items,
+    )
+
+
+def _oldest(
+    queryset: QuerySet[Operation], state: OperationState, now: datetime
+) -> dict[str, Any] | None:
+    op = with_state_since(queryset.filter(state=state)).order_by("state_since").first()
     if op is None:
         return None
     return {
         "operation": op,
         "age": timesince(op.state_since, now),
+        "amount": money_of(op.params),
+        "stale": is_stale(op, now),
         "url": reverse("admin:payments_operation_change", args=[op.pk]),
     }
 
@@ -395,25 +854,6 @@ def _refusal(op: Operation, action: str, step: str) -> str:
             else f"step {step} is not waiting to be settled"
         )
     return available.refused.get(action, "")
-
-
-def _audit_rows(run: FenceAuditRun | None) -> list[tuple[str, str]]:
-    """The audit summary as (label, text) rows: lists shown as a count and their first items."""
-    if run is None:
-        return []
-    rows = []
-    for name, value in sorted((run.summary or {}).items()):
-        if isinstance(value, list):
-            shown = ", ".join(json.dumps(v) if isinstance(v, dict) else str(v) for v in value[:5])
-            text = (
-                f"{len(value)}" + (f": {shown}" if shown else "") + (" …" if len(value) > 5 else "")
-            )
-        elif value is None or value == "":
-            text = "-"
-        else:
-            text = str(value)
-        rows.append((name.replace("_", " ").capitalize(), text))
-    return rows
 
 
 def _next_key_or_blank(op: Operation) -> str:

@@ -1,18 +1,27 @@
 """An operator settles a lost answer in a real browser: headless Chromium driven by Playwright.
 
 The page, the server (pytest-django's live_server, transactional), PostgreSQL,
-Redis, the worker and the fake provider are all real. Screenshots of each
-step land in artifacts/screenshots/ (gitignored) for a person to look at.
+Redis, the worker and the fake provider are all real. The window is 1280 px
+wide (a laptop): no page of the walk may scroll sideways or clip a column.
+Screenshots of each step land in artifacts/screenshots/ (gitignored) for a
+person to look at.
 """
 
 from __future__ import annotations
 
+import io
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
+from django.core.management import call_command
+from django.core.management.base import CommandError
 from django.db import connections
+from django.utils import timezone
 
-from payments.models import Operation, OperationState
+from payments.engine import fence
+from payments.engine.writes import fence_writes
+from payments.models import ClaimState, Operation, OperationState, StepClaim
 from tests.support import flows
 from tests.support.users import RECONCILE, VIEW, make_user
 from tests.support.workers import run_worker
@@ -23,6 +32,8 @@ pytestmark = [pytest.mark.browser, pytest.mark.django_db(transaction=True)]
 CHROMIUM = "/usr/bin/chromium"
 SHOTS = Path(__file__).resolve().parents[2] / "artifacts" / "screenshots"
 PASSWORD = "correct-horse-battery-9"
+WIDTH = 1280
+DASHBOARD = "https://dashboard.example/payments/{reference}"
 
 
 @pytest.fixture
@@ -41,7 +52,7 @@ def page(monkeypatch):
             executable_path=CHROMIUM,
             args=["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking"],
         )
-        tab = browser.new_page(viewport={"width": 1366, "height": 900})
+        tab = browser.new_page(viewport={"width": WIDTH, "height": 900})
         tab.set_default_timeout(15_000)
         try:
             yield tab
@@ -54,15 +65,54 @@ def page(monkeypatch):
 
 
 def shot(page, name: str) -> None:
+    """Save a full-page screenshot, after checking that nothing is cut off at the window's width."""
+    assert_fits(page, name)
     page.screenshot(path=str(SHOTS / f"{name}.png"), full_page=True)
 
 
+def assert_fits(page, name: str) -> None:
+    """No sideways scrolling: the page and every table (the changelist scrolls its own) fit."""
+    assert page.evaluate("document.documentElement.scrollWidth") <= WIDTH, name
+    overflowing = page.evaluate(
+        """() => [...document.querySelectorAll('.results, table')]
+              .filter(e => e.scrollWidth > e.clientWidth + 1)
+              .map(e => e.id || e.className)"""
+    )
+    assert overflowing == [], f"{name}: clipped {overflowing}"
+
+
+def overlap(a: dict, b: dict) -> bool:
+    """Tell whether two bounding boxes (x, y, width, height) cover a common area."""
+    return (
+        a["x"] < b["x"] + b["width"]
+        and b["x"] < a["x"] + a["width"]
+        and a["y"] < b["y"] + b["height"]
+        and b["y"] < a["y"] + a["height"]
+    )
+
+
+def stale_running(key: str) -> Operation:
+    """A checkout whose worker took the lease and died: running, lease run out."""
+    op = flows.checkout(key)
+    fence.acquire_lease(op.pk, owner="worker-9/99", seconds=30)
+    with fence_writes():  # hand-made state, as the test says
+        Operation.objects.filter(pk=op.pk).update(
+            lease_expires_at=timezone.now() - timedelta(minutes=10)
+        )
+    return op
+
+
 def test_operator_queries_the_provider_and_sees_the_payment_settle(
-    page, live_server, provider, queue
+    page, live_server, provider, queue, settings
 ):
+    settings.PAYMENTS = {**settings.PAYMENTS, "PROVIDER_DASHBOARD_URL": DASHBOARD}
     lost = flows.uncertain_after_read_timeout(provider, queue, key="web-checkout-1")
     paid = flows.checkout(key="web-checkout-2")
     run_worker(queue)
+    seen = flows.uncertain_after_read_timeout(provider, queue, key="web-checkout-3")
+    with pytest.raises(CommandError):  # exit 1: it finds the successes we left uncertain
+        call_command("fence_audit", stdout=io.StringIO())  # and shows them on their claims
+    assert seen.claims.get(step="charge").provider_view["source"] == "fence_audit"
     user = make_user("alice", *VIEW, RECONCILE)
     user.set_password(PASSWORD)
     user.save()
@@ -76,14 +126,18 @@ def test_operator_queries_the_provider_and_sees_the_payment_settle(
     assert page.locator("#result_list").is_visible()
     shot(page, "02-operations")
 
+    listed = page.locator("#result_list").inner_text()
+    assert "record_sale" not in listed and "count_sale" not in listed  # follow-ups hidden
+    assert "€25.00" in listed
+
     page.locator("#changelist-filter").get_by_role("link", name="Uncertain").click()
     page.wait_for_url("**state__exact=uncertain**")
     rows = page.locator("#result_list tbody tr")
-    assert rows.count() == 1
-    assert paid.key not in rows.first.inner_text()
+    assert rows.count() == 2
+    assert paid.key not in page.locator("#result_list").inner_text()
     shot(page, "03-filtered-uncertain")
 
-    page.get_by_role("link", name=lost.key).click()
+    page.get_by_role("link", name=lost.key, exact=True).click()
     badge = page.locator("div.field-badge .state-badge")
     assert badge.inner_text() == "Uncertain"
     shot(page, "04-operation-uncertain")
@@ -104,10 +158,26 @@ def test_operator_queries_the_provider_and_sees_the_payment_settle(
     page.reload()
     assert badge.inner_text() == "Succeeded"
     shot(page, "07-succeeded")
+    with pytest.raises(CommandError):  # exit 1: the provider holds a success we left uncertain
+        call_command("fence_audit", stdout=io.StringIO())
     page.get_by_role("link", name="Needs attention").first.click()
-    succeeded = Operation.objects.filter(state=OperationState.SUCCEEDED).count()
-    assert page.locator(".state-count-succeeded strong").inner_text() == str(succeeded)
-    assert "No audit run yet" in page.locator("#desk-audit").inner_text()
+    # The headline figures are the customers' payments: follow-ups are not counted.
+    succeeded = Operation.objects.filter(
+        state=OperationState.SUCCEEDED, parent__isnull=True, kind="checkout"
+    ).count()
+    assert succeeded == 2
+    assert page.locator(".state-count-succeeded strong").inner_text() == "2"
+    assert page.locator(".state-count-succeeded .desk-total").inner_text() == "€50.00"
+    assert page.locator(".state-count-uncertain strong").inner_text() == "1"
+    assert page.locator(".state-count-uncertain .desk-total").inner_text() == "€25.00"
+    assert seen.key in page.locator("#oldest-uncertain").inner_text()
+    audit = page.locator("#desk-audit")
+    assert "problems found (exit 1)" in audit.inner_text()
+    seen_reference = seen.claims.get(step="charge").provider_view["reference"]
+    unfenced = page.locator("#audit-unfenced")
+    assert seen_reference in unfenced.inner_text()
+    assert unfenced.get_by_role("link", name=seen.key).is_visible()  # linked to its operation
+    assert "{'" not in audit.inner_text()  # a table, not a Python dict
     shot(page, "08-needs-attention")
 
     page.goto(f"{live_server.url}/admin/payments/operation/{lost.pk}/steps/charge/mark_succeeded/")
@@ -117,3 +187,68 @@ def test_operator_queries_the_provider_and_sees_the_payment_settle(
     lost.refresh_from_db()
     assert lost.state == OperationState.SUCCEEDED
     assert provider.state.succeeded_count(metadata={"operation_key": lost.key}) == 1
+
+    # An uncertain charge the audit found succeeded: the provider's view beside ours.
+    page.goto(f"{live_server.url}/admin/payments/operation/{seen.pk}/change/")
+    assert page.locator("div.field-badge .state-badge").inner_text() == "Uncertain"
+    view = page.locator("table.desk-provider-view")
+    reference = seen.claims.get(step="charge").provider_view["reference"]
+    assert "succeeded" in view.inner_text() and "€25.00" in view.inner_text()
+    assert "fence_audit" in view.inner_text() and reference in view.inner_text()
+    link = view.get_by_role("link", name=reference)
+    assert link.get_attribute("href") == DASHBOARD.format(reference=reference)
+    shot(page, "10-uncertain-provider-view")
+
+    # "Mark failed" is refused while the provider shows the success; what was typed stays.
+    page.get_by_role("link", name="Mark charge failed").click()
+    page.fill("#id_reason", "customer says the card was not charged")
+    page.get_by_role("button", name="Yes, check and mark failed").click()
+    refusal = page.locator(".desk-refusal")
+    assert "Nothing was changed" in refusal.inner_text()
+    assert f"the provider shows step charge succeeded ({reference})" in refusal.inner_text()
+    assert page.locator("#id_reason").input_value() == "customer says the card was not charged"
+    shot(page, "11-mark-failed-refused")
+
+    # The operator settles it: marked succeeded with the provider's reference, unless
+    # the refusal already recorded the provider's success.
+    page.goto(f"{live_server.url}/admin/payments/operation/{seen.pk}/change/")
+    settle = page.get_by_role("link", name="Mark charge succeeded")
+    if settle.count():
+        settle.click()
+        page.fill("#id_reference", reference)
+        assert page.locator("#id_reference").evaluate("e => e.scrollWidth <= e.clientWidth")
+        page.fill("#id_reason", "the audit and the provider's dashboard show it succeeded")
+        shot(page, "12-mark-succeeded-form")
+        page.get_by_role("button", name="Yes, check and mark succeeded").click()
+        page.wait_for_url(f"**/admin/payments/operation/{seen.pk}/change/")
+    claim = StepClaim.objects.get(operation=seen, step="charge")
+    assert (claim.state, claim.provider_reference) == (ClaimState.DONE, reference)
+    assert "operator:alice" in page.locator("#events-group").inner_text()
+    shot(page, "13-settled-audit-trail")
+    assert provider.state.succeeded_count(metadata={"operation_key": seen.key}) == 1
+
+    # Stuck work is flagged in the list; the home page shows the desk with its counts.
+    stale_running("web-checkout-4")
+    page.goto(f"{live_server.url}/admin/payments/operation/?lease=stale")
+    assert page.locator("#result_list .desk-stale-badge").count() == 1
+    shot(page, "14-operations-stale")
+    page.goto(f"{live_server.url}/admin/")
+    desk = page.locator("#payments-desk-module")
+    assert desk.is_visible()
+    assert not overlap(desk.bounding_box(), page.locator("#recent-actions-module").bounding_box())
+    assert "1 Running" in desk.inner_text() and "1 Stale" in desk.inner_text()
+    shot(page, "15-index-desk")
+
+    # Orders and invoices show the same money as the operations.
+    page.goto(f"{live_server.url}/admin/payments/order/")
+    assert page.locator("#result_list").inner_text().count("€25.00") == 4
+    shot(page, "17-orders")
+    page.goto(f"{live_server.url}/admin/payments/invoice/")
+    assert "€25.00" in page.locator("#result_list").inner_text()
+    shot(page, "18-invoices")
+
+    # A page alice may not open says which permission it needs.
+    response = page.goto(f"{live_server.url}/admin/payments/operation/{seen.pk}/desk/new_attempt/")
+    assert response.status == 403
+    assert "payments.start_new_attempt" in page.locator(".desk-missing-permission").inner_text()
+    shot(page, "16-forbidden")

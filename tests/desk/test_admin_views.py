@@ -410,7 +410,8 @@ def test_needs_attention__counts_oldest_ages_failed_jobs_and_last_audit(provider
     assert ctx["failed_jobs"]["count"] == 1
     assert reverse("django_rq:failed_jobs", args=[0]) in page
     assert "problems found (exit 1)" in page
-    assert "1: pi_x" in page
+    unfenced = page.split('id="audit-unfenced"', 1)[1].split("</table>", 1)[0]
+    assert '<code class="desk-ref">pi_x</code>' in unfenced  # a table row, not a dict
 
 
 def test_needs_attention__says_when_no_audit_ran(provider, viewer, queue):

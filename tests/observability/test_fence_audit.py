@@ -251,3 +251,22 @@ def test_fence_audit__process_exit_codes_are_0_1_and_2(provider, queue, closed_p
     assert down.returncode == 2, down.stderr
     assert "provider could not be read" in down.stderr
     assert list(FenceAuditRun.objects.values_list("exit_code", flat=True)) == [2, 1, 0]
+
+
+def test_fence_audit__shows_a_success_we_left_uncertain_on_its_claim(provider, queue):
+    """The desk puts the provider's view beside ours: the audit records what it found."""
+    provider.state.enqueue_faults("drop_after_accept", 1)  # charged; the answer is lost
+    _, op = order_and_checkout()
+    run_worker(queue)
+    op.refresh_from_db()
+    claim = op.claims.get(step="charge")
+    assert claim.state == ClaimState.UNCERTAIN
+
+    _, code = audit()
+
+    assert code == 1
+    claim.refresh_from_db()
+    view = claim.provider_view
+    assert (view["source"], view["status"]) == ("fence_audit", "succeeded")
+    assert view["reference"].startswith("pi_") and view["amount"] == claim.request["amount"]
+    assert claim.state == ClaimState.UNCERTAIN  # an observation: the reconciler settles it

@@ -16,7 +16,10 @@ from django.db.models import Q
 from django.utils import timezone
 
 from payments.conf import payments_settings
-from payments.models import FenceAuditRun
+from payments.engine import fence
+from payments.engine.effects import EffectResult
+from payments.engine.outcomes import Outcome
+from payments.models import ClaimState, FenceAuditRun, StepClaim
 from payments.observability.audit import AuditResult, audit
 from payments.provider.client import PaymentIntent, ProviderClient
 from payments.provider.errors import ProviderError
@@ -73,6 +76,7 @@ class Command(BaseCommand):
         # claims are reported whatever their age (they are never "outside the window").
         in_window = Q(claimed_at__gte=window_start, provider_reference__startswith="pi_")
         result = audit(intents, in_window, stale_claims=Q(), now=started)
+        self._note_on_claims(intents, result.unfenced)
         exit_code = 0 if result.clean else 1
         summary = {
             **result.as_dict(),
@@ -101,6 +105,36 @@ class Command(BaseCommand):
                     key = intent.metadata.get("operation_key", "-")
                     self.stdout.write(f"  {intent.id} {intent.status} {key}")
         return intents
+
+    @staticmethod
+    def _note_on_claims(intents: list[PaymentIntent], unfenced: list[str]) -> None:
+        """Show each unfenced success on the unsettled claim that asked for it (the desk reads it).
+
+        A claim left uncertain, or in review, whose request the provider did
+        execute: the operator sees the provider's answer beside ours.
+        """
+        by_id = {intent.id: intent for intent in intents}
+        for ref in unfenced:
+            intent = by_id[ref]
+            key, step = intent.metadata.get("operation_key"), intent.metadata.get("step")
+            if not key or not step:
+                continue
+            claims = StepClaim.objects.filter(operation__key=key, step=step).exclude(
+                state=ClaimState.DONE
+            )
+            if "operation_id" in intent.metadata:
+                claims = claims.filter(operation_id=intent.metadata["operation_id"])
+            found = EffectResult(
+                Outcome.SUCCESS,
+                reference=intent.id,
+                data={
+                    "status": intent.status,
+                    "amount": intent.amount,
+                    "currency": intent.currency,
+                },
+            )
+            for claim in claims:
+                fence.note_provider_view(claim, found, source="fence_audit")
 
     @staticmethod
     def _store(started: datetime, window_start: datetime, code: int, summary: dict) -> None:
