@@ -35,6 +35,7 @@ from payments.models import (
     OrderStatus,
     StepClaim,
 )
+from payments.money import format_money
 
 logger = logging.getLogger("payments.checkout.handler")
 
@@ -144,7 +145,7 @@ def issue_invoice(order_id: int, reference: str) -> dict[str, Any]:
 def send_confirmation(order_id: int, reference: str) -> dict[str, Any]:
     """Send the order confirmation e-mail."""
     order = Order.objects.get(pk=order_id)
-    amount = f"{order.amount / 100:.2f} {order.currency.upper()}"
+    amount = format_money(order.amount, order.currency)  # JPY has no minor unit, KWD three
     send_mail(
         subject=f"Order {order.pk} is paid",
         message=f"We received your payment of {amount} (reference {reference}).",

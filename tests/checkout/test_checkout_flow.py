@@ -45,6 +45,20 @@ def successes(provider, op: Operation) -> int:
     return provider.state.succeeded_count(metadata={"operation_key": op.key})
 
 
+def test_confirmation_email__states_the_amount_by_the_currency_exponent(
+    provider, queue, mailoutbox
+):
+    """JPY has no minor unit: 5000 is ¥5,000, never "50.00"."""
+    order = create_order(amount=5000, currency="jpy", email="buyer@example.com")
+    checkout(order)
+
+    run_worker(queue)
+
+    assert len(mailoutbox) == 1
+    assert "¥5,000" in mailoutbox[0].body
+    assert "50.00" not in mailoutbox[0].body
+
+
 def test_checkout__charges_once_invoices_emails_and_marks_paid(provider, queue):
     order = new_order()
     op = checkout(order)
