@@ -19,18 +19,27 @@ a `Request-Id` header on every answer):
   older than `search_lag` seconds are found) and `GET /v1/payment_intents`
   (list, newest first: `limit`, `starting_after`, `ending_before`,
   `created[gt|gte|lt|lte]`).
+- `POST /v1/refunds`: `payment_intent`, `amount` (default: what is left),
+  `reason` (`duplicate`, `fraudulent`, `requested_by_customer`),
+  `metadata[...]`; the same idempotency and faults as intent creates (a key
+  belongs to the endpoint it was first used on). Refusals are 400
+  invalid_request_error: `amount_too_large` (more than is left),
+  `charge_already_refunded` (nothing left), `payment_intent_unexpected_state`
+  (no successful charge), `resource_missing` (no such intent).
+- `GET /v1/refunds/{id}` and `GET /v1/refunds` (list, newest first:
+  `payment_intent`, `limit`, `starting_after`, `ending_before`).
 
 Control API (no auth; JSON in and out):
 
 - `POST /_fake/faults` `{"mode": "...", "count": N}` queues N faults for the
-  next create requests. Modes: `drop_after_accept` (charge, store the answer
+  next create requests (intents and refunds alike). Modes: `drop_after_accept` (charge, store the answer
   for the key, close the socket without answering), `slow` (charge, wait
   `slow_delay` s before answering), `fail_before` (500 with
   `Stripe-Should-Retry: true`, nothing executed or stored), `fail_after`
   (charge, store and answer a 500), `rate_limit` (429, not stored).
 - `POST /_fake/config` sets `<mode>_rate` (random faults, seeded by `seed`),
   `slow_delay`, `search_lag`, `key_retention`, `api_key`.
-- `POST /_fake/reset` forgets intents, keys, queued faults and counters.
+- `POST /_fake/reset` forgets intents, refunds, keys, queued faults and counters.
 - `GET /_fake/stats` returns counters; `GET /_fake/health` returns `{"status": "ok"}`.
 """
 
@@ -50,6 +59,7 @@ from urllib.parse import parse_qsl, urlsplit
 
 from devtools.fake_provider.state import (
     DECLINING_CARDS,
+    REFUND_REASONS,
     SUCCEEDING_CARDS,
     FakeConfig,
     FakeState,
@@ -61,6 +71,7 @@ from devtools.fake_provider.state import (
 logger = logging.getLogger(__name__)
 
 _PI_PATH = "/v1/payment_intents"
+_REFUNDS_PATH = "/v1/refunds"
 
 _CLAUSE = re.compile(
     r"""\s*(?:metadata\[(?P<kq>['"])(?P<key>(?:\\.|(?!(?P=kq))[^\\])*)(?P=kq)\]"""
@@ -130,14 +141,63 @@ def parse_create(params: list[tuple[str, str]]) -> dict[str, Any] | Reply:
     if payment_method is not None and payment_method not in SUCCEEDING_CARDS | set(DECLINING_CARDS):
         # The method id is not echoed: the fake keeps to the no-PII rule too.
         return invalid("No such PaymentMethod.", param="payment_method", code="resource_missing")
-    metadata = {m.group(1): v for k, v in params if (m := re.fullmatch(r"metadata\[(.+)\]", k))}
-    if len(metadata) > 50 or any(len(k) > 40 or len(v) > 500 for k, v in metadata.items()):
-        return invalid("Metadata exceeds the limits.", param="metadata", code="parameter_invalid")
+    metadata = _metadata(params)
+    if isinstance(metadata, Reply):
+        return metadata
     return {
         "amount": amount,
         "currency": currency.lower(),
         "confirm": confirm,
         "payment_method": payment_method,
+        "metadata": metadata,
+    }
+
+
+def _metadata(params: list[tuple[str, str]]) -> dict[str, str] | Reply:
+    metadata = {m.group(1): v for k, v in params if (m := re.fullmatch(r"metadata\[(.+)\]", k))}
+    if len(metadata) > 50 or any(len(k) > 40 or len(v) > 500 for k, v in metadata.items()):
+        return invalid("Metadata exceeds the limits.", param="metadata", code="parameter_invalid")
+    return metadata
+
+
+def parse_refund(params: list[tuple[str, str]]) -> dict[str, Any] | Reply:
+    """Validate refund create parameters; return them parsed or a 400 (never stored)."""
+    flat = dict(params)
+    payment_intent = flat.get("payment_intent") or None
+    if payment_intent is None:
+        if flat.get("charge"):
+            return invalid("The fake provider refunds by payment_intent only.", param="charge")
+        return invalid(
+            "One of the following params should be provided for this request: "
+            "payment_intent or charge.",
+            param="payment_intent",
+            code="parameter_missing",
+        )
+    amount: int | None = None
+    raw_amount = flat.get("amount")
+    if raw_amount is not None and raw_amount != "":
+        if not re.fullmatch(r"-?\d+", raw_amount):
+            return invalid(
+                "Invalid integer: amount.", param="amount", code="parameter_invalid_integer"
+            )
+        amount = int(raw_amount)
+        if amount < 1:
+            return invalid(
+                "Invalid positive integer", param="amount", code="parameter_invalid_integer"
+            )
+    reason = flat.get("reason") or None
+    if reason is not None and reason not in REFUND_REASONS:
+        return invalid(
+            "Invalid reason: must be one of duplicate, fraudulent, or requested_by_customer",
+            param="reason",
+        )
+    metadata = _metadata(params)
+    if isinstance(metadata, Reply):
+        return metadata
+    return {
+        "payment_intent": payment_intent,
+        "amount": amount,
+        "reason": reason,
         "metadata": metadata,
     }
 
@@ -250,17 +310,33 @@ class _Handler(BaseHTTPRequestHandler):
             # The key is never echoed, not even masked.
             return error_reply(401, "invalid_request_error", "Invalid API Key provided.")
         args = parse_qsl(query, keep_blank_values=True)
-        if method == "POST" and path == _PI_PATH:
+        if method == "POST" and path in (_PI_PATH, _REFUNDS_PATH):
             params = parse_qsl(body.decode("utf-8", "replace"), keep_blank_values=True)
             key = self.headers.get("Idempotency-Key") or None
             if key is not None and len(key) > 255:
                 return invalid("Idempotency-Key is too long.", param="Idempotency-Key")
+            if path == _REFUNDS_PATH:
+                return state.create_refund(
+                    params, parse_refund(params), key, sleep=self.server.stopping.wait
+                )
             return state.create_payment_intent(
                 params, parse_create(params), key, sleep=self.server.stopping.wait
             )
         if method != "GET":
             return _unrecognized(method, path)
         flat = dict(args)
+        if path == _REFUNDS_PATH:
+            limit = _limit(flat.get("limit"))
+            if isinstance(limit, Reply):
+                return limit
+            return state.list_refunds(
+                limit=limit,
+                payment_intent=flat.get("payment_intent") or None,
+                starting_after=flat.get("starting_after") or None,
+                ending_before=flat.get("ending_before") or None,
+            )
+        if path.startswith(_REFUNDS_PATH + "/") and path.count("/") == 3:
+            return state.retrieve_refund(path.rsplit("/", 1)[1])
         if path == f"{_PI_PATH}/search":
             limit = _limit(flat.get("limit"))
             if isinstance(limit, Reply):

@@ -1,4 +1,4 @@
-"""In-memory state of the fake payment provider: intents, idempotency keys, faults.
+"""In-memory state of the fake payment provider: intents, refunds, idempotency keys, faults.
 
 No HTTP here and no database: `devtools.fake_provider.server` serves this state over
 a real socket. Every public method takes the one lock, so handler threads,
@@ -27,6 +27,17 @@ DECLINING_CARDS = {
     "pm_card_chargeDeclinedInsufficientFunds": "insufficient_funds",
 }
 _API_ERROR = {"type": "api_error", "message": "An unknown error occurred on the fake provider."}
+PAYMENT_INTENTS_ENDPOINT = "/v1/payment_intents"
+REFUNDS_ENDPOINT = "/v1/refunds"
+REFUND_REASONS = ("duplicate", "fraudulent", "requested_by_customer")
+# Stripe's error codes for refusing a refund (https://docs.stripe.com/error-codes):
+# more than is left on the charge, nothing left at all, no successful charge.
+REFUND_TOO_LARGE = "amount_too_large"
+ALREADY_REFUNDED = "charge_already_refunded"
+NOT_REFUNDABLE = "payment_intent_unexpected_state"
+_ZERO_DECIMAL = frozenset({"bif", "clp", "djf", "gnf", "jpy", "kmf", "krw", "mga", "pyg", "rwf"})
+_ZERO_DECIMAL |= {"ugx", "vnd", "vuv", "xaf", "xof", "xpf"}
+_SYMBOLS = {"usd": "$", "eur": "€", "gbp": "£", "jpy": "¥"}
 
 
 @dataclass(frozen=True)
@@ -78,15 +89,35 @@ def invalid(message: str, *, param: str | None = None, code: str | None = None) 
     return error_reply(400, "invalid_request_error", message, **extra)
 
 
+def _money(amount: int, currency: str) -> str:
+    """Format minor units the way Stripe's refund messages do: `$1.00`, `€15.00`, `¥500`."""
+    if currency in _ZERO_DECIMAL:
+        number = f"{amount}"
+    else:
+        number = f"{amount // 100}.{amount % 100:02d}"
+    symbol = _SYMBOLS.get(currency)
+    return f"{symbol}{number}" if symbol else f"{number} {currency.upper()}"
+
+
 @dataclass
 class _KeyRecord:
     fingerprint: tuple[tuple[str, str], ...]
     created_at: float
     reply: Reply | None = None  # None while the first request is in flight
+    endpoint: str = PAYMENT_INTENTS_ENDPOINT  # a key belongs to the endpoint it was first used on
 
 
 @dataclass
 class _Intent:
+    data: dict[str, Any]
+    created_at: float
+    seq: int
+    charge_id: str | None = None  # the successful charge, when the intent succeeded
+    refunded: int = 0  # sum of its succeeded refunds (Stripe keeps it on the charge)
+
+
+@dataclass
+class _Refund:
     data: dict[str, Any]
     created_at: float
     seq: int
@@ -124,9 +155,11 @@ class FakeState:
 
     def _clear(self) -> None:
         self._intents: dict[str, _Intent] = {}
+        self._refunds: dict[str, _Refund] = {}
         self._keys: dict[str, _KeyRecord] = {}
         self._faults: deque[str] = deque()
-        self._stats = _Stats()
+        self._stats = _Stats()  # payment intent creates (the charges)
+        self._refund_stats = _Stats()
         self._seq = 0
         self._in_flight = 0
         self._rng = random.Random(self.config.seed)
@@ -134,7 +167,7 @@ class FakeState:
     # --- control -------------------------------------------------------------
 
     def reset(self) -> None:
-        """Forget intents, keys, queued faults and counters; keep the config."""
+        """Forget intents, refunds, keys, queued faults and counters; keep the config."""
         with self._cond:
             self._generation += 1
             self._clear()
@@ -155,7 +188,7 @@ class FakeState:
             return replace(candidate)
 
     def enqueue_faults(self, mode: str, count: int = 1) -> int:
-        """Queue `count` faults for the next create requests; return the queue length."""
+        """Queue `count` faults for the next creates (intents or refunds); return the queue length."""
         if mode not in FAULT_MODES:
             raise ValueError(f"unknown fault mode {mode!r}; use one of {FAULT_MODES}")
         if count < 1:
@@ -180,14 +213,34 @@ class FakeState:
             rows = sorted(self._intents.values(), key=lambda i: i.seq)
             return [copy.deepcopy(i.data) for i in rows if _matches(i.data, clauses)]
 
+    def refunds(
+        self,
+        *,
+        payment_intent: str | None = None,
+        metadata: Mapping[str, str] | None = None,
+    ) -> list[dict[str, Any]]:
+        """Return copies of all refunds, oldest first, optionally filtered by intent and metadata."""
+        clauses = [("metadata." + k, v) for k, v in (metadata or {}).items()]
+        if payment_intent is not None:
+            clauses.append(("payment_intent", payment_intent))
+        with self._cond:
+            rows = sorted(self._refunds.values(), key=lambda r: r.seq)
+            return [copy.deepcopy(r.data) for r in rows if _matches(r.data, clauses)]
+
     def succeeded_count(self, *, metadata: Mapping[str, str] | None = None) -> int:
         """Count succeeded intents (the number of real charges)."""
         return sum(1 for i in self.intents(metadata=metadata) if i["status"] == "succeeded")
 
     def stats(self) -> dict[str, Any]:
-        """Return counters as plain JSON-able data."""
+        """Return counters as plain JSON-able data.
+
+        The top-level request counters are about payment intent creates (the
+        charges); refund creates have their own under `refunds`. The fault
+        queue, `in_flight` and `idempotency_keys` are shared by both.
+        """
         with self._cond:
             by_status = Counter(i.data["status"] for i in self._intents.values())
+            refund_stats = self._refund_stats
             return {
                 "create_requests": self._stats.create_requests,
                 "intents": len(self._intents),
@@ -199,6 +252,15 @@ class FakeState:
                 "faults_queued": list(self._faults),
                 "in_flight": self._in_flight,
                 "idempotency_keys": len(self._keys),
+                "refunds": {
+                    "create_requests": refund_stats.create_requests,
+                    "count": len(self._refunds),
+                    "amount": sum(r.data["amount"] for r in self._refunds.values()),
+                    "replays": refund_stats.replays,
+                    "idempotency_conflicts": refund_stats.idempotency_conflicts,
+                    "in_flight_rejections": refund_stats.in_flight_rejections,
+                    "faults_injected": dict(refund_stats.faults),
+                },
                 "config": asdict(self.config) | {"api_key": None},
             }
 
@@ -227,36 +289,79 @@ class FakeState:
         validated form or the 400 to answer, which only counts once the key
         lookup lets the request execute, as at Stripe.
         """
+        return self._create(
+            PAYMENT_INTENTS_ENDPOINT,
+            self._stats,
+            self._execute,
+            params,
+            parsed,
+            idempotency_key,
+            sleep,
+        )
+
+    def create_refund(
+        self,
+        params: list[tuple[str, str]],
+        parsed: dict[str, Any] | Reply,
+        idempotency_key: str | None,
+        sleep: Callable[[float], object] = time.sleep,
+    ) -> Reply:
+        """Handle `POST /v1/refunds`: the same idempotency and faults as intent creates.
+
+        Refusals that depend on the intent (missing, not succeeded, fully
+        refunded, more than is left) happen while executing, so the key stores
+        them like any answer; a `parsed` 400 (bad parameters) is never stored.
+        """
+        return self._create(
+            REFUNDS_ENDPOINT,
+            self._refund_stats,
+            self._execute_refund,
+            params,
+            parsed,
+            idempotency_key,
+            sleep,
+        )
+
+    def _create(
+        self,
+        endpoint: str,
+        stats: _Stats,
+        execute: Callable[[dict[str, Any]], Reply],
+        params: list[tuple[str, str]],
+        parsed: dict[str, Any] | Reply,
+        idempotency_key: str | None,
+        sleep: Callable[[float], object],
+    ) -> Reply:
         fingerprint = tuple(sorted(params))
         if self.config.latency:
             sleep(self.config.latency)  # outside the lock: concurrent requests overlap
         with self._cond:
-            self._stats.create_requests += 1
+            stats.create_requests += 1
             if idempotency_key is not None:
-                earlier = self._lookup_key(idempotency_key, fingerprint)
+                earlier = self._lookup_key(idempotency_key, fingerprint, endpoint, stats)
                 if earlier is not None:
                     return earlier
             if isinstance(parsed, Reply):
                 return parsed
             fault = self._next_fault()
             if fault is not None:
-                self._stats.faults[fault] += 1
+                stats.faults[fault] += 1
             if fault == "rate_limit":
                 return error_reply(
                     429, "invalid_request_error", "Too many requests.", code="rate_limit"
                 )
             if fault == "fail_before":
                 return Reply(500, {"error": dict(_API_ERROR)}, (("Stripe-Should-Retry", "true"),))
-            reply = self._execute(parsed)
+            reply = execute(parsed)
             if fault == "fail_after":
                 reply = Reply(500, {"error": dict(_API_ERROR)})
             generation = self._generation
             if fault == "slow":
                 # Hold the key in flight while "processing", so a concurrent
                 # request with the same key meets a 409 as at Stripe.
-                self._begin(idempotency_key, fingerprint)
+                self._begin(idempotency_key, fingerprint, endpoint)
             else:
-                self._store(idempotency_key, fingerprint, reply)
+                self._store(idempotency_key, fingerprint, reply, endpoint)
         if fault == "slow":
             try:
                 sleep(self.config.slow_delay)
@@ -264,7 +369,7 @@ class FakeState:
                 with self._cond:
                     if generation == self._generation:  # else a reset forgot it all
                         self._in_flight -= 1
-                        self._store(idempotency_key, fingerprint, reply)
+                        self._store(idempotency_key, fingerprint, reply, endpoint)
                     self._cond.notify_all()
         if fault == "drop_after_accept":
             reply = replace(reply, drop=True)
@@ -344,9 +449,60 @@ class FakeState:
             {"object": "list", "data": data, "has_more": has_more, "url": "/v1/payment_intents"},
         )
 
+    def retrieve_refund(self, refund_id: str) -> Reply:
+        """Handle `GET /v1/refunds/{id}`."""
+        with self._cond:
+            refund = self._refunds.get(refund_id)
+            if refund is None:
+                return error_reply(
+                    404,
+                    "invalid_request_error",
+                    f"No such refund: '{refund_id}'",
+                    code="resource_missing",
+                    param="id",
+                )
+            return Reply(200, copy.deepcopy(refund.data))
+
+    def list_refunds(
+        self,
+        *,
+        limit: int,
+        payment_intent: str | None = None,
+        starting_after: str | None = None,
+        ending_before: str | None = None,
+    ) -> Reply:
+        """Handle `GET /v1/refunds`: newest first, cursor pagination, by intent."""
+        with self._cond:
+            rows = sorted(self._refunds.values(), key=lambda r: (r.created_at, r.seq), reverse=True)
+            if payment_intent is not None:
+                rows = [r for r in rows if r.data["payment_intent"] == payment_intent]
+            cursor = starting_after or ending_before
+            if cursor is not None and cursor not in self._refunds:
+                param = "starting_after" if starting_after else "ending_before"
+                return invalid(f"No such refund: '{cursor}'", param=param, code="resource_missing")
+            ids = [r.data["id"] for r in rows]
+            if starting_after is not None:
+                start = ids.index(starting_after) + 1 if starting_after in ids else len(ids)
+                page, has_more = rows[start : start + limit], start + limit < len(rows)
+            elif ending_before is not None:
+                end = ids.index(ending_before) if ending_before in ids else 0
+                page, has_more = rows[max(0, end - limit) : end], end - limit > 0
+            else:
+                page, has_more = rows[:limit], limit < len(rows)
+            data = [copy.deepcopy(r.data) for r in page]
+        return Reply(
+            200, {"object": "list", "data": data, "has_more": has_more, "url": REFUNDS_ENDPOINT}
+        )
+
     # --- internals (call with the lock held) -----------------------------------
 
-    def _lookup_key(self, key: str, fingerprint: tuple[tuple[str, str], ...]) -> Reply | None:
+    def _lookup_key(
+        self,
+        key: str,
+        fingerprint: tuple[tuple[str, str], ...],
+        endpoint: str,
+        stats: _Stats,
+    ) -> Reply | None:
         """Return the answer an earlier use of `key` dictates, or None to execute."""
         record = self._keys.get(key)
         if record is not None and self.clock() - record.created_at >= self.config.key_retention:
@@ -354,36 +510,51 @@ class FakeState:
             record = None
         if record is None:
             return None
+        if record.endpoint != endpoint:
+            stats.idempotency_conflicts += 1
+            return error_reply(
+                400,
+                "idempotency_error",
+                "Keys for idempotent requests can only be used for the same endpoint they "
+                f"were first used for ('{endpoint}' vs '{record.endpoint}'). Try using a key "
+                f"other than '{key}' if you meant to execute a different request.",
+            )
         if record.reply is None:
-            self._stats.in_flight_rejections += 1
+            stats.in_flight_rejections += 1
             busy = "Another request with this idempotency key is in progress."
             reply = error_reply(409, "invalid_request_error", busy, code="idempotency_key_in_use")
             return replace(reply, headers=(("Stripe-Should-Retry", "true"),))
         if record.fingerprint != fingerprint:
-            self._stats.idempotency_conflicts += 1
+            stats.idempotency_conflicts += 1
             return error_reply(
                 400,
                 "idempotency_error",
                 "Keys for idempotent requests can only be used with the same parameters "
                 "they were first used with.",
             )
-        self._stats.replays += 1
+        stats.replays += 1
         reply = record.reply
         return replace(reply, headers=(*reply.headers, ("Idempotent-Replayed", "true")))
 
-    def _begin(self, key: str | None, fingerprint: tuple[tuple[str, str], ...]) -> None:
+    def _begin(
+        self, key: str | None, fingerprint: tuple[tuple[str, str], ...], endpoint: str
+    ) -> None:
         self._in_flight += 1
         if key is not None:
-            self._keys[key] = _KeyRecord(fingerprint, self.clock())
+            self._keys[key] = _KeyRecord(fingerprint, self.clock(), endpoint=endpoint)
         self._cond.notify_all()
 
     def _store(
-        self, key: str | None, fingerprint: tuple[tuple[str, str], ...], reply: Reply
+        self,
+        key: str | None,
+        fingerprint: tuple[tuple[str, str], ...],
+        reply: Reply,
+        endpoint: str,
     ) -> None:
         if key is not None:
             record = self._keys.get(key)
             created_at = record.created_at if record is not None else self.clock()
-            self._keys[key] = _KeyRecord(fingerprint, created_at, reply)
+            self._keys[key] = _KeyRecord(fingerprint, created_at, reply, endpoint)
 
     def _next_fault(self) -> str | None:
         if self._faults:
@@ -436,7 +607,63 @@ class FakeState:
             "last_payment_error": last_error,
         }
         self._seq += 1
-        self._intents[pi_id] = _Intent(data, now, self._seq)
+        charge_id = "ch_" + pi_id.removeprefix("pi_") if status == "succeeded" else None
+        self._intents[pi_id] = _Intent(data, now, self._seq, charge_id)
         if last_error is None:
             return Reply(200, copy.deepcopy(data))
         return Reply(402, {"error": {**last_error, "payment_intent": copy.deepcopy(data)}})
+
+    def _execute_refund(self, parsed: dict[str, Any]) -> Reply:
+        """Refund (part of) an intent's charge, or refuse as Stripe does."""
+        pi_id = parsed["payment_intent"]
+        intent = self._intents.get(pi_id)
+        if intent is None:
+            return invalid(
+                f"No such payment_intent: '{pi_id}'",
+                param="payment_intent",
+                code="resource_missing",
+            )
+        if intent.charge_id is None:
+            return invalid(
+                f"This PaymentIntent ({pi_id}) does not have a successful charge to refund.",
+                param="payment_intent",
+                code=NOT_REFUNDABLE,
+            )
+        currency = intent.data["currency"]
+        charged = int(intent.data["amount"])
+        left = charged - intent.refunded
+        if left <= 0:
+            return invalid(
+                f"Charge {intent.charge_id} has already been refunded.", code=ALREADY_REFUNDED
+            )
+        amount = parsed["amount"] if parsed["amount"] is not None else left
+        if amount > left:
+            # Stripe names the charge amount until a first refund, then what is left.
+            limit = (
+                f"charge amount ({_money(charged, currency)})"
+                if intent.refunded == 0
+                else f"unrefunded amount on charge ({_money(left, currency)})"
+            )
+            return invalid(
+                f"Refund amount ({_money(amount, currency)}) is greater than {limit}",
+                param="amount",
+                code=REFUND_TOO_LARGE,
+            )
+        now = self.clock()
+        re_id = "re_" + secrets.token_hex(12)
+        data = {
+            "id": re_id,
+            "object": "refund",
+            "amount": amount,
+            "charge": intent.charge_id,
+            "created": int(now),
+            "currency": currency,
+            "metadata": parsed["metadata"],
+            "payment_intent": pi_id,
+            "reason": parsed["reason"],
+            "status": "succeeded",
+        }
+        intent.refunded += amount
+        self._seq += 1
+        self._refunds[re_id] = _Refund(data, now, self._seq)
+        return Reply(200, copy.deepcopy(data))

@@ -12,8 +12,14 @@ bounded count), and turns every failure into a `ProviderError` whose
 - PERMANENT: refused for good (402 decline, 400, 404).
 - CONFLICT: the key was used with other parameters (400 idempotency_error).
 
-Logs carry method, path, status, request id, idempotency key and intent id
-only: never the API key, the payment method, metadata values or bodies.
+Refunds (`create_refund`, `retrieve_refund`, `list_refunds`) go through the
+same table: a refused refund is an InvalidRequest (PERMANENT) whose `code`
+says why (`errors.REFUND_AMOUNT_TOO_LARGE`, `errors.CHARGE_ALREADY_REFUNDED`,
+`errors.PAYMENT_INTENT_NOT_REFUNDABLE`).
+
+Logs carry method, path, status, request id, idempotency key, intent id and
+refund id only: never the API key, the payment method, metadata values or
+bodies.
 """
 
 from __future__ import annotations
@@ -38,6 +44,8 @@ logger = logging.getLogger(__name__)
 
 MAX_IDEMPOTENCY_KEY_LENGTH = 255
 PAYMENT_INTENTS_PATH = "/v1/payment_intents"
+REFUNDS_PATH = "/v1/refunds"
+REFUND_REASONS = frozenset({"duplicate", "fraudulent", "requested_by_customer"})
 
 
 @dataclass(frozen=True)
@@ -72,6 +80,47 @@ class PaymentIntent:
             )
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise ValueError("malformed payment_intent object") from exc
+
+
+@dataclass(frozen=True)
+class Refund:
+    """The fields of a provider Refund that the fence and the audit use."""
+
+    id: str
+    amount: int
+    currency: str
+    payment_intent: str
+    status: str
+    reason: str | None = None
+    metadata: Mapping[str, str] = field(default_factory=dict, hash=False)
+    created: int = 0
+    replayed: bool = False
+
+    @classmethod
+    def from_json(cls, data: Any, *, replayed: bool = False) -> Refund:
+        """Build from a decoded JSON object; raise ValueError when it is not a refund."""
+        if not isinstance(data, dict) or not isinstance(data.get("id"), str):
+            raise ValueError("not a refund object")
+        intent = data.get("payment_intent")
+        if isinstance(intent, dict):  # expanded
+            intent = intent.get("id")
+        if not isinstance(intent, str):
+            raise ValueError("refund without a payment_intent")
+        reason = data.get("reason")
+        try:
+            return cls(
+                id=data["id"],
+                amount=int(data["amount"]),
+                currency=str(data["currency"]),
+                payment_intent=intent,
+                status=str(data["status"]),
+                reason=str(reason) if reason is not None else None,
+                metadata={str(k): str(v) for k, v in (data.get("metadata") or {}).items()},
+                created=int(data.get("created") or 0),
+                replayed=replayed,
+            )
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise ValueError("malformed refund object") from exc
 
 
 def encode_form(params: Mapping[str, Any], prefix: str = "") -> list[tuple[str, str]]:
@@ -109,7 +158,7 @@ def build_metadata_query(metadata: Mapping[str, str]) -> str:
 
 
 class ProviderClient:
-    """Talk to the provider's PaymentIntents API; one HTTP request per call."""
+    """Talk to the provider's PaymentIntents and Refunds APIs; one HTTP request per call."""
 
     def __init__(
         self,
@@ -228,6 +277,60 @@ class ProviderClient:
                 return
             query = {**query, "starting_after": items[-1].id}
 
+    def create_refund(
+        self,
+        *,
+        payment_intent: str,
+        amount: int | None,
+        metadata: Mapping[str, str],
+        idempotency_key: str,
+        reason: str | None = None,
+    ) -> Refund:
+        """Refund `amount` (None: all that is left) of an intent's charge under a key.
+
+        A refusal raises InvalidRequest (PERMANENT) with `code` REFUND_AMOUNT_TOO_LARGE,
+        CHARGE_ALREADY_REFUNDED, PAYMENT_INTENT_NOT_REFUNDABLE or resource_missing.
+        """
+        _check_idempotency_key(idempotency_key)
+        if not isinstance(payment_intent, str) or not payment_intent:
+            raise ValueError("payment_intent must be a non-empty string")
+        if amount is not None and (isinstance(amount, bool) or not isinstance(amount, int)):
+            raise ValueError("amount must be an integer or None")
+        if reason is not None and reason not in REFUND_REASONS:
+            raise ValueError(f"reason must be one of {sorted(REFUND_REASONS)}")
+        form = encode_form(
+            {
+                "payment_intent": payment_intent,
+                "amount": amount,
+                "reason": reason,
+                "metadata": dict(metadata),
+            }
+        )
+        answer = self._request("POST", REFUNDS_PATH, form=form, idempotency_key=idempotency_key)
+        return _refund(answer.body, answer)
+
+    def retrieve_refund(self, refund_id: str) -> Refund:
+        """Fetch one refund by id; a missing one raises ResourceMissing."""
+        if not refund_id or "/" in refund_id:
+            raise ValueError("invalid refund id")
+        answer = self._request("GET", f"{REFUNDS_PATH}/{refund_id}")
+        return _refund(answer.body, answer)
+
+    def list_refunds(self, *, payment_intent: str, limit: int = 100) -> Iterator[Refund]:
+        """Yield the refunds of one intent (newest first), following `starting_after` pages."""
+        if not payment_intent:
+            raise ValueError("payment_intent must be a non-empty string")
+        if not 1 <= limit <= 100:
+            raise ValueError("limit must be between 1 and 100")
+        query: dict[str, str] = {"payment_intent": payment_intent, "limit": str(limit)}
+        while True:
+            answer = self._request("GET", REFUNDS_PATH, query=query)
+            items = [_refund(item, answer) for item in _data(answer)]
+            yield from items
+            if not answer.body.get("has_more") or not items:
+                return
+            query = {**query, "starting_after": items[-1].id}
+
     # --- transport and classification --------------------------------------
 
     def _request(
@@ -287,21 +390,19 @@ class ProviderClient:
                 request_id=response.headers.get("Request-Id"),
                 replayed=replayed,
             )
-        if error is not None:
-            pi_id = error.payment_intent_id
-        else:
-            pi_id = body.get("id") if isinstance(body, dict) else None
+        pi_id, refund_id = _logged_ids(body, error)
         # Successes at DEBUG (one per call is noise in production); failures at INFO.
         logger.log(
             logging.DEBUG if error is None else logging.INFO,
             "provider response %s %s status=%s request_id=%s idempotency_key=%s pi=%s "
-            "outcome=%s replayed=%s",
+            "refund=%s outcome=%s replayed=%s",
             method,
             path,
             status,
             response.headers.get("Request-Id"),
             idempotency_key,
             pi_id,
+            refund_id,
             error.outcome if error is not None else Outcome.SUCCESS,
             replayed,
         )
@@ -336,6 +437,26 @@ def _intent(item: Any, answer: _Answer) -> PaymentIntent:
         return PaymentIntent.from_json(item, replayed=answer.replayed)
     except ValueError as exc:
         raise answer.not_understood("a payment intent") from exc
+
+
+def _refund(item: Any, answer: _Answer) -> Refund:
+    """Parse one refund out of an answer; anything else is an UNCERTAIN answer."""
+    try:
+        return Refund.from_json(item, replayed=answer.replayed)
+    except ValueError as exc:
+        raise answer.not_understood("a refund") from exc
+
+
+def _logged_ids(body: Any, error: ProviderError | None) -> tuple[str | None, str | None]:
+    """Return the (intent id, refund id) an answer is about, for the log line."""
+    if error is not None:
+        return error.payment_intent_id, None
+    if not isinstance(body, dict):
+        return None, None
+    if body.get("object") == "refund":
+        intent = body.get("payment_intent")
+        return (intent if isinstance(intent, str) else None), body.get("id")
+    return body.get("id"), None
 
 
 def _data(answer: _Answer) -> list[Any]:

@@ -20,6 +20,15 @@ from urllib3.exceptions import ConnectTimeoutError, NewConnectionError
 
 from payments.engine.outcomes import Outcome
 
+# Stripe's error codes for a refused refund (https://docs.stripe.com/error-codes),
+# all on a 400 invalid_request_error (InvalidRequest, PERMANENT):
+#: the amount is more than what is left of the charge.
+REFUND_AMOUNT_TOO_LARGE = "amount_too_large"
+#: nothing is left: the charge is already fully refunded.
+CHARGE_ALREADY_REFUNDED = "charge_already_refunded"
+#: the PaymentIntent has no successful charge (declined, never confirmed).
+PAYMENT_INTENT_NOT_REFUNDABLE = "payment_intent_unexpected_state"
+
 
 class ProviderError(Exception):
     """Base class: a provider call did not return a usable success."""

@@ -372,6 +372,321 @@ def test_stop__does_not_wait_for_a_slow_answer():
     assert time.monotonic() - started < 1
 
 
+# --- refunds ------------------------------------------------------------------------------
+
+
+def charged(server: FakeProviderServer, key: str = "charge-1", **changes: Any) -> dict[str, Any]:
+    """A succeeded (or, with a declining card, refused) intent; the intent object either way."""
+    body = post(server, key=key, **changes).json()
+    return body["error"]["payment_intent"] if "error" in body else body
+
+
+def refund(
+    server: FakeProviderServer, key: str | None = "refund-1", timeout: float = 2, **form: Any
+) -> requests.Response:
+    headers = {**AUTH, **({"Idempotency-Key": key} if key else {})}
+    data = {k: v for k, v in form.items() if v is not None}
+    return requests.post(server.url + "/v1/refunds", data=data, headers=headers, timeout=timeout)
+
+
+def refund_error(response: requests.Response) -> tuple[int, str, str | None, str | None]:
+    error = response.json()["error"]
+    return response.status_code, error["type"], error.get("code"), error.get("param")
+
+
+def test_refund__partial_has_refund_shape(fake_provider):
+    pi = charged(fake_provider)
+    response = refund(
+        fake_provider,
+        payment_intent=pi["id"],
+        amount="500",
+        reason="requested_by_customer",
+        **{"metadata[step]": "refund:1"},
+    )
+    assert response.status_code == 200 and response.headers["Request-Id"].startswith("req_")
+    body = response.json()
+    assert body["id"].startswith("re_") and body["object"] == "refund"
+    assert (body["amount"], body["currency"], body["status"]) == (500, "eur", "succeeded")
+    assert (body["payment_intent"], body["reason"]) == (pi["id"], "requested_by_customer")
+    assert body["metadata"] == {"step": "refund:1"} and isinstance(body["created"], int)
+    assert "Idempotent-Replayed" not in response.headers
+    assert fake_provider.state.refunds(payment_intent=pi["id"]) == [body]
+    # The intent itself is unchanged: Stripe keeps amount_refunded on the charge.
+    assert get(fake_provider, f"/v1/payment_intents/{pi['id']}").json() == pi
+
+
+def test_refund__without_amount_refunds_what_is_left(fake_provider):
+    pi = charged(fake_provider)
+    assert refund(fake_provider, key="r1", payment_intent=pi["id"], amount="400").ok
+    rest = refund(fake_provider, key="r2", payment_intent=pi["id"])
+    assert rest.status_code == 200
+    assert (rest.json()["amount"], rest.json()["reason"]) == (1100, None)
+    assert sum(r["amount"] for r in fake_provider.state.refunds()) == 1500
+
+
+def test_refund__more_than_is_left_is_amount_too_large(fake_provider):
+    pi = charged(fake_provider)
+    too_much = refund(fake_provider, key="r1", payment_intent=pi["id"], amount="1501")
+    assert refund_error(too_much) == (400, "invalid_request_error", "amount_too_large", "amount")
+    assert too_much.json()["error"]["message"] == (
+        "Refund amount (€15.01) is greater than charge amount (€15.00)"
+    )
+    assert refund(fake_provider, key="r2", payment_intent=pi["id"], amount="1000").ok
+    over = refund(fake_provider, key="r3", payment_intent=pi["id"], amount="600")
+    assert refund_error(over)[2] == "amount_too_large"
+    assert over.json()["error"]["message"] == (
+        "Refund amount (€6.00) is greater than unrefunded amount on charge (€5.00)"
+    )
+    assert [r["amount"] for r in fake_provider.state.refunds()] == [1000]
+
+
+def test_refund__second_full_refund_is_charge_already_refunded(fake_provider):
+    pi = charged(fake_provider)
+    assert refund(fake_provider, key="r1", payment_intent=pi["id"]).json()["amount"] == 1500
+    again = refund(fake_provider, key="r2", payment_intent=pi["id"])
+    assert refund_error(again) == (400, "invalid_request_error", "charge_already_refunded", None)
+    assert again.json()["error"]["message"].endswith(" has already been refunded.")
+    partial = refund(fake_provider, key="r3", payment_intent=pi["id"], amount="1")
+    assert refund_error(partial)[2] == "charge_already_refunded"
+    assert len(fake_provider.state.refunds()) == 1
+
+
+def test_refund__declined_intent_has_no_successful_charge(fake_provider):
+    pi = charged(fake_provider, payment_method="pm_card_chargeDeclined")
+    response = refund(fake_provider, payment_intent=pi["id"])
+    assert refund_error(response) == (
+        400,
+        "invalid_request_error",
+        "payment_intent_unexpected_state",
+        "payment_intent",
+    )
+    assert response.json()["error"]["message"] == (
+        f"This PaymentIntent ({pi['id']}) does not have a successful charge to refund."
+    )
+    unconfirmed = charged(fake_provider, key="charge-2", confirm=None)
+    assert refund_error(refund(fake_provider, key="r2", payment_intent=unconfirmed["id"]))[2] == (
+        "payment_intent_unexpected_state"
+    )
+    assert fake_provider.state.refunds() == []
+
+
+def test_refund__unknown_intent_is_resource_missing(fake_provider):
+    response = refund(fake_provider, payment_intent="pi_missing")
+    assert refund_error(response) == (
+        400,
+        "invalid_request_error",
+        "resource_missing",
+        "payment_intent",
+    )
+
+
+@pytest.mark.parametrize(
+    ("form", "param", "code"),
+    [
+        ({"payment_intent": None}, "payment_intent", "parameter_missing"),
+        ({"amount": "ten"}, "amount", "parameter_invalid_integer"),
+        ({"amount": "0"}, "amount", "parameter_invalid_integer"),
+        ({"reason": "changed_my_mind"}, "reason", None),
+    ],
+)
+def test_refund__validation_400_not_stored(fake_provider, form, param, code):
+    pi = charged(fake_provider)
+    refused = refund(fake_provider, **({"payment_intent": pi["id"]} | form))
+    assert refund_error(refused) == (400, "invalid_request_error", code, param)
+    retried = refund(fake_provider, payment_intent=pi["id"])  # same key, valid: executes
+    assert retried.status_code == 200 and "Idempotent-Replayed" not in retried.headers
+
+
+def test_refund__same_key_same_params_replays(fake_provider):
+    pi = charged(fake_provider)
+    first = refund(fake_provider, payment_intent=pi["id"], amount="700")
+    again = refund(fake_provider, payment_intent=pi["id"], amount="700")
+    assert again.status_code == 200 and again.headers["Idempotent-Replayed"] == "true"
+    assert again.json() == first.json()
+    assert len(fake_provider.state.refunds()) == 1
+    assert fake_provider.state.stats()["refunds"]["replays"] == 1
+
+
+def test_refund__refusals_are_stored_for_the_key(fake_provider):
+    pi = charged(fake_provider)
+    refused = refund(fake_provider, payment_intent=pi["id"], amount="9999")
+    replay = refund(fake_provider, payment_intent=pi["id"], amount="9999")
+    assert replay.status_code == 400 and replay.headers["Idempotent-Replayed"] == "true"
+    assert replay.json() == refused.json()
+
+
+def test_refund__same_key_other_params_is_idempotency_error(fake_provider):
+    pi = charged(fake_provider)
+    refund(fake_provider, payment_intent=pi["id"], amount="700")
+    conflict = refund(fake_provider, payment_intent=pi["id"], amount="800")
+    assert conflict.status_code == 400
+    assert conflict.json()["error"]["type"] == "idempotency_error"
+    assert [r["amount"] for r in fake_provider.state.refunds()] == [700]
+    assert fake_provider.state.stats()["refunds"]["idempotency_conflicts"] == 1
+
+
+def test_refund__key_of_another_endpoint_is_idempotency_error(fake_provider):
+    pi = charged(fake_provider, key="shared-key")
+    response = refund(fake_provider, key="shared-key", payment_intent=pi["id"])
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["type"] == "idempotency_error"
+    assert "('/v1/refunds' vs '/v1/payment_intents')" in error["message"]
+    assert fake_provider.state.refunds() == []
+    # The intent's own replay is untouched.
+    assert post(fake_provider, key="shared-key").headers["Idempotent-Replayed"] == "true"
+
+
+def test_refund__in_flight_same_key_gets_409_then_replay(fake_provider):
+    pi = charged(fake_provider)
+    fake_provider.state.configure(slow_delay=0.3)
+    fake_provider.state.enqueue_faults("slow")
+    answers: list[requests.Response] = []
+    first = threading.Thread(
+        target=lambda: answers.append(refund(fake_provider, payment_intent=pi["id"]))
+    )
+    first.start()
+    assert fake_provider.state.wait_for_in_flight(1, timeout=2)
+    concurrent = refund(fake_provider, payment_intent=pi["id"])
+    first.join(timeout=3)
+    assert concurrent.status_code == 409
+    assert concurrent.json()["error"]["code"] == "idempotency_key_in_use"
+    assert concurrent.headers["Stripe-Should-Retry"] == "true"
+    assert answers[0].status_code == 200
+    replay = refund(fake_provider, payment_intent=pi["id"])
+    assert replay.headers["Idempotent-Replayed"] == "true"
+    assert replay.json()["id"] == answers[0].json()["id"]
+    assert len(fake_provider.state.refunds()) == 1
+
+
+def test_refund__key_forgotten_after_key_retention(clocked, clock):
+    pi = charged(clocked)
+    first = refund(clocked, payment_intent=pi["id"], amount="100").json()
+    clock.advance(3599)
+    assert (
+        refund(clocked, payment_intent=pi["id"], amount="100").headers.get("Idempotent-Replayed")
+        == "true"
+    )
+    clock.advance(2)
+    late = refund(clocked, payment_intent=pi["id"], amount="100")
+    assert "Idempotent-Replayed" not in late.headers and late.json()["id"] != first["id"]
+    assert len(clocked.state.refunds()) == 2
+
+
+def test_refund__retrieve_found_and_404(fake_provider):
+    pi = charged(fake_provider)
+    created = refund(fake_provider, payment_intent=pi["id"]).json()
+    assert get(fake_provider, f"/v1/refunds/{created['id']}").json() == created
+    missing = get(fake_provider, "/v1/refunds/re_missing")
+    assert missing.status_code == 404
+    assert missing.json()["error"]["code"] == "resource_missing"
+    assert missing.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_refund__list_by_intent_newest_first_with_pages(clocked, clock):
+    pi = charged(clocked, key="c1")
+    other = charged(clocked, key="c2")
+    ids = []
+    for n in range(5):
+        ids.append(refund(clocked, key=f"r{n}", payment_intent=pi["id"], amount="100").json()["id"])
+        clock.advance(10)
+    refund(clocked, key="other", payment_intent=other["id"], amount="100")
+    page = get(clocked, "/v1/refunds", payment_intent=pi["id"], limit=2).json()
+    assert (page["object"], page["url"], page["has_more"]) == ("list", "/v1/refunds", True)
+    seen = [r["id"] for r in page["data"]]
+    while page["has_more"]:
+        page = get(
+            clocked, "/v1/refunds", payment_intent=pi["id"], limit=2, starting_after=seen[-1]
+        ).json()
+        seen += [r["id"] for r in page["data"]]
+    assert seen == ids[::-1]
+    back = get(clocked, "/v1/refunds", payment_intent=pi["id"], limit=2, ending_before=ids[2])
+    assert [r["id"] for r in back.json()["data"]] == [ids[4], ids[3]]
+    assert len(get(clocked, "/v1/refunds", limit=100).json()["data"]) == 6
+    assert get(clocked, "/v1/refunds", payment_intent=other["id"]).json()["has_more"] is False
+    assert get(clocked, "/v1/refunds", starting_after="re_gone").status_code == 400
+    assert get(clocked, "/v1/refunds", limit=0).status_code == 400
+    assert [r["id"] for r in clocked.state.refunds(payment_intent=pi["id"])] == ids
+
+
+def test_refund__state_helper_filters_by_metadata(fake_provider):
+    pi = charged(fake_provider)
+    refund(fake_provider, key="a", payment_intent=pi["id"], amount="1", **{"metadata[op]": "1"})
+    refund(fake_provider, key="b", payment_intent=pi["id"], amount="2", **{"metadata[op]": "2"})
+    assert [r["amount"] for r in fake_provider.state.refunds(metadata={"op": "2"})] == [2]
+    assert fake_provider.state.refunds(payment_intent="pi_other") == []
+
+
+@pytest.mark.parametrize(
+    ("mode", "status", "refunds", "replayed_status"),
+    [
+        ("rate_limit", 429, 0, None),
+        ("fail_before", 500, 0, None),
+        ("fail_after", 500, 1, 500),
+    ],
+)
+def test_refund_fault__like_intent_creates(fake_provider, mode, status, refunds, replayed_status):
+    pi = charged(fake_provider)
+    fake_provider.state.enqueue_faults(mode)
+    failed = refund(fake_provider, payment_intent=pi["id"])
+    assert failed.status_code == status
+    assert len(fake_provider.state.refunds()) == refunds
+    retried = refund(fake_provider, payment_intent=pi["id"])
+    if replayed_status is None:
+        assert retried.status_code == 200 and "Idempotent-Replayed" not in retried.headers
+    else:
+        assert retried.status_code == replayed_status
+        assert retried.headers["Idempotent-Replayed"] == "true"
+    assert len(fake_provider.state.refunds()) == 1
+    stats = fake_provider.state.stats()
+    assert stats["refunds"]["faults_injected"] == {mode: 1}
+    assert stats["faults_injected"] == {} and stats["create_requests"] == 1
+
+
+def test_refund_fault_drop_after_accept__refunds_stores_and_closes(fake_provider):
+    pi = charged(fake_provider)
+    fake_provider.state.enqueue_faults("drop_after_accept")
+    with pytest.raises(requests.ConnectionError):
+        refund(fake_provider, payment_intent=pi["id"])
+    assert len(fake_provider.state.refunds()) == 1
+    replay = refund(fake_provider, payment_intent=pi["id"])
+    assert replay.status_code == 200 and replay.headers["Idempotent-Replayed"] == "true"
+    assert len(fake_provider.state.refunds()) == 1
+
+
+def test_refund_fault_slow__refunds_after_the_client_gave_up(fake_provider):
+    pi = charged(fake_provider)
+    fake_provider.state.configure(slow_delay=0.4)
+    fake_provider.state.enqueue_faults("slow")
+    with pytest.raises(requests.exceptions.ReadTimeout):
+        refund(fake_provider, payment_intent=pi["id"], timeout=0.1)
+    assert len(fake_provider.state.refunds()) == 1
+    assert fake_provider.state.wait_idle(timeout=2)
+    assert refund(fake_provider, payment_intent=pi["id"]).headers["Idempotent-Replayed"] == "true"
+
+
+def test_refund__stats_count_refund_creates_and_reset_forgets_them(fake_provider):
+    pi = charged(fake_provider)
+    refund(fake_provider, payment_intent=pi["id"], amount="300")
+    refund(fake_provider, payment_intent=pi["id"], amount="300")  # replay
+    refund(fake_provider, key="r2", payment_intent=pi["id"], amount="9999")  # refused
+    stats = fake_provider.state.stats()
+    assert (stats["create_requests"], stats["replays"]) == (1, 0)  # intent creates only
+    assert stats["refunds"] | {"faults_injected": None} == {
+        "create_requests": 3,
+        "count": 1,
+        "amount": 300,
+        "replays": 1,
+        "idempotency_conflicts": 0,
+        "in_flight_rejections": 0,
+        "faults_injected": None,
+    }
+    fake_provider.state.reset()
+    assert fake_provider.state.refunds() == []
+    assert fake_provider.state.stats()["refunds"]["create_requests"] == 0
+    assert get(fake_provider, "/v1/refunds").json()["data"] == []
+
+
 # --- control API ----------------------------------------------------------------------------
 
 

@@ -106,3 +106,80 @@ def test_global_api__create_and_retrieve(fake_provider, monkeypatch):
     created = stripe.PaymentIntent.create(**charge_params("global"), idempotency_key="global-1")
     assert stripe.PaymentIntent.retrieve(created.id).status == "succeeded"
     assert fake_provider.state.succeeded_count() == 1
+
+
+# --- refunds ---------------------------------------------------------------------------
+
+
+@pytest.fixture
+def global_api(fake_provider, monkeypatch) -> FakeProviderServer:
+    """The module-level API pointed at the fake; monkeypatch restores the globals."""
+    monkeypatch.setattr(stripe, "api_key", API_KEY)
+    monkeypatch.setattr(stripe, "api_base", fake_provider.url)
+    monkeypatch.setattr(stripe, "max_network_retries", 0)
+    return fake_provider
+
+
+def test_refund__global_create_replay_retrieve_and_list(global_api):
+    pi = stripe.PaymentIntent.create(**charge_params("refund"), idempotency_key="refund-pi")
+    part = stripe.Refund.create(
+        payment_intent=pi.id,
+        amount=1000,
+        reason="requested_by_customer",
+        metadata={"step": "refund-1"},
+        idempotency_key="refund-1",
+    )
+    assert part.id.startswith("re_") and part.object == "refund"
+    assert (part.amount, part.currency, part.status) == (1000, "eur", "succeeded")
+    assert (part.payment_intent, part.reason, part.metadata["step"]) == (
+        pi.id,
+        "requested_by_customer",
+        "refund-1",
+    )
+    again = stripe.Refund.create(
+        payment_intent=pi.id,
+        amount=1000,
+        reason="requested_by_customer",
+        metadata={"step": "refund-1"},
+        idempotency_key="refund-1",
+    )
+    assert again.id == part.id
+    assert again.last_response.headers["Idempotent-Replayed"] == "true"
+    rest = stripe.Refund.create(payment_intent=pi.id, idempotency_key="refund-2")
+    assert rest.amount == 1500 and rest.reason is None
+    fetched = stripe.Refund.retrieve(rest.id)
+    assert (fetched.id, fetched.amount, fetched.status) == (rest.id, 1500, "succeeded")
+    listed = stripe.Refund.list(payment_intent=pi.id, limit=1)
+    assert listed.has_more is True and len(listed.data) == 1
+    assert {r.id for r in listed.auto_paging_iter()} == {part.id, rest.id}
+    assert len(global_api.state.refunds(payment_intent=pi.id)) == 2
+
+
+def test_refund__refusals_raise_invalid_request_with_stripe_codes(sdk):
+    pi = sdk.v1.payment_intents.create(charge_params("refusals"))
+    with pytest.raises(stripe.InvalidRequestError) as too_much:
+        sdk.v1.refunds.create({"payment_intent": pi.id, "amount": 2501})
+    assert (too_much.value.code, too_much.value.param) == ("amount_too_large", "amount")
+    assert too_much.value.http_status == 400
+    sdk.v1.refunds.create({"payment_intent": pi.id})
+    with pytest.raises(stripe.InvalidRequestError) as twice:
+        sdk.v1.refunds.create({"payment_intent": pi.id})
+    assert twice.value.code == "charge_already_refunded"
+    with pytest.raises(stripe.CardError) as declined:
+        sdk.v1.payment_intents.create(charge_params("declined", "pm_card_chargeDeclined"))
+    declined_id = declined.value.error.payment_intent.id
+    with pytest.raises(stripe.InvalidRequestError) as unpaid:
+        sdk.v1.refunds.create({"payment_intent": declined_id})
+    assert unpaid.value.code == "payment_intent_unexpected_state"
+    assert "does not have a successful charge to refund" in unpaid.value.user_message
+
+
+def test_refund__retrieve_missing_and_key_conflict(sdk):
+    with pytest.raises(stripe.InvalidRequestError) as missing:
+        sdk.v1.refunds.retrieve("re_missing")
+    assert (missing.value.code, missing.value.http_status) == ("resource_missing", 404)
+    pi = sdk.v1.payment_intents.create(charge_params("refund-conflict"))
+    options = {"idempotency_key": "refund-reuse"}
+    sdk.v1.refunds.create({"payment_intent": pi.id, "amount": 100}, options)
+    with pytest.raises(stripe.IdempotencyError):
+        sdk.v1.refunds.create({"payment_intent": pi.id, "amount": 200}, options)

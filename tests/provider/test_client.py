@@ -34,10 +34,14 @@ from payments.engine.outcomes import Outcome
 from payments.provider.client import (
     PaymentIntent,
     ProviderClient,
+    Refund,
     build_metadata_query,
     encode_form,
 )
 from payments.provider.errors import (
+    CHARGE_ALREADY_REFUNDED,
+    PAYMENT_INTENT_NOT_REFUNDABLE,
+    REFUND_AMOUNT_TOO_LARGE,
     CardDeclined,
     IdempotencyConflict,
     InvalidRequest,
@@ -523,6 +527,243 @@ def test_same_key_in_flight__transient_409(fake_provider):
     # error must still say that the other request may succeed.
     assert info.value.in_flight is True
     assert create(make_client(fake_provider)).id == first[0].id
+
+
+# --- refunds --------------------------------------------------------------------------
+
+REFUND_JSON = {
+    "id": "re_scripted",
+    "object": "refund",
+    "amount": 400,
+    "currency": "eur",
+    "payment_intent": "pi_scripted",
+    "status": "succeeded",
+    "reason": "requested_by_customer",
+    "metadata": {"step": "refund"},
+    "created": 1_700_000_100,
+}
+
+
+def refund(
+    client: ProviderClient, pi_id: str, key: str = "op:1:refund", **overrides: Any
+) -> Refund:
+    args: dict[str, Any] = {
+        "payment_intent": pi_id,
+        "amount": None,
+        "metadata": {"step": key},
+        "idempotency_key": key,
+    }
+    return client.create_refund(**(args | overrides))
+
+
+def test_refund_request__form_encoded_to_v1_refunds(scripted):
+    server = scripted(respond(200, REFUND_JSON), respond(200, REFUND_JSON))
+    client = scripted_client(server)
+    made = refund(
+        client, "pi_scripted", key="op:7:refund", amount=400, reason="requested_by_customer"
+    )
+    assert made == Refund(
+        "re_scripted",
+        400,
+        "eur",
+        "pi_scripted",
+        "succeeded",
+        "requested_by_customer",
+        {"step": "refund"},
+        1_700_000_100,
+    )
+    head, _, body = server.requests[0].partition(b"\r\n\r\n")
+    lines = head.decode().split("\r\n")
+    assert lines[0] == "POST /v1/refunds HTTP/1.1"
+    assert "Idempotency-Key: op:7:refund" in lines
+    assert body.decode().split("&") == [
+        "payment_intent=pi_scripted",
+        "amount=400",
+        "reason=requested_by_customer",
+        "metadata%5Bstep%5D=op%3A7%3Arefund",
+    ]
+    refund(client, "pi_scripted")  # amount None: the rest, so no amount and no reason sent
+    assert server.requests[1].partition(b"\r\n\r\n")[2].decode().split("&") == [
+        "payment_intent=pi_scripted",
+        "metadata%5Bstep%5D=op%3A1%3Arefund",
+    ]
+
+
+@pytest.mark.parametrize(
+    "body", [b"{not json", {"object": "refund", "id": "re_x"}, {**REFUND_JSON, "id": None}]
+)
+def test_refund_answer__unreadable_2xx_is_uncertain(scripted, body):
+    server = scripted(respond(200, body))
+    with pytest.raises(UncertainProviderError):
+        refund(scripted_client(server), "pi_scripted")
+
+
+def test_refund__partial_then_rest_and_replay_is_marked(fake_provider):
+    client = make_client(fake_provider)
+    pi = create(client)
+    part = refund(client, pi.id, key="op:1:refund:a", amount=300, reason="duplicate")
+    assert (part.amount, part.currency, part.payment_intent) == (300, "eur", pi.id)
+    assert (part.status, part.reason, part.replayed) == ("succeeded", "duplicate", False)
+    assert part.id.startswith("re_") and part.metadata == {"step": "op:1:refund:a"}
+    again = refund(client, pi.id, key="op:1:refund:a", amount=300, reason="duplicate")
+    assert again.id == part.id and again.replayed is True
+    rest = refund(client, pi.id, key="op:1:refund:b")
+    assert rest.amount == 700 and rest.reason is None
+    assert client.retrieve_refund(rest.id) == rest
+    assert len(fake_provider.state.refunds(payment_intent=pi.id)) == 2
+
+
+@pytest.mark.parametrize(
+    ("setup", "code"),
+    [
+        ("over", REFUND_AMOUNT_TOO_LARGE),
+        ("full_twice", CHARGE_ALREADY_REFUNDED),
+        ("declined", PAYMENT_INTENT_NOT_REFUNDABLE),
+    ],
+)
+def test_refund_refusals__invalid_request_told_apart_by_code(fake_provider, setup, code):
+    client = make_client(fake_provider)
+    if setup == "declined":
+        with pytest.raises(CardDeclined) as declined:
+            create(client, payment_method="pm_card_chargeDeclined")
+        pi_id = declined.value.payment_intent_id
+    else:
+        pi_id = create(client).id
+    if setup == "full_twice":
+        refund(client, pi_id, key="first")
+    with pytest.raises(InvalidRequest) as info:
+        refund(client, pi_id, amount=1001 if setup == "over" else None)
+    error = info.value
+    assert type(error) is InvalidRequest
+    assert (error.outcome, error.http_status, error.code) == (Outcome.PERMANENT, 400, code)
+    assert error.error_type == "invalid_request_error"
+    assert code in str(error) and error.request_id.startswith("req_")
+    # The refusal is stored for the key: the retry is the same refusal, marked.
+    with pytest.raises(InvalidRequest) as replay:
+        refund(client, pi_id, amount=1001 if setup == "over" else None)
+    assert replay.value.code == code and replay.value.replayed is True
+
+
+def test_refund_unknown_intent__invalid_request_resource_missing(fake_provider):
+    with pytest.raises(InvalidRequest) as info:
+        refund(make_client(fake_provider), "pi_unknown")
+    assert (info.value.http_status, info.value.code, info.value.param) == (
+        400,
+        "resource_missing",
+        "payment_intent",
+    )
+    assert info.value.outcome is Outcome.PERMANENT
+
+
+def test_retrieve_refund_unknown__resource_missing(fake_provider):
+    with pytest.raises(ResourceMissing) as info:
+        make_client(fake_provider).retrieve_refund("re_unknown")
+    assert (info.value.outcome, info.value.http_status) == (Outcome.PERMANENT, 404)
+
+
+def test_refund_key_reuse_with_other_params__conflict(fake_provider):
+    client = make_client(fake_provider)
+    pi = create(client)
+    refund(client, pi.id, amount=100)
+    with pytest.raises(IdempotencyConflict) as info:
+        refund(client, pi.id, amount=200)
+    assert info.value.outcome is Outcome.CONFLICT
+
+
+@pytest.mark.parametrize(
+    ("mode", "error_class", "refunds"),
+    [
+        ("rate_limit", TransientProviderError, 0),
+        ("fail_before", TransientProviderError, 0),
+        ("fail_after", UncertainProviderError, 1),
+        ("drop_after_accept", UncertainProviderError, 1),
+    ],
+)
+def test_refund_fault__classified(fake_provider, mode, error_class, refunds):
+    client = make_client(fake_provider)
+    pi = create(client)
+    fake_provider.state.enqueue_faults(mode)
+    with pytest.raises(error_class):
+        refund(client, pi.id)
+    assert len(fake_provider.state.refunds()) == refunds
+
+
+def test_refund_read_timeout__uncertain_then_replayed(fake_provider):
+    pi = create(make_client(fake_provider))
+    fake_provider.state.configure(slow_delay=0.4)
+    fake_provider.state.enqueue_faults("slow")
+    with pytest.raises(UncertainProviderError):
+        refund(make_client(fake_provider, read_timeout=0.1), pi.id)
+    assert fake_provider.state.wait_idle(timeout=2)
+    assert refund(make_client(fake_provider), pi.id).replayed is True
+    assert len(fake_provider.state.refunds()) == 1
+
+
+def test_refund_same_key_in_flight__transient_409(fake_provider):
+    pi = create(make_client(fake_provider))
+    fake_provider.state.configure(slow_delay=0.3)
+    fake_provider.state.enqueue_faults("slow")
+    first: list[Refund] = []
+    worker = threading.Thread(
+        target=lambda: first.append(refund(make_client(fake_provider), pi.id))
+    )
+    worker.start()
+    assert fake_provider.state.wait_for_in_flight(1, timeout=2)
+    with pytest.raises(TransientProviderError) as info:
+        refund(make_client(fake_provider), pi.id)
+    worker.join(timeout=3)
+    assert (info.value.http_status, info.value.in_flight) == (409, True)
+    assert refund(make_client(fake_provider), pi.id).id == first[0].id
+
+
+def test_list_refunds__follows_pages_newest_first_for_one_intent():
+    clock = FakeClock()
+    with FakeProviderServer(clock=clock) as server:
+        client = make_client(server)
+        pi = create(client, key="c1")
+        other = create(client, key="c2")
+        ids = []
+        for n in range(5):
+            ids.append(refund(client, pi.id, key=f"r{n}", amount=100).id)
+            clock.advance(10)
+        refund(client, other.id, key="other", amount=100)
+        assert [r.id for r in client.list_refunds(payment_intent=pi.id, limit=2)] == ids[::-1]
+        assert [r.payment_intent for r in client.list_refunds(payment_intent=other.id)] == [
+            other.id
+        ]
+        assert list(client.list_refunds(payment_intent="pi_none")) == []
+
+
+def test_refund_arguments__checked_before_sending():
+    client = ProviderClient("http://127.0.0.1:9", TEST_API_KEY, connect_timeout=1, read_timeout=1)
+    for bad in (
+        {"payment_intent": ""},
+        {"amount": "100"},
+        {"amount": True},
+        {"reason": "changed_my_mind"},
+        {"idempotency_key": ""},
+    ):
+        with pytest.raises(ValueError):
+            refund(client, "pi_x", **bad)
+    for bad_id in ("", "re_a/../b"):
+        with pytest.raises(ValueError):
+            client.retrieve_refund(bad_id)
+    with pytest.raises(ValueError):
+        next(client.list_refunds(payment_intent="pi_x", limit=101))
+
+
+def test_refund_logs__carry_ids_not_metadata(fake_provider, caplog):
+    caplog.set_level(logging.DEBUG, logger="payments.provider")
+    client = make_client(fake_provider)
+    pi = create(client)
+    made = refund(client, pi.id, key="op:log:refund", metadata={"email": "someone@example.com"})
+    with pytest.raises(InvalidRequest):
+        refund(client, pi.id, key="op:log:again")
+    text = caplog.text
+    assert f"pi={pi.id} refund={made.id}" in text and "op:log:refund" in text
+    assert "status=400" in text
+    for secret in (TEST_API_KEY, "someone@example.com"):
+        assert secret not in text
 
 
 # --- reads, helpers and hygiene ---------------------------------------------------
