@@ -8,8 +8,11 @@ class PaymentsConfig(AppConfig):
     verbose_name = "Payments"
 
     def ready(self) -> None:
-        # Registers the checkout handlers (the engine runs none it was not told of),
-        # the system checks and the metrics' signal receivers.
+        # Every business package's `handler` module registers its handlers (the engine
+        # runs none it was not told of); then the system checks and metrics' receivers.
         from payments import checks  # noqa: F401
-        from payments.checkout import followups, handler  # noqa: F401
+        from payments.engine.handlers import discover_handlers
         from payments.observability import metrics  # noqa: F401
+
+        assert self.module is not None  # set by Django before ready()
+        discover_handlers(self.module)

@@ -74,6 +74,8 @@ class OrderStatus(models.TextChoices):
     PROCESSING = "processing", "Processing"  # a checkout operation is under way
     PAID = "paid", "Paid"  # charged, invoiced
     PAYMENT_FAILED = "payment_failed", "Payment failed"  # declined or given up
+    PARTIALLY_REFUNDED = "partially_refunded", "Partially refunded"  # paid, part given back
+    REFUNDED = "refunded", "Refunded"  # paid, all given back
 
 
 class Order(models.Model):
@@ -83,6 +85,8 @@ class Order(models.Model):
     currency = models.CharField(max_length=3)
     status = models.CharField(max_length=20, choices=OrderStatus, default=OrderStatus.PENDING)
     customer_email = models.EmailField()
+    #: Minor units given back by succeeded refunds (their credit notes add up to it).
+    refunded_amount = models.PositiveBigIntegerField(default=0)
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
 
@@ -90,6 +94,10 @@ class Order(models.Model):
         constraints = [
             models.CheckConstraint(
                 condition=Q(amount__gt=0), name="payments_order_amount_positive"
+            ),
+            models.CheckConstraint(
+                condition=Q(refunded_amount__lte=models.F("amount")),
+                name="payments_order_refunds_within_amount",
             ),
         ]
 
@@ -105,6 +113,20 @@ class Invoice(models.Model):
     amount = models.PositiveBigIntegerField()
     currency = models.CharField(max_length=3)
     provider_reference = models.CharField(max_length=255)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    def __str__(self) -> str:
+        return self.number
+
+
+class CreditNote(models.Model):
+    """The credit note of one succeeded refund; one per refund operation (its local step)."""
+
+    order = models.ForeignKey(Order, on_delete=models.PROTECT, related_name="credit_notes")
+    number = models.CharField(max_length=32, unique=True)
+    amount = models.PositiveBigIntegerField()
+    currency = models.CharField(max_length=3)
+    provider_reference = models.CharField(max_length=255, unique=True)
     created_at = models.DateTimeField(auto_now_add=True)
 
     def __str__(self) -> str:

@@ -9,7 +9,7 @@ from payments.observability.metrics import metrics_view
 urlpatterns = [
     path("admin/rq/", include("django_rq.urls")),
     path("admin/", admin.site.urls),
-    path("api/", include("payments.checkout.urls")),
+    path("api/", include("payments.urls")),
     path("healthz", healthz, name="healthz"),
     path("metrics", metrics_view, name="metrics"),
 ]

@@ -11,7 +11,7 @@ import logging
 from typing import Any
 
 from payments.checkout.names import CHARGE
-from payments.engine.effects import ClaimView, EffectResult
+from payments.engine.effects import ClaimView, EffectResult, ReferenceNotFound
 from payments.engine.outcomes import Outcome
 from payments.models import Operation
 from payments.provider.client import PaymentIntent, ProviderClient
@@ -74,6 +74,14 @@ class PaymentIntentCharge:
             )
         return _settled(intent)
 
+    def verify(self, claim: ClaimView, reference: str) -> EffectResult:
+        """Check that `reference` is this step's succeeded charge; raise ValueError if not."""
+        try:
+            intent = self.client.retrieve_payment_intent(reference)
+        except (ResourceMissing, ValueError) as exc:
+            raise ReferenceNotFound(reference) from exc
+        return _verify_intent(intent, claim)
+
     def find(self, claim: ClaimView) -> EffectResult | None:
         if claim.reference:
             try:
@@ -99,6 +107,28 @@ class PaymentIntentCharge:
             return _settled(succeeded[0])
         declined = [pi for pi in found if pi.status in DECLINED_STATUSES]
         return _settled(declined[0]) if declined else None
+
+
+def _verify_intent(intent: PaymentIntent, claim: ClaimView) -> EffectResult:
+    """Check a typed reference against the claim; raise ValueError naming what differs."""
+    problems = []
+    if intent.status != "succeeded":
+        problems.append(f"its status is {intent.status}")
+    if intent.metadata.get("operation_key") != claim.operation_key:
+        problems.append("it belongs to another operation")
+    elif intent.metadata.get("step", claim.step) != claim.step:
+        problems.append(f"it belongs to step {intent.metadata.get('step')}")
+    request = claim.request
+    sent = request.get("metadata") or {}
+    if "operation_id" in sent and intent.metadata.get("operation_id") != sent["operation_id"]:
+        problems.append("it was made for another operation with the same key")
+    if "amount" in request and int(request["amount"]) != intent.amount:
+        problems.append(f"its amount is {intent.amount}, not {request['amount']}")
+    if "currency" in request and str(request["currency"]).lower() != intent.currency.lower():
+        problems.append(f"its currency is {intent.currency}, not {request['currency']}")
+    if problems:
+        raise ValueError("; ".join(problems))
+    return _settled(intent)
 
 
 def _is_this_request(intent: PaymentIntent, request: dict[str, Any]) -> bool:

@@ -23,7 +23,7 @@ from payments.checkout.names import CHARGE, CHECKOUT, CONFIRMATION_EMAIL, INVOIC
 from payments.engine import fence
 from payments.engine.dispatch import dispatch_on_commit
 from payments.engine.effects import DeliveryPolicy
-from payments.engine.handlers import handler
+from payments.engine.handlers import DeskHooks, handler
 from payments.engine.runtime import Run
 from payments.exceptions import InvalidTransition
 from payments.models import (
@@ -31,6 +31,7 @@ from payments.models import (
     Invoice,
     KeyScope,
     Operation,
+    OperationState,
     Order,
     OrderStatus,
     StepClaim,
@@ -164,12 +165,80 @@ def mark_paid(order_id: int, reference: str, operation: Operation) -> dict[str, 
     return {"status": OrderStatus.PAID}
 
 
+# --- what the operators' desk needs (payments.engine.handlers.DeskHooks) -------------
+
+
+def lock_order(operation: Operation) -> None:
+    """Lock the operation's order. Runs inside the desk's transaction."""
+    Order.objects.select_for_update().filter(pk=operation.params.get("order_id")).first()
+
+
+def _order_status(operation: Operation) -> str | None:
+    """The order's status, unless it is payment failed (open for a charge); "missing"."""
+    order = Order.objects.filter(pk=operation.params.get("order_id")).first()
+    if order is None:
+        return "missing"
+    return None if order.status == OrderStatus.PAYMENT_FAILED else order.status
+
+
+def refuse_charging_again(operation: Operation) -> str | None:
+    """Why this failed checkout may not run again: the order moved on without it, or None."""
+    newer = (
+        Operation.objects.filter(
+            kind=operation.kind, entity_type=operation.entity_type, entity_id=operation.entity_id
+        )
+        .exclude(pk=operation.pk)
+        .exclude(state=OperationState.FAILED)
+        .first()
+    )
+    if newer is not None:
+        return (
+            f"{operation.entity_type} {operation.entity_id} has another operation ({newer.key}, "
+            f"{newer.state}); running this one again could charge twice"
+        )
+    status = _order_status(operation)
+    return None if status is None else f"the order is {status}; it cannot be charged"
+
+
+def refuse_new_checkout(operation: Operation) -> str | None:
+    """Why the order is not open for a new payment attempt, or None."""
+    status = _order_status(operation)
+    return None if status is None else f"the order is {status}, not open for a new payment attempt"
+
+
+def new_checkout_attempt(
+    operation: Operation, key: str, actor: str, options: dict[str, Any]
+) -> tuple[Operation, bool]:
+    """Write the next checkout of the order (another card may be given). In the desk's tx."""
+    return request_checkout(
+        order_id=int(operation.params["order_id"]),
+        key=key,
+        payment_method=options.get("payment_method") or operation.params["payment_method"],
+        actor=actor,
+        retry_of=operation,
+        scope=KeyScope.DERIVED,
+    )
+
+
+def describe_charge(operation: Operation) -> str:
+    """One line for the desk: the money at stake."""
+    money = format_money(operation.params.get("amount"), operation.params.get("currency"))
+    return f"{money} charge of order {operation.params.get('order_id')}"
+
+
 @handler(
     CHECKOUT,
     on_failure=mark_order_failed,
     on_resume=reopen_order,
     effects={CHARGE: PaymentIntentCharge},
     steps={INVOICE, CONFIRMATION_EMAIL, MARK_PAID},
+    desk=DeskHooks(
+        lock_entity=lock_order,
+        describe=describe_charge,
+        refuse_rerun=refuse_charging_again,
+        new_attempt=new_checkout_attempt,
+        refuse_new_attempt=refuse_new_checkout,
+    ),
 )
 def checkout(run: Run) -> None:
     """Charge the order once, invoice it, confirm by e-mail, mark it paid."""

@@ -10,13 +10,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from payments.checkout.charge import PaymentIntentCharge
-from payments.checkout.names import CHECKOUT
 from payments.engine import fence
+from payments.engine.effects import ReferenceNotFound
 from payments.engine.handlers import HandlerSpec, get_handler
+from payments.engine.steps import view_of
 from payments.exceptions import InvalidTransition, PaymentsError
-from payments.models import ClaimState, Operation, OperationState, Order, OrderStatus, StepClaim
-from payments.provider.errors import ProviderError, ResourceMissing
+from payments.models import ClaimState, Operation, OperationState, StepClaim
+from payments.provider.errors import ProviderError
 
 
 class DeskError(InvalidTransition):
@@ -113,9 +113,11 @@ def check_resume(op: Operation, claims: list[StepClaim], *, reopen: bool = False
 
 
 def check_new_attempt(op: Operation, claims: list[StepClaim], spec: HandlerSpec) -> None:
-    if op.kind != CHECKOUT:
+    hooks = spec.desk
+    if hooks is None or hooks.new_attempt is None:
         raise DeskError(
-            f"new attempts exist for checkout only, not {op.kind}", operation_key=op.key
+            f"{op.kind} operations declare no new attempt; a new request goes through the API",
+            operation_key=op.key,
         )
     if op.state != OperationState.FAILED:
         raise DeskError(
@@ -128,16 +130,13 @@ def check_new_attempt(op: Operation, claims: list[StepClaim], spec: HandlerSpec)
     for claim in claims:
         if claim.step in spec.effects and claim.state != ClaimState.FAILED:
             raise DeskError(
-                f"step {claim.step} is {claim.state}: it may have charged; a new key could "
-                "charge twice. Settle it first",
+                f"step {claim.step} is {claim.state}: it may have taken effect (charged, "
+                "refunded); a new key could do it twice. Settle it first",
                 operation_key=op.key,
             )
-    order = Order.objects.filter(pk=op.params.get("order_id")).first()
-    if order is None or order.status != OrderStatus.PAYMENT_FAILED:
-        status = order.status if order is not None else "missing"
-        raise DeskError(
-            f"the order is {status}, not open for a new payment attempt", operation_key=op.key
-        )
+    refusal = hooks.refuse_new_attempt(op)
+    if refusal:
+        raise DeskError(refusal, operation_key=op.key)
 
 
 def settleable_claim(
@@ -187,23 +186,11 @@ def check_reference_unused(op: Operation, claim: StepClaim, reference: str) -> N
 
 
 def check_entity_reopenable(op: Operation) -> None:
-    """Refuse to run a failed operation again once its entity moved on without it."""
-    # Same kind only: a paid order's follow-ups (ledger, stats) are not a second charge.
-    others = Operation.objects.filter(
-        kind=op.kind, entity_type=op.entity_type, entity_id=op.entity_id
-    )
-    newer = others.exclude(pk=op.pk).exclude(state=OperationState.FAILED).first()
-    if newer is not None:
-        raise DeskError(
-            f"{op.entity_type} {op.entity_id} has another operation ({newer.key}, "
-            f"{newer.state}); running this one again could charge twice",
-            operation_key=op.key,
-        )
-    if op.kind == CHECKOUT:
-        order = Order.objects.filter(pk=op.params.get("order_id")).first()
-        if order is None or order.status != OrderStatus.PAYMENT_FAILED:
-            status = order.status if order is not None else "missing"
-            raise DeskError(f"the order is {status}; it cannot be charged", operation_key=op.key)
+    """Refuse to run a failed operation again once its entity moved on (the handler says)."""
+    hooks = get_handler(op.kind).desk
+    refusal = hooks.refuse_rerun(op) if hooks is not None else None
+    if refusal:
+        raise DeskError(refusal, operation_key=op.key)
 
 
 # --- the provider check of a reference -------------------------------------------
@@ -212,38 +199,22 @@ def check_entity_reopenable(op: Operation) -> None:
 def verified_success(
     op: Operation, claim: StepClaim, spec: HandlerSpec, reference: str
 ) -> dict[str, Any]:
-    """Fetch `reference` and check it is this step's succeeded charge; return what it shows."""
+    """Ask the step's effect to check `reference` is this step's success; return what it shows."""
     effect = spec.effect(claim.step, op)
-    if not isinstance(effect, PaymentIntentCharge):
-        raise DeskError(f"step {claim.step} cannot be checked by reference", operation_key=op.key)
     try:
-        intent = effect.client.retrieve_payment_intent(reference)
-    except (ResourceMissing, ValueError) as exc:
-        raise DeskError(f"the provider has no charge {reference}", operation_key=op.key) from exc
+        found = effect.verify(view_of(claim), reference)
+    except ReferenceNotFound as exc:
+        raise DeskError(
+            f"the provider has no {claim.step} {reference}", operation_key=op.key
+        ) from exc
+    except ValueError as exc:
+        raise DeskError(
+            f"{reference} does not settle step {claim.step}: {exc}", operation_key=op.key
+        ) from exc
     except ProviderError as exc:
         raise DeskError(
             f"could not check {reference} with the provider ({type(exc).__name__}); "
             "nothing was changed",
             operation_key=op.key,
         ) from exc
-    problems = []
-    if intent.status != "succeeded":
-        problems.append(f"its status is {intent.status}")
-    if intent.metadata.get("operation_key") != op.key:
-        problems.append("it belongs to another operation")
-    elif intent.metadata.get("step", claim.step) != claim.step:
-        problems.append(f"it belongs to step {intent.metadata.get('step')}")
-    request = claim.request or {}
-    sent = request.get("metadata") or {}
-    if "operation_id" in sent and intent.metadata.get("operation_id") != sent["operation_id"]:
-        problems.append("it was made for another operation with the same key")
-    if "amount" in request and int(request["amount"]) != intent.amount:
-        problems.append(f"its amount is {intent.amount}, not {request['amount']}")
-    if "currency" in request and str(request["currency"]).lower() != intent.currency.lower():
-        problems.append(f"its currency is {intent.currency}, not {request['currency']}")
-    if problems:
-        raise DeskError(
-            f"{reference} does not settle step {claim.step}: " + "; ".join(problems),
-            operation_key=op.key,
-        )
-    return {"status": intent.status, "amount": intent.amount, "currency": intent.currency}
+    return dict(found.data)

@@ -23,8 +23,6 @@ from django.core.exceptions import PermissionDenied
 from django.db import transaction
 from django.db.models.functions import Now
 
-from payments.checkout.handler import CheckoutNotAllowed, request_checkout
-from payments.checkout.names import CHECKOUT
 from payments.conf import payments_settings
 from payments.desk.rules import (
     DeskActions,
@@ -44,7 +42,8 @@ from payments.engine.dispatch import dispatch_on_commit
 from payments.engine.handlers import get_handler
 from payments.engine.outcomes import Outcome
 from payments.engine.steps import past_grace, replay_allowed, view_of
-from payments.models import ClaimState, KeyScope, Operation, OperationState, Order, StepClaim
+from payments.exceptions import InvalidTransition
+from payments.models import ClaimState, Operation, OperationState, StepClaim
 
 if TYPE_CHECKING:
     from django.contrib.auth.models import AbstractBaseUser
@@ -367,7 +366,10 @@ def start_new_attempt(
     reason: str,
     payment_method: str | None = None,
 ) -> Operation:
-    """Start a NEW checkout operation with a new key (`<key>:attempt-<n>`), linked by retry_of.
+    """Start a NEW operation for the same intent with a new derived key, linked by retry_of.
+
+    The handler writes it (`desk.new_attempt`: for a checkout, another charge,
+    optionally with another payment method; for a refund, the same refund).
 
     A new key may charge again, so it is only allowed when the old operation
     failed and no external step of it may have charged: every external claim
@@ -384,16 +386,13 @@ def start_new_attempt(
         spec = get_handler(op.kind)
         check_new_attempt(op, _locked_claims_in_tx(op), spec)
         new_key = next_attempt_key(op)
+        new_attempt = spec.desk.new_attempt if spec.desk is not None else None
+        if new_attempt is None:  # check_new_attempt refused it already; say so again
+            raise DeskError(f"{op.kind} operations declare no new attempt", operation_key=op.key)
+        options = {"payment_method": payment_method} if payment_method else {}
         try:
-            new, created = request_checkout(
-                order_id=int(op.params["order_id"]),
-                key=new_key,
-                payment_method=payment_method or op.params["payment_method"],
-                actor=actor,
-                retry_of=op,
-                scope=KeyScope.DERIVED,
-            )
-        except CheckoutNotAllowed as exc:
+            new, created = new_attempt(op, new_key, actor, options)
+        except InvalidTransition as exc:  # the business refused (order not open, limit)
             raise DeskError(str(exc), operation_key=op.key, action="new_attempt") from exc
         if not created:
             raise DeskError(f"key {new_key} is already used", operation_key=op.key)
@@ -459,15 +458,16 @@ def _check_earlier_attempts_failed_at_provider(op: Operation, actor: str) -> Non
 
 
 def _reopen_entity_in_tx(op: Operation) -> None:
-    """Run the handler's `on_resume` on a failed operation's entity. Runs inside the caller's tx.
+    """Run a failed operation's entity back to where it runs again. In the caller's transaction.
 
-    For a checkout, the order's lock serialises with request_checkout, so a
-    customer cannot start a second checkout while this operation runs again.
+    The handler's `desk.lock_entity` serialises with the API's requests (for a
+    checkout: no second checkout can start while this one runs again), then
+    its `refuse_rerun` decides and its `on_resume` undoes what on_failure did.
     """
-    if op.kind == CHECKOUT:
-        Order.objects.select_for_update().filter(pk=op.params.get("order_id")).first()
-    check_entity_reopenable(op)
     spec = get_handler(op.kind)
+    if spec.desk is not None:
+        spec.desk.lock_entity(op)
+    check_entity_reopenable(op)
     if spec.on_resume is not None:
         spec.on_resume(op)
 

@@ -51,6 +51,17 @@ class ExternalEffect(Protocol):
     def find(self, claim: ClaimView) -> EffectResult | None:
         """Look the outcome up (by reference, else by metadata); None when not found."""
 
+    def verify(self, claim: ClaimView, reference: str) -> EffectResult:
+        """Check that `reference` is this claim's succeeded effect (an operator typed it).
+
+        Raise ReferenceNotFound when the provider has no such object, ValueError naming
+        what does not match; let other provider errors propagate.
+        """
+
+
+class ReferenceNotFound(LookupError):
+    """The provider has no object with that reference (or it is not a valid reference)."""
+
 
 class DeliveryPolicy(StrEnum):
     """How a side effect without a lookup (plain e-mail) treats an unknown outcome."""

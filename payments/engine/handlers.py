@@ -20,9 +20,13 @@ in needs_review.
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import logging
+import pkgutil
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from types import ModuleType
 from typing import Any
 
 from django.db import IntegrityError, transaction
@@ -49,6 +53,29 @@ EntityHook = Callable[[Operation], None]
 
 
 @dataclass(frozen=True)
+class DeskHooks:
+    """What the operators' desk needs from a handler; the desk itself knows no business.
+
+    Each runs inside the desk's transaction, the operation locked.
+    - `lock_entity(op)`: lock the business row (serialises with the API's requests).
+    - `refuse_rerun(op)`: why a failed operation may not run again now, or None.
+    - `new_attempt(op, key, actor, options)`: write the next attempt (a new key, derived,
+      `retry_of=op`) through the same service the API uses; (operation, created). None:
+      this kind has no new attempt, and the desk says so.
+    - `refuse_new_attempt(op)`: why the entity is not open for a new attempt, or None.
+    - `describe(op)`: one line naming the money at stake ("€49.99 charge of order 42").
+    """
+
+    lock_entity: EntityHook
+    describe: Callable[[Operation], str]
+    refuse_rerun: Callable[[Operation], str | None] = lambda op: None
+    new_attempt: Callable[[Operation, str, str, dict[str, Any]], tuple[Operation, bool]] | None = (
+        None
+    )
+    refuse_new_attempt: Callable[[Operation], str | None] = lambda op: None
+
+
+@dataclass(frozen=True)
 class HandlerSpec:
     """A registered handler: how its operations run and what the engine may call on its behalf.
 
@@ -67,6 +94,7 @@ class HandlerSpec:
     effects: dict[str, EffectFactory] = field(default_factory=dict)
     steps: frozenset[str] = frozenset()
     consumer: str | None = None
+    desk: DeskHooks | None = None
 
     def effect(self, step: str, operation: Operation) -> ExternalEffect:
         """Build the effect of `step` for `operation`."""
@@ -101,6 +129,7 @@ def handler(
     on_resume: EntityHook | None = None,
     effects: dict[str, EffectFactory] | None = None,
     steps: frozenset[str] | set[str] = frozenset(),
+    desk: DeskHooks | None = None,
 ) -> Callable[[Callable[[Run], object]], Callable[[Run], object]]:
     """Register the decorated function as the fenced handler of operations of `kind`.
 
@@ -119,6 +148,7 @@ def handler(
                 on_resume=on_resume,
                 effects=dict(effects or {}),
                 steps=frozenset(steps),
+                desk=desk,
             )
         )
         return func
@@ -154,6 +184,22 @@ def succeed_message_in_tx(op: Operation, worker_id: str) -> None:
     fence.transition_in_tx(
         op, OperationState.SUCCEEDED, actor=worker_id, reason="delivered", next_attempt_at=None
     )
+
+
+def discover_handlers(package: ModuleType) -> list[str]:
+    """Import the `handler` module of every subpackage of `package`; return their names.
+
+    Called from the app's ready(): a new business package (payments/refunds/)
+    registers its handlers by having a `handler.py`, nothing to remember.
+    An unfinished operation whose kind no handler declares is payments.E010.
+    """
+    found = []
+    for info in pkgutil.iter_modules(package.__path__):
+        name = f"{package.__name__}.{info.name}.handler"
+        if info.ispkg and importlib.util.find_spec(name) is not None:
+            importlib.import_module(name)
+            found.append(name)
+    return found
 
 
 def get_handler(kind: str) -> HandlerSpec:

@@ -1,4 +1,4 @@
-"""A worker is SIGKILLed at each named point of the protocol; redelivery charges once.
+"""A worker is SIGKILLed at each named point of the protocol; redelivery charges (refunds) once.
 
 Real `rqworker` processes run against the test database, the test Redis and
 the fake provider over HTTP, next to the recovery loop, with a supervisor that
@@ -14,8 +14,23 @@ import pytest
 from payments.checkout.handler import request_checkout
 from payments.checkout.orders import create_order
 from payments.engine.failpoints import POINTS
-from payments.models import ClaimState, Invoice, Operation, OperationState, OrderStatus
-from tests.support.workers import FORKING, SIMPLE, Supervisor, wait_until, worker_env
+from payments.models import (
+    ClaimState,
+    CreditNote,
+    Invoice,
+    Operation,
+    OperationState,
+    OrderStatus,
+)
+from payments.refunds.handler import request_refund
+from tests.support.workers import (
+    FORKING,
+    SIMPLE,
+    Supervisor,
+    run_worker,
+    wait_until,
+    worker_env,
+)
 
 # Transactional: the worker processes must see the committed rows.
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -53,4 +68,39 @@ def test_crash_at_point__redelivery_charges_once_and_finishes(
         ("invoice", ClaimState.DONE),
         ("confirmation_email", ClaimState.DONE),
         ("mark_paid", ClaimState.DONE),
+    }
+
+
+@pytest.mark.parametrize("worker_class", [SIMPLE, FORKING], ids=["FenceWorker", "Worker"])
+@pytest.mark.parametrize("point", POINTS)
+def test_refund_crash_at_point__redelivery_refunds_once_and_finishes(
+    point, worker_class, provider, queue, tmp_path
+):
+    order = create_order(amount=2500, currency="eur", email="crash@example.com")
+    request_checkout(
+        order_id=order.pk, key=f"paid-{point}", payment_method="pm_card_visa", actor="test"
+    )
+    run_worker(queue)  # paid, in this process, before any failpoint is armed
+    op, _ = request_refund(order_id=order.pk, key=f"refund-{point}", amount=1000, actor="test")
+    marker = tmp_path / "failpoint"
+    env = worker_env(provider.url, FENCE_FAILPOINTS=point, FENCE_FAILPOINT_MARKER=str(marker))
+    supervisor = Supervisor(env, f"refund-crash-{point}", worker_class)
+
+    def succeeded() -> bool:
+        supervisor.poll()
+        return Operation.objects.get(pk=op.pk).state == OperationState.SUCCEEDED
+
+    try:
+        wait_until(succeeded, timeout=40, what=f"refund to succeed after a crash at {point}")
+    finally:
+        stderr = supervisor.stop()
+
+    assert marker.with_name(f"failpoint.{point}").exists(), f"no crash happened:\n{stderr}"
+    order.refresh_from_db()
+    assert (order.status, order.refunded_amount) == (OrderStatus.PARTIALLY_REFUNDED, 1000)
+    assert len(provider.state.refunds(metadata={"operation_key": op.key})) == 1
+    assert CreditNote.objects.filter(order=order).count() == 1
+    assert set(op.claims.values_list("step", "state")) == {
+        ("refund", ClaimState.DONE),
+        ("credit_note", ClaimState.DONE),
     }

@@ -445,7 +445,10 @@ def test_start_new_attempt__only_once(provider, senior):
     "build, refusal",
     [
         (lambda: builders.uncertain(charged=False)[0], "only a failed operation"),
-        (lambda: builders.failed_after_charge()[0], "step charge is done: it may have charged"),
+        (
+            lambda: builders.failed_after_charge()[0],
+            "step charge is done: it may have taken effect",
+        ),
         (lambda: builders.succeeded()[0], "only a failed operation"),
     ],
     ids=["uncertain", "failed_but_charged", "succeeded"],

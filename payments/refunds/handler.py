@@ -1,0 +1,175 @@
+"""The `refund` operation: refund at the provider -> credit note and the order's refunded total.
+
+`request_refund` is what the API (and the desk's new attempt) calls: under the
+order's lock it checks that the refund fits in what is left of the charge,
+counting every refund already asked for and not failed, and writes the
+operation in the same transaction; the job is enqueued on commit. The
+provider checks the limit again (an over-refund is a 400: the step fails).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from django.db import transaction
+
+from payments.engine import fence
+from payments.engine.dispatch import dispatch_on_commit
+from payments.engine.handlers import DeskHooks, Run, handler
+from payments.exceptions import InvalidTransition
+from payments.models import (
+    CreditNote,
+    Invoice,
+    KeyScope,
+    Operation,
+    OperationState,
+    Order,
+    OrderStatus,
+)
+from payments.money import format_money
+from payments.refunds.effect import RefundEffect
+from payments.refunds.names import CREDIT_NOTE, REFUND, REFUND_STEP
+
+logger = logging.getLogger("payments.refunds")
+
+#: Orders a refund may be asked for: charged, and not all given back yet.
+REFUNDABLE_STATUSES = frozenset({OrderStatus.PAID, OrderStatus.PARTIALLY_REFUNDED})
+
+
+class RefundNotAllowed(InvalidTransition):
+    """The order is not paid, or the amount exceeds what is left to refund."""
+
+
+def reserved_amount_in_tx(order: Order) -> int:
+    """Minor units already given back or asked for (refund operations not failed). In the tx."""
+    refunds = Operation.objects.filter(
+        kind=REFUND, entity_type="order", entity_id=str(order.pk)
+    ).exclude(state=OperationState.FAILED)
+    return sum(int(params.get("amount", 0)) for params in refunds.values_list("params", flat=True))
+
+
+def request_refund(
+    *,
+    order_id: int,
+    key: str,
+    amount: int,
+    actor: str,
+    retry_of: Operation | None = None,
+    scope: str = KeyScope.CLIENT,
+) -> tuple[Operation, bool]:
+    """Write the refund operation of an order and enqueue it on commit; (operation, created).
+
+    The same key with the same parameters returns the existing operation; with
+    other parameters it raises OperationConflict. Raises RefundNotAllowed when
+    the order is not paid or `amount` exceeds what is left, counting refunds in
+    flight (two refunds racing for the last euro: the order's lock lets one win).
+    Raises Order.DoesNotExist for an unknown order.
+    """
+    with transaction.atomic():
+        order = Order.objects.select_for_update().get(pk=order_id)
+        invoice = Invoice.objects.filter(order=order).first()
+        params = {
+            "order_id": order.pk,
+            "amount": int(amount),
+            "currency": order.currency,
+            "payment_intent": invoice.provider_reference if invoice is not None else "",
+        }
+        if not Operation.objects.filter(scope=scope, key=key).exists():
+            if order.status not in REFUNDABLE_STATUSES or invoice is None:
+                raise RefundNotAllowed(f"order {order.pk} is {order.status}; nothing to refund")
+            left = order.amount - reserved_amount_in_tx(order)
+            if not 0 < amount <= left:
+                raise RefundNotAllowed(
+                    f"order {order.pk} has {left} (minor units) left to refund, not {amount}"
+                )
+        op, created = fence.create_operation_in_tx(
+            key=key,
+            kind=REFUND,
+            entity_type="order",
+            entity_id=order.pk,
+            params=params,
+            actor=actor,
+            retry_of=retry_of,
+            scope=scope,
+        )
+        if created:
+            dispatch_on_commit(op)
+    return op, created
+
+
+def issue_credit_note(operation: Operation, reference: str) -> dict[str, Any]:
+    """Write the refund's credit note and the order's refunded total. Runs in the step's tx."""
+    order = Order.objects.select_for_update().get(pk=operation.params["order_id"])
+    amount = int(operation.params["amount"])
+    note = CreditNote.objects.create(
+        order=order,
+        number=f"CN-{operation.pk:08d}",
+        amount=amount,
+        currency=order.currency,
+        provider_reference=reference,
+    )
+    order.refunded_amount += amount
+    order.status = (
+        OrderStatus.REFUNDED
+        if order.refunded_amount >= order.amount
+        else OrderStatus.PARTIALLY_REFUNDED
+    )
+    order.save(update_fields=["refunded_amount", "status", "updated_at"])
+    return {"credit_note": note.number, "order_status": order.status}
+
+
+# --- what the operators' desk needs (payments.engine.handlers.DeskHooks) -------------
+
+
+def lock_order(operation: Operation) -> None:
+    """Lock the refund's order. Runs inside the desk's transaction."""
+    Order.objects.select_for_update().filter(pk=operation.params.get("order_id")).first()
+
+
+def refund_no_longer_fits(operation: Operation) -> str | None:
+    """Why a failed refund may not run again: the order's other refunds took the rest."""
+    order = Order.objects.filter(pk=operation.params.get("order_id")).first()
+    if order is None:
+        return "the order is missing"
+    left = order.amount - reserved_amount_in_tx(order)
+    if int(operation.params["amount"]) > left:
+        return f"only {format_money(left, order.currency)} is left to refund"
+    return None
+
+
+def new_refund_attempt(
+    operation: Operation, key: str, actor: str, options: dict[str, Any]
+) -> tuple[Operation, bool]:
+    """Ask again for the same refund under a new key. In the desk's tx."""
+    return request_refund(
+        order_id=int(operation.params["order_id"]),
+        key=key,
+        amount=int(operation.params["amount"]),
+        actor=actor,
+        retry_of=operation,
+        scope=KeyScope.DERIVED,
+    )
+
+
+def describe_refund(operation: Operation) -> str:
+    """One line for the desk: the money at stake."""
+    money = format_money(operation.params.get("amount"), operation.params.get("currency"))
+    return f"{money} refund of order {operation.params.get('order_id')}"
+
+
+@handler(
+    REFUND,
+    effects={REFUND_STEP: RefundEffect},
+    steps={CREDIT_NOTE},
+    desk=DeskHooks(
+        lock_entity=lock_order,
+        describe=describe_refund,
+        refuse_rerun=refund_no_longer_fits,
+        new_attempt=new_refund_attempt,
+    ),
+)
+def refund(run: Run) -> None:
+    """Refund the amount once at the provider, then write the credit note."""
+    result = run.external(REFUND_STEP)
+    run.local(CREDIT_NOTE, lambda: issue_credit_note(run.operation, result["reference"]))

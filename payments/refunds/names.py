@@ -1,0 +1,12 @@
+"""The refund's operation kind and step names, declared once (they feed idempotency keys)."""
+
+from __future__ import annotations
+
+from typing import Final
+
+#: Give back part or all of a paid order's charge: refund -> credit note.
+REFUND: Final = "refund"
+#: The external step: a refund at the provider, against the order's payment intent.
+REFUND_STEP: Final = "refund"
+#: The local step: the credit note and the order's refunded total, written once.
+CREDIT_NOTE: Final = "credit_note"
