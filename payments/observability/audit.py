@@ -18,7 +18,7 @@ from django.utils import timezone
 
 from payments.conf import payments_settings
 from payments.models import ClaimState, Operation, StepClaim
-from payments.provider.client import PaymentIntent
+from payments.provider.client import PaymentIntent, Refund
 
 
 @dataclass
@@ -192,3 +192,97 @@ def _double_charged_entities(
         for entity, refs in refs_of.items()
         if len(refs) > 1
     }
+
+
+@dataclass
+class RefundAuditResult:
+    """What the refund audit found: refunds are an effect of their own, audited per kind."""
+
+    provider_refunds: int = 0
+    done_claims: int = 0
+    #: "operation_key/step" -> references of more than one succeeded refund: double refunds.
+    double_refunds: dict[str, list[str]] = field(default_factory=dict)
+    #: payment intent -> {"charged": n, "refunded": m} where refunds exceed the charge.
+    over_refunds: dict[str, dict[str, int]] = field(default_factory=dict)
+    #: succeeded refunds no `done` claim carries: refunded outside the fence.
+    unfenced: list[str] = field(default_factory=list)
+    #: `done` refund claims whose reference the provider does not list as succeeded.
+    unknown_references: list[str] = field(default_factory=list)
+
+    @property
+    def clean(self) -> bool:
+        return not self.findings
+
+    @property
+    def findings(self) -> int:
+        return (
+            len(self.double_refunds)
+            + len(self.over_refunds)
+            + len(self.unfenced)
+            + len(self.unknown_references)
+        )
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "clean": self.clean,
+            "findings": self.findings,
+            "provider_refunds": self.provider_refunds,
+            "done_claims": self.done_claims,
+            "double_refunds": [
+                {"step": step, "references": refs}
+                for step, refs in sorted(self.double_refunds.items())
+            ],
+            "over_refunds": [
+                {"payment_intent": pi, **amounts}
+                for pi, amounts in sorted(self.over_refunds.items())
+            ],
+            "unfenced": self.unfenced,
+            "unknown_references": self.unknown_references,
+        }
+
+
+def audit_refunds(
+    refunds_by_intent: dict[str, list[Refund]],
+    charged: dict[str, int],
+    claims: Q | None = None,
+) -> RefundAuditResult:
+    """Compare the provider's refunds of the listed intents with the `done` refund claims.
+
+    `charged` maps each intent to its amount: the refunds of one intent never
+    add up to more. `claims` limits which done claims are judged (the window).
+    """
+    result = RefundAuditResult()
+    by_step: dict[str, list[str]] = defaultdict(list)
+    succeeded: set[str] = set()
+    for intent, refunds in refunds_by_intent.items():
+        refunded = 0
+        for refund in refunds:
+            if refund.status != "succeeded":
+                continue
+            result.provider_refunds += 1
+            succeeded.add(refund.id)
+            refunded += refund.amount
+            key, step = refund.metadata.get("operation_key"), refund.metadata.get("step")
+            if key and step:
+                by_step[f"{key}/{step}"].append(refund.id)
+        if refunded > charged.get(intent, refunded):
+            result.over_refunds[intent] = {"charged": charged[intent], "refunded": refunded}
+    result.double_refunds = {s: sorted(refs) for s, refs in by_step.items() if len(refs) > 1}
+    done = StepClaim.objects.filter(state=ClaimState.DONE, provider_reference__startswith="re_")
+    fenced = set(
+        done.filter(provider_reference__in=succeeded).values_list("provider_reference", flat=True)
+    )
+    result.unfenced = sorted(succeeded - fenced)
+    scoped = list(done.filter(claims or Q()).values_list("provider_reference", flat=True))
+    result.done_claims = len(scoped)
+    listed = set(refunds_by_intent)
+    intents_of = dict(
+        done.filter(provider_reference__in=scoped).values_list(
+            "provider_reference", "request__payment_intent"
+        )
+    )
+    # Only a refund of a listed intent can be judged unknown: the others were not asked for.
+    result.unknown_references = sorted(
+        ref for ref in scoped if ref not in succeeded and intents_of.get(ref) in listed
+    )
+    return result

@@ -199,3 +199,69 @@ def test_failed_refund__gets_a_new_attempt_from_the_desk(provider, queue):
     assert (new.kind, new.retry_of_id, new.state) == ("refund", op.pk, OperationState.SUCCEEDED)
     assert (order.status, order.refunded_amount) == (OrderStatus.PARTIALLY_REFUNDED, 400)
     assert len(refunds_at_provider(provider, order)) == 1
+
+
+# --- fence_audit for refunds -----------------------------------------------------------
+
+
+def _audit_json() -> tuple[dict, int]:
+    import io
+
+    from django.core.management import call_command
+    from django.core.management.base import CommandError
+
+    out = io.StringIO()
+    try:
+        call_command("fence_audit", "--format", "json", stdout=out)
+    except CommandError as exc:
+        return json.loads(out.getvalue()), exc.returncode
+    return json.loads(out.getvalue()), 0
+
+
+def test_fence_audit__refunds_clean_after_normal_refunds(provider, queue):
+    order = paid_order(queue)
+    request_refund(order_id=order.pk, key="r1", amount=300, actor="t")
+    run_worker(queue)
+
+    report, code = _audit_json()
+
+    assert code == 0, report
+    assert report["refunds"]["clean"] is True
+    assert (report["refunds"]["provider_refunds"], report["refunds"]["done_claims"]) == (1, 1)
+
+
+def test_fence_audit__finds_a_double_refund_and_a_refund_outside_the_fence(provider, queue):
+    order = paid_order(queue)
+    op, _ = request_refund(order_id=order.pk, key="r1", amount=300, actor="t")
+    run_worker(queue)
+    fenced = op.claims.get(step="refund").provider_reference
+    with ProviderClient.from_settings() as client:  # the same step refunded again, no claim
+        extra = client.create_refund(
+            payment_intent=op.params["payment_intent"],
+            amount=300,
+            metadata={"operation_key": op.key, "step": "refund"},
+            idempotency_key="a-refund-without-a-claim",
+        ).id
+
+    report, code = _audit_json()
+
+    assert code == 1
+    refunds = report["refunds"]
+    assert refunds["double_refunds"] == [
+        {"step": f"{op.key}/refund", "references": sorted([fenced, extra])}
+    ]
+    assert refunds["unfenced"] == [extra]
+    assert report["clean"] is False
+
+
+def test_refund_audit__refunds_above_the_charge_are_an_over_refund():
+    from payments.observability.audit import audit_refunds
+    from payments.provider.client import Refund
+
+    refunds = [
+        Refund(id=f"re_{i}", amount=600, currency="eur", payment_intent="pi_1", status="succeeded")
+        for i in range(2)
+    ]
+    result = audit_refunds({"pi_1": refunds}, {"pi_1": 1000})
+    assert result.over_refunds == {"pi_1": {"charged": 1000, "refunded": 1200}}
+    assert not result.clean

@@ -20,8 +20,8 @@ from payments.engine import fence
 from payments.engine.effects import EffectResult
 from payments.engine.outcomes import Outcome
 from payments.models import ClaimState, FenceAuditRun, StepClaim
-from payments.observability.audit import AuditResult, audit
-from payments.provider.client import PaymentIntent, ProviderClient
+from payments.observability.audit import AuditResult, RefundAuditResult, audit, audit_refunds
+from payments.provider.client import PaymentIntent, ProviderClient, Refund
 from payments.provider.errors import ProviderError
 
 #: Intents are listed from this much before the window: the provider's clock and
@@ -64,6 +64,7 @@ class Command(BaseCommand):
         window_start = started - since
         try:
             intents = self._list_intents(window_start - CLOCK_MARGIN, options["verbosity"])
+            refunds = self._list_refunds(intents)
         except ProviderError as exc:
             reason = f"provider could not be read: {type(exc).__name__}"
             summary = {"error": reason, "since": options["since"], "clean": None}
@@ -77,9 +78,18 @@ class Command(BaseCommand):
         in_window = Q(claimed_at__gte=window_start, provider_reference__startswith="pi_")
         result = audit(intents, in_window, stale_claims=Q(), now=started)
         self._note_on_claims(intents, result.unfenced)
-        exit_code = 0 if result.clean else 1
+        refund_result = audit_refunds(
+            refunds,
+            {intent.id: intent.amount for intent in intents},
+            Q(claimed_at__gte=window_start),
+        )
+        clean = result.clean and refund_result.clean
+        exit_code = 0 if clean else 1
         summary = {
             **result.as_dict(),
+            "clean": clean,
+            "findings": result.findings + refund_result.findings,
+            "refunds": refund_result.as_dict(),
             "since": options["since"],
             "window_start": window_start.isoformat(),
             "intents_listed": len(intents),
@@ -90,9 +100,10 @@ class Command(BaseCommand):
             self.stdout.write(json.dumps({**summary, "exit_code": exit_code}, indent=2))
         else:
             self._write_table(result, summary)
+            self._write_refund_table(refund_result)
         if exit_code:
             raise CommandError(
-                f"fence audit found {result.findings} problem(s); see the report above.",
+                f"fence audit found {summary['findings']} problem(s); see the report above.",
                 returncode=1,
             )
 
@@ -105,6 +116,49 @@ class Command(BaseCommand):
                     key = intent.metadata.get("operation_key", "-")
                     self.stdout.write(f"  {intent.id} {intent.status} {key}")
         return intents
+
+    @staticmethod
+    def _list_refunds(intents: list[PaymentIntent]) -> dict[str, list[Refund]]:
+        """The refunds of every succeeded intent of the window (one listing per intent)."""
+        refunds: dict[str, list[Refund]] = {}
+        with ProviderClient.from_settings() as client:
+            for intent in intents:
+                if intent.status == "succeeded":
+                    refunds[intent.id] = list(client.list_refunds(payment_intent=intent.id))
+        return refunds
+
+    def _write_refund_table(self, result: RefundAuditResult) -> None:
+        write = self.stdout.write
+        write(
+            f"Refunds: {result.provider_refunds} provider refunds, {result.done_claims} done "
+            "refund claims in the window."
+        )
+        sections = [
+            (
+                "Refund steps refunded more than once (double refunds)",
+                [
+                    f"{step}: {', '.join(refs)}"
+                    for step, refs in sorted(result.double_refunds.items())
+                ],
+            ),
+            (
+                "Intents refunded more than they were charged (over-refunds)",
+                [
+                    f"{pi}: refunded {a['refunded']} of {a['charged']}"
+                    for pi, a in sorted(result.over_refunds.items())
+                ],
+            ),
+            ("Provider refunds without a done claim", list(result.unfenced)),
+            (
+                "Done refund claims the provider does not list as succeeded",
+                list(result.unknown_references),
+            ),
+        ]
+        for title, lines in sections:
+            style = self.style.ERROR if lines else self.style.SUCCESS
+            write(style(f"{title}: {len(lines)}"))
+            for line in lines:
+                write(f"  {line}")
 
     @staticmethod
     def _note_on_claims(intents: list[PaymentIntent], unfenced: list[str]) -> None:
