@@ -1,8 +1,12 @@
 """The chaos run: real processes, faults at the provider, workers killed, Redis flushed.
 
-It proves the product's claim on every `make demo`: no double charge, nothing
-lost, whatever dies. The scenario is replayable from its seed (the provider's
-faults, the cards, which worker dies and when); process timing is not.
+It proves the product's claim on every `make demo`: no double charge, no
+double refund, nothing lost, whatever dies. Once orders are paid (workers are
+still being killed), a share of them is refunded through the HTTP API, half
+partially and half fully (some of those as two partial refunds that add up to
+the charge); the provider's faults apply to refund creates as to charges. The
+scenario is replayable from its seed (the provider's faults, the cards, the
+refunds, which worker dies and when); process timing is not.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from pathlib import Path
 import requests
 from django.conf import settings
 from django.db import close_old_connections
-from django.db.models import Count, Q
+from django.db.models import Count, Q, Sum
 
 from devtools.scratch import claim_scratch, flush_scratch
 from devtools.stack import Stack, free_port
@@ -27,6 +31,7 @@ from payments.conf import payments_settings
 from payments.engine.queues import payments_queue
 from payments.models import (
     ClaimState,
+    CreditNote,
     Invoice,
     LedgerEntry,
     Operation,
@@ -34,11 +39,15 @@ from payments.models import (
     OperationState,
     Order,
     OrderStatus,
+    StepClaim,
 )
-from payments.observability.audit import audit
-from payments.provider.client import ProviderClient
+from payments.observability.audit import audit, audit_refunds
+from payments.provider.client import PaymentIntent, ProviderClient
+from payments.refunds.names import REFUND, REFUND_STEP
 
 SETTLED = frozenset({OperationState.SUCCEEDED, OperationState.FAILED, OperationState.NEEDS_REVIEW})
+#: Orders that were charged: paid, and possibly given (part of) the money back since.
+CHARGED = frozenset({OrderStatus.PAID, OrderStatus.PARTIALLY_REFUNDED, OrderStatus.REFUNDED})
 
 #: The demo's timeout chain: 1 + 3 < 6 <= 8 (a killed worker's work is picked up in 8 s).
 CHAOS_TIMEOUTS = {
@@ -58,6 +67,7 @@ class ChaosConfig:
     slow_rate: float = 0.05  # accepted, answered after the client's timeout
     fail_rate: float = 0.05  # 500s: half before executing (retryable), half after
     decline_rate: float = 0.05  # cards that are declined
+    refund_rate: float = 0.3  # paid orders refunded through the API (half partially)
     kill_min: float = 0.5
     kill_max: float = 2.0
     flush: bool = True
@@ -71,6 +81,12 @@ class ChaosResult:
     config: ChaosConfig
     run_id: str
     keys: list[str] = field(default_factory=list)
+    #: (order id, amount) of every order, in the order of `keys`.
+    orders: list[tuple[int, int]] = field(default_factory=list)
+    #: Idempotency keys of the refunds the API accepted.
+    refund_keys: list[str] = field(default_factory=list)
+    #: Refunds the API refused (409): each one is a violation, the plan never exceeds a charge.
+    refunds_refused: list[str] = field(default_factory=list)
     killed: int = 0
     flushed: bool = False
     drained_seconds: float = 0.0
@@ -96,6 +112,7 @@ def run_chaos(config: ChaosConfig, *, log_dir: Path, say: Callable[[str], None])
         "SECRET_KEY": settings.SECRET_KEY,
         "EMAIL_BACKEND": "django.core.mail.backends.dummy.EmailBackend",
         "LOG_LEVEL": "WARNING",
+        "API_RATE_PER_CLIENT": "100000/min",  # the API's throttle is not under test
         **CHAOS_TIMEOUTS,
     }
     if config.flush:
@@ -127,8 +144,12 @@ def run_chaos(config: ChaosConfig, *, log_dir: Path, say: Callable[[str], None])
             target=_chaos_loop, args=(stack, config, chaos_rng, stop, result), daemon=True
         )
         chaos.start()
-        result.keys = _checkout(config, rng, api_port, run_id, stack, result, say)
-        result.settled_in_time = _wait_settled(run_id, config.timeout, say)
+        deadline = started + config.timeout
+        api = _api_session()
+        result.keys = _checkout(config, rng, api, api_port, run_id, stack, result, say)
+        plan = plan_refunds(config, [amount for _, amount in result.orders])
+        _refund(plan, api, api_port, run_id, result, deadline, say)
+        result.settled_in_time = _wait_settled(run_id, deadline - time.monotonic(), say)
         stop.set()
         chaos.join(timeout=10)
         result.drained_seconds = time.monotonic() - started
@@ -158,29 +179,32 @@ def _chaos_loop(
             stack.start_worker(config.worker_class)
 
 
+def _api_session() -> requests.Session:
+    api = requests.Session()
+    api.headers["Authorization"] = f"Bearer {settings.API_TOKEN}"
+    return api
+
+
 def _checkout(
     config: ChaosConfig,
     rng: random.Random,
+    api: requests.Session,
     api_port: int,
     run_id: str,
     stack: Stack,
     result: ChaosResult,
     say: Callable[[str], None],
 ) -> list[str]:
-    api = requests.Session()
-    api.headers["Authorization"] = f"Bearer {settings.API_TOKEN}"
     base = f"http://127.0.0.1:{api_port}/api"
     keys = []
     for i in range(config.orders):
+        amount = 500 + rng.randrange(50_000)
         order = _post(
             api,
             f"{base}/orders",
-            {
-                "amount": 500 + rng.randrange(50_000),
-                "currency": "eur",
-                "email": f"chaos{i}@example.com",
-            },
+            {"amount": amount, "currency": "eur", "email": f"chaos{i}@example.com"},
         )
+        result.orders.append((int(order["id"]), amount))
         key = f"chaos-{run_id}-{i}"
         card = "pm_card_chargeDeclined" if rng.random() < config.decline_rate else "pm_card_visa"
         _post(
@@ -203,42 +227,151 @@ def _checkout(
     return keys
 
 
+class ApiRefused(RuntimeError):
+    """The API answered a 4xx or 5xx."""
+
+    def __init__(self, url: str, status: int, text: str) -> None:
+        super().__init__(f"{url} answered {status}: {text[:200]}")
+        self.status = status
+
+
 def _post(session: requests.Session, url: str, body: dict, headers: dict | None = None) -> dict:
-    """POST through the API; retry a refused connection (the API itself is not under test)."""
+    """POST through the API; retry a refused connection (the API itself is not under test).
+
+    A retry carries the same Idempotency-Key, so a request that did arrive is
+    answered again (a replay), never executed twice.
+    """
     for attempt in range(5):
         try:
             response = session.post(url, json=body, headers=headers, timeout=10)
         except requests.ConnectionError:
             time.sleep(0.2 * (attempt + 1))
             continue
+        if response.status_code == 429:  # throttled: the API's limits are not under test
+            time.sleep(min(float(response.headers.get("Retry-After") or 1), 5.0))
+            continue
         if response.status_code >= 400:
-            raise RuntimeError(f"{url} answered {response.status_code}: {response.text[:200]}")
+            raise ApiRefused(url, response.status_code, response.text)
         return response.json()
     raise RuntimeError(f"{url} did not answer")
 
 
+# --- refunds ------------------------------------------------------------------------
+
+
+def plan_refunds(config: ChaosConfig, amounts: list[int]) -> dict[int, tuple[int, ...]]:
+    """Choose, from the seed alone, which orders (by index) are refunded and by which amounts.
+
+    A share `refund_rate` of the orders is chosen: half of them refunded
+    partially (10-90 % of the charge), a quarter fully at once, a quarter
+    fully as two partial refunds that add up to the charge. Three draws per
+    order whatever the rate, so a seed replays the same refunds; an order is
+    refunded only if it ends up paid.
+    """
+    rng = random.Random(f"{config.seed}:refunds")  # independent of the cards and the kills
+    plan: dict[int, tuple[int, ...]] = {}
+    for i, total in enumerate(amounts):
+        chosen, style, share = rng.random(), rng.random(), rng.random()
+        if chosen >= config.refund_rate:
+            continue
+        if style < 0.5:
+            plan[i] = (max(1, int(total * (0.1 + 0.8 * share))),)
+        elif style < 0.75:
+            plan[i] = (total,)
+        else:
+            first = max(1, int(total * (0.2 + 0.6 * share)))
+            plan[i] = (first, total - first)
+    return plan
+
+
+def _refund(
+    plan: dict[int, tuple[int, ...]],
+    api: requests.Session,
+    api_port: int,
+    run_id: str,
+    result: ChaosResult,
+    deadline: float,
+    say: Callable[[str], None],
+) -> None:
+    """Ask for the planned refunds through the API as soon as each order is paid.
+
+    Workers are still being killed meanwhile. An order whose checkout settled
+    without paying it (declined, failed, needs review) gets no refund.
+    """
+    base = f"http://127.0.0.1:{api_port}/api"
+    waiting = dict(plan)
+    not_paid = 0
+    say(f"  refunds planned for {len(plan)} orders (if paid)")
+    while waiting and time.monotonic() < deadline:
+        close_old_connections()
+        # The checkouts' states first: one settled before the order was read is final.
+        checkout_states = dict(
+            Operation.objects.filter(key__in=[result.keys[i] for i in waiting]).values_list(
+                "key", "state"
+            )
+        )
+        statuses = dict(
+            Order.objects.filter(pk__in=[result.orders[i][0] for i in waiting]).values_list(
+                "pk", "status"
+            )
+        )
+        for i in sorted(waiting):
+            order_id = result.orders[i][0]
+            if statuses.get(order_id) == OrderStatus.PAID:
+                for n, amount in enumerate(waiting.pop(i), start=1):
+                    key = f"chaos-{run_id}-refund-{i}-{n}"
+                    try:
+                        _post(
+                            api,
+                            f"{base}/orders/{order_id}/refunds",
+                            {"amount": amount},
+                            headers={"Idempotency-Key": key},
+                        )
+                    except ApiRefused as exc:
+                        if exc.status != 409:
+                            raise
+                        result.refunds_refused.append(key)
+                    else:
+                        result.refund_keys.append(key)
+            elif checkout_states.get(result.keys[i]) in SETTLED:
+                del waiting[i]
+                not_paid += 1
+        if waiting:
+            time.sleep(0.5)
+    say(
+        f"  asked for {len(result.refund_keys)} refunds of "
+        f"{len(plan) - not_paid - len(waiting)} paid orders ({not_paid} planned orders not "
+        f"paid); workers killed so far: {result.killed}"
+    )
+    if waiting:
+        say(f"  {len(waiting)} planned orders not settled in time: not refunded")
+
+
 def _wait_settled(run_id: str, timeout: float, say: Callable[[str], None]) -> bool:
-    """Wait until every operation of the run (checkouts and their follow-ups) is settled."""
+    """Wait until every operation of the run (checkouts, their follow-ups, refunds) is settled."""
     deadline = time.monotonic() + timeout
+    prefix = f"chaos-{run_id}-"
     last = ""
     next_line = 0.0
-    while time.monotonic() < deadline:
+    while True:
         close_old_connections()
         counts = dict(
-            Operation.objects.filter(key__startswith=f"chaos-{run_id}-")
+            Operation.objects.filter(Q(key__startswith=prefix) | Q(parent__key__startswith=prefix))
             .values_list("state")
             .annotate(n=Count("id"))
             .values_list("state", "n")
         )
         line = ", ".join(f"{s} {n}" for s, n in sorted(counts.items()))
         if line != last and time.monotonic() >= next_line:
-            say(f"  operations (checkouts and follow-ups): {line}")
+            say(f"  operations (checkouts, follow-ups, refunds): {line}")
             last, next_line = line, time.monotonic() + 2
         if sum(counts.get(s, 0) for s in SETTLED) == sum(counts.values()):
-            say(f"  operations (checkouts and follow-ups): {line}")
+            say(f"  operations (checkouts, follow-ups, refunds): {line}")
             return True
+        if time.monotonic() >= deadline:
+            break
         time.sleep(0.5)
-    say(f"  not settled within {timeout:.0f}s: {last}")
+    say(f"  not settled in time: {last}")
     return False
 
 
@@ -254,7 +387,8 @@ def _measure(result: ChaosResult, provider_url: str) -> dict[str, object]:
         pi for pi in client.list_payment_intents() if pi.metadata.get("operation_key") in wanted
     ]
     found = audit(intents, Q(operation__key__in=keys))
-    paid = Order.objects.filter(pk__in=order_ids, status=OrderStatus.PAID)
+    # Paid, whether refunded since or not: a refund does not undo the charge's invoice.
+    paid = Order.objects.filter(pk__in=order_ids, status__in=CHARGED)
     invoices = dict(
         Invoice.objects.filter(order_id__in=order_ids)
         .values_list("order_id")
@@ -299,11 +433,117 @@ def _measure(result: ChaosResult, provider_url: str) -> dict[str, object]:
         "orders_with_more_than_one_invoice": sum(1 for n in invoices.values() if n > 1),
         "uncertain_outcomes": len(set(went_uncertain)),
         "uncertain_settled_automatically": settled_auto,
+        **_measure_refunds(result, order_ids, intents, client),
         "workers_killed": result.killed,
         "redis_flushed": result.flushed,
         "drain_seconds": round(result.drained_seconds, 1),
         "settled_in_time": result.settled_in_time,
         "audit": found.as_dict(),
+    }
+
+
+def _measure_refunds(
+    result: ChaosResult,
+    order_ids: list[int],
+    intents: list[PaymentIntent],
+    client: ProviderClient,
+) -> dict[str, object]:
+    """The refund figures, against the provider's own list of refunds of the run's charges."""
+    amount_of = dict(result.orders)
+    order_of_key = {
+        key: order_id for key, (order_id, _) in zip(result.keys, result.orders, strict=True)
+    }
+    charged = {pi.id: pi.amount for pi in intents if pi.status == "succeeded"}
+    # Every refund of every charge of the run, whoever made it.
+    refunds_by_intent = {pi: list(client.list_refunds(payment_intent=pi)) for pi in charged}
+    refund_claims = Q(operation__kind=REFUND, operation__entity_id__in=[str(i) for i in order_ids])
+    # The fence_audit's own judgement: double refunds per step, refunds without a claim.
+    found = audit_refunds(refunds_by_intent, charged, refund_claims)
+    # Over-refunds per order, across all its charges.
+    order_of_intent = {pi.id: order_of_key[pi.metadata["operation_key"]] for pi in intents}
+    refunded_at_provider: dict[int, int] = {}
+    for intent, refunds in refunds_by_intent.items():
+        order_id = order_of_intent[intent]
+        for refund in refunds:
+            if refund.status == "succeeded":
+                refunded_at_provider[order_id] = (
+                    refunded_at_provider.get(order_id, 0) + refund.amount
+                )
+
+    refund_ops = Operation.objects.filter(
+        kind=REFUND, entity_type="order", entity_id__in=[str(i) for i in order_ids]
+    )
+    by_state = dict(
+        refund_ops.values_list("state").annotate(n=Count("id")).values_list("state", "n")
+    )
+    credit_notes = dict(
+        CreditNote.objects.filter(order_id__in=order_ids)
+        .values_list("order_id")
+        .annotate(total=Sum("amount"))
+        .values_list("order_id", "total")
+    )
+    orders = Order.objects.filter(pk__in=order_ids).values_list(
+        "pk", "amount", "status", "refunded_amount"
+    )
+    touched = matching = 0
+    for order_id, amount, status, refunded in orders:
+        given_back = (
+            refunded,
+            credit_notes.get(order_id, 0),
+            refunded_at_provider.get(order_id, 0),
+        )
+        if status not in (OrderStatus.REFUNDED, OrderStatus.PARTIALLY_REFUNDED) and not any(
+            given_back
+        ):
+            continue
+        touched += 1
+        expected = OrderStatus.REFUNDED if refunded >= amount else OrderStatus.PARTIALLY_REFUNDED
+        matching += int(status == expected and len(set(given_back)) == 1 and 0 < refunded <= amount)
+
+    went_uncertain = set(
+        OperationEvent.objects.filter(
+            operation__in=refund_ops, step=REFUND_STEP, to_state=ClaimState.UNCERTAIN
+        ).values_list("operation_id", flat=True)
+    )
+    operated = set(
+        OperationEvent.objects.filter(
+            operation__in=refund_ops, actor__startswith="operator:"
+        ).values_list("operation_id", flat=True)
+    )
+    settled_auto = (
+        StepClaim.objects.filter(
+            operation_id__in=went_uncertain - operated, step=REFUND_STEP, state=ClaimState.DONE
+        )
+        .values("operation_id")
+        .distinct()
+        .count()
+    )
+    return {
+        "refund_operations_by_state": by_state,
+        "refunds_asked": len(result.refund_keys),
+        "refunds_refused_by_api": len(result.refunds_refused),
+        "refunds_succeeded": by_state.get(OperationState.SUCCEEDED, 0),
+        "provider_refunds": found.provider_refunds,
+        "refund_claims_done": StepClaim.objects.filter(
+            operation__in=refund_ops, step=REFUND_STEP, state=ClaimState.DONE
+        ).count(),
+        # per refund operation (its refund step): more than one refund at the provider
+        "double_refunds": len(found.double_refunds),
+        # per order: the provider gave back more than was charged
+        "over_refunds": sum(
+            1 for order_id, total in refunded_at_provider.items() if total > amount_of[order_id]
+        ),
+        "refunds_without_claim": len(found.unfenced),
+        "credit_notes": CreditNote.objects.filter(order_id__in=order_ids).count(),
+        "orders_refunded": sum(1 for o in orders if o[2] == OrderStatus.REFUNDED),
+        "orders_partially_refunded": sum(
+            1 for o in orders if o[2] == OrderStatus.PARTIALLY_REFUNDED
+        ),
+        "orders_with_refunds": touched,
+        "orders_with_refunds_matching": matching,
+        "refund_uncertain_outcomes": len(went_uncertain),
+        "refunds_settled_automatically": settled_auto,
+        "refund_audit": found.as_dict(),
     }
 
 
@@ -324,6 +564,21 @@ def _violations(result: ChaosResult) -> list[str]:
         problems.append("a paid order without exactly one ledger line")
     if r["orders_with_more_than_one_invoice"]:
         problems.append("an order with more than one invoice")
+    if r["double_refunds"]:
+        problems.append(f"{r['double_refunds']} double refunds")
+    if r["over_refunds"]:
+        problems.append(f"{r['over_refunds']} orders refunded more than their charge")
+    if r["refunds_without_claim"]:
+        problems.append(f"{r['refunds_without_claim']} provider refunds without a claim")
+    if r["refunds_refused_by_api"]:
+        problems.append(f"{r['refunds_refused_by_api']} refunds within the charge refused")
+    if r["credit_notes"] != r["refunds_succeeded"]:
+        problems.append("credit notes and succeeded refunds differ")
+    if r["orders_with_refunds_matching"] != r["orders_with_refunds"]:
+        problems.append(
+            "a refunded order whose status, refunded amount, credit notes and the provider's "
+            "refunds disagree"
+        )
     if not r["settled_in_time"]:
         problems.append("operations not settled within the time limit")
     return problems

@@ -1,4 +1,4 @@
-"""Render a chaos run: a text table, a JSON file and a one-page HTML report with a chart."""
+"""Render a chaos run: a text table, a JSON file and a one-page HTML report with charts."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from devtools.chaos import ChaosResult
 
 ROWS = [
     ("orders", "orders"),
-    ("orders paid", "orders_paid"),
+    ("orders paid (refunded ones included)", "orders_paid"),
     ("orders declined or failed", "orders_declined_or_failed"),
     ("provider successes", "provider_successes"),
     ("charge claims done", "charge_claims_done"),
@@ -21,6 +21,21 @@ ROWS = [
     ("paid orders with exactly one ledger line", "paid_orders_with_one_ledger_line"),
     ("uncertain outcomes", "uncertain_outcomes"),
     ("  settled automatically", "uncertain_settled_automatically"),
+    ("refunds asked", "refunds_asked"),
+    ("refunds refused by the API", "refunds_refused_by_api"),
+    ("refunds succeeded", "refunds_succeeded"),
+    ("provider refunds", "provider_refunds"),
+    ("refund claims done", "refund_claims_done"),
+    ("double refunds", "double_refunds"),
+    ("over-refunds", "over_refunds"),
+    ("provider refunds without a claim", "refunds_without_claim"),
+    ("credit notes", "credit_notes"),
+    ("orders refunded", "orders_refunded"),
+    ("orders partially refunded", "orders_partially_refunded"),
+    ("orders with refunds", "orders_with_refunds"),
+    ("  matching their refunded amount", "orders_with_refunds_matching"),
+    ("uncertain refund outcomes", "refund_uncertain_outcomes"),
+    ("  settled automatically", "refunds_settled_automatically"),
     ("workers SIGKILLed", "workers_killed"),
     ("Redis flushed", "redis_flushed"),
     ("time to drain (s)", "drain_seconds"),
@@ -40,11 +55,17 @@ STATE_COLOURS = {
 def table(result: ChaosResult) -> list[str]:
     """Return the report as aligned text lines."""
     r = result.report
-    states = ", ".join(f"{s} {n}" for s, n in sorted(r["operations_by_state"].items()))
-    rows = [("checkout operations by state", states)]
+    rows = [
+        ("checkout operations by state", _states(r["operations_by_state"])),
+        ("refund operations by state", _states(r["refund_operations_by_state"])),
+    ]
     rows += [(label, r[key]) for label, key in ROWS]
     width = max(len(label) for label, _ in rows)
     return [f"  {label:<{width}}  {value}" for label, value in rows]
+
+
+def _states(counts: dict[str, int]) -> str:
+    return ", ".join(f"{s} {n}" for s, n in sorted(counts.items())) or "none"
 
 
 def write_files(result: ChaosResult, directory: Path) -> tuple[Path, Path]:
@@ -85,12 +106,16 @@ def _html(result: ChaosResult) -> str:
     r = result.report
     ok = not result.violations
     verdict = (
-        "No double charge, nothing lost."
+        "No double charge, no double refund, nothing lost."
         if ok
         else "Invariant violated: " + "; ".join(result.violations)
     )
     states = sorted(r["operations_by_state"].items(), key=lambda kv: -kv[1])
-    state_chart = _bars([(s, n, STATE_COLOURS.get(s, "#999")) for s, n in states])
+    refund_states = sorted(r["refund_operations_by_state"].items(), key=lambda kv: -kv[1])
+    state_chart = _bars(
+        [(f"checkout {s}", n, STATE_COLOURS.get(s, "#999")) for s, n in states]
+        + [(f"refund {s}", n, STATE_COLOURS.get(s, "#999")) for s, n in refund_states]
+    )
     invariant_chart = _bars(
         [
             ("orders paid", r["orders_paid"], "#2e7d32"),
@@ -100,16 +125,35 @@ def _html(result: ChaosResult) -> str:
             ("unfenced charges", r["provider_successes_without_claim"], "#c62828"),
         ]
     )
+    refund_chart = _bars(
+        [
+            ("refunds asked", r["refunds_asked"], "#1565c0"),
+            ("refunds succeeded", r["refunds_succeeded"], "#2e7d32"),
+            ("provider refunds", r["provider_refunds"], "#1565c0"),
+            ("refund claims done", r["refund_claims_done"], "#6a1b9a"),
+            ("credit notes", r["credit_notes"], "#6a1b9a"),
+            ("double refunds", r["double_refunds"], "#c62828"),
+            ("over-refunds", r["over_refunds"], "#c62828"),
+            ("unfenced refunds", r["refunds_without_claim"], "#c62828"),
+        ]
+    )
     chaos_chart = _bars(
         [
             ("workers SIGKILLed", r["workers_killed"], "#424242"),
-            ("uncertain outcomes", r["uncertain_outcomes"], "#f9a825"),
+            ("uncertain charges", r["uncertain_outcomes"], "#f9a825"),
             ("settled automatically", r["uncertain_settled_automatically"], "#2e7d32"),
+            ("uncertain refunds", r["refund_uncertain_outcomes"], "#f9a825"),
+            ("settled automatically", r["refunds_settled_automatically"], "#2e7d32"),
         ]
     )
     cfg = result.config
     rows = "".join(
-        f"<tr><td>{escape(label)}</td><td>{escape(str(r[key]))}</td></tr>" for label, key in ROWS
+        f"<tr><td>{escape(label)}</td><td>{escape(str(value))}</td></tr>"
+        for label, value in [
+            ("checkout operations by state", _states(r["operations_by_state"])),
+            ("refund operations by state", _states(r["refund_operations_by_state"])),
+            *((label, r[key]) for label, key in ROWS),
+        ]
     )
     return f"""<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><title>Chaos run {result.run_id}</title>
@@ -124,12 +168,16 @@ h2 {{ margin-top: 2rem; font-size: 1.1rem; }}
 <h1>Chaos run {result.run_id}</h1>
 <p class="verdict">{escape(verdict)}</p>
 <p>{r["orders"]} orders, {cfg.workers} workers, a worker SIGKILLed every
-{cfg.kill_min}&ndash;{cfg.kill_max} s, provider faults: {cfg.drop_rate:.0%} accepted then dropped,
+{cfg.kill_min}&ndash;{cfg.kill_max} s, provider faults on charges and refunds alike:
+{cfg.drop_rate:.0%} accepted then dropped,
 {cfg.slow_rate:.0%} answered after the client's timeout, {cfg.fail_rate:.0%} 500s,
-{cfg.decline_rate:.0%} declined cards; {"Redis flushed once halfway" if r["redis_flushed"] else "no Redis flush"}; seed {cfg.seed}.
+{cfg.decline_rate:.0%} declined cards;
+{cfg.refund_rate:.0%} of the orders chosen for a refund once paid, through the API, half partially
+and half fully; {"Redis flushed once halfway" if r["redis_flushed"] else "no Redis flush"}; seed {cfg.seed}.
 Drained in {r["drain_seconds"]} s.</p>
 <h2>Where every operation ended</h2>{state_chart}
 <h2>The invariant: one provider success per paid order, each with one claim</h2>{invariant_chart}
+<h2>Refunds: one provider refund per refund, each with one claim and one credit note</h2>{refund_chart}
 <h2>What went wrong on purpose, and what recovered</h2>{chaos_chart}
 <h2>All figures</h2><table>{rows}</table>
 </body></html>

@@ -4,12 +4,17 @@ RQ runs each job in a forked work horse that exits after the job, so an
 in-process counter dies with it. Hence two sources, both outside the process:
 
 - gauges are computed from the database and RQ's registries on every scrape
-  (`FenceCollector`): claims and operations by state, the oldest uncertain
-  claim, the last fence audit, jobs by RQ status;
+  (`FenceCollector`): claims by kind, step and state, operations by kind and
+  state, the oldest uncertain claim, the last fence audit, jobs by RQ status;
 - true counters are either derived from rows that are never deleted
   (retries = OperationEvent rows into `retrying`), or kept in Redis with
   HINCRBY under the `observability:counter:` prefix of the queue's Redis
-  (provider calls by outcome class, inbox duplicates skipped per consumer).
+  (provider calls by kind, step and outcome class, inbox duplicates skipped
+  per consumer).
+
+The `kind` and `step` labels are bounded: their values are the registered
+handlers' kinds and step names (`registered_handlers()`); anything else (a
+removed handler's leftovers, a typo) is folded into `other`.
   That Redis runs `noeviction` (checked by payments.W001); if it is flushed
   the counters restart at 0, which Prometheus' rate() treats as a reset.
 
@@ -44,6 +49,7 @@ from rq.registry import (
 )
 
 from inbox.signals import duplicate_skipped
+from payments.engine.handlers import registered_handlers
 from payments.engine.outcomes import Outcome
 from payments.engine.queues import PROBE_TIMEOUT, redis_client
 from payments.engine.signals import provider_call_finished
@@ -61,6 +67,37 @@ logger = logging.getLogger("payments.observability.metrics")
 COUNTER_PREFIX = "observability:counter:"
 PROVIDER_CALLS = "payments_provider_calls_total"
 INBOX_DUPLICATES = "inbox_duplicates_skipped_total"
+#: The label value every kind, step or outcome outside the known sets is folded into.
+OTHER = "other"
+#: Joins the labels of one counter field in its Redis hash (`kind|step|outcome`).
+FIELD_SEPARATOR = "|"
+
+# --- bounded label sets -------------------------------------------------------------
+
+
+def known_steps() -> dict[str, frozenset[str]]:
+    """Return kind -> step names, from the registered handlers (the only label values)."""
+    return {kind: spec.known_steps for kind, spec in registered_handlers().items()}
+
+
+def external_steps() -> dict[str, frozenset[str]]:
+    """Return kind -> its external steps (the ones that call the provider)."""
+    return {kind: frozenset(spec.effects) for kind, spec in registered_handlers().items()}
+
+
+def bounded_labels(
+    kind: object, step: object, steps: dict[str, frozenset[str]] | None = None
+) -> tuple[str, str]:
+    """Return (kind, step) with anything no registered handler declares folded into `other`."""
+    steps = known_steps() if steps is None else steps
+    if kind not in steps:
+        return OTHER, OTHER
+    return str(kind), (str(step) if step in steps[str(kind)] else OTHER)
+
+
+def _bounded_outcome(outcome: object) -> str:
+    return str(outcome) if outcome in {o.value for o in Outcome} else OTHER
+
 
 # --- counters kept in Redis ---------------------------------------------------------
 
@@ -78,15 +115,18 @@ def increment(metric: str, label: str, amount: int = 1) -> None:
         logger.warning("metric %s not counted: redis unavailable", metric)
 
 
-def count_provider_call(outcome: str) -> None:
-    """Count one provider call by its outcome class (success, transient, ...)."""
-    increment(PROVIDER_CALLS, outcome)
+def count_provider_call(outcome: str, *, kind: str = OTHER, step: str = OTHER) -> None:
+    """Count one provider call by operation kind, step and outcome class (success, ...)."""
+    kind, step = bounded_labels(kind, step)
+    increment(PROVIDER_CALLS, FIELD_SEPARATOR.join((kind, step, _bounded_outcome(outcome))))
 
 
 @receiver(provider_call_finished)
-def count_provider_call_of_engine(sender: object, *, outcome: str, **kwargs: object) -> None:
+def count_provider_call_of_engine(
+    sender: object, *, outcome: str, kind: str = OTHER, step: str = OTHER, **kwargs: object
+) -> None:
     """Count a provider call the engine made (the engine's signal)."""
-    count_provider_call(outcome)
+    count_provider_call(outcome, kind=kind, step=step)
 
 
 @receiver(duplicate_skipped)
@@ -99,6 +139,24 @@ def _read_counters(client: Redis, metric: str) -> dict[str, float]:
     # A sync client: redis-py's annotations also allow the asyncio client's Awaitable.
     raw = cast("dict[bytes, bytes]", client.hgetall(COUNTER_PREFIX + metric))
     return {k.decode(): float(v) for k, v in raw.items()}
+
+
+def _provider_calls(client: Redis) -> dict[tuple[str, str, str], float]:
+    """Read the provider-call counters as (kind, step, outcome) -> count, folding the unknown.
+
+    A field written before the counter had kind and step (just the outcome)
+    counts under kind and step `other`.
+    """
+    steps = known_steps()
+    calls: dict[tuple[str, str, str], float] = {}
+    for name, count in _read_counters(client, PROVIDER_CALLS).items():
+        *where, outcome = name.split(FIELD_SEPARATOR)
+        kind, step = (
+            bounded_labels(where[0], where[1], steps) if len(where) == 2 else (OTHER, OTHER)
+        )
+        labels = (kind, step, _bounded_outcome(outcome))
+        calls[labels] = calls.get(labels, 0.0) + count
+    return calls
 
 
 # --- the collector ------------------------------------------------------------------
@@ -141,22 +199,49 @@ class FenceCollector(Collector):
         yield up
 
     def _database(self) -> Iterator[Metric]:
+        steps = known_steps()
         claims = GaugeMetricFamily(
-            "payments_step_claims", "Step claims by state.", labels=["state"]
+            "payments_step_claims",
+            "Step claims by operation kind, step and state.",
+            labels=["kind", "step", "state"],
         )
-        by_state = dict(StepClaim.objects.values_list("state").annotate(n=Count("id")))
-        for state in ClaimState:
-            claims.add_metric([state.value], by_state.get(state.value, 0))
+        claim_counts: dict[tuple[str, str, str], int] = {
+            (kind, step, state.value): 0
+            for kind, names in steps.items()
+            for step in names
+            for state in ClaimState
+        }
+        rows = (
+            StepClaim.objects.values_list("operation__kind", "step", "state")
+            .annotate(n=Count("id"))
+            .values_list("operation__kind", "step", "state", "n")
+        )
+        for kind, step, state, n in rows:
+            labels = (*bounded_labels(kind, step, steps), state)
+            claim_counts[labels] = claim_counts.get(labels, 0) + n
+        for labels, n in sorted(claim_counts.items()):
+            claims.add_metric(list(labels), n)
         yield claims
 
         operations = GaugeMetricFamily(
             "payments_operations",
-            "Operations by state (uncertain and needs_review want a person or the reconciler).",
-            labels=["state"],
+            "Operations by kind and state (uncertain and needs_review want a person or the "
+            "reconciler).",
+            labels=["kind", "state"],
         )
-        by_state = dict(OperationRow.objects.values_list("state").annotate(n=Count("id")))
-        for op_state in OperationState:
-            operations.add_metric([op_state.value], by_state.get(op_state.value, 0))
+        op_counts: dict[tuple[str, str], int] = {
+            (kind, op_state.value): 0 for kind in steps for op_state in OperationState
+        }
+        op_rows = (
+            OperationRow.objects.values_list("kind", "state")
+            .annotate(n=Count("id"))
+            .values_list("kind", "state", "n")
+        )
+        for kind, op_state, n in op_rows:
+            key = (kind if kind in steps else OTHER, op_state)
+            op_counts[key] = op_counts.get(key, 0) + n
+        for (kind, op_state), n in sorted(op_counts.items()):
+            operations.add_metric([kind, op_state], n)
         yield operations
 
         oldest = StepClaim.objects.filter(state=ClaimState.UNCERTAIN).aggregate(
@@ -193,12 +278,19 @@ class FenceCollector(Collector):
         client = _counter_redis()
         calls = CounterMetricFamily(
             "payments_provider_calls",
-            "Provider calls made under a claim, by outcome class.",
-            labels=["outcome"],
+            "Provider calls made under a claim, by operation kind, step and outcome class.",
+            labels=["kind", "step", "outcome"],
         )
-        counted = _read_counters(client, PROVIDER_CALLS)
-        for outcome in sorted({o.value for o in Outcome} | set(counted)):
-            calls.add_metric([outcome], counted.get(outcome, 0.0))
+        counted = {
+            (kind, step, outcome.value): 0.0
+            for kind, names in external_steps().items()
+            for step in names
+            for outcome in Outcome
+        }
+        for labels, count in _provider_calls(client).items():
+            counted[labels] = counted.get(labels, 0.0) + count
+        for labels, count in sorted(counted.items()):
+            calls.add_metric(list(labels), count)
         yield calls
 
         duplicates = CounterMetricFamily(

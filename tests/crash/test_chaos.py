@@ -1,4 +1,5 @@
-"""The chaos run, small: real processes, provider faults, workers SIGKILLed, Redis flushed."""
+"""The chaos run, small: real processes, provider faults, workers SIGKILLed, Redis flushed,
+and refunds through the API while workers keep dying."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from tests.support.workers import worker_env
 pytestmark = pytest.mark.django_db(transaction=True)
 
 
-def test_chaos_run__no_double_charge_nothing_lost(
+def test_chaos_run__no_double_charge_no_double_refund_nothing_lost(
     provider, redis_conn, monkeypatch, tmp_path, settings
 ):
     settings.DEBUG = True  # a developer's machine: demo refuses to run otherwise
@@ -25,7 +26,7 @@ def test_chaos_run__no_double_charge_nothing_lost(
 
     call_command(
         "demo", orders=30, workers=2, kill_interval=(1.0, 3.0), seed=7, timeout=240,
-        output=str(tmp_path),
+        refund_rate=0.3, output=str(tmp_path),
     )  # fmt: skip
 
     report = json.loads((tmp_path / "report.json").read_text())
@@ -37,7 +38,27 @@ def test_chaos_run__no_double_charge_nothing_lost(
     assert report["paid_orders_with_one_invoice"] == report["orders_paid"]
     assert report["paid_orders_with_one_ledger_line"] == report["orders_paid"]
     assert report["orders_paid"] + report["orders_declined_or_failed"] == 30
+    # Refunds: a few, partial and full, each made once at the provider under its claim.
+    assert report["refunds_asked"] >= 3
+    assert report["refunds_refused_by_api"] == 0
+    assert report["double_refunds"] == 0
+    assert report["over_refunds"] == 0
+    assert report["refunds_without_claim"] == 0
+    assert report["refund_audit"]["clean"] is True
+    assert report["refund_operations_by_state"] == {"succeeded": report["refunds_asked"]}
+    assert report["refunds_succeeded"] == report["refunds_asked"]
+    assert report["provider_refunds"] == report["refunds_succeeded"]
+    assert report["refund_claims_done"] == report["refunds_succeeded"]
+    assert report["credit_notes"] == report["refunds_succeeded"]
+    assert report["orders_refunded"] + report["orders_partially_refunded"] >= 2
+    assert report["orders_with_refunds"] == (
+        report["orders_refunded"] + report["orders_partially_refunded"]
+    )
+    assert report["orders_with_refunds_matching"] == report["orders_with_refunds"]
+    # Every refund the chaos left uncertain was settled without an operator.
+    assert report["refunds_settled_automatically"] == report["refund_uncertain_outcomes"]
+    assert report["uncertain_settled_automatically"] == report["uncertain_outcomes"]
     assert report["workers_killed"] >= 1
     assert report["redis_flushed"] is True
     assert report["settled_in_time"] is True
-    assert (tmp_path / "report.html").read_text().count("<svg") == 3
+    assert (tmp_path / "report.html").read_text().count("<svg") == 4

@@ -7,12 +7,17 @@ import io
 import pytest
 from django.contrib.auth import get_user_model
 from django.core.management import call_command
+from django.db.models import Count
+from django.utils import timezone
 from prometheus_client.parser import text_string_to_metric_families
 
 from inbox.handlers import inbox_guard
+from payments.engine.handlers import registered_handlers
+from payments.engine.signals import provider_call_finished
 from payments.engine.writes import fence_writes
-from payments.models import ClaimState, Operation, OperationState, StepClaim
+from payments.models import ClaimState, Operation, OperationState, OrderStatus, StepClaim
 from payments.observability.metrics import COUNTER_PREFIX
+from payments.refunds.handler import request_refund
 from tests.support.flows import order_and_checkout
 from tests.support.workers import run_worker
 
@@ -34,6 +39,17 @@ def scrape(client, token: str = TOKEN) -> dict[tuple[str, tuple], float]:
 
 def value(samples, name: str, **labels: str) -> float:
     return samples[(name, tuple(sorted(labels.items())))]
+
+
+def total(samples, name: str, **labels: str) -> float:
+    """Sum the samples of `name` whose labels include `labels` (any other label summed over)."""
+    return sum(
+        v for (n, have), v in samples.items() if n == name and set(labels.items()) <= set(have)
+    )
+
+
+def label_values(samples, name: str, label: str) -> set[str]:
+    return {dict(have)[label] for (n, have) in samples if n == name}
 
 
 @pytest.fixture
@@ -83,20 +99,36 @@ def test_metrics__names_and_values_after_a_run(client, metrics_token, provider, 
 
     samples = scrape(client)
 
-    # Gauges mirror the rows (other handlers, e.g. follow-ups, may add their own).
+    # Gauges mirror the rows, per kind and step (follow-ups have their own kinds).
+    claims = StepClaim.objects.values_list("operation__kind", "step", "state").annotate(
+        n=Count("id")
+    )
+    for kind, step, state, n in claims:
+        assert value(samples, "payments_step_claims", kind=kind, step=step, state=state) == n
     for state in ClaimState:
         count = StepClaim.objects.filter(state=state).count()
-        assert value(samples, "payments_step_claims", state=state) == count, state
+        assert total(samples, "payments_step_claims", state=state) == count, state
     for state in OperationState:
         count = Operation.objects.filter(state=state).count()
-        assert value(samples, "payments_operations", state=state) == count, state
-    assert value(samples, "payments_step_claims", state="done") >= 8
-    assert value(samples, "payments_operations", state="failed") == 1
+        assert total(samples, "payments_operations", state=state) == count, state
+        for kind in registered_handlers():
+            count = Operation.objects.filter(kind=kind, state=state).count()
+            assert value(samples, "payments_operations", kind=kind, state=state) == count
+    assert total(samples, "payments_step_claims", state="done") >= 8
+    assert value(samples, "payments_step_claims", kind="checkout", step="charge", state="done") == 2
+    assert (
+        value(samples, "payments_step_claims", kind="checkout", step="charge", state="failed") == 1
+    )
+    assert value(samples, "payments_operations", kind="checkout", state="failed") == 1
+    assert value(samples, "payments_operations", kind="checkout", state="succeeded") == 2
+    assert value(samples, "payments_operations", kind="refund", state="succeeded") == 0
     assert value(samples, "payments_oldest_uncertain_claim_age_seconds") == 0
-    assert value(samples, "payments_provider_calls_total", outcome="success") == 2
-    assert value(samples, "payments_provider_calls_total", outcome="permanent") == 1
-    assert value(samples, "payments_provider_calls_total", outcome="transient") == 1
-    assert value(samples, "payments_provider_calls_total", outcome="uncertain") == 0
+    charge = {"kind": "checkout", "step": "charge"}
+    assert value(samples, "payments_provider_calls_total", **charge, outcome="success") == 2
+    assert value(samples, "payments_provider_calls_total", **charge, outcome="permanent") == 1
+    assert value(samples, "payments_provider_calls_total", **charge, outcome="transient") == 1
+    assert value(samples, "payments_provider_calls_total", **charge, outcome="uncertain") == 0
+    assert total(samples, "payments_provider_calls_total", kind="refund") == 0
     assert value(samples, "payments_operation_retries_total") == 1
     assert value(samples, "inbox_duplicates_skipped_total", consumer="emails") == 1
     assert value(samples, "rq_jobs", queue="payments", status="failed") == 0
@@ -106,13 +138,95 @@ def test_metrics__names_and_values_after_a_run(client, metrics_token, provider, 
     assert ("payments_fence_audit_last_exit_code", ()) not in samples  # no audit yet
 
 
-def test_metrics__counters_live_in_redis_and_survive_the_process(client, metrics_token, queue):
-    # What a work horse that has since exited left behind.
-    queue.connection.hincrby(COUNTER_PREFIX + "payments_provider_calls_total", "uncertain", 3)
+def test_metrics__refunds_are_labelled_with_their_kind_and_steps(
+    client, metrics_token, provider, queue
+):
+    order, _ = order_and_checkout()
+    run_worker(queue)
+    order.refresh_from_db()
+    assert order.status == OrderStatus.PAID
+    provider.state.enqueue_faults("fail_before", 1)  # the refund is refused once, then made
+    request_refund(order_id=order.pk, key="refund-1", amount=500, actor="test")
+    run_worker(queue)
 
     samples = scrape(client)
 
-    assert value(samples, "payments_provider_calls_total", outcome="uncertain") == 3
+    refund = {"kind": "refund", "step": "refund"}
+    assert value(samples, "payments_provider_calls_total", **refund, outcome="success") == 1
+    assert value(samples, "payments_provider_calls_total", **refund, outcome="transient") == 1
+    assert value(samples, "payments_provider_calls_total", **refund, outcome="uncertain") == 0
+    charge = {"kind": "checkout", "step": "charge"}
+    assert value(samples, "payments_provider_calls_total", **charge, outcome="success") == 1
+    assert value(samples, "payments_provider_calls_total", **charge, outcome="transient") == 0
+    assert value(samples, "payments_operations", kind="refund", state="succeeded") == 1
+    assert value(samples, "payments_step_claims", **refund, state="done") == 1
+    assert (
+        value(samples, "payments_step_claims", kind="refund", step="credit_note", state="done") == 1
+    )
+    # Only external steps call the provider: no series for a local step.
+    assert "credit_note" not in label_values(samples, "payments_provider_calls_total", "step")
+
+
+def test_metrics__kind_and_step_labels_are_bounded_by_the_registered_handlers(
+    client, metrics_token, queue
+):
+    """Whatever is recorded, label values are registered kinds and steps, or `other`."""
+    now = timezone.now()
+    with fence_writes():  # rows a removed handler left behind
+        gone = Operation.objects.create(
+            key="legacy-1", kind="gift_card", entity_type="order", entity_id="1",
+            params={}, fingerprint="x",
+        )  # fmt: skip
+        StepClaim.objects.create(operation=gone, step="redeem", claimed_by="t", claimed_at=now)
+        renamed = Operation.objects.create(
+            key="legacy-2", kind="checkout", entity_type="order", entity_id="2",
+            params={}, fingerprint="y",
+        )  # fmt: skip
+        StepClaim.objects.create(
+            operation=renamed, step="charge_v0", claimed_by="t", claimed_at=now
+        )
+    counters = COUNTER_PREFIX + "payments_provider_calls_total"
+    queue.connection.hincrby(counters, "gift_card|redeem|success", 2)
+    queue.connection.hincrby(counters, "checkout|charge|teleported", 1)
+    provider_call_finished.send(sender=None, outcome="success", kind="checkout", step="nope")
+    provider_call_finished.send(sender=None, outcome="uncertain", kind="gift_card", step="x")
+
+    samples = scrape(client)
+
+    assert value(samples, "payments_operations", kind="other", state="pending") == 1
+    assert value(samples, "payments_operations", kind="checkout", state="pending") == 1
+    assert value(samples, "payments_step_claims", kind="other", step="other", state="claimed") == 1
+    assert (
+        value(samples, "payments_step_claims", kind="checkout", step="other", state="claimed") == 1
+    )
+    calls = "payments_provider_calls_total"
+    assert value(samples, calls, kind="other", step="other", outcome="success") == 2
+    assert value(samples, calls, kind="other", step="other", outcome="uncertain") == 1
+    assert value(samples, calls, kind="checkout", step="other", outcome="success") == 1
+    assert value(samples, calls, kind="checkout", step="charge", outcome="other") == 1
+    kinds = set(registered_handlers()) | {"other"}
+    steps = {s for spec in registered_handlers().values() for s in spec.known_steps} | {"other"}
+    for name in ("payments_operations", "payments_step_claims", calls):
+        assert label_values(samples, name, "kind") <= kinds, name
+    for name in ("payments_step_claims", calls):
+        assert label_values(samples, name, "step") <= steps, name
+    assert label_values(samples, calls, "outcome") <= {
+        "success", "permanent", "transient", "uncertain", "conflict", "other"
+    }  # fmt: skip
+
+
+def test_metrics__counters_live_in_redis_and_survive_the_process(client, metrics_token, queue):
+    # What a work horse that has since exited left behind, and a counter from before
+    # the kind and step labels (its calls count under `other`).
+    counters = COUNTER_PREFIX + "payments_provider_calls_total"
+    queue.connection.hincrby(counters, "checkout|charge|uncertain", 3)
+    queue.connection.hincrby(counters, "uncertain", 2)
+
+    samples = scrape(client)
+
+    calls = "payments_provider_calls_total"
+    assert value(samples, calls, kind="checkout", step="charge", outcome="uncertain") == 3
+    assert value(samples, calls, kind="other", step="other", outcome="uncertain") == 2
 
 
 def test_metrics__an_uncertain_claim_shows_its_age(client, metrics_token, provider, queue):
@@ -125,10 +239,23 @@ def test_metrics__an_uncertain_claim_shows_its_age(client, metrics_token, provid
 
     samples = scrape(client)
 
-    assert value(samples, "payments_operations", state="uncertain") == 1
-    assert value(samples, "payments_step_claims", state="uncertain") == 1
+    assert value(samples, "payments_operations", kind="checkout", state="uncertain") == 1
+    assert total(samples, "payments_operations", state="uncertain") == 1
+    assert (
+        value(samples, "payments_step_claims", kind="checkout", step="charge", state="uncertain")
+        == 1
+    )
     assert value(samples, "payments_oldest_uncertain_claim_age_seconds") > 365 * 86400
-    assert value(samples, "payments_provider_calls_total", outcome="uncertain") == 1
+    assert (
+        value(
+            samples,
+            "payments_provider_calls_total",
+            kind="checkout",
+            step="charge",
+            outcome="uncertain",
+        )
+        == 1
+    )
     assert provider.state.wait_idle(timeout=5)
 
 
@@ -150,7 +277,8 @@ def test_metrics__an_unreachable_redis_is_reported_not_fatal(
 
     assert value(samples, "payments_metrics_source_up", source="redis") == 0
     assert value(samples, "payments_metrics_source_up", source="database") == 1
-    assert ("payments_step_claims", (("state", "done"),)) in samples
+    labels = (("kind", "checkout"), ("state", "done"), ("step", "charge"))
+    assert ("payments_step_claims", labels) in samples
 
 
 # --- /healthz -----------------------------------------------------------------------

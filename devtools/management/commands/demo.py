@@ -1,4 +1,4 @@
-"""`make demo`: the chaos run. No double charge, nothing lost, whatever dies."""
+"""`make demo`: the chaos run. No double charge, no double refund, nothing lost, whatever dies."""
 
 from __future__ import annotations
 
@@ -30,8 +30,10 @@ class Command(BaseCommand):
     help = (
         "Chaos run: start the fake provider with faults, K real RQ workers, the API server and "
         "the recovery loop; check N orders out through the HTTP API while a random worker is "
-        "SIGKILLed every few seconds and Redis is flushed once; wait until every operation is "
-        "settled; print and save a report (JSON and HTML). Exits 1 on any invariant violation."
+        "SIGKILLed every few seconds and Redis is flushed once; once orders are paid, refund a "
+        "share of them through the API (half partially, half fully), still under the kills and "
+        "the provider's faults; wait until every operation is settled; print and save a report "
+        "(JSON and HTML). Exits 1 on any invariant violation."
     )
 
     def add_arguments(self, parser: CommandParser) -> None:
@@ -61,6 +63,13 @@ class Command(BaseCommand):
             type=_rate,
             default=d.decline_rate,
             help="Orders paid with a card that is declined.",
+        )
+        parser.add_argument(
+            "--refund-rate",
+            type=_rate,
+            default=d.refund_rate,
+            help="Orders refunded once paid, through the API: half partially, half fully "
+            "(some as two partial refunds). Chosen from the seed.",
         )
         parser.add_argument(
             "--kill-interval",
@@ -97,6 +106,7 @@ class Command(BaseCommand):
             orders=options["orders"], workers=options["workers"],
             drop_rate=options["drop_rate"], slow_rate=options["slow_rate"],
             fail_rate=options["fail_rate"], decline_rate=options["decline_rate"],
+            refund_rate=options["refund_rate"],
             kill_min=kill_min, kill_max=kill_max, flush=not options["no_flush"],
             seed=options["seed"], timeout=options["timeout"],
             worker_class=options["worker_class"],
@@ -106,7 +116,8 @@ class Command(BaseCommand):
             f"Chaos run: {config.orders} orders, {config.workers} workers, kills every "
             f"{kill_min}-{kill_max}s, faults drop {config.drop_rate:.0%} / slow "
             f"{config.slow_rate:.0%} / 500 {config.fail_rate:.0%}, declines "
-            f"{config.decline_rate:.0%}, seed {config.seed}"
+            f"{config.decline_rate:.0%}, refunds {config.refund_rate:.0%} of the orders, "
+            f"seed {config.seed}"
         )
         result = run_chaos(config, log_dir=var / "log", say=self.stdout.write)
         if not result.report:
@@ -122,6 +133,7 @@ class Command(BaseCommand):
         self.stdout.write(
             self.style.SUCCESS(
                 "No double charge, no charge without a claim, one invoice and one ledger line per "
-                "paid order; every operation settled."
+                "paid order; no double refund, no over-refund, no refund without a claim, one "
+                "credit note per refund; every operation settled."
             )
         )
