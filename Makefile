@@ -68,3 +68,9 @@ bench: install env
 
 clean:
 	rm -rf $(VENV) var artifacts
+
+# The admin's static files, hashed and compressed, into STATIC_ROOT for whitenoise
+# (a production deploy runs it before starting gunicorn: README, "Production").
+.PHONY: collectstatic
+collectstatic: install env
+	$(PY) manage.py collectstatic --noinput -v 0

@@ -25,12 +25,15 @@ from django.utils import timezone
 from django.utils.html import format_html, format_html_join
 from django.utils.safestring import mark_safe
 from django.utils.timesince import timesince
+from rest_framework_api_key.admin import APIKeyModelAdmin
+from rest_framework_api_key.models import APIKey
 
 from payments.desk import services as desk
 from payments.desk.display import (
     AGED_STATES,
     BADGE_COLOURS,
     key_values,
+    money_line,
     pretty_json,
     provider_view_table,
     reference_link,
@@ -52,6 +55,8 @@ from payments.desk.views import (
     with_state_since,
 )
 from payments.models import (
+    ApiClient,
+    ClientApiKey,
     Invoice,
     Operation,
     OperationEvent,
@@ -255,7 +260,7 @@ class OperationAdmin(NamedPermissionsMixin, DeskViewsMixin, admin.ModelAdmin):
         "=claims__idempotency_key",
     )
     search_help_text = (
-        "Operation key, order id, provider reference (pi_…), idempotency key (fence_…) "
+        "Operation key, order id, provider reference (pi_…, re_…), idempotency key (fence_…) "
         "or the customer's e-mail."
     )
     ordering = ("-updated_at",)
@@ -266,7 +271,7 @@ class OperationAdmin(NamedPermissionsMixin, DeskViewsMixin, admin.ModelAdmin):
         "key",
         "kind",
         "order_link",
-        "amount",
+        "money",
         "badge",
         "state_age",
         "provider_side",
@@ -322,6 +327,11 @@ class OperationAdmin(NamedPermissionsMixin, DeskViewsMixin, admin.ModelAdmin):
     def amount(self, obj: Operation) -> str:
         return money_of(obj.params)
 
+    @admin.display(description="amount")
+    def money(self, obj: Operation) -> str:
+        """On the operation's page: the money in its handler's words ("€6.00 refund of order 3")."""
+        return money_line(obj)
+
     @admin.display(description="in state for", ordering="state_since")
     def state_age(self, obj: Operation) -> str:
         since = getattr(obj, "state_since", None)
@@ -349,7 +359,9 @@ class OperationAdmin(NamedPermissionsMixin, DeskViewsMixin, admin.ModelAdmin):
 
     @admin.display(description="at the provider")
     def provider_side(self, obj: Operation) -> str:
-        table = provider_view_table(obj.claims.order_by("claimed_at", "pk"), obj.params)
+        table = provider_view_table(
+            obj.claims.order_by("claimed_at", "pk"), obj.params, what=money_line(obj)
+        )
         if table:
             return table
         if obj.state in (OperationState.SUCCEEDED, OperationState.FAILED):
@@ -559,3 +571,39 @@ admin.site.index = with_desk_counts(admin.site.index)  # type: ignore[method-ass
 # The operators' lists need the width: the app sidebar (three links, the same as the
 # breadcrumbs) would clip their columns at 1280 px.
 admin.site.enable_nav_sidebar = False
+
+
+# --- API clients and their keys (djangorestframework-api-key's admin) ---------------
+
+
+class ClientApiKeyInline(admin.TabularInline):
+    model = ClientApiKey
+    fields = ("prefix", "name", "created", "expiry_date", "revoked")
+    readonly_fields = ("prefix", "name", "created")
+    extra = 0
+    can_delete = False
+    show_change_link = True
+
+
+@admin.register(ApiClient)
+class ApiClientAdmin(admin.ModelAdmin):
+    """A client of the JSON API; its keys are created, rotated and revoked under it."""
+
+    list_display = ("name", "is_active", "created_at")
+    search_fields = ("name",)
+    inlines = [ClientApiKeyInline]
+
+
+@admin.register(ClientApiKey)
+class ClientApiKeyAdmin(APIKeyModelAdmin):
+    """Create a key (shown once), or revoke one. Rotate: add a new key, then revoke the old."""
+
+    # The package declares these as fixed-length tuples; ours are longer on purpose.
+    list_display = (*APIKeyModelAdmin.list_display, "client")  # type: ignore[assignment]
+    list_filter = ("client", "revoked", "created")  # type: ignore[assignment]
+    search_fields = ("name", "prefix", "client__name")  # type: ignore[assignment]
+
+
+# The package's own APIKey model is not used (keys belong to clients): keep it off the desk.
+if admin.site.is_registered(APIKey):
+    admin.site.unregister(APIKey)

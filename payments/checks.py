@@ -10,11 +10,13 @@ from django.core.checks import CheckMessage, Error, Tags, register
 from django.core.checks import Warning as CheckWarning
 from django.core.exceptions import ImproperlyConfigured
 from django.db import DatabaseError, connections
+from django.utils.module_loading import import_string
 from redis import Redis
 from redis.connection import parse_url
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
+from rq.worker import SimpleWorker
 
 from payments.conf import payments_settings
 from payments.engine.handlers import unknown_recorded_names
@@ -304,4 +306,71 @@ def check_recorded_names_are_registered(
             id="payments.E010",
         )
         for problem in problems
+    ]
+
+
+# --- deployment: PostgreSQL connections of the documented process counts ------------
+
+
+def connections_needed(processes: dict[str, int], worker_class: str) -> dict[str, int]:
+    """Return each process kind's most simultaneous PostgreSQL connections.
+
+    Django holds at most one connection per thread: a gunicorn worker has
+    GUNICORN_THREADS of them; an RQ worker one, two when it forks a work horse
+    per job (the horse opens its own); the recovery loop one. The reserve is
+    for migrate, shell and cron commands run beside them.
+    """
+    try:
+        forks = not issubclass(import_string(worker_class), SimpleWorker)
+    except ImportError:
+        forks = True  # count the larger
+    return {
+        "gunicorn": processes.get("WEB_CONCURRENCY", 0) * processes.get("GUNICORN_THREADS", 1),
+        "rqworker": processes.get("RQ_WORKERS", 0) * (2 if forks else 1),
+        "run_recovery": processes.get("RECOVERY_PROCESSES", 0),
+        "reserve": processes.get("DB_RESERVED_CONNECTIONS", 0),
+    }
+
+
+@register(Tags.database, deploy=True)
+def check_connection_budget(
+    app_configs: Any = None, databases: Any = None, **kwargs: Any
+) -> list[CheckMessage]:
+    """The documented process counts must fit in PostgreSQL's max_connections.
+
+    Runs with `check --deploy --database default` (it asks the server).
+    """
+    processes = getattr(settings, "DEPLOY_PROCESSES", None)
+    if not databases or "default" not in databases or not processes:
+        return []
+    try:
+        with connections["default"].cursor() as cursor:
+            cursor.execute(
+                "SELECT current_setting('max_connections')::int, "
+                "current_setting('superuser_reserved_connections')::int"
+            )
+            max_connections, superuser_reserved = cursor.fetchone()
+    except DatabaseError as exc:
+        return [
+            CheckWarning(
+                f"Could not read PostgreSQL's max_connections ({type(exc).__name__}).",
+                id="payments.W005",
+            )
+        ]
+    worker_class = str(getattr(settings, "RQ", {}).get("WORKER_CLASS", "rq.worker.Worker"))
+    needed = connections_needed(processes, worker_class)
+    available = max_connections - superuser_reserved
+    if sum(needed.values()) <= available:
+        return []
+    sums = " + ".join(f"{kind} {count}" for kind, count in needed.items())
+    return [
+        Error(
+            f"The deploy's processes may open {sum(needed.values())} PostgreSQL connections "
+            f"({sums}), more than the {available} the server allows (max_connections "
+            f"{max_connections} - superuser_reserved_connections {superuser_reserved}).",
+            hint="Lower WEB_CONCURRENCY, GUNICORN_THREADS or RQ_WORKERS, or raise "
+            "max_connections; see README, Production.",
+            obj="settings.DEPLOY_PROCESSES",
+            id="payments.E011",
+        )
     ]

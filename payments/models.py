@@ -11,10 +11,11 @@ from typing import Any
 
 from django.db import models
 from django.db.models import Q
+from rest_framework_api_key.models import AbstractAPIKey
 
 from payments.engine.writes import writing
 
-OPERATION_KEY_CONSTRAINT = "payments_operation_scope_key_uniq"
+OPERATION_KEY_CONSTRAINT = "payments_operation_client_scope_key_uniq"
 
 
 class FenceWriteRefused(RuntimeError):
@@ -150,6 +151,30 @@ RUNNABLE_OPERATION_STATES = frozenset(
 )
 
 
+class ApiClient(models.Model):
+    """A client of the JSON API: its operations and idempotency keys are its own."""
+
+    name = models.CharField(max_length=100, unique=True)
+    is_active = models.BooleanField(default=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    def __str__(self) -> str:
+        return self.name
+
+
+class ClientApiKey(AbstractAPIKey):
+    """A key of an API client: stored hashed, shown once, with a visible prefix; revocable.
+
+    Rotation without downtime: add a new key, move the client to it, revoke the old one.
+    """
+
+    client = models.ForeignKey(ApiClient, on_delete=models.PROTECT, related_name="keys")
+
+    class Meta(AbstractAPIKey.Meta):
+        verbose_name = "client API key"
+        verbose_name_plural = "client API keys"
+
+
 class KeyScope(models.TextChoices):
     """Whose namespace an operation key lives in: UNIQUE(scope, key), so the two never collide."""
 
@@ -164,6 +189,11 @@ class Operation(FenceModel):
 
     key = models.CharField(max_length=255)
     scope = models.CharField(max_length=16, choices=KeyScope, default=KeyScope.CLIENT)
+    #: The API client that asked for it: its idempotency keys are scoped to it (None: the
+    #: system or a tool asked).
+    client = models.ForeignKey(
+        ApiClient, null=True, blank=True, on_delete=models.PROTECT, related_name="operations"
+    )
     kind = models.CharField(max_length=64)
     entity_type = models.CharField(max_length=64)
     entity_id = models.CharField(max_length=64)
@@ -190,7 +220,11 @@ class Operation(FenceModel):
 
     class Meta:
         constraints = [
-            models.UniqueConstraint(fields=["scope", "key"], name=OPERATION_KEY_CONSTRAINT),
+            models.UniqueConstraint(
+                fields=["client", "scope", "key"],
+                name=OPERATION_KEY_CONSTRAINT,
+                nulls_distinct=False,  # no client (the system's own) is one namespace too
+            ),
         ]
         indexes = [
             models.Index(fields=["state", "next_attempt_at"], name="payments_op_state_due"),

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
-from django.urls import path
+from django.conf import settings
+from django.urls import path, re_path
+from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 
-from payments.api import views
+from payments.api import schema, views  # noqa: F401  (schema: the auth extension)
+from payments.api.base import json_not_found
 from payments.checkout import api as checkout
 from payments.refunds import api as refunds
 
@@ -15,5 +18,22 @@ urlpatterns = [
     path("orders/<int:order_id>", checkout.order_detail, name="order"),
     path("orders/<int:order_id>/checkout", checkout.checkout, name="checkout"),
     path("orders/<int:order_id>/refunds", refunds.refunds, name="refunds"),
-    path("operations/<path:key>", views.operation_detail, name="operation"),
+    re_path(r"^operations/(?P<key>(?s:.+))$", views.operation_detail, name="operation"),
+    path(
+        "schema",
+        SpectacularAPIView.as_view(authentication_classes=[], permission_classes=[]),
+        name="schema",
+    ),
 ]
+if settings.DEBUG:
+    urlpatterns.append(
+        path(
+            "docs",
+            SpectacularSwaggerView.as_view(
+                url_name="payments_api:schema", authentication_classes=[], permission_classes=[]
+            ),
+            name="docs",
+        )
+    )
+# Any other path (newlines included) answers the documented JSON 404.
+urlpatterns.append(re_path(r"^(?P<path>(?s:.*))$", json_not_found, name="not_found"))

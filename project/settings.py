@@ -7,6 +7,9 @@ production sets real environment variables and has no `.env`.
 
 from __future__ import annotations
 
+import os
+import sys
+from datetime import timedelta
 from pathlib import Path
 
 import environ
@@ -17,7 +20,11 @@ from payments.conf import PaymentsSettings
 BASE_DIR = Path(__file__).resolve().parent.parent
 
 env = environ.Env()
-environ.Env.read_env(BASE_DIR / ".env")
+# DJANGO_ENV_FILE names another file to read (e.g. .env.production.example in its
+# test); an empty value reads none. Variables already in the environment win.
+_ENV_FILE = os.environ.get("DJANGO_ENV_FILE", str(BASE_DIR / ".env"))
+if _ENV_FILE:
+    environ.Env.read_env(_ENV_FILE)
 
 DEBUG = env.bool("DEBUG", default=False)
 
@@ -48,8 +55,15 @@ INSTALLED_APPS = [
     "django.contrib.messages",
     "django.contrib.staticfiles",
     "django_rq",
+    "rest_framework",
+    "rest_framework_api_key",
+    "drf_spectacular",
     "inbox",
     "payments",
+    # Creates the payments.manage_queues permission after migrate (no models).
+    "payments.desk.rq_access.QueueAccessConfig",
+    # Admin login lockout (settings below).
+    "axes",
 ]
 # Developer tooling (fake provider, chaos run, bench, local stack): installed only
 # with DEBUG on, or when DEVTOOLS=1 says so explicitly. Production never has it.
@@ -59,12 +73,16 @@ if DEVTOOLS:
 
 MIDDLEWARE = [
     "django.middleware.security.SecurityMiddleware",
+    # The admin's static files with DEBUG off (gunicorn serves no files itself).
+    "whitenoise.middleware.WhiteNoiseMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
     "django.middleware.common.CommonMiddleware",
     "django.middleware.csrf.CsrfViewMiddleware",
     "django.contrib.auth.middleware.AuthenticationMiddleware",
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
+    # Last, as django-axes asks: turns a locked-out login into its 429 answer.
+    "axes.middleware.AxesMiddleware",
 ]
 
 ROOT_URLCONF = "project.urls"
@@ -90,7 +108,15 @@ WSGI_APPLICATION = "project.wsgi.application"
 DATABASES = {
     "default": env.db("DATABASE_URL", default="postgres://postgres@127.0.0.1:5432/fence"),
 }
-DATABASES["default"].setdefault("CONN_MAX_AGE", env.int("DB_CONN_MAX_AGE", default=60))
+# CONN_MAX_AGE keeps one connection per thread of each process open between
+# requests (gunicorn: workers x threads; see README, "Production", for the sum that
+# must stay below PostgreSQL's max_connections, checked by payments.E011). The
+# development server starts a thread per request and would keep one connection per
+# thread it ever started: it always closes them (0), whatever DB_CONN_MAX_AGE says.
+_RUNSERVER = sys.argv[1:2] == ["runserver"]
+DATABASES["default"].setdefault(
+    "CONN_MAX_AGE", 0 if _RUNSERVER else env.int("DB_CONN_MAX_AGE", default=0 if DEBUG else 60)
+)
 DATABASES["default"].setdefault("CONN_HEALTH_CHECKS", True)
 
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
@@ -108,7 +134,20 @@ USE_I18N = True
 USE_TZ = True
 
 STATIC_URL = "static/"
-STATIC_ROOT = BASE_DIR / "var" / "static"
+STATIC_ROOT = env.path("STATIC_ROOT", default=BASE_DIR / "var" / "static")
+# With DEBUG off, whitenoise serves what `collectstatic` wrote (hashed names,
+# compressed, cached for good); a deploy runs `make collectstatic` first.
+STORAGES = {
+    "default": {"BACKEND": "django.core.files.storage.FileSystemStorage"},
+    "staticfiles": {
+        "BACKEND": "django.contrib.staticfiles.storage.StaticFilesStorage"
+        if DEBUG
+        else "whitenoise.storage.CompressedManifestStaticFilesStorage"
+    },
+}
+# With DEBUG (runserver, the tests) whitenoise finds files in the apps and rechecks them.
+WHITENOISE_USE_FINDERS = DEBUG
+WHITENOISE_AUTOREFRESH = DEBUG
 
 # --- Redis: the queue lives in its own database; nothing else shares it. -------
 REDIS_URL = env.str("REDIS_URL", default="redis://127.0.0.1:6379/0")
@@ -122,6 +161,10 @@ RQ_QUEUES = {
 # Enqueue only after the surrounding transaction commits (django-rq's default,
 # stated here because the outbox design depends on it).
 # The worker class was picked by `make bench` (see payments/worker.py).
+# django-rq's pages are served only under /admin/rq/, behind payments.desk.rq_access;
+# its admin integration would serve the same views again at /admin/django_rq/
+# with nothing but the staff check.
+RQ_SHOW_ADMIN_LINK = False
 RQ = {
     "COMMIT_MODE": "on_db_commit",
     "QUEUE_CLASS": "inbox.queues.MessageQueue",
@@ -158,7 +201,19 @@ _PAYMENTS_ENV = {
 }
 PAYMENTS = {key: read(var) for key, (var, read) in _PAYMENTS_ENV.items() if var in env}
 
-EMAIL_BACKEND = env.str("EMAIL_BACKEND", default="django.core.mail.backends.console.EmailBackend")
+# The console backend (DEBUG's default) prints customers' addresses into the logs;
+# without DEBUG it is refused at start-up, and the default is SMTP (EMAIL_HOST...).
+EMAIL_BACKEND = env.str(
+    "EMAIL_BACKEND",
+    default="django.core.mail.backends.console.EmailBackend"
+    if DEBUG
+    else "django.core.mail.backends.smtp.EmailBackend",
+)
+EMAIL_HOST = env.str("EMAIL_HOST", default="localhost")
+EMAIL_PORT = env.int("EMAIL_PORT", default=25)
+EMAIL_HOST_USER = env.str("EMAIL_HOST_USER", default="")
+EMAIL_HOST_PASSWORD = env.str("EMAIL_HOST_PASSWORD", default="")
+EMAIL_USE_TLS = env.bool("EMAIL_USE_TLS", default=False)
 DEFAULT_FROM_EMAIL = env.str("DEFAULT_FROM_EMAIL", default="shop@example.com")
 ADMINS = [tuple(a.split(":", 1)) for a in env.list("ADMINS", default=[])]
 
@@ -190,7 +245,10 @@ LOGGING = {
     "loggers": {
         # Replaces Django's default handlers (unfiltered) with ours; records reach root.
         "django": {"handlers": ["mail_admins"], "level": "INFO"},
-        "django.server": {"handlers": [], "level": "INFO"},
+        # runserver's access lines: Django's defaults make this logger not propagate,
+        # so without "propagate" they bypassed the filter (printed raw by logging's
+        # last-resort handler). gunicorn's go through gunicorn.conf.py's filter.
+        "django.server": {"handlers": [], "level": "INFO", "propagate": True},
         "payments": {"handlers": [], "level": _LOG_LEVEL},
         "payments.alerts": {"handlers": ["mail_admins"], "level": "ERROR"},
         "inbox": {"handlers": [], "level": _LOG_LEVEL},
@@ -203,3 +261,129 @@ LOGGING = {
 # --- Observability ---
 # Bearer token for /metrics; empty: only staff sessions may read it (docs/observability.md).
 METRICS_TOKEN = env.str("METRICS_TOKEN", default="")
+
+# --- The JSON API (Django REST framework; see payments/api/base.py) ---------------
+# Per-client keys (hashed, with a visible prefix: djangorestframework-api-key);
+# API_TOKEN is a bootstrap client for development and the local tools.
+REST_FRAMEWORK = {
+    "DEFAULT_AUTHENTICATION_CLASSES": ["payments.api.base.ClientKeyAuthentication"],
+    "DEFAULT_PERMISSION_CLASSES": ["payments.api.base.IsApiClient"],
+    "DEFAULT_PARSER_CLASSES": ["payments.api.base.StrictJSONParser"],
+    "DEFAULT_RENDERER_CLASSES": ["rest_framework.renderers.JSONRenderer"],
+    "DEFAULT_THROTTLE_CLASSES": ["payments.api.base.ClientRateThrottle"],
+    "DEFAULT_THROTTLE_RATES": {
+        "client": env.str("API_RATE_PER_CLIENT", default="600/min"),
+        "failed_auth": env.str("API_RATE_FAILED_AUTH", default="20/min"),
+    },
+    "EXCEPTION_HANDLER": "payments.api.base.api_exception_handler",
+    "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
+    "UNAUTHENTICATED_USER": None,
+}
+SPECTACULAR_SETTINGS = {
+    "TITLE": "Payments fence API",
+    "DESCRIPTION": "Orders, checkouts and refunds: each POST that starts an operation needs an "
+    "Idempotency-Key; a worker does the provider call.",
+    "VERSION": "1",
+    "SERVE_INCLUDE_SCHEMA": False,
+    "COMPONENT_SPLIT_REQUEST": True,
+}
+# The API's throttles count in the cache: a shared Redis cache in production
+# (REDIS_CACHE_URL, its own database: payments.W004), per process otherwise.
+CACHES = (
+    {
+        "default": {
+            "BACKEND": "django.core.cache.backends.redis.RedisCache",
+            "LOCATION": env.str("REDIS_CACHE_URL"),
+            "KEY_PREFIX": "cache",
+        }
+    }
+    if env.str("REDIS_CACHE_URL", default="")
+    else {"default": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"}}
+)
+#: The largest request body the API reads (413 above it).
+API_MAX_BODY_BYTES = env.int("API_MAX_BODY_BYTES", default=64 * 1024)
+
+
+# --- Production: HTTPS, cookies, the proxy, login lockout, process counts ---------
+# From the environment; the defaults suit DEBUG (plain HTTP on localhost) and are
+# strict without it. .env.production.example is a documented deploy with which
+# `manage.py check --deploy` reports nothing (tests/hardening test it).
+SECURE_SSL_REDIRECT = env.bool("SECURE_SSL_REDIRECT", default=not DEBUG)
+# The load balancer's health probe speaks plain HTTP inside the network.
+SECURE_REDIRECT_EXEMPT = env.list("SECURE_REDIRECT_EXEMPT", default=[r"^healthz$"])
+# HSTS is a promise browsers keep for this many seconds: opt in per deploy.
+SECURE_HSTS_SECONDS = env.int("SECURE_HSTS_SECONDS", default=0)
+SECURE_HSTS_INCLUDE_SUBDOMAINS = env.bool("SECURE_HSTS_INCLUDE_SUBDOMAINS", default=False)
+SECURE_HSTS_PRELOAD = env.bool("SECURE_HSTS_PRELOAD", default=False)
+SESSION_COOKIE_SECURE = env.bool("SESSION_COOKIE_SECURE", default=not DEBUG)
+CSRF_COOKIE_SECURE = env.bool("CSRF_COOKIE_SECURE", default=not DEBUG)
+# "HTTP_X_FORWARDED_PROTO,https", only behind a proxy that sets (and strips) the header.
+_PROXY_SSL_HEADER = env.list("SECURE_PROXY_SSL_HEADER", default=[])
+if _PROXY_SSL_HEADER and len(_PROXY_SSL_HEADER) != 2:
+    raise ImproperlyConfigured(
+        "SECURE_PROXY_SSL_HEADER is 'HEADER,value', e.g. HTTP_X_FORWARDED_PROTO,https."
+    )
+SECURE_PROXY_SSL_HEADER = (
+    (_PROXY_SSL_HEADER[0], _PROXY_SSL_HEADER[1]) if _PROXY_SSL_HEADER else None
+)
+CSRF_TRUSTED_ORIGINS = env.list("CSRF_TRUSTED_ORIGINS", default=[])
+
+# Admin login lockout (django-axes, counted in the database): after
+# AXES_FAILURE_LIMIT wrong passwords for one username from one address, that pair
+# is refused (429), the right password too, for AXES_COOLOFF_MINUTES.
+AUTHENTICATION_BACKENDS = [
+    "axes.backends.AxesStandaloneBackend",
+    "django.contrib.auth.backends.ModelBackend",
+]
+AXES_ENABLED = env.bool("AXES_ENABLED", default=True)
+AXES_FAILURE_LIMIT = env.int("AXES_FAILURE_LIMIT", default=5)
+AXES_COOLOFF_TIME = timedelta(minutes=env.int("AXES_COOLOFF_MINUTES", default=15))
+# "username+ip_address" locks the pair; "ip_address,username" locks either alone.
+AXES_LOCKOUT_PARAMETERS = [
+    item.split("+") if "+" in item else item
+    for item in env.list("AXES_LOCKOUT_PARAMETERS", default=["username+ip_address"])
+]
+AXES_RESET_ON_SUCCESS = True
+
+# The processes of a deploy and their PostgreSQL connections (README, "Production"):
+# gunicorn workers x threads + RQ workers (x2 when they fork) + recovery loops
+# + DB_RESERVED_CONNECTIONS (migrate, shell, cron) must stay below max_connections
+# less PostgreSQL's superuser reserve: payments.E011 (`check --deploy --database
+# default`) compares. gunicorn.conf.py reads the same WEB_CONCURRENCY and
+# GUNICORN_THREADS.
+DEPLOY_PROCESSES = {
+    "WEB_CONCURRENCY": env.int("WEB_CONCURRENCY", default=2),
+    "GUNICORN_THREADS": env.int("GUNICORN_THREADS", default=1),
+    "RQ_WORKERS": env.int("RQ_WORKERS", default=1),
+    "RECOVERY_PROCESSES": env.int("RECOVERY_PROCESSES", default=1),
+    "DB_RESERVED_CONNECTIONS": env.int("DB_RESERVED_CONNECTIONS", default=5),
+}
+
+# Refused at start-up without DEBUG: a deploy must never run on the fake
+# provider's URL and key, a guessable API token, or a backend that prints or
+# files customers' e-mails.
+MIN_API_TOKEN_LENGTH = 32
+CONSOLE_EMAIL_BACKENDS = frozenset(
+    {
+        "django.core.mail.backends.console.EmailBackend",
+        "django.core.mail.backends.filebased.EmailBackend",
+    }
+)
+if not DEBUG:
+    _refused = [
+        f"{name} must be set when DEBUG is off (the defaults are the fake provider's)."
+        for name in ("PAYMENT_PROVIDER_URL", "PAYMENT_PROVIDER_API_KEY")
+        if not env.str(name, default="")
+    ]
+    if API_TOKEN and len(API_TOKEN) < MIN_API_TOKEN_LENGTH:
+        _refused.append(
+            f"API_TOKEN is {len(API_TOKEN)} characters; at least {MIN_API_TOKEN_LENGTH} "
+            "random ones are needed when DEBUG is off."
+        )
+    if EMAIL_BACKEND in CONSOLE_EMAIL_BACKENDS:
+        _refused.append(
+            f"EMAIL_BACKEND={EMAIL_BACKEND} writes customers' e-mails into logs or files; "
+            "set an SMTP (or provider) backend when DEBUG is off."
+        )
+    if _refused:
+        raise ImproperlyConfigured(" ".join(_refused))

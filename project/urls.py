@@ -2,12 +2,15 @@ from __future__ import annotations
 
 from django.contrib import admin
 from django.urls import include, path
+from django_rq import urls as django_rq_urls
 
+from payments.desk.rq_access import guarded_urlpatterns
 from payments.observability.health import healthz
 from payments.observability.metrics import metrics_view
 
 urlpatterns = [
-    path("admin/rq/", include("django_rq.urls")),
+    # django-rq's pages, each behind its permission (payments/desk/rq_access.py).
+    path("admin/rq/", include((guarded_urlpatterns(django_rq_urls.urlpatterns), "django_rq"))),
     path("admin/", admin.site.urls),
     path("api/", include("payments.urls")),
     path("healthz", healthz, name="healthz"),

@@ -114,3 +114,13 @@ def seen(redis_conn: Redis):
         return [json.loads(item) for item in redis_conn.lrange(SEEN_KEY, 0, -1)]
 
     return deliveries
+
+
+@pytest.fixture(autouse=True)
+def _fresh_api_throttles() -> Iterator[None]:
+    """The API's rate limits count in the cache: every test starts with none used."""
+    from django.core.cache import cache
+
+    cache.clear()
+    yield
+    cache.clear()

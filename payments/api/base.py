@@ -1,123 +1,276 @@
-"""The JSON API's plumbing, shared by every operation's views: auth, errors, idempotent POSTs.
+"""The JSON API's plumbing on Django REST framework: clients, errors, idempotent POSTs.
 
-Every request needs `Authorization: Bearer <API_TOKEN>`. Errors are
-`{"error": {"code": ..., "message": ..., "field": ...}}` with a 4xx status,
-and nothing is written when the input is bad. A POST that starts an operation
-needs an `Idempotency-Key`: the same key with the same body answers the same
-operation (202, `Idempotent-Replayed: true`); with another body, 409.
-The synchronous API never calls the provider.
+Why DRF: its request parsing, content negotiation (415), throttling and the
+OpenAPI schema (drf-spectacular) are well kept and known to every Django
+team; the per-client keys are djangorestframework-api-key's hashed keys with a
+visible prefix. What is ours is small and here: the error shape, the strict
+JSON parser and the idempotent start of an operation.
+
+Every request needs `Authorization: Bearer <key>`: a client's key (admin:
+"Client API keys"), or `API_TOKEN`, the bootstrap client for development and
+the local tools. Every answer under `/api/` that is not a success is
+`{"error": {"code": ..., "message": ..., "field": ...}}`, and nothing is
+written when the input is bad. A POST that starts an operation needs an
+`Idempotency-Key` (1-255 printable ASCII characters), scoped to its client:
+the same key and body answer the same operation (202, `Idempotent-Replayed:
+true`), another body 409. The synchronous API never calls the provider.
 """
 
 from __future__ import annotations
 
 import hmac
 import json
-from collections.abc import Callable
-from functools import wraps
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, cast
 
 from django.conf import settings
 from django.core.exceptions import ObjectDoesNotExist
-from django.http import HttpRequest, JsonResponse
+from django.http import Http404, HttpRequest, JsonResponse
 from django.views.decorators.csrf import csrf_exempt
-from django.views.decorators.http import require_http_methods
+from rest_framework import exceptions, status
+from rest_framework.authentication import BaseAuthentication
+from rest_framework.parsers import JSONParser
+from rest_framework.permissions import BasePermission
+from rest_framework.request import Request
+from rest_framework.response import Response
+from rest_framework.throttling import SimpleRateThrottle
 
 from payments.exceptions import InvalidTransition, OperationConflict
-from payments.models import Operation
+from payments.models import ApiClient, ClientApiKey, Operation
 
 MAX_KEY_LENGTH = 255
+#: JSON nested deeper than this is refused (a recursion bomb must not reach the parser's limit).
+MAX_JSON_DEPTH = 32
+BOOTSTRAP_CLIENT = "bootstrap"
 
 
-class ApiError(Exception):
-    """A client error to answer with `status` and a JSON body naming the field."""
+class ApiError(exceptions.APIException):
+    """A client error answered with `status` and a JSON body naming the field."""
 
-    def __init__(self, status: int, code: str, message: str, field: str | None = None) -> None:
-        super().__init__(message)
-        self.status, self.code, self.message, self.field = status, code, message, field
-
-    def response(self) -> JsonResponse:
-        body: dict[str, Any] = {"code": self.code, "message": self.message}
-        if self.field:
-            body["field"] = self.field
-        return JsonResponse({"error": body}, status=self.status)
+    def __init__(self, status_code: int, code: str, message: str, field: str | None = None):
+        super().__init__(detail=message, code=code)
+        self.status_code, self.code, self.message, self.field = status_code, code, message, field
 
 
-def api_view(*methods: str) -> Callable:
-    """Wrap a view: token auth, allowed methods, ApiError -> JSON response."""
-
-    def decorate(view: Callable[..., JsonResponse]) -> Callable[..., JsonResponse]:
-        @csrf_exempt  # token-authenticated machine API: no cookies, no CSRF
-        @require_http_methods(list(methods))
-        @wraps(view)
-        def wrapped(request: HttpRequest, *args: Any, **kwargs: Any) -> JsonResponse:
-            try:
-                authenticate(request)
-                return view(request, *args, **kwargs)
-            except ApiError as exc:
-                response = exc.response()
-                if exc.status == 401:
-                    response["WWW-Authenticate"] = 'Bearer realm="api"'
-                return response
-
-        return wrapped
-
-    return decorate
+class PayloadTooLarge(ApiError):
+    def __init__(self) -> None:
+        limit = settings.API_MAX_BODY_BYTES
+        super().__init__(413, "payload_too_large", f"The body is larger than {limit} bytes.")
 
 
-def authenticate(request: HttpRequest) -> None:
-    scheme, _, token = request.headers.get("Authorization", "").partition(" ")
-    expected = settings.API_TOKEN
-    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip(), expected):
-        raise ApiError(401, "unauthorized", "Send Authorization: Bearer <API_TOKEN>.")
+# --- who is calling ----------------------------------------------------------------
 
 
-def json_body(request: HttpRequest) -> dict[str, Any]:
+class ApiCaller:
+    """The authenticated caller: an API client (DRF's `request.user`)."""
+
+    is_authenticated = True
+
+    def __init__(self, client: ApiClient) -> None:
+        self.client = client
+
+    def __str__(self) -> str:
+        return f"api:{self.client.name}"
+
+
+def bootstrap_client() -> ApiClient:
+    """The client API_TOKEN stands for (created on first use)."""
+    client, _ = ApiClient.objects.get_or_create(name=BOOTSTRAP_CLIENT)
+    return client
+
+
+class ClientKeyAuthentication(BaseAuthentication):
+    """`Authorization: Bearer <key>`: a client's hashed key, or the bootstrap API_TOKEN.
+
+    A wrong key counts against the caller's address (`failed_auth` rate): past
+    it, every attempt is 429 until the window passes, right key or not.
+    """
+
+    def authenticate(self, request: Request) -> tuple[ApiCaller, str] | None:
+        raw = request.META.get("HTTP_AUTHORIZATION", "")
+        scheme, _, token = raw.partition(" ")
+        token = token.strip()
+        FailedAuthThrottle().refuse_if_over(request)
+        if scheme.lower() != "bearer" or not token or not token.isascii():
+            self._failed(request)
+        bootstrap = getattr(settings, "API_TOKEN", "")
+        if bootstrap and hmac.compare_digest(token.encode(), bootstrap.encode()):
+            return ApiCaller(bootstrap_client()), token
+        try:
+            key = cast(ClientApiKey, ClientApiKey.objects.get_from_key(token))
+        except ClientApiKey.DoesNotExist:
+            self._failed(request)
+        if key.has_expired or not key.client.is_active:
+            self._failed(request)
+        return ApiCaller(key.client), token
+
+    def authenticate_header(self, request: Request) -> str:
+        return 'Bearer realm="api"'
+
+    @staticmethod
+    def _failed(request: Request) -> Any:
+        FailedAuthThrottle().count(request)
+        raise exceptions.AuthenticationFailed("Send Authorization: Bearer <your API key>.")
+
+
+class IsApiClient(BasePermission):
+    def has_permission(self, request: Request, view: Any) -> bool:
+        return isinstance(request.user, ApiCaller)
+
+
+class _SettingsRate:
+    """Read the rate from the current settings (DRF reads it once, at import)."""
+
+    scope: str
+
+    def get_rate(self) -> str | None:
+        from rest_framework.settings import api_settings
+
+        return api_settings.DEFAULT_THROTTLE_RATES.get(self.scope)
+
+
+class ClientRateThrottle(_SettingsRate, SimpleRateThrottle):
+    """Requests per client (`API_RATE_PER_CLIENT`), shared by all web processes via the cache."""
+
+    scope = "client"
+
+    def get_cache_key(self, request: Request, view: Any) -> str | None:
+        caller = request.user
+        if not isinstance(caller, ApiCaller):
+            return None
+        return self.cache_format % {"scope": self.scope, "ident": caller.client.pk}
+
+
+class FailedAuthThrottle(_SettingsRate, SimpleRateThrottle):
+    """Failed authentications per address (`API_RATE_FAILED_AUTH`)."""
+
+    scope = "failed_auth"
+
+    def get_cache_key(self, request: Any, view: Any) -> str:
+        return self.cache_format % {"scope": self.scope, "ident": self.get_ident(request)}
+
+    def _history(self, request: Request) -> list[float]:
+        self.key = self.get_cache_key(request, None)
+        self.now = self.timer()
+        history: list[float] = [
+            t for t in self.cache.get(self.key, []) if t > self.now - self.duration
+        ]
+        self.history = history
+        return history
+
+    def refuse_if_over(self, request: Request) -> None:
+        if len(self._history(request)) >= self.num_requests:
+            raise exceptions.Throttled(wait=self.wait())
+
+    def count(self, request: Request) -> None:
+        history = self._history(request)
+        history.insert(0, self.now)
+        self.cache.set(self.key, history, self.duration)
+
+
+# --- what is accepted --------------------------------------------------------------
+
+
+def _clean_strings(value: Any, depth: int = 0) -> None:
+    """Refuse NUL characters and lone surrogates anywhere in a JSON value, and deep nesting."""
+    if depth > MAX_JSON_DEPTH:
+        raise ApiError(400, "malformed_json", f"The JSON is nested deeper than {MAX_JSON_DEPTH}.")
+    if isinstance(value, str):
+        _check_text(value)
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _check_text(key)
+            _clean_strings(item, depth + 1)
+    elif isinstance(value, list):
+        for item in value:
+            _clean_strings(item, depth + 1)
+
+
+def _check_text(text: str) -> None:
+    if "\x00" in text:
+        raise ApiError(400, "invalid_text", "Text must not contain NUL characters.")
     try:
-        body = json.loads(request.body or b"")
-    except (ValueError, UnicodeDecodeError):
-        raise ApiError(400, "malformed_json", "The request body is not valid JSON.") from None
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ApiError(
+            400, "invalid_text", "Text must be valid Unicode (no lone surrogates)."
+        ) from None
+
+
+class StrictJSONParser(JSONParser):
+    """JSON only (anything else is 415), UTF-8, at most API_MAX_BODY_BYTES, no NUL or surrogates."""
+
+    def parse(self, stream: Any, media_type: str | None = None, parser_context: Any = None) -> Any:
+        charset = (parser_context or {}).get("encoding") or "utf-8"
+        if charset.lower().replace("-", "") != "utf8":
+            raise ApiError(415, "unsupported_media_type", "Send JSON encoded as UTF-8.")
+        raw = stream.read(settings.API_MAX_BODY_BYTES + 1) if stream is not None else b""
+        if len(raw) > settings.API_MAX_BODY_BYTES:
+            raise PayloadTooLarge()
+        try:
+            data = json.loads(raw.decode("utf-8") or "null")
+        except (ValueError, UnicodeDecodeError, RecursionError):
+            raise ApiError(400, "malformed_json", "The request body is not valid JSON.") from None
+        _clean_strings(data)
+        return data
+
+
+def json_object(request: Request) -> dict[str, Any]:
+    """The request's JSON body, which must be an object."""
+    length = int(request.META.get("CONTENT_LENGTH") or 0)
+    if length > settings.API_MAX_BODY_BYTES:
+        raise PayloadTooLarge()
+    if length == 0:
+        raise ApiError(400, "malformed_json", "The request body must be a JSON object.")
+    body = request.data
     if not isinstance(body, dict):
         raise ApiError(400, "malformed_json", "The request body must be a JSON object.")
     return body
 
 
-def idempotency_key(request: HttpRequest) -> str:
+def idempotency_key(request: Request) -> str:
     """Return the request's Idempotency-Key, or raise ApiError (400) naming what is wrong."""
-    key = request.headers.get("Idempotency-Key")
+    key = request.META.get("HTTP_IDEMPOTENCY_KEY")
     if key is None or not key.strip():
         raise ApiError(
             400, "missing_field", "The Idempotency-Key header is required.", "Idempotency-Key"
         )
-    if len(key) > MAX_KEY_LENGTH or not key.isprintable():
+    if len(key) > MAX_KEY_LENGTH or not key.isascii() or not key.isprintable():
         raise ApiError(
             400,
             "invalid_field",
-            f"Idempotency-Key must be 1..{MAX_KEY_LENGTH} printable characters.",
+            f"Idempotency-Key must be 1..{MAX_KEY_LENGTH} printable ASCII characters.",
             "Idempotency-Key",
         )
     return key
 
 
+def caller_client(request: Request) -> ApiClient:
+    caller = request.user
+    assert isinstance(caller, ApiCaller)  # IsApiClient let the request in
+    return caller.client
+
+
 def start_operation(
-    request: HttpRequest,
-    start: Callable[[str], tuple[Operation, bool]],
+    request: Request,
+    start: Callable[[str, ApiClient], tuple[Operation, bool]],
     *,
     not_found: ApiError,
     not_allowed: tuple[type[InvalidTransition], str],
     **answer: Any,
-) -> JsonResponse:
-    """Start an operation under the request's Idempotency-Key; answer 202 with it.
+) -> Response:
+    """Start an operation under the request's Idempotency-Key (its client's); answer 202.
 
-    `start(key)` writes the operation (or returns the one the key names);
+    `start(key, client)` writes the operation (or returns the one the key names);
     `not_allowed` is the business refusal to answer 409 with, and its code.
-    An unknown entity (DoesNotExist) is answered with `not_found`; a key reused with other
-    parameters is 409 `idempotency_conflict`; a replay carries
-    `Idempotent-Replayed: true`.
+    An unknown entity (DoesNotExist) is answered with `not_found`; a key
+    reused with other parameters is 409 `idempotency_conflict`; a replay
+    carries `Idempotent-Replayed: true`.
     """
     key = idempotency_key(request)
     refusal, refusal_code = not_allowed
     try:
-        op, created = start(key)
+        op, created = start(key, caller_client(request))
     except ObjectDoesNotExist:
         raise not_found from None
     except OperationConflict as exc:
@@ -129,10 +282,73 @@ def start_operation(
         ) from None
     except refusal as exc:
         raise ApiError(409, refusal_code, str(exc)) from None
-    response = JsonResponse({"operation": op.key, "state": op.state, **answer}, status=202)
+    response = Response({"operation": op.key, "state": op.state, **answer}, status=202)
     if not created:
         response["Idempotent-Replayed"] = "true"
     return response
+
+
+# --- every error in one shape ----------------------------------------------------------
+
+
+def _first_error(detail: Any, field: str | None = None) -> Iterator[tuple[str | None, Any]]:
+    if isinstance(detail, dict):
+        for name, inner in detail.items():
+            yield from _first_error(inner, None if name == "non_field_errors" else str(name))
+    elif isinstance(detail, list):
+        for inner in detail:
+            yield from _first_error(inner, field)
+    else:
+        yield field, detail
+
+
+def error_body(code: str, message: str, field: str | None = None) -> dict[str, Any]:
+    body: dict[str, Any] = {"code": code, "message": message}
+    if field:
+        body["field"] = field
+    return {"error": body}
+
+
+def api_exception_handler(exc: Exception, context: dict[str, Any]) -> Response | None:
+    """Answer every error under /api/ as `{"error": {"code", "message", "field"}}`."""
+    if isinstance(exc, ApiError):
+        return Response(error_body(exc.code, exc.message, exc.field), status=exc.status_code)
+    if isinstance(exc, Http404):
+        return Response(error_body("not_found", "Nothing is here."), status=404)
+    from rest_framework.views import exception_handler  # it imports this module's classes
+
+    response = exception_handler(exc, context)
+    if response is None:
+        return None  # a bug: Django's 500 (the admins are told)
+    if isinstance(exc, exceptions.ValidationError):
+        field, detail = next(_first_error(exc.detail), (None, "Invalid input."))
+        code = "missing_field" if getattr(detail, "code", "") == "required" else "invalid_field"
+        response.data = error_body(code, f"{field}: {detail}" if field else str(detail), field)
+        response.status_code = 400
+        return response
+    codes = {
+        status.HTTP_401_UNAUTHORIZED: "unauthorized",
+        status.HTTP_403_FORBIDDEN: "unauthorized",
+        status.HTTP_405_METHOD_NOT_ALLOWED: "method_not_allowed",
+        status.HTTP_406_NOT_ACCEPTABLE: "not_acceptable",
+        status.HTTP_415_UNSUPPORTED_MEDIA_TYPE: "unsupported_media_type",
+        status.HTTP_429_TOO_MANY_REQUESTS: "rate_limited",
+    }
+    if isinstance(exc, exceptions.NotAuthenticated | exceptions.AuthenticationFailed):
+        response.status_code = 401
+        response["WWW-Authenticate"] = 'Bearer realm="api"'
+        message = "Send Authorization: Bearer <your API key>."
+    else:
+        message = str(getattr(exc, "detail", exc))
+    code = codes.get(response.status_code, "bad_request")
+    response.data = error_body(code, message)
+    return response
+
+
+@csrf_exempt  # a machine API: a POST to a wrong path is a 404, not a CSRF page
+def json_not_found(request: HttpRequest, path: str = "") -> JsonResponse:
+    """Any other path under /api/: the documented JSON 404 (no authentication needed)."""
+    return JsonResponse(error_body("not_found", "No such API endpoint."), status=404)
 
 
 def operation_json(op: Operation) -> dict[str, Any]:

@@ -2,16 +2,50 @@
 
 from __future__ import annotations
 
-from django.http import HttpRequest, JsonResponse
+from drf_spectacular.utils import extend_schema
+from rest_framework import serializers
+from rest_framework.decorators import api_view
+from rest_framework.request import Request
+from rest_framework.response import Response
 
-from payments.api.base import ApiError, api_view, operation_json
+from payments.api.base import ApiError, _check_text, caller_client, operation_json
+from payments.api.fields import ERRORS
 from payments.models import KeyScope, Operation
 
 
-@api_view("GET")
-def operation_detail(request: HttpRequest, key: str) -> JsonResponse:
-    """Show an operation: its state and its steps with their provider references."""
-    op = Operation.objects.filter(scope=KeyScope.CLIENT, key=key).first()
+class StepOut(serializers.Serializer):
+    step = serializers.CharField()
+    state = serializers.CharField()
+    provider_reference = serializers.CharField(allow_blank=True)
+    idempotency_key = serializers.CharField(allow_blank=True)
+    attempts = serializers.IntegerField()
+
+
+class EntityOut(serializers.Serializer):
+    type = serializers.CharField()
+    id = serializers.CharField()
+
+
+class OperationOut(serializers.Serializer):
+    operation = serializers.CharField()
+    kind = serializers.CharField()
+    state = serializers.CharField()
+    entity = EntityOut()
+    attempts = serializers.IntegerField()
+    last_error = serializers.CharField(allow_blank=True)
+    created_at = serializers.DateTimeField()
+    updated_at = serializers.DateTimeField()
+    steps = StepOut(many=True)
+
+
+@extend_schema(responses={200: OperationOut, **ERRORS}, operation_id="get_operation")
+@api_view(["GET"])
+def operation_detail(request: Request, key: str) -> Response:
+    """Show one of your operations by its Idempotency-Key: its state and its steps."""
+    _check_text(key)  # a NUL would reach PostgreSQL as an error, not a 404
+    op = Operation.objects.filter(
+        client=caller_client(request), scope=KeyScope.CLIENT, key=key
+    ).first()
     if op is None:
-        raise ApiError(404, "operation_not_found", "No operation has this key.")
-    return JsonResponse(operation_json(op))
+        raise ApiError(404, "operation_not_found", "No operation of yours has this key.")
+    return Response(operation_json(op))

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from django.core.exceptions import ValidationError
-from django.core.validators import validate_email
-from django.http import HttpRequest, JsonResponse
+from drf_spectacular.utils import OpenApiParameter, extend_schema
+from rest_framework import serializers
+from rest_framework.decorators import api_view
+from rest_framework.request import Request
+from rest_framework.response import Response
 
-from payments.api.base import ApiError, api_view, idempotency_key, json_body, start_operation
+from payments.api.base import ApiError, caller_client, idempotency_key, json_object, start_operation
+from payments.api.fields import ERRORS, StrictCharField, StrictIntegerField
 from payments.checkout.handler import CheckoutNotAllowed, request_checkout
 from payments.checkout.orders import CURRENCIES, create_order
 from payments.models import Order
@@ -16,8 +19,48 @@ from payments.models import Order
 MAX_PAYMENT_METHOD_LENGTH = 255
 MAX_AMOUNT = 99_999_999  # the provider's limit for one charge, in minor units
 
+IDEMPOTENCY_KEY = OpenApiParameter(
+    "Idempotency-Key",
+    str,
+    OpenApiParameter.HEADER,
+    required=True,
+    description="1-255 printable ASCII characters, scoped to your client.",
+)
 
-def _order_json(order: Order) -> dict[str, Any]:
+
+class OrderIn(serializers.Serializer):
+    amount = StrictIntegerField(min_value=1, max_value=MAX_AMOUNT, help_text="Minor units.")
+    currency = serializers.ChoiceField(
+        choices=sorted(CURRENCIES | {c.upper() for c in CURRENCIES}),
+        help_text="ISO 4217, either case.",
+    )
+    email = serializers.EmailField(max_length=254)
+
+    def validate_currency(self, value: str) -> str:
+        return value.lower()
+
+
+class OrderOut(serializers.Serializer):
+    id = serializers.IntegerField()
+    amount = serializers.IntegerField()
+    currency = serializers.CharField()
+    email = serializers.EmailField()
+    status = serializers.CharField()
+    refunded_amount = serializers.IntegerField()
+    created_at = serializers.DateTimeField()
+
+
+class CheckoutIn(serializers.Serializer):
+    payment_method = StrictCharField(max_length=MAX_PAYMENT_METHOD_LENGTH, allow_blank=False)
+
+
+class Accepted(serializers.Serializer):
+    operation = serializers.CharField()
+    state = serializers.CharField()
+    order = serializers.IntegerField()
+
+
+def order_json(order: Order) -> dict[str, Any]:
     return {
         "id": order.pk,
         "amount": order.amount,
@@ -29,64 +72,51 @@ def _order_json(order: Order) -> dict[str, Any]:
     }
 
 
-@api_view("POST")
-def orders(request: HttpRequest) -> JsonResponse:
+def _valid(serializer_class: type[serializers.Serializer], request: Request) -> dict[str, Any]:
+    serializer = serializer_class(data=json_object(request))
+    serializer.is_valid(raise_exception=True)
+    return dict(serializer.validated_data)
+
+
+@extend_schema(request=OrderIn, responses={201: OrderOut, **ERRORS}, operation_id="create_order")
+@api_view(["POST"])
+def orders(request: Request) -> Response:
     """Create an order: {"amount": 1999, "currency": "eur", "email": "a@example.com"}."""
-    body = json_body(request)
-    amount = body.get("amount")
-    if "amount" not in body:
-        raise ApiError(400, "missing_field", "amount is required.", "amount")
-    if isinstance(amount, bool) or not isinstance(amount, int):
-        raise ApiError(400, "invalid_field", "amount must be an integer (minor units).", "amount")
-    if not 0 < amount <= MAX_AMOUNT:
-        raise ApiError(400, "invalid_field", f"amount must be 1..{MAX_AMOUNT}.", "amount")
-    currency = body.get("currency")
-    if "currency" not in body:
-        raise ApiError(400, "missing_field", "currency is required.", "currency")
-    if not isinstance(currency, str) or currency.lower() not in CURRENCIES:
-        raise ApiError(400, "invalid_field", "currency must be a known ISO 4217 code.", "currency")
-    email = body.get("email")
-    if "email" not in body:
-        raise ApiError(400, "missing_field", "email is required.", "email")
-    try:
-        if not isinstance(email, str) or len(email) > 254:
-            raise ValidationError("not a string")
-        validate_email(email)
-    except ValidationError:
-        raise ApiError(400, "invalid_field", "email must be a valid address.", "email") from None
-    order = create_order(amount=amount, currency=currency, email=email)
-    return JsonResponse(_order_json(order), status=201)
+    data = _valid(OrderIn, request)
+    order = create_order(amount=data["amount"], currency=data["currency"], email=data["email"])
+    return Response(order_json(order), status=201)
 
 
-@api_view("GET")
-def order_detail(request: HttpRequest, order_id: int) -> JsonResponse:
+@extend_schema(responses={200: OrderOut, **ERRORS}, operation_id="get_order")
+@api_view(["GET"])
+def order_detail(request: Request, order_id: int) -> Response:
     """Show one order."""
+    caller_client(request)
     order = Order.objects.filter(pk=order_id).first()
     if order is None:
         raise ApiError(404, "order_not_found", f"Order {order_id} does not exist.")
-    return JsonResponse(_order_json(order))
+    return Response(order_json(order))
 
 
-@api_view("POST")
-def checkout(request: HttpRequest, order_id: int) -> JsonResponse:
-    """Ask for a checkout; 202 with the operation key. Needs an Idempotency-Key header."""
+@extend_schema(
+    request=CheckoutIn,
+    responses={202: Accepted, **ERRORS},
+    parameters=[IDEMPOTENCY_KEY],
+    operation_id="checkout_order",
+)
+@api_view(["POST"])
+def checkout(request: Request, order_id: int) -> Response:
+    """Ask for a checkout; 202 with the operation key. A worker charges the order."""
     idempotency_key(request)  # a missing key is the first thing to say, before the body
-    body = json_body(request)
-    payment_method = body.get("payment_method")
-    if "payment_method" not in body:
-        raise ApiError(400, "missing_field", "payment_method is required.", "payment_method")
-    if (
-        not isinstance(payment_method, str)
-        or not payment_method.strip()
-        or len(payment_method) > MAX_PAYMENT_METHOD_LENGTH
-    ):
-        raise ApiError(
-            400, "invalid_field", "payment_method must be a non-empty string.", "payment_method"
-        )
+    data = _valid(CheckoutIn, request)
     return start_operation(
         request,
-        lambda key: request_checkout(
-            order_id=order_id, key=key, payment_method=payment_method, actor="api"
+        lambda key, client: request_checkout(
+            order_id=order_id,
+            key=key,
+            payment_method=data["payment_method"],
+            actor="api",
+            client=client,
         ),
         not_found=ApiError(404, "order_not_found", f"Order {order_id} does not exist."),
         not_allowed=(CheckoutNotAllowed, "order_not_open"),

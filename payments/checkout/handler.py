@@ -27,6 +27,7 @@ from payments.engine.handlers import DeskHooks, handler
 from payments.engine.runtime import Run
 from payments.exceptions import InvalidTransition
 from payments.models import (
+    ApiClient,
     ClaimState,
     Invoice,
     KeyScope,
@@ -55,6 +56,7 @@ def request_checkout(
     actor: str,
     retry_of: Operation | None = None,
     scope: str = KeyScope.CLIENT,
+    client: ApiClient | None = None,
 ) -> tuple[Operation, bool]:
     """Write the checkout operation for an order and enqueue it on commit.
 
@@ -71,7 +73,7 @@ def request_checkout(
             "currency": order.currency,
             "payment_method": payment_method,
         }
-        existing = Operation.objects.filter(scope=scope, key=key).first()
+        existing = Operation.objects.filter(client=client, scope=scope, key=key).first()
         if existing is None:
             if order.status not in CHECKOUT_OPEN_STATUSES:
                 raise CheckoutNotAllowed(
@@ -91,6 +93,7 @@ def request_checkout(
             actor=actor,
             retry_of=retry_of,
             scope=scope,
+            client=client,
         )
         if created:
             order.status = OrderStatus.PROCESSING
@@ -217,6 +220,7 @@ def new_checkout_attempt(
         actor=actor,
         retry_of=operation,
         scope=KeyScope.DERIVED,
+        client=operation.client,
     )
 
 

@@ -12,8 +12,10 @@ from django.utils.html import format_html, format_html_join
 from django.utils.safestring import mark_safe
 
 from payments.conf import payments_settings
-from payments.models import ClaimState, OperationState
-from payments.money import format_money
+from payments.engine.handlers import get_handler
+from payments.exceptions import ConfigurationError
+from payments.models import ClaimState, Operation, OperationState
+from payments.money import format_money, money_of
 
 #: One colour per state, for operations and claims alike. ClaimState's `failed`
 #: and `uncertain` are the same values as OperationState's, with the same meaning.
@@ -83,6 +85,20 @@ def stale_badge(op: Any, now: datetime | None = None) -> str:
         STALE_COLOUR,
         _BADGE_STYLE,
     )
+
+
+def money_line(op: Operation) -> str:
+    """The money at stake in the handler's own words ("€6.00 refund of order 3").
+
+    Each handler says what its operations do with the money (`DeskHooks.describe`):
+    the desk never words a refund as a charge. A kind without desk hooks (or
+    without a handler) shows its amount alone.
+    """
+    try:
+        hooks = get_handler(op.kind).desk
+    except ConfigurationError:
+        hooks = None
+    return hooks.describe(op) if hooks is not None else money_of(op.params)
 
 
 def when(value: Any) -> str:
@@ -178,8 +194,12 @@ def provider_view_rows(claims: Any, params: dict[str, Any] | None) -> list[dict[
     return rows
 
 
-def provider_view_table(claims: Any, params: dict[str, Any] | None) -> str:
-    """The provider's view of every step as an HTML table ("" when no step was looked up)."""
+def provider_view_table(claims: Any, params: dict[str, Any] | None, *, what: str = "") -> str:
+    """The provider's view of every step as an HTML table ("" when no step was looked up).
+
+    `what` is the operation's money line (`money_line`): a success at the provider
+    on a step we have not recorded done says that this money moved.
+    """
     rows = provider_view_rows(claims, params)
     if not rows:
         return ""
@@ -204,10 +224,10 @@ def provider_view_table(claims: Any, params: dict[str, Any] | None) -> str:
     warnings = format_html_join(
         "",
         '<p class="desk-provider-warning"><strong>The provider shows step {} succeeded ({})'
-        "</strong> while ours is {}: the customer was charged. Query the provider, or mark "
-        "the step succeeded.</p>",
-        ((r["step"], r["reference_text"], r["claim_state"].lower()) for r in rows
-         if r["charged_unrecorded"]),
+        "</strong> while ours is {}: {} took place at the provider. Query the provider, or "
+        "mark the step succeeded.</p>",
+        ((r["step"], r["reference_text"], r["claim_state"].lower(), f"the {what}" if what else "it")
+         for r in rows if r["charged_unrecorded"]),
     )  # fmt: skip
     return format_html(
         '<table class="desk-table desk-provider-view"><thead><tr><th>Step</th><th>Status</th>'

@@ -58,12 +58,13 @@ from payments.desk import services as desk
 from payments.desk.display import (
     AGED_STATES,
     is_stale,
+    money_line,
     provider_view_table,
     reference_link,
     state_badge,
     when,
 )
-from payments.engine.handlers import registered_handlers
+from payments.engine.handlers import get_handler, registered_handlers
 from payments.engine.queues import payments_queue, queue_index
 from payments.exceptions import PaymentsError
 from payments.models import (
@@ -73,7 +74,7 @@ from payments.models import (
     OperationState,
     StepClaim,
 )
-from payments.money import decimal_amount, format_totals, money_of
+from payments.money import decimal_amount, format_totals
 
 if TYPE_CHECKING:
     from django.contrib.auth.base_user import AbstractBaseUser
@@ -240,7 +241,7 @@ class MarkSucceededForm(ReasonForm):
                 "autocomplete": "off",
             }
         ),
-        help_text="The charge's id at the provider (pi_…); it is checked before anything changes.",
+        help_text="The step's id at the provider; it is checked before anything changes.",
     )
 
     field_order = ["reference", "reason"]
@@ -374,7 +375,7 @@ class DeskViewsMixin(_DeskAdminBase):
         change_url = reverse(
             f"admin:{self.opts.app_label}_{self.opts.model_name}_change", args=[op.pk]
         )
-        form = spec.form(request.POST if request.method == "POST" else None)
+        form = _form_for(spec, op, step, request.POST if request.method == "POST" else None)
         status = 200
         if request.method == "POST" and form.is_valid():
             try:
@@ -389,14 +390,24 @@ class DeskViewsMixin(_DeskAdminBase):
                 self.log_change(request, op, message)
                 self.message_user(request, message, messages.SUCCESS)
                 return HttpResponseRedirect(change_url)
+        handler = get_handler(op.kind)
         context = {
             **self.admin_site.each_context(request),
-            "title": f"{spec.title}: {op.key}" + (f" / {step}" if step else ""),
+            "title": f"{action_title(spec, step)}: {op.key}",
+            "action_title": action_title(spec, step),
             "opts": self.opts,
             "original": op,
             "action": spec,
             "step": step,
             "form": form,
+            # How the page words this operation: the handler's steps and money line,
+            # never a checkout's (a refund is not a charge).
+            "money_line": money_line(op),
+            "provider_steps": sorted(handler.effects),
+            "other_steps": sorted(handler.steps),
+            "on_failure": _hook_says(handler.on_failure),
+            "on_resume": _hook_says(handler.on_resume),
+            "asks_payment_method": isinstance(form, NewAttemptForm),
             "claims": [
                 {
                     "claim": c,
@@ -405,9 +416,10 @@ class DeskViewsMixin(_DeskAdminBase):
                 }
                 for c in op.claims.order_by("claimed_at", "pk")
             ],
-            "amount": money_of(op.params),
             "state_badge": state_badge(op.state),
-            "provider_view": provider_view_table(op.claims.order_by("claimed_at", "pk"), op.params),
+            "provider_view": provider_view_table(
+                op.claims.order_by("claimed_at", "pk"), op.params, what=money_line(op)
+            ),
             "next_key": _next_key_or_blank(op) if action == "new_attempt" else "",
             "change_url": change_url,
             "refused": _refusal(op, action, step),
@@ -444,7 +456,7 @@ class DeskViewsMixin(_DeskAdminBase):
             "opts": self.opts,
             "queryset": queryset,
             "rows": [
-                {"op": op, "badge": state_badge(op.state), "amount": money_of(op.params)}
+                {"op": op, "badge": state_badge(op.state), "amount": money_line(op)}
                 for op in queryset
             ],
             "action_checkbox_name": "_selected_action",
@@ -467,14 +479,18 @@ class DeskViewsMixin(_DeskAdminBase):
         now = timezone.now()
         business = Operation.objects.exclude(follow_up_q())
         counts = dict(business.values_list("state").annotate(n=Count("pk")))
-        totals = money_by_state(business)
+        totals = money_by_state_and_kind(business)
+        # A refund's money is not a charge's: with more than one kind, one total per kind.
+        kinds = sorted({kind for by_kind in totals.values() for kind in by_kind})
         changelist = reverse(f"admin:{self.opts.app_label}_{self.opts.model_name}_changelist")
-        states = [
-            {"state": s, "label": s.label, "count": counts.get(s.value, 0),
-             "total": format_totals(totals.get(s.value, [])),
-             "url": f"{changelist}?state__exact={s.value}"}
-            for s in OperationState
-        ]  # fmt: skip
+        states = []
+        for s in OperationState:
+            lines = _totals_by_kind(totals.get(s.value, {}), labelled=len(kinds) > 1)
+            states.append(
+                {"state": s, "label": s.label, "count": counts.get(s.value, 0),
+                 "totals": lines, "total": " · ".join(lines),
+                 "url": f"{changelist}?state__exact={s.value}"}
+            )  # fmt: skip
         oldest = [
             {
                 "state": state,
@@ -531,24 +547,38 @@ class DeskViewsMixin(_DeskAdminBase):
 # --- queries of the desk ------------------------------------------------------------------
 
 
-def money_by_state(queryset: QuerySet[Operation]) -> dict[str, list[tuple[str, int]]]:
-    """Sum the params' amounts per state and currency: {state: [(currency, minor units)]}.
+def money_by_state_and_kind(
+    queryset: QuerySet[Operation],
+) -> dict[str, dict[str, list[tuple[str, int]]]]:
+    """Sum the params' amounts per state, kind and currency: {state: {kind: [(currency, n)]}}.
 
-    Only operations whose params carry an integer amount count (a checkout
-    does; a kind without money does not).
+    Only operations whose params carry an integer amount count (a checkout or a
+    refund does; a kind without money does not). A refund's amount gives money
+    back, a checkout's takes it: they are never added together.
     """
     rows = (
         queryset.annotate(amount_text=KT("params__amount"), currency=Lower(KT("params__currency")))
         .filter(amount_text__regex=r"^[0-9]{1,18}$")
         .exclude(currency__isnull=True)
-        .values("state", "currency")
+        .values("state", "kind", "currency")
         .annotate(total=Sum(Cast("amount_text", BigIntegerField())))
-        .order_by("state", "currency")
+        .order_by("state", "kind", "currency")
     )
-    totals: dict[str, list[tuple[str, int]]] = defaultdict(list)
+    totals: dict[str, dict[str, list[tuple[str, int]]]] = defaultdict(dict)
     for row in rows:
-        totals[row["state"]].append((row["currency"], int(row["total"] or 0)))
+        by_kind = totals[row["state"]].setdefault(row["kind"], [])
+        by_kind.append((row["currency"], int(row["total"] or 0)))
     return dict(totals)
+
+
+def _totals_by_kind(by_kind: dict[str, list[tuple[str, int]]], *, labelled: bool) -> list[str]:
+    """One line per kind ("€25.00 checkout", "€6.00 refund"); unlabelled when one kind has money."""
+    if not by_kind:
+        return ["-"]
+    return [
+        f"{format_totals(totals)} {kind}" if labelled else format_totals(totals)
+        for kind, totals in sorted(by_kind.items())
+    ]
 
 
 def desk_counts() -> list[dict[str, Any]]:
@@ -828,7 +858,7 @@ def _oldest(
     return {
         "operation": op,
         "age": timesince(op.state_since, now),
-        "amount": money_of(op.params),
+        "amount": money_line(op),
         "stale": is_stale(op, now),
         "url": reverse("admin:payments_operation_change", args=[op.pk]),
     }
@@ -854,6 +884,48 @@ def _refusal(op: Operation, action: str, step: str) -> str:
             else f"step {step} is not waiting to be settled"
         )
     return available.refused.get(action, "")
+
+
+def action_title(spec: DeskAction, step: str) -> str:
+    """The action as its button names it: "Mark refund succeeded" for step refund."""
+    return spec.title.replace("step", step) if step else spec.title
+
+
+def _form_for(spec: DeskAction, op: Operation, step: str, data: Any) -> forms.Form:
+    """The action's form, worded for this operation's kind and step."""
+    form_class = spec.form
+    if form_class is NewAttemptForm and "payment_method" not in (op.params or {}):
+        form_class = ReasonForm  # this kind's attempts take no payment method (a refund)
+    form = form_class(data)
+    if "reference" in form.fields:
+        example = _reference_example(op, step)
+        form.fields["reference"].help_text = (
+            f"The id of step {step} at the provider{f' ({example})' if example else ''}; "
+            "it is checked with the provider before anything changes."
+        )
+    return form
+
+
+def _reference_example(op: Operation, step: str) -> str:
+    """What a reference of this kind's step looks like ("re_…"), from one already recorded."""
+    known = (
+        StepClaim.objects.filter(operation__kind=op.kind, step=step)
+        .exclude(provider_reference="")
+        .order_by("-pk")
+        .values_list("provider_reference", flat=True)
+        .first()
+    )
+    prefix, underscore, _ = (known or "").partition("_")
+    return f"{prefix}_…" if underscore and prefix else ""
+
+
+def _hook_says(hook: Callable[..., Any] | None) -> str:
+    """What a handler's hook does, in its own words (the first sentence of its docstring)."""
+    if hook is None:
+        return ""
+    doc = (hook.__doc__ or "").strip()
+    first = doc.split(". ", 1)[0].splitlines()[0].strip().rstrip(".") if doc else ""
+    return first or hook.__name__.replace("_", " ")
 
 
 def _next_key_or_blank(op: Operation) -> str:

@@ -30,6 +30,7 @@ from payments.engine.writes import fence_writer
 from payments.exceptions import InvalidTransition, NotClaimOwner, OperationConflict
 from payments.models import (
     RUNNABLE_OPERATION_STATES,
+    ApiClient,
     ClaimState,
     KeyScope,
     Operation,
@@ -154,11 +155,13 @@ def create_operation_in_tx(
     retry_of: Operation | None = None,
     parent: Operation | None = None,
     scope: str = KeyScope.CLIENT,
+    client: ApiClient | None = None,
 ) -> tuple[Operation, bool]:
     """Create the operation for `key`, or return the existing one with the same fingerprint.
 
     Runs inside the caller's transaction, next to the business change that asks
-    for it (the row is the durable outbox). Returns (operation, created).
+    for it (the row is the durable outbox). Keys are scoped per API client and
+    per scope: two clients' keys never meet. Returns (operation, created).
     Raises OperationConflict when the key exists with another fingerprint.
     """
     if not transaction.get_connection().in_atomic_block:
@@ -170,6 +173,7 @@ def create_operation_in_tx(
             op = Operation.objects.create(
                 key=key,
                 scope=scope,
+                client=client,
                 parent=parent,
                 kind=kind,
                 entity_type=entity_type,
@@ -181,7 +185,7 @@ def create_operation_in_tx(
     except IntegrityError as exc:
         if not unique_violation_of(exc, Operation.KEY_CONSTRAINT):
             raise
-        existing = Operation.objects.get(scope=scope, key=key)
+        existing = Operation.objects.get(client=client, scope=scope, key=key)
         if existing.fingerprint != fp:
             raise OperationConflict(
                 key,

@@ -110,12 +110,20 @@ def reconcile_step(
     if claim.provider_reference or not allow_replay or not replay_allowed(claim):
         return _settle_from_lookup(claim, effect, actor=actor)
     try:
-        return call_effect(claim, effect, actor=actor)
+        result = call_effect(claim, effect, actor=actor)
     except StepUncertain:
         # The provider replayed a stored error, or the replay's answer was lost
         # too: only a lookup can tell more now.
         claim.refresh_from_db()
         return _settle_from_lookup(claim, effect, actor=actor)
+    # What the provider answered to the same-key replay, for the desk's "at the provider".
+    shown = {k: v for k, v in result.items() if k != "reference"}
+    fence.note_provider_view(
+        claim,
+        EffectResult(Outcome.SUCCESS, reference=str(result.get("reference", "")), data=shown),
+        source="same-key replay",
+    )
+    return result
 
 
 @telemetry.traced("external", call=True)

@@ -2,31 +2,50 @@
 
 from __future__ import annotations
 
-from django.http import HttpRequest, JsonResponse
+from drf_spectacular.utils import OpenApiParameter, extend_schema
+from rest_framework import serializers
+from rest_framework.decorators import api_view
+from rest_framework.request import Request
+from rest_framework.response import Response
 
-from payments.api.base import ApiError, api_view, idempotency_key, json_body, start_operation
+from payments.api.base import ApiError, idempotency_key, json_object, start_operation
+from payments.api.fields import ERRORS, StrictIntegerField
 from payments.refunds.handler import RefundNotAllowed, request_refund
 
 
-@api_view("POST")
-def refunds(request: HttpRequest, order_id: int) -> JsonResponse:
+class RefundIn(serializers.Serializer):
+    amount = StrictIntegerField(min_value=1, help_text="Minor units to give back.")
+
+
+class RefundAccepted(serializers.Serializer):
+    operation = serializers.CharField()
+    state = serializers.CharField()
+    order = serializers.IntegerField()
+    amount = serializers.IntegerField()
+
+
+@extend_schema(
+    request=RefundIn,
+    responses={202: RefundAccepted, **ERRORS},
+    parameters=[OpenApiParameter("Idempotency-Key", str, OpenApiParameter.HEADER, required=True)],
+    operation_id="refund_order",
+)
+@api_view(["POST"])
+def refunds(request: Request, order_id: int) -> Response:
     """Ask for a refund of `amount` minor units of a paid order; 202 with the operation key.
 
     The sum of an order's refunds never exceeds what was charged: a refund that
     would (refunds in flight counted) is 409 `refund_not_allowed`.
     """
     idempotency_key(request)
-    body = json_body(request)
-    amount = body.get("amount")
-    if "amount" not in body:
-        raise ApiError(400, "missing_field", "amount is required.", "amount")
-    if isinstance(amount, bool) or not isinstance(amount, int) or amount <= 0:
-        raise ApiError(
-            400, "invalid_field", "amount must be a positive integer (minor units).", "amount"
-        )
+    serializer = RefundIn(data=json_object(request))
+    serializer.is_valid(raise_exception=True)
+    amount = int(serializer.validated_data["amount"])
     return start_operation(
         request,
-        lambda key: request_refund(order_id=order_id, key=key, amount=amount, actor="api"),
+        lambda key, client: request_refund(
+            order_id=order_id, key=key, amount=amount, actor="api", client=client
+        ),
         not_found=ApiError(404, "order_not_found", f"Order {order_id} does not exist."),
         not_allowed=(RefundNotAllowed, "refund_not_allowed"),
         order=order_id,

@@ -19,6 +19,7 @@ from payments.engine.dispatch import dispatch_on_commit
 from payments.engine.handlers import DeskHooks, Run, handler
 from payments.exceptions import InvalidTransition
 from payments.models import (
+    ApiClient,
     CreditNote,
     Invoice,
     KeyScope,
@@ -57,6 +58,7 @@ def request_refund(
     actor: str,
     retry_of: Operation | None = None,
     scope: str = KeyScope.CLIENT,
+    client: ApiClient | None = None,
 ) -> tuple[Operation, bool]:
     """Write the refund operation of an order and enqueue it on commit; (operation, created).
 
@@ -75,7 +77,7 @@ def request_refund(
             "currency": order.currency,
             "payment_intent": invoice.provider_reference if invoice is not None else "",
         }
-        if not Operation.objects.filter(scope=scope, key=key).exists():
+        if not Operation.objects.filter(client=client, scope=scope, key=key).exists():
             if order.status not in REFUNDABLE_STATUSES or invoice is None:
                 raise RefundNotAllowed(f"order {order.pk} is {order.status}; nothing to refund")
             left = order.amount - reserved_amount_in_tx(order)
@@ -92,6 +94,7 @@ def request_refund(
             actor=actor,
             retry_of=retry_of,
             scope=scope,
+            client=client,
         )
         if created:
             dispatch_on_commit(op)
@@ -149,6 +152,7 @@ def new_refund_attempt(
         actor=actor,
         retry_of=operation,
         scope=KeyScope.DERIVED,
+        client=operation.client,
     )
 
 

@@ -21,7 +21,8 @@ from django.utils import timezone
 
 from payments.engine import fence
 from payments.engine.writes import fence_writes
-from payments.models import ClaimState, Operation, OperationState, StepClaim
+from payments.models import ClaimState, Operation, OperationState, Order, OrderStatus, StepClaim
+from payments.refunds.handler import request_refund
 from tests.support import flows
 from tests.support.users import RECONCILE, VIEW, make_user
 from tests.support.workers import run_worker
@@ -252,3 +253,161 @@ def test_operator_queries_the_provider_and_sees_the_payment_settle(
     assert response.status == 403
     assert "payments.start_new_attempt" in page.locator(".desk-missing-permission").inner_text()
     shot(page, "16-forbidden")
+
+
+# --- a refund whose answer was lost ------------------------------------------------------
+
+#: Words of a checkout that a refund's pages must never use.
+CHECKOUT_WORDS = ("charge", "payment failed", "invoice", "processing")
+
+
+def uncertain_refund(provider, queue, order: Order, key: str, amount: int) -> Operation:
+    """The provider refunded, then the connection dropped before its answer: uncertain."""
+    provider.state.enqueue_faults("drop_after_accept", 1)
+    op, _ = request_refund(order_id=order.pk, key=key, amount=amount, actor="api")
+    run_worker(queue)
+    assert provider.state.wait_idle(timeout=5)  # the refund is stored at the provider
+    op.refresh_from_db()
+    assert op.state == OperationState.UNCERTAIN, op.state
+    return op
+
+
+def refund_page(page, name: str) -> str:
+    """Screenshot a page about a refund; return its text, checked for a checkout's words."""
+    shot(page, name)
+    text = page.locator("#content").inner_text()
+    said = [word for word in CHECKOUT_WORDS if word in text.lower()]
+    assert said == [], f"{name} speaks of {said} for a refund"
+    return text
+
+
+def test_operator_settles_uncertain_refunds(page, live_server, provider, queue, settings):
+    # The provider keeps idempotency keys for an hour only, so no lost answer is settled by
+    # a same-key replay (tests/refunds covers that): every settlement is a lookup, and the
+    # operator sees what the provider showed beside ours.
+    settings.PAYMENTS = {
+        **settings.PAYMENTS,
+        "PROVIDER_DASHBOARD_URL": DASHBOARD,
+        "PROVIDER_KEY_RETENTION": 3600,
+    }
+    paid = flows.checkout(key="web-paid-1")  # €25.00
+    run_worker(queue)
+    order = Order.objects.get(pk=paid.params["order_id"])
+    assert order.status == OrderStatus.PAID
+    queried = uncertain_refund(provider, queue, order, "web-refund-1", 600)
+    marked = uncertain_refund(provider, queue, order, "web-refund-2", 1900)
+    line = f"€6.00 refund of order {order.pk}"
+    user = make_user("alice", *VIEW, RECONCILE)
+    user.set_password(PASSWORD)
+    user.save()
+
+    page.goto(f"{live_server.url}/admin/login/?next=/admin/payments/operation/needs-attention/")
+    page.fill("#id_username", "alice")
+    page.fill("#id_password", PASSWORD)
+    page.click("input[type=submit]")
+    page.wait_for_url("**/needs-attention/")
+    # A refund's money is never added to a charge's: one total per kind.
+    assert page.locator(".state-count-uncertain strong").inner_text() == "2"
+    assert page.locator(".state-count-uncertain .desk-total").all_inner_texts() == ["€25.00 refund"]
+    assert page.locator(".state-count-succeeded .desk-total").all_inner_texts() == [
+        "€25.00 checkout"
+    ]
+    oldest = page.locator("#oldest-uncertain").inner_text()
+    assert queried.key in oldest and f"({line})" in oldest
+    shot(page, "2x-refund-01-needs-attention")
+
+    # The refund's page: its money line, nothing looked up yet, the refund's own buttons.
+    page.locator("#oldest-uncertain").get_by_role("link", name=queried.key).click()
+    page.wait_for_url(f"**/admin/payments/operation/{queried.pk}/change/")
+    badge = page.locator("div.field-badge .state-badge")
+    assert badge.inner_text() == "Uncertain"
+    assert page.locator("div.field-money .readonly").inner_text() == line
+    assert "Not looked up yet" in page.locator("div.field-provider_side").inner_text()
+    buttons = page.locator(".desk-buttons").inner_text()
+    assert "Mark refund succeeded" in buttons and "Mark refund failed" in buttons
+    refund_page(page, "2x-refund-02-operation-uncertain")
+
+    page.get_by_role("link", name="Query provider now").click()
+    assert page.locator(".desk-amount").inner_text() == line
+    refund_page(page, "2x-refund-03-confirm-query")
+    page.get_by_role("button", name="Yes, query the provider").click()
+    page.wait_for_url(f"**/admin/payments/operation/{queried.pk}/change/")
+    assert "Queried the provider: done" in page.locator("ul.messagelist").inner_text()
+    assert badge.inner_text() == "Retrying"
+    (first,) = provider.state.refunds(metadata={"operation_key": queried.key})
+    view = page.locator("table.desk-provider-view").inner_text()
+    assert "succeeded" in view and "€6.00" in view and first["id"] in view
+    assert "≠ ours" not in view
+    link = page.locator("table.desk-provider-view").get_by_role("link", name=first["id"])
+    assert link.get_attribute("href") == DASHBOARD.format(reference=first["id"])
+    assert "operator:alice" in page.locator("#events-group").inner_text()
+    refund_page(page, "2x-refund-04-settled-retrying")
+
+    run_worker(queue)  # the credit note
+    page.reload()
+    assert badge.inner_text() == "Succeeded"
+    assert "credit_note" in page.locator("#claims-group").inner_text()
+    refund_page(page, "2x-refund-05-succeeded")
+    order.refresh_from_db()
+    assert (order.status, order.refunded_amount) == (OrderStatus.PARTIALLY_REFUNDED, 600)
+
+    # The other refund: "Mark refund failed" is explained in a refund's words, then refused
+    # because the provider shows the refund succeeded; its view is on the page after.
+    (second,) = provider.state.refunds(metadata={"operation_key": marked.key})
+    page.goto(f"{live_server.url}/admin/payments/operation/{marked.pk}/change/")
+    page.get_by_role("link", name="Mark refund failed").click()
+    explained = refund_page(page, "2x-refund-06-confirm-mark-failed")
+    assert f"order {order.pk} stays as it is" in explained
+    page.fill("#id_reason", "the customer says no money came back")
+    page.get_by_role("button", name="Yes, check and mark failed").click()
+    refusal = page.locator(".desk-refusal").inner_text()
+    assert f"the provider shows step refund succeeded ({second['id']})" in refusal
+    refund_page(page, "2x-refund-07-mark-failed-refused")
+
+    page.goto(f"{live_server.url}/admin/payments/operation/{marked.pk}/change/")
+    warning = page.locator(".desk-provider-warning").inner_text()
+    assert f"the €19.00 refund of order {order.pk} took place" in warning
+    refund_page(page, "2x-refund-08-uncertain-provider-view")
+
+    page.get_by_role("link", name="Mark refund succeeded").click()
+    assert "re_…" in page.locator(".field-reference .help").inner_text()
+    page.fill("#id_reference", second["id"])
+    page.fill("#id_reason", "the provider shows the refund succeeded")
+    refund_page(page, "2x-refund-09-mark-succeeded-form")
+    page.get_by_role("button", name="Yes, check and mark succeeded").click()
+    page.wait_for_url(f"**/admin/payments/operation/{marked.pk}/change/")
+    assert badge.inner_text() == "Retrying"
+    run_worker(queue)
+    page.reload()
+    assert badge.inner_text() == "Succeeded"
+    trail = page.locator("#events-group").inner_text()
+    assert f"marked succeeded ({second['id']})" in trail and "operator:alice" in trail
+    refund_page(page, "2x-refund-10-marked-succeeded")
+    claim = StepClaim.objects.get(operation=marked, step="refund")
+    assert (claim.state, claim.provider_reference) == (ClaimState.DONE, second["id"])
+
+    # All of it given back, once each: the order is refunded.
+    order.refresh_from_db()
+    assert (order.status, order.refunded_amount) == (OrderStatus.REFUNDED, 2500)
+    assert [
+        r["amount"] for r in provider.state.refunds(payment_intent=first["payment_intent"])
+    ] == [
+        600,
+        1900,
+    ]
+    page.goto(f"{live_server.url}/admin/payments/order/{order.pk}/change/")
+    assert page.locator("div.field-status .readonly").inner_text() == "Refunded"
+    shot(page, "2x-refund-11-order-refunded")
+    page.goto(f"{live_server.url}/admin/payments/operation/?kind__exact=refund")
+    assert page.locator("#result_list tbody tr").count() == 2
+    shot(page, "2x-refund-12-operations")
+    call_command("fence_audit", stdout=io.StringIO())  # exit 0: every refund once, fenced
+    page.goto(f"{live_server.url}/admin/payments/operation/needs-attention/")
+    assert page.locator(".state-count-succeeded .desk-total").all_inner_texts() == [
+        "€25.00 checkout",
+        "€25.00 refund",
+    ]
+    refunds_audit = page.locator("#audit-refunds").inner_text()
+    assert "Provider refunds\t2" in refunds_audit and "{'" not in refunds_audit
+    assert "clean" in page.locator("#audit-refunds-title").inner_text()
+    shot(page, "2x-refund-13-needs-attention-after")

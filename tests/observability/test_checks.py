@@ -243,3 +243,53 @@ def test_payments_settings__a_bad_value_is_error_e009_naming_it(settings, bad):
     assert ids(messages) == ["payments.E009"]
     assert next(iter(bad)) in messages[0].msg
     assert checks.check_timeout_chain() == []  # E009 speaks for it
+
+
+# --- E011: the documented processes fit in PostgreSQL's connections -----------------
+
+
+def test_e011__registered_as_a_deploy_database_check():
+    deploy = registry.registry.get_checks(include_deployment_checks=True)
+    normal = registry.registry.get_checks(include_deployment_checks=False)
+    assert checks.check_connection_budget in deploy
+    assert checks.check_connection_budget not in normal
+    assert "database" in checks.check_connection_budget.tags
+
+
+@pytest.mark.django_db
+def test_e011__quiet_on_the_defaults_and_the_production_example(settings):
+    assert checks.check_connection_budget(databases=["default"]) == []
+    settings.DEPLOY_PROCESSES = {
+        "WEB_CONCURRENCY": 4,
+        "GUNICORN_THREADS": 2,
+        "RQ_WORKERS": 4,
+        "RECOVERY_PROCESSES": 1,
+        "DB_RESERVED_CONNECTIONS": 5,
+    }
+    assert checks.check_connection_budget(databases=["default"]) == []
+    assert checks.check_connection_budget() == []  # without --database: not asked
+
+
+@pytest.mark.django_db
+def test_e011__fires_when_workers_times_threads_exceed_max_connections(settings):
+    with connections["default"].cursor() as cursor:
+        cursor.execute("SHOW max_connections")
+        max_connections = int(cursor.fetchone()[0])
+    settings.DEPLOY_PROCESSES = {
+        "WEB_CONCURRENCY": max_connections // 4 + 1,
+        "GUNICORN_THREADS": 4,
+        "RQ_WORKERS": 1,
+        "RECOVERY_PROCESSES": 1,
+        "DB_RESERVED_CONNECTIONS": 0,
+    }
+    messages = checks.check_connection_budget(databases=["default"])
+    assert ids(messages) == ["payments.E011"]
+    assert f"max_connections {max_connections}" in messages[0].msg
+
+
+def test_e011__a_forking_worker_counts_twice():
+    processes = {"WEB_CONCURRENCY": 2, "GUNICORN_THREADS": 3, "RQ_WORKERS": 4}
+    simple = checks.connections_needed(processes, "payments.engine.worker.FenceWorker")
+    forking = checks.connections_needed(processes, "rq.worker.Worker")
+    assert simple["gunicorn"] == 6 and simple["rqworker"] == 4
+    assert forking["rqworker"] == 8
