@@ -70,9 +70,19 @@ class Stack:
         self.procs.append(proc)
         return proc
 
-    def start_provider(self, port: int, *fault_args: str) -> Proc:
-        proc = self._spawn("provider", ["run_fake_provider", "--port", str(port), *fault_args])
-        wait_http(f"http://127.0.0.1:{port}/_fake/health", what="fake provider")
+    def start_provider(self, port: int, *fault_args: str, ca_file: Path | None = None) -> Proc:
+        """Start the fake provider; with `ca_file`, over TLS, its CA written there."""
+        args = ["run_fake_provider", "--port", str(port), *fault_args]
+        if ca_file is not None:
+            ca_file.unlink(missing_ok=True)  # wait for this run's CA, not a stale one
+            args += ["--tls", "--ca-file", str(ca_file)]
+        proc = self._spawn("provider", args)
+        scheme = "https" if ca_file is not None else "http"
+        wait_http(
+            f"{scheme}://127.0.0.1:{port}/_fake/health",
+            what="fake provider",
+            verify=str(ca_file) if ca_file is not None else True,
+        )
         return proc
 
     def start_api(self, port: int) -> Proc:
@@ -137,14 +147,25 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
-def wait_http(url: str, *, what: str, ok: tuple[int, ...] = (200,), timeout: float = 30) -> None:
-    """Wait until `url` answers with one of `ok`; raise RuntimeError after `timeout`."""
+def wait_http(
+    url: str,
+    *,
+    what: str,
+    ok: tuple[int, ...] = (200,),
+    timeout: float = 30,
+    verify: bool | str = True,
+) -> None:
+    """Wait until `url` answers with one of `ok`; raise RuntimeError after `timeout`.
+
+    `verify` is a CA file for a server with a private CA; until the server has
+    written it, the attempts fail like any other and are retried.
+    """
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
-            if requests.get(url, timeout=1).status_code in ok:
+            if requests.get(url, timeout=1, verify=verify).status_code in ok:
                 return
-        except requests.RequestException:
+        except OSError:  # requests' errors, and a CA file not written yet
             pass
         time.sleep(0.2)
     raise RuntimeError(f"{what} did not start at {url} within {timeout:.0f}s")

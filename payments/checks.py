@@ -343,6 +343,10 @@ def check_connection_budget(
     processes = getattr(settings, "DEPLOY_PROCESSES", None)
     if not databases or "default" not in databases or not processes:
         return []
+    if getattr(settings, "DATABASE_POOLING", "") == "transaction":
+        # The processes' connections end at PgBouncer (its max_client_conn); PostgreSQL
+        # sees PgBouncer's pools (default_pool_size per database and user): README, Topology.
+        return []
     try:
         with connections["default"].cursor() as cursor:
             cursor.execute(
@@ -374,3 +378,59 @@ def check_connection_budget(
             id="payments.E011",
         )
     ]
+
+
+# --- PgBouncer in transaction pooling: nothing may live in a session -----------------
+
+
+def transaction_pooling_hazards(database: dict[str, Any]) -> list[str]:
+    """Return what in one DATABASES entry breaks under transaction pooling (empty: safe).
+
+    Each transaction may run on another PostgreSQL session: a WITH HOLD cursor
+    (QuerySet.iterator() with server-side cursors on) or a prepared statement
+    left in one session is missing, or someone else's, in the next. A kept
+    connection (CONN_MAX_AGE) must be health-checked, or every one of them fails
+    its first query after a PgBouncer restart.
+    """
+    hazards = []
+    if not database.get("DISABLE_SERVER_SIDE_CURSORS"):
+        hazards.append(
+            "DISABLE_SERVER_SIDE_CURSORS is off (QuerySet.iterator() keeps a cursor in the session)"
+        )
+    threshold = database.get("OPTIONS", {}).get("prepare_threshold")
+    if threshold is not None:
+        hazards.append(
+            f"OPTIONS['prepare_threshold'] is {threshold!r} (psycopg prepares statements in "
+            "the session; None keeps them off)"
+        )
+    if database.get("CONN_MAX_AGE", 0) != 0 and not database.get("CONN_HEALTH_CHECKS"):
+        hazards.append(
+            f"CONN_MAX_AGE is {database.get('CONN_MAX_AGE')!r} without CONN_HEALTH_CHECKS (a "
+            "kept connection fails its first query after a PgBouncer restart)"
+        )
+    return hazards
+
+
+@register("payments")
+def check_transaction_pooling(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
+    """With DATABASE_POOLING=transaction, no PostgreSQL database may keep session state."""
+    if getattr(settings, "DATABASE_POOLING", "") != "transaction":
+        return []
+    messages: list[CheckMessage] = []
+    for alias, database in settings.DATABASES.items():
+        if "postgresql" not in str(database.get("ENGINE", "")):
+            continue
+        hazards = transaction_pooling_hazards(database)
+        if hazards:
+            messages.append(
+                CheckWarning(
+                    f"DATABASE_POOLING=transaction, but database {alias!r} is unsafe behind a "
+                    f"transaction pooler: {'; '.join(hazards)}.",
+                    hint="Set DISABLE_SERVER_SIDE_CURSORS = True, OPTIONS['prepare_threshold'] "
+                    "= None and CONN_HEALTH_CHECKS = True (project/settings.py does when "
+                    "DATABASE_POOLING=transaction); see README, Topology.",
+                    obj=f"settings.DATABASES[{alias!r}]",
+                    id="payments.W006",
+                )
+            )
+    return messages

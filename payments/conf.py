@@ -26,6 +26,13 @@ Every key, its default and its meaning:
     ``{reference}`` in it, e.g. ``https://dashboard.stripe.com/payments/{reference}``.
 ``QUEUE`` (``"payments"``)
     The RQ queue (an ``RQ_QUEUES`` entry) that delivers operations.
+``PROVIDER_WEBHOOK_SECRETS`` (``()``: every webhook is refused)
+    The provider's webhook signing secrets (``whsec_...``); an event signed with
+    any of them is accepted, so during a rotation both the old and the new one
+    are listed. A comma-separated string is accepted too.
+``PROVIDER_WEBHOOK_TOLERANCE`` (``300`` seconds)
+    How far a webhook's signed timestamp may be from now before it is refused
+    as a replay (Stripe's own default).
 
 `payments.E009` reports a bad value at start-up; the timeout chain between
 them is checked by `payments.E002`-`E005`.
@@ -56,6 +63,8 @@ class PaymentsSettings:
     reconcile_grace: int = 15 * 60
     queue: str = "payments"
     provider_dashboard_url: str = ""
+    provider_webhook_secrets: tuple[str, ...] = ()
+    provider_webhook_tolerance: int = 300
 
     def backoff_before(self, attempt: int) -> int:
         """Return the delay in seconds before attempt `attempt + 1` (1-based `attempt`)."""
@@ -89,6 +98,23 @@ def _dashboard(name: str, value: Any) -> str:
     if not isinstance(value, str) or "{reference}" not in value:
         raise ImproperlyConfigured(f"PAYMENTS[{name!r}] must be a URL containing {{reference}}.")
     return value
+
+
+def _secrets(name: str, value: Any) -> tuple[str, ...]:
+    """Validate webhook secrets: a list of non-empty strings, or one comma-separated string."""
+    if isinstance(value, str):
+        value = [part.strip() for part in value.split(",") if part.strip()]
+    if not isinstance(value, list | tuple) or not all(
+        isinstance(secret, str)
+        and secret
+        and "," not in secret
+        and not any(c.isspace() for c in secret)
+        for secret in value
+    ):
+        raise ImproperlyConfigured(
+            f"PAYMENTS[{name!r}] must be a list of non-empty secrets without spaces or commas."
+        )
+    return tuple(value)
 
 
 def payments_settings() -> PaymentsSettings:
@@ -131,4 +157,10 @@ def payments_settings() -> PaymentsSettings:
         reconcile_grace=_number("RECONCILE_GRACE", get("reconcile_grace"), integer=True, minimum=1),
         queue=_text("QUEUE", get("queue")),
         provider_dashboard_url=_dashboard("PROVIDER_DASHBOARD_URL", get("provider_dashboard_url")),
+        provider_webhook_secrets=_secrets(
+            "PROVIDER_WEBHOOK_SECRETS", get("provider_webhook_secrets")
+        ),
+        provider_webhook_tolerance=_number(
+            "PROVIDER_WEBHOOK_TOLERANCE", get("provider_webhook_tolerance"), integer=True, minimum=1
+        ),
     )

@@ -11,6 +11,7 @@ from typing import Any
 
 from django.db import models
 from django.db.models import Q
+from django.utils import timezone
 from rest_framework_api_key.models import AbstractAPIKey
 
 from payments.engine.writes import writing
@@ -346,3 +347,42 @@ class FenceAuditRun(models.Model):
 
     def __str__(self) -> str:
         return f"audit {self.finished_at:%Y-%m-%d %H:%M} exit {self.exit_code}"
+
+
+class ProviderEvent(models.Model):
+    """One event the provider pushed (a signed webhook) or listed (`sync_provider_events`).
+
+    Stored as received, acknowledged at once, handled later by a job behind the
+    inbox (consumer `provider-events`, message id = the event id): `handled_at`
+    is empty until that job committed. `operation` and `outcome` say what the
+    event did (the desk lists an operation's events). Written by
+    `payments.webhooks` only.
+    """
+
+    id = models.CharField(primary_key=True, max_length=255)  # the provider's evt_...
+    type = models.CharField(max_length=100)
+    #: When the provider created the event (its clock), not when it reached us.
+    created = models.DateTimeField()
+    payload = models.JSONField()
+    #: The provider object the event is about (pi_..., re_..., ch_...).
+    object_id = models.CharField(max_length=255, blank=True, db_index=True)
+    received_at = models.DateTimeField(default=timezone.now)
+    handled_at = models.DateTimeField(null=True, blank=True)
+    #: What handling it did: done, failed, already_settled, stale, busy, needs_review, ...
+    outcome = models.CharField(max_length=40, blank=True)
+    operation = models.ForeignKey(
+        Operation,
+        null=True,
+        blank=True,
+        on_delete=models.PROTECT,
+        related_name="provider_events",
+    )
+
+    class Meta:
+        ordering = ["created", "id"]
+        indexes = [
+            models.Index(fields=["handled_at", "received_at"], name="payments_event_pending"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.id} {self.type}"

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import environ
 from django.core.exceptions import ImproperlyConfigured
+from redis.connection import parse_url as parse_redis_url
 
 from payments.conf import PaymentsSettings
 
@@ -119,6 +120,25 @@ DATABASES["default"].setdefault(
 )
 DATABASES["default"].setdefault("CONN_HEALTH_CHECKS", True)
 
+# Behind PgBouncer in transaction pooling (DATABASE_POOLING=transaction; README,
+# "Topology") each transaction may run on another PostgreSQL session, so nothing
+# may live in a session from one transaction to the next: no server-side cursors
+# (QuerySet.iterator() would declare a WITH HOLD cursor) and no prepared statements
+# (Django keeps psycopg's off: prepare_threshold None, pinned here). CONN_MAX_AGE
+# keeps its meaning: a kept connection is a client slot of PgBouncer, not a
+# PostgreSQL backend, and CONN_HEALTH_CHECKS replaces one a PgBouncer restart broke.
+# payments.W006 warns when any of these is undone. Empty: a direct connection (or a
+# pooler in session mode), nothing changes.
+DATABASE_POOLING = env.str("DATABASE_POOLING", default="")
+if DATABASE_POOLING not in ("", "transaction"):
+    raise ImproperlyConfigured(
+        f"DATABASE_POOLING={DATABASE_POOLING!r}: empty (direct connections, or a pooler in "
+        "session mode) or 'transaction' (PgBouncer's pool_mode = transaction)."
+    )
+if DATABASE_POOLING == "transaction":
+    DATABASES["default"]["DISABLE_SERVER_SIDE_CURSORS"] = True
+    DATABASES["default"].setdefault("OPTIONS", {})["prepare_threshold"] = None
+
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
 AUTH_PASSWORD_VALIDATORS = [
@@ -158,6 +178,39 @@ RQ_QUEUES = {
         "DEFAULT_TIMEOUT": env.int("JOB_TIMEOUT", default=PaymentsSettings.job_timeout),
     },
 }
+
+
+def _sentinel_address(item: str) -> tuple[str, int]:
+    host, _, port = item.strip().rpartition(":")
+    if not host or not port.isdigit():
+        raise ImproperlyConfigured(f"REDIS_SENTINELS: {item!r} is not host:port.")
+    return (host, int(port))
+
+
+# Redis Sentinel (README, "Topology"): with REDIS_SENTINELS ("host:port,host:port")
+# every process asks the sentinels for the master of REDIS_SENTINEL_MASTER, and
+# again after a failover; REDIS_URL then gives only the database number and the
+# credentials. django-rq (rqworker, the RQ pages) and payments.engine.queues read
+# the same entry, so workers, the API's enqueue, the sweeper and metrics all follow.
+REDIS_SENTINELS = [_sentinel_address(item) for item in env.list("REDIS_SENTINELS", default=[])]
+REDIS_SENTINEL_MASTER = env.str("REDIS_SENTINEL_MASTER", default="mymaster")
+#: Seconds to wait for a sentinel's answer: a dead sentinel is skipped, never waited for.
+REDIS_SENTINEL_TIMEOUT = env.float("REDIS_SENTINEL_TIMEOUT", default=1.0)
+if REDIS_SENTINELS:
+    _redis_url = parse_redis_url(REDIS_URL)
+    _queue = RQ_QUEUES["payments"]
+    del _queue["URL"]  # django-rq prefers a URL to SENTINELS
+    _queue.update(
+        SENTINELS=REDIS_SENTINELS,
+        MASTER_NAME=REDIS_SENTINEL_MASTER,
+        DB=int(_redis_url.get("db", 0) or 0),
+        USERNAME=_redis_url.get("username"),
+        PASSWORD=_redis_url.get("password"),
+        SENTINEL_KWARGS={
+            "socket_connect_timeout": REDIS_SENTINEL_TIMEOUT,
+            "socket_timeout": REDIS_SENTINEL_TIMEOUT,
+        },
+    )
 # Enqueue only after the surrounding transaction commits (django-rq's default,
 # stated here because the outbox design depends on it).
 # The worker class was picked by `make bench` (see payments/worker.py).
@@ -198,6 +251,9 @@ _PAYMENTS_ENV = {
     "RETRY_BACKOFF": ("RETRY_BACKOFF", lambda name: env.list(name, cast=int)),
     "RECONCILE_GRACE": ("RECONCILE_GRACE", env.int),
     "PROVIDER_DASHBOARD_URL": ("PAYMENT_PROVIDER_DASHBOARD_URL", env.str),
+    # Comma-separated: during a rotation the old and the new signing secret are both accepted.
+    "PROVIDER_WEBHOOK_SECRETS": ("PAYMENT_PROVIDER_WEBHOOK_SECRET", env.str),
+    "PROVIDER_WEBHOOK_TOLERANCE": ("PAYMENT_PROVIDER_WEBHOOK_TOLERANCE", env.int),
 }
 PAYMENTS = {key: read(var) for key, (var, read) in _PAYMENTS_ENV.items() if var in env}
 

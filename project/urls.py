@@ -7,6 +7,7 @@ from django_rq import urls as django_rq_urls
 from payments.desk.rq_access import guarded_urlpatterns
 from payments.observability.health import healthz
 from payments.observability.metrics import metrics_view
+from payments.webhooks.views import provider_webhook
 
 urlpatterns = [
     # django-rq's pages, each behind its permission (payments/desk/rq_access.py).
@@ -15,4 +16,5 @@ urlpatterns = [
     path("api/", include("payments.urls")),
     path("healthz", healthz, name="healthz"),
     path("metrics", metrics_view, name="metrics"),
+    path("webhooks/provider", provider_webhook, name="provider_webhook"),
 ]

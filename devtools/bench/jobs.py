@@ -3,7 +3,9 @@
 Never used by the product. The unfenced checkout does the same business work
 as the fenced `checkout` handler (charge, invoice, e-mail, paid, two follow-up
 jobs) with no lease, claim, event or inbox row: what the fence is measured
-against.
+against. It gets the same plumbing as the fenced side: the process's shared
+provider session, the process's Redis client, its two follow-ups enqueued in
+one pipeline.
 """
 
 from __future__ import annotations
@@ -50,8 +52,13 @@ def unfenced_checkout(order_id: int, payment_method: str) -> str:
     with transaction.atomic():
         Order.objects.filter(pk=order_id).update(status=OrderStatus.PAID)
     queue = payments_queue()
-    queue.enqueue(unfenced_record_sale, order_id, intent.id)
-    queue.enqueue(unfenced_count_sale, order_id)
+    follow_ups = [
+        queue.prepare_data(unfenced_record_sale, (order_id, intent.id)),
+        queue.prepare_data(unfenced_count_sale, (order_id,)),
+    ]
+    with queue.connection.pipeline() as pipe:
+        queue.enqueue_many(follow_ups, pipeline=pipe)
+        pipe.execute()
     return intent.id
 
 

@@ -2,9 +2,12 @@
 
 Throughput comes from RQ's own job timestamps (first start to last end of the
 batch), so worker start-up is not counted; jobs are enqueued before the
-workers start. Provider calls go over real HTTP to the fake provider, which
-answers after `latency` seconds as a real provider would (Stripe's creates
-take hundreds of milliseconds; the default here is a conservative 20 ms).
+workers start. Provider calls go over real HTTP (or HTTPS, `tls=True`) to the
+fake provider, which answers after `latency` seconds as a real provider would
+(Stripe's creates take hundreds of milliseconds; the default here is a
+conservative 20 ms). Both sides run with the same pooling: one provider
+session per worker process, one Redis client per process, database
+connections kept for 60 s (DB_CONN_MAX_AGE, as in production).
 """
 
 from __future__ import annotations
@@ -14,26 +17,32 @@ import time
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import requests
 from django.conf import settings
-from django.db import connection
+from django.db import close_old_connections, connection
 from rq.job import Job
 from rq.registry import FailedJobRegistry, FinishedJobRegistry
 
 from devtools.bench import jobs
+from devtools.bench.dbcount import RoundTrips, counting, recorded
 from devtools.scratch import claim_scratch, flush_scratch
 from devtools.stack import Stack, free_port
 from payments.checkout.handler import request_checkout
 from payments.checkout.orders import create_order
+from payments.conf import payments_settings
 from payments.engine.queues import payments_queue
 from payments.engine.recovery import reconcile
 from payments.models import Operation, OperationState, Order
+from payments.provider.client import ProviderClient, new_session
 
 WORKER_CLASSES = {
     "Worker (forking)": "rq.worker.Worker",
     "FenceWorker (SimpleWorker)": "payments.engine.worker.FenceWorker",
 }
+#: FenceWorker that records each job's database round trips (devtools.bench.dbcount).
+COUNTING_WORKER = "devtools.bench.workers.CountingWorker"
 TABLES = [
     "payments_operationevent", "payments_stepclaim", "payments_invoice",
     "payments_ledgerentry", "payments_salesday", "payments_fenceauditrun",
@@ -44,34 +53,57 @@ TABLES = [
 class Bench:
     """Runs batches of jobs on real worker processes against one fake provider."""
 
-    def __init__(self, *, latency: float, log_dir: Path, say: Callable[[str], None]) -> None:
+    def __init__(
+        self, *, latency: float, log_dir: Path, say: Callable[[str], None], tls: bool = False
+    ) -> None:
         self.say = say
         self.port = free_port()
+        self.url = f"{'https' if tls else 'http'}://127.0.0.1:{self.port}"
+        # With TLS the fake provider writes its throwaway CA here; every process
+        # (workers and this one) trusts it through requests' REQUESTS_CA_BUNDLE.
+        self.ca_file = log_dir / "fake-provider-ca.pem" if tls else None
         env = {
             **os.environ,
-            "PAYMENT_PROVIDER_URL": f"http://127.0.0.1:{self.port}",
+            "PAYMENT_PROVIDER_URL": self.url,
             "LOG_LEVEL": "WARNING",
             "EMAIL_BACKEND": "django.core.mail.backends.dummy.EmailBackend",
+            # Production keeps connections (DEBUG defaults to closing them per job).
+            "DB_CONN_MAX_AGE": "60",
         }
+        if self.ca_file is not None:
+            env["REQUESTS_CA_BUNDLE"] = str(self.ca_file)
         self.stack = Stack(env=env, log_dir=log_dir)
         self.latency = latency
         self.queue = payments_queue()
         claim_scratch(self.queue.connection, "the bench")
         settings.PAYMENTS = {**settings.PAYMENTS, "PROVIDER_URL": env["PAYMENT_PROVIDER_URL"]}
         settings.EMAIL_BACKEND = env["EMAIL_BACKEND"]
+        # The API side is counted in this process: keep its connection as production does.
+        connection.settings_dict["CONN_MAX_AGE"] = int(env["DB_CONN_MAX_AGE"])
+        self._saved_ca_bundle: str | None = None
 
     def __enter__(self) -> Bench:
-        self.stack.start_provider(self.port, "--latency", str(self.latency))
+        if self.ca_file is not None:
+            self._saved_ca_bundle = os.environ.get("REQUESTS_CA_BUNDLE")
+            os.environ["REQUESTS_CA_BUNDLE"] = str(self.ca_file)
+        self.stack.start_provider(self.port, "--latency", str(self.latency), ca_file=self.ca_file)
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.stack.stop()
+        if self.ca_file is not None:
+            if self._saved_ca_bundle is None:
+                os.environ.pop("REQUESTS_CA_BUNDLE", None)
+            else:
+                os.environ["REQUESTS_CA_BUNDLE"] = self._saved_ca_bundle
+
+    def control(self, path: str, body: dict[str, Any] | None = None) -> None:
+        """POST to the fake provider's control API."""
+        requests.post(f"{self.url}/_fake/{path}", json=body, timeout=5).raise_for_status()
 
     def set_latency(self, seconds: float) -> None:
         """Change how long the provider takes per charge."""
-        requests.post(
-            f"http://127.0.0.1:{self.port}/_fake/config", json={"latency": seconds}, timeout=5
-        ).raise_for_status()
+        self.control("config", {"latency": seconds})
 
     def reset(self) -> None:
         """Empty the bench database's tables and the queue's Redis database."""
@@ -80,13 +112,14 @@ class Bench:
         flush_scratch(self.queue.connection, "the bench")
         # Ids restart, so operation keys (and idempotency keys) repeat: the
         # provider must forget the last batch or it would replay its answers.
-        requests.post(f"http://127.0.0.1:{self.port}/_fake/reset", timeout=5).raise_for_status()
+        self.control("reset")
 
     def batch(self, prepare: Callable[[], int], *, workers: int, worker_class: str) -> float:
         """Enqueue with `prepare` (returns how many jobs will run), run them; return seconds."""
         self.reset()
         expected = prepare()
-        procs = [self.stack.start_worker(WORKER_CLASSES[worker_class]) for _ in range(workers)]
+        path = WORKER_CLASSES.get(worker_class, worker_class)
+        procs = [self.stack.start_worker(path) for _ in range(workers)]
         finished = FinishedJobRegistry(queue=self.queue)
         failed = FailedJobRegistry(queue=self.queue)
         deadline = time.monotonic() + 600
@@ -111,15 +144,23 @@ def _orders(n: int) -> list[Order]:
     ]
 
 
-def fenced(n: int) -> Callable[[], int]:
+def fenced(n: int, api_side: RoundTrips | None = None) -> Callable[[], int]:
+    """Ask for n checkouts; with `api_side`, add up the round trips of the requests."""
+
     def prepare() -> int:
         for order in _orders(n):
-            request_checkout(
-                order_id=order.pk,
-                key=f"bench-{order.pk}",
-                payment_method="pm_card_visa",
-                actor="bench",
-            )
+            with counting() as counter:
+                # Django closes stale connections at each request's start and
+                # end: the request's first query then runs a health check.
+                close_old_connections()
+                request_checkout(
+                    order_id=order.pk,
+                    key=f"bench-{order.pk}",
+                    payment_method="pm_card_visa",
+                    actor="bench",
+                )
+            if api_side is not None:
+                api_side.add(counter.snapshot())
         return 3 * n  # the checkout and its two follow-ups
 
     return prepare
@@ -133,6 +174,72 @@ def unfenced(n: int) -> Callable[[], int]:
         return 3 * n
 
     return prepare
+
+
+def db_round_trips(bench: Bench, n: int, workers: int) -> dict[str, dict[str, Any]]:
+    """Database round trips per checkout, fenced and unfenced, worker side and API side.
+
+    The counting worker is FenceWorker with a counter; the API side is the
+    fenced checkout request (`request_checkout`, which the API view calls:
+    authentication is not counted). The unfenced twin's request only enqueues.
+    """
+    api = RoundTrips()
+    bench.batch(fenced(n, api), workers=workers, worker_class=COUNTING_WORKER)
+    fenced_jobs = recorded(bench.queue.connection)
+    bench.batch(unfenced(n), workers=workers, worker_class=COUNTING_WORKER)
+    unfenced_jobs = recorded(bench.queue.connection)
+    result: dict[str, dict[str, Any]] = {}
+    for side, by_job in (("fenced", fenced_jobs), ("unfenced", unfenced_jobs)):
+        worker = sum(by_job.values(), RoundTrips())
+        result[side] = {
+            "worker_per_checkout": worker.per(n),
+            "jobs_per_checkout": worker.jobs / n,
+            "by_job": {name: t.per(t.jobs or 1) for name, t in sorted(by_job.items())},
+        }
+    result["fenced"]["api_per_checkout"] = api.per(n)
+    result["unfenced"]["api_per_checkout"] = RoundTrips().per(1)
+    return result
+
+
+def session_reuse(bench: Bench, n: int, rounds: int = 3) -> dict[str, float]:
+    """Milliseconds per charge from this process: one kept-alive session vs a new one per charge.
+
+    Sequential charges at the provider's current latency, alternating sides
+    and taking each side's best round (noise only adds time). The new session
+    is closed after its charge, as `with ProviderClient(...)` does.
+    """
+    api_key = payments_settings().provider_api_key
+    timeouts = {"connect_timeout": 5.0, "read_timeout": 10.0}
+    best = {"reuse": float("inf"), "new_session": float("inf")}
+    for r in range(rounds):
+        with ProviderClient(bench.url, api_key, session=new_session(), **timeouts) as client:
+            _charge(client, f"warm-{r}")  # the kept-alive side starts connected, as a worker does
+            started = time.perf_counter()
+            for i in range(n):
+                _charge(client, f"reuse-{r}-{i}")
+            best["reuse"] = min(best["reuse"], (time.perf_counter() - started) / n)
+        started = time.perf_counter()
+        for i in range(n):
+            with ProviderClient(bench.url, api_key, **timeouts) as client:
+                _charge(client, f"new-{r}-{i}")
+        best["new_session"] = min(best["new_session"], (time.perf_counter() - started) / n)
+    bench.control("reset")
+    return {
+        "charges": n,
+        "reuse_ms": best["reuse"] * 1000,
+        "new_session_ms": best["new_session"] * 1000,
+        "saving_ms": (best["new_session"] - best["reuse"]) * 1000,
+    }
+
+
+def _charge(client: ProviderClient, key: str) -> None:
+    client.create_payment_intent(
+        amount=1000,
+        currency="eur",
+        payment_method="pm_card_visa",
+        metadata={"step": "bench-session"},
+        idempotency_key=key,
+    )
 
 
 def noop(n: int) -> Callable[[], int]:
@@ -157,7 +264,7 @@ def inbox_cost(bench: Bench, n: int, rounds: int) -> dict[str, float]:
             ("unprotected", jobs.local_unprotected),
             ("protected", jobs.local_protected),
         ):
-            bench.queue.connection.flushdb()
+            flush_scratch(bench.queue.connection, "the bench")
             with bench.queue.connection.pipeline() as pipe:
                 bench.queue.enqueue_many(
                     [bench.queue.prepare_data(func, (order.pk,)) for _ in range(n)], pipeline=pipe
@@ -176,11 +283,7 @@ def reconciler_rate(bench: Bench, m: int, worker_class: str) -> dict[str, float]
     prepare = fenced(m)
 
     def uncertain_only() -> int:
-        requests.post(
-            f"http://127.0.0.1:{bench.port}/_fake/faults",
-            json={"mode": "drop_after_accept", "count": m},
-            timeout=5,
-        ).raise_for_status()
+        bench.control("faults", {"mode": "drop_after_accept", "count": m})
         prepare()
         return m  # the checkouts end uncertain; no follow-ups yet
 

@@ -28,6 +28,17 @@ a `Request-Id` header on every answer):
   (no successful charge), `resource_missing` (no such intent).
 - `GET /v1/refunds/{id}` and `GET /v1/refunds` (list, newest first:
   `payment_intent`, `limit`, `starting_after`, `ending_before`).
+- `GET /v1/events` (list, newest first: `limit`, `starting_after`,
+  `ending_before`, `created[gt|gte|lt|lte]`, `type`, `types[]`): every event
+  the fake emitted: `payment_intent.succeeded`, `payment_intent.payment_failed`,
+  `refund.created`, `charge.refunded`.
+
+Webhooks: `FakeProviderServer(webhook_url=..., webhook_secret=...)` POSTs
+every event there, signed (`Stripe-Signature: t=...,v1=...`), retried with
+back-off until a 2xx, with faults (duplicate, reorder, delay): see
+`devtools.fake_provider.webhooks`. `GET /_fake/webhooks` returns the sender's
+counters; `POST /_fake/webhooks` `{"fault": "duplicate", "count": N}` queues
+faults for the next events, any other keys change its config.
 
 Control API (no auth; JSON in and out):
 
@@ -41,6 +52,11 @@ Control API (no auth; JSON in and out):
   `slow_delay`, `search_lag`, `key_retention`, `api_key`.
 - `POST /_fake/reset` forgets intents, refunds, keys, queued faults and counters.
 - `GET /_fake/stats` returns counters; `GET /_fake/health` returns `{"status": "ok"}`.
+
+TLS: `FakeProviderServer(tls=True)` serves HTTPS with a throwaway certificate
+for its host from a throwaway CA (made with `trustme`, never written to the
+system's trust store); `write_ca(path)` stores the CA for clients, which trust
+it through `REQUESTS_CA_BUNDLE`.
 """
 
 from __future__ import annotations
@@ -50,10 +66,12 @@ import logging
 import re
 import secrets
 import socket
+import ssl
 import threading
 import time
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qsl, urlsplit
 
@@ -67,11 +85,13 @@ from devtools.fake_provider.state import (
     error_reply,
     invalid,
 )
+from devtools.fake_provider.webhooks import WebhookSender
 
 logger = logging.getLogger(__name__)
 
 _PI_PATH = "/v1/payment_intents"
 _REFUNDS_PATH = "/v1/refunds"
+_EVENTS_PATH = "/v1/events"
 
 _CLAUSE = re.compile(
     r"""\s*(?:metadata\[(?P<kq>['"])(?P<key>(?:\\.|(?!(?P=kq))[^\\])*)(?P=kq)\]"""
@@ -207,6 +227,7 @@ class _Server(ThreadingHTTPServer):
 
     daemon_threads = True
     allow_reuse_address = True
+    webhooks: WebhookSender | None = None  # set by FakeProviderServer when it sends events
 
     def __init__(self, address: tuple[str, int], state: FakeState, stopping: threading.Event):
         self.state = state
@@ -352,6 +373,8 @@ class _Handler(BaseHTTPRequestHandler):
             if not re.fullmatch(r"page_\d+", page):
                 return invalid("Invalid page.", param="page", code="parameter_invalid")
             return state.search_payment_intents(clauses, limit, int(page.removeprefix("page_")))
+        if path == _EVENTS_PATH:
+            return _list_events(state, flat, args)
         if path == _PI_PATH:
             return self._list(state, flat)
         if path.startswith(_PI_PATH + "/") and path.count("/") == 3:
@@ -386,6 +409,8 @@ class _Handler(BaseHTTPRequestHandler):
             return Reply(200, {"status": "ok"})
         if method == "GET" and path == "/_fake/stats":
             return Reply(200, state.stats())
+        if path == "/_fake/webhooks":
+            return _webhooks_control(self.server.webhooks, method, body)
         if method != "POST":
             return _unrecognized(method, path)
         try:
@@ -437,12 +462,35 @@ class FakeProviderServer:
         port: int = 0,
         *,
         clock: Callable[[], float] = time.time,
+        tls: bool = False,
+        webhook_url: str | None = None,
+        webhook_secret: str | None = None,
+        webhook_options: dict[str, Any] | None = None,
         **config: Any,
     ) -> None:
         self.state = FakeState(FakeConfig(**config), clock=clock)
         self._stopping = threading.Event()
         self._httpd = _Server((host, port), self.state, self._stopping)
         self._thread: threading.Thread | None = None
+        #: The PEM of the throwaway CA that signed the server's certificate (TLS only).
+        self.ca_pem: bytes | None = None
+        if tls:
+            self.ca_pem, context = _throwaway_tls(host)
+            # The handshake runs on the connection's first read, in its own
+            # handler thread: a slow client never holds up the accept loop.
+            self._httpd.socket = context.wrap_socket(
+                self._httpd.socket, server_side=True, do_handshake_on_connect=False
+            )
+        #: The webhook sender (None: no webhook URL, events are only listed).
+        self.webhooks: WebhookSender | None = None
+        if webhook_url or webhook_secret:
+            if not (webhook_url and webhook_secret):
+                raise ValueError("webhooks need both webhook_url and webhook_secret")
+            self.webhooks = WebhookSender(
+                webhook_url, webhook_secret, clock=clock, **(webhook_options or {})
+            )
+            self.state.add_event_sink(self.webhooks)
+            self._httpd.webhooks = self.webhooks
 
     @property
     def host(self) -> str:
@@ -454,9 +502,23 @@ class FakeProviderServer:
 
     @property
     def url(self) -> str:
-        """Base URL for clients, e.g. `http://127.0.0.1:54321`."""
+        """Base URL for clients, e.g. `http://127.0.0.1:54321` (`https://` with TLS)."""
         host = self.host
-        return f"http://[{host}]:{self.port}" if ":" in host else f"http://{host}:{self.port}"
+        scheme = "https" if self.ca_pem is not None else "http"
+        return (
+            f"{scheme}://[{host}]:{self.port}" if ":" in host else f"{scheme}://{host}:{self.port}"
+        )
+
+    def write_ca(self, path: str | Path) -> Path:
+        """Write the CA certificate (PEM) to `path` atomically, for REQUESTS_CA_BUNDLE."""
+        if self.ca_pem is None:
+            raise ValueError("this fake provider serves plain HTTP; it has no CA")
+        target = Path(path)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        partial = target.with_name(target.name + ".partial")
+        partial.write_bytes(self.ca_pem)
+        partial.replace(target)  # a reader never sees half a certificate
+        return target
 
     def start(self) -> FakeProviderServer:
         """Serve in a daemon thread and return self."""
@@ -468,11 +530,15 @@ class FakeProviderServer:
                 daemon=True,
             )
             self._thread.start()
+        if self.webhooks is not None:
+            self.webhooks.start()
         return self
 
     def stop(self) -> None:
         """Stop serving, wake slow faults, close open connections and the socket."""
         self._stopping.set()
+        if self.webhooks is not None:
+            self.webhooks.stop()
         if self._thread is not None:
             self._httpd.shutdown()
             self._thread.join(timeout=5)
@@ -491,3 +557,63 @@ class FakeProviderServer:
 
     def __exit__(self, *exc_info: object) -> None:
         self.stop()
+
+
+def _throwaway_tls(host: str) -> tuple[bytes, ssl.SSLContext]:
+    """Return (CA PEM, server context) for a certificate of `host` from a new throwaway CA."""
+    import trustme  # a development dependency: only the TLS option needs it
+
+    ca = trustme.CA()
+    names = list(dict.fromkeys([host, "127.0.0.1", "localhost"]))
+    certificate = ca.issue_cert(*names)
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    certificate.configure_cert(context)
+    return ca.cert_pem.bytes(), context
+
+
+def _list_events(state: FakeState, flat: dict[str, str], args: list[tuple[str, str]]) -> Reply:
+    """`GET /v1/events`: the created filters and cursors of the intents' list, plus types."""
+    limit = _limit(flat.get("limit"))
+    if isinstance(limit, Reply):
+        return limit
+    created: dict[str, int] = {}
+    for name, value in flat.items():
+        match = re.fullmatch(r"created(?:\[(gt|gte|lt|lte)\])?", name)
+        if match is None:
+            continue
+        if not re.fullmatch(r"-?\d+", value):
+            return invalid("Invalid integer.", param=name, code="parameter_invalid_integer")
+        created[match[1] or "eq"] = int(value)
+    types = [value for name, value in args if re.fullmatch(r"types\[\d*\]", name)]
+    if flat.get("type"):
+        types.append(flat["type"])
+    return state.list_events(
+        limit=limit,
+        created=created,
+        types=types,
+        starting_after=flat.get("starting_after") or None,
+        ending_before=flat.get("ending_before") or None,
+    )
+
+
+def _webhooks_control(sender: WebhookSender | None, method: str, body: bytes) -> Reply:
+    """`GET /_fake/webhooks`: counters; `POST`: queue faults and change the sender's config."""
+    if sender is None:
+        return error_reply(404, "invalid_request_error", "This fake provider sends no webhooks.")
+    if method == "GET":
+        return Reply(200, sender.stats())
+    if method != "POST":
+        return _unrecognized(method, "/_fake/webhooks")
+    try:
+        data = json.loads(body or b"{}")
+        if not isinstance(data, dict):
+            raise ValueError("a JSON object is required")
+        fault = data.pop("fault", None)
+        count = int(data.pop("count", 1))
+        if data:
+            sender.configure(**data)
+        if fault is not None:
+            sender.enqueue_faults(str(fault), count)
+    except (ValueError, TypeError) as exc:
+        return invalid(f"Bad control request: {exc}")
+    return Reply(200, sender.stats())

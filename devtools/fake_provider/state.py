@@ -17,7 +17,7 @@ import time
 from collections import Counter, deque
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass, field, fields, replace
-from typing import Any
+from typing import Any, Protocol
 
 FAULT_MODES = ("drop_after_accept", "slow", "fail_before", "fail_after", "rate_limit")
 RATE_FIELDS = tuple(f"{mode}_rate" for mode in FAULT_MODES)
@@ -35,6 +35,9 @@ REFUND_REASONS = ("duplicate", "fraudulent", "requested_by_customer")
 REFUND_TOO_LARGE = "amount_too_large"
 ALREADY_REFUNDED = "charge_already_refunded"
 NOT_REFUNDABLE = "payment_intent_unexpected_state"
+EVENTS_ENDPOINT = "/v1/events"
+#: The API version the fake's events claim (Stripe stamps every event with one).
+EVENT_API_VERSION = "2024-06-20"
 _ZERO_DECIMAL = frozenset({"bif", "clp", "djf", "gnf", "jpy", "kmf", "krw", "mga", "pyg", "rwf"})
 _ZERO_DECIMAL |= {"ugx", "vnd", "vuv", "xaf", "xof", "xpf"}
 _SYMBOLS = {"usd": "$", "eur": "€", "gbp": "£", "jpy": "¥"}
@@ -124,6 +127,20 @@ class _Refund:
 
 
 @dataclass
+class _Event:
+    data: dict[str, Any]
+    seq: int
+
+
+class EventSink(Protocol):
+    """Where new events go (the webhook sender): `submit` must not block."""
+
+    def submit(self, event: dict[str, Any]) -> None: ...
+
+    def clear(self) -> None: ...
+
+
+@dataclass
 class _Stats:
     create_requests: int = 0
     replays: int = 0
@@ -151,11 +168,13 @@ class FakeState:
         self.clock = clock
         self._cond = threading.Condition()
         self._generation = 0
+        self._sinks: list[EventSink] = []
         self._clear()
 
     def _clear(self) -> None:
         self._intents: dict[str, _Intent] = {}
         self._refunds: dict[str, _Refund] = {}
+        self._events: dict[str, _Event] = {}
         self._keys: dict[str, _KeyRecord] = {}
         self._faults: deque[str] = deque()
         self._stats = _Stats()  # payment intent creates (the charges)
@@ -171,7 +190,14 @@ class FakeState:
         with self._cond:
             self._generation += 1
             self._clear()
+            for sink in self._sinks:
+                sink.clear()
             self._cond.notify_all()
+
+    def add_event_sink(self, sink: EventSink) -> None:
+        """Send every new event to `sink` too (the webhook sender)."""
+        with self._cond:
+            self._sinks.append(sink)
 
     def configure(self, **changes: Any) -> FakeConfig:
         """Change config fields (validated as a whole); a new seed restarts the RNG."""
@@ -227,6 +253,12 @@ class FakeState:
             rows = sorted(self._refunds.values(), key=lambda r: r.seq)
             return [copy.deepcopy(r.data) for r in rows if _matches(r.data, clauses)]
 
+    def events(self, *, type: str | None = None) -> list[dict[str, Any]]:  # noqa: A002
+        """Return copies of all events, oldest first, optionally of one type."""
+        with self._cond:
+            rows = sorted(self._events.values(), key=lambda e: e.seq)
+            return [copy.deepcopy(e.data) for e in rows if type in (None, e.data["type"])]
+
     def succeeded_count(self, *, metadata: Mapping[str, str] | None = None) -> int:
         """Count succeeded intents (the number of real charges)."""
         return sum(1 for i in self.intents(metadata=metadata) if i["status"] == "succeeded")
@@ -252,6 +284,7 @@ class FakeState:
                 "faults_queued": list(self._faults),
                 "in_flight": self._in_flight,
                 "idempotency_keys": len(self._keys),
+                "events": len(self._events),
                 "refunds": {
                     "create_requests": refund_stats.create_requests,
                     "count": len(self._refunds),
@@ -494,7 +527,93 @@ class FakeState:
             200, {"object": "list", "data": data, "has_more": has_more, "url": REFUNDS_ENDPOINT}
         )
 
+    def list_events(
+        self,
+        *,
+        limit: int,
+        created: Mapping[str, int],
+        types: Iterable[str] = (),
+        starting_after: str | None = None,
+        ending_before: str | None = None,
+    ) -> Reply:
+        """Handle `GET /v1/events`: newest first, cursor pagination, created and type filters."""
+        checks = {"gt": operator.gt, "gte": operator.ge, "lt": operator.lt, "lte": operator.le}
+        checks["eq"] = operator.eq
+        wanted = set(types)
+        with self._cond:
+            newest_first = sorted(self._events.values(), key=lambda e: e.seq, reverse=True)
+            rows = [
+                e
+                for e in newest_first
+                if all(checks[op](e.data["created"], v) for op, v in created.items())
+                and (not wanted or e.data["type"] in wanted)
+            ]
+            cursor = starting_after or ending_before
+            if cursor is not None and cursor not in self._events:
+                param = "starting_after" if starting_after else "ending_before"
+                return invalid(f"No such event: '{cursor}'", param=param, code="resource_missing")
+            ids = [e.data["id"] for e in rows]
+            if starting_after is not None:
+                start = ids.index(starting_after) + 1 if starting_after in ids else len(ids)
+                page, has_more = rows[start : start + limit], start + limit < len(rows)
+            elif ending_before is not None:
+                end = ids.index(ending_before) if ending_before in ids else 0
+                page, has_more = rows[max(0, end - limit) : end], end - limit > 0
+            else:
+                page, has_more = rows[:limit], limit < len(rows)
+            data = [copy.deepcopy(e.data) for e in page]
+        return Reply(
+            200, {"object": "list", "data": data, "has_more": has_more, "url": EVENTS_ENDPOINT}
+        )
+
     # --- internals (call with the lock held) -----------------------------------
+
+    def _emit(self, event_type: str, obj: dict[str, Any]) -> None:
+        """Record a Stripe-shaped event about `obj` and hand it to the sinks (lock held)."""
+        event = {
+            "id": "evt_" + secrets.token_hex(12),
+            "object": "event",
+            "api_version": EVENT_API_VERSION,
+            "created": int(self.clock()),
+            "data": {"object": copy.deepcopy(obj)},
+            "livemode": False,
+            "pending_webhooks": len(self._sinks),
+            "request": {"id": None, "idempotency_key": None},
+            "type": event_type,
+        }
+        self._seq += 1
+        self._events[event["id"]] = _Event(event, self._seq)
+        for sink in self._sinks:
+            sink.submit(copy.deepcopy(event))
+
+    def _charge_of(self, intent: _Intent) -> dict[str, Any]:
+        """The charge object of a succeeded intent, with its refunds (for `charge.refunded`)."""
+        data = intent.data
+        refunds = [
+            copy.deepcopy(r.data)
+            for r in sorted(self._refunds.values(), key=lambda r: r.seq, reverse=True)
+            if r.data["payment_intent"] == data["id"]
+        ]
+        return {
+            "id": intent.charge_id,
+            "object": "charge",
+            "amount": data["amount"],
+            "amount_captured": data["amount"],
+            "amount_refunded": intent.refunded,
+            "currency": data["currency"],
+            "created": data["created"],
+            "metadata": copy.deepcopy(data["metadata"]),
+            "paid": True,
+            "payment_intent": data["id"],
+            "refunded": intent.refunded >= data["amount"],
+            "status": "succeeded",
+            "refunds": {
+                "object": "list",
+                "data": refunds,
+                "has_more": False,
+                "url": f"/v1/charges/{intent.charge_id}/refunds",
+            },
+        }
 
     def _lookup_key(
         self,
@@ -609,6 +728,10 @@ class FakeState:
         self._seq += 1
         charge_id = "ch_" + pi_id.removeprefix("pi_") if status == "succeeded" else None
         self._intents[pi_id] = _Intent(data, now, self._seq, charge_id)
+        if status == "succeeded":
+            self._emit("payment_intent.succeeded", data)
+        elif decline_code:
+            self._emit("payment_intent.payment_failed", data)
         if last_error is None:
             return Reply(200, copy.deepcopy(data))
         return Reply(402, {"error": {**last_error, "payment_intent": copy.deepcopy(data)}})
@@ -666,4 +789,6 @@ class FakeState:
         intent.refunded += amount
         self._seq += 1
         self._refunds[re_id] = _Refund(data, now, self._seq)
+        self._emit("refund.created", data)
+        self._emit("charge.refunded", self._charge_of(intent))
         return Reply(200, copy.deepcopy(data))

@@ -72,6 +72,7 @@ from payments.models import (
     Operation,
     OperationEvent,
     OperationState,
+    ProviderEvent,
     StepClaim,
 )
 from payments.money import decimal_amount, format_totals
@@ -341,6 +342,20 @@ class DeskViewsMixin(_DeskAdminBase):
         ]  # fmt: skip
         return desk_urls + super().get_urls()
 
+    def render_change_form(
+        self,
+        request: HttpRequest,
+        context: dict[str, Any],
+        add: bool = False,
+        change: bool = False,
+        form_url: str = "",
+        obj: Operation | None = None,
+    ) -> HttpResponse:
+        """The operation page, with the provider events that touched the operation."""
+        if obj is not None:
+            context["provider_events"] = provider_events_of(obj)
+        return super().render_change_form(request, context, add, change, form_url, obj)
+
     # --- permissions ---------------------------------------------------------
 
     def has_reconcile_permission(self, request: HttpRequest) -> bool:
@@ -545,6 +560,27 @@ class DeskViewsMixin(_DeskAdminBase):
 
 
 # --- queries of the desk ------------------------------------------------------------------
+
+
+#: The most provider events listed on an operation's page (the newest).
+PROVIDER_EVENTS_SHOWN = 50
+
+
+def provider_events_of(op: Operation) -> list[dict[str, Any]]:
+    """The provider events that touched `op` (webhooks and catch-up), oldest first, for its page."""
+    rows = ProviderEvent.objects.filter(operation=op).order_by("-created", "-id")
+    return [
+        {
+            "id": row.id,
+            "type": row.type,
+            "object": reference_link(row.object_id),
+            "created": when(row.created),
+            "received": when(row.received_at),
+            "handled": when(row.handled_at),
+            "outcome": row.outcome or "-",
+        }
+        for row in reversed(rows[:PROVIDER_EVENTS_SHOWN])
+    ]
 
 
 def money_by_state_and_kind(

@@ -3,7 +3,9 @@
 The job id (32 hex, also the message id) is written on the operation before
 the enqueue, so the sweeper can tell a live delivery from a lost one. Inside a
 transaction it is written in that transaction (no commit of its own) and the
-job is enqueued once it commits.
+job is enqueued once it commits. The operations one transaction dispatches
+(a paid order's follow-ups) are enqueued after its commit in one Redis
+pipeline: one round trip for all of them.
 """
 
 from __future__ import annotations
@@ -11,10 +13,14 @@ from __future__ import annotations
 import hashlib
 import logging
 import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
 from datetime import datetime
+from typing import Any
 
 from django.db import transaction
 from django.utils import timezone
+from django_rq.queues import get_result_ttl
 from rq import Retry
 
 from payments.conf import payments_settings
@@ -52,21 +58,87 @@ def _delivery(op: Operation) -> tuple[str, str]:
     return RUN_OPERATION, uuid.uuid4().hex
 
 
+def _options(op: Operation, job_id: str) -> dict[str, Any]:
+    """The RQ options of one delivery: its job id, timeout, description and retries."""
+    conf = payments_settings()
+    retries = conf.max_attempts - 1
+    return {
+        "job_id": job_id,
+        "timeout": conf.job_timeout,
+        "description": f"{op.kind} operation {op.pk}",
+        "retry": Retry(max=retries, interval=list(conf.retry_backoff)) if retries else None,
+    }
+
+
 def _enqueue(op: Operation, func: str, job_id: str, at: datetime | None) -> None:
     queue = payments_queue()
-    retries = payments_settings().max_attempts - 1
-    options = {
-        "job_id": job_id,
-        "job_timeout": payments_settings().job_timeout,
-        "description": f"{op.kind} operation {op.pk}",
-        "retry": Retry(max=retries, interval=list(payments_settings().retry_backoff))
-        if retries
-        else None,
-    }
+    options = _options(op, job_id)
+    options["job_timeout"] = options.pop("timeout")
     if at is not None and at > timezone.now():
         queue.enqueue_at(at, func, op.pk, **options)
     else:
         queue.enqueue(func, op.pk, **options)
+
+
+@dataclass(frozen=True)
+class _Delivery:
+    op: Operation
+    func: str
+    job_id: str
+
+
+class _EnqueueAfterCommit:
+    """The deliveries of one transaction, enqueued after its commit in one Redis pipeline.
+
+    The jobs are the ones `_enqueue` makes (same ids, message ids, timeouts,
+    retries, result and failure TTLs): `enqueue_many` creates each through the
+    queue's `create_job`, as `enqueue` does; only the writes share a round trip.
+    """
+
+    def __init__(self, first: _Delivery) -> None:
+        self.deliveries = [first]
+
+    def __call__(self) -> None:
+        try:
+            _enqueue_together(self.deliveries)
+        except Exception:  # Redis down: the rows are durable, the sweeper delivers them
+            logger.warning(
+                "enqueue of operations %s failed; the sweeper will deliver them",
+                ", ".join(str(d.op.pk) for d in self.deliveries),
+                exc_info=True,
+            )
+
+
+def _enqueue_together(deliveries: Sequence[_Delivery]) -> None:
+    """Enqueue the deliveries, in order, in one pipeline (one Redis round trip)."""
+    queue = payments_queue()
+    # DjangoRQ adds the configured result TTL in enqueue_call; enqueue_many does not.
+    result_ttl = get_result_ttl(queue.name)
+    jobs = [
+        queue.prepare_data(d.func, (d.op.pk,), result_ttl=result_ttl, **_options(d.op, d.job_id))
+        for d in deliveries
+    ]
+    with queue.connection.pipeline() as pipe:
+        queue.enqueue_many(jobs, pipeline=pipe)
+        pipe.execute()
+
+
+def _open_batch() -> _EnqueueAfterCommit | None:
+    """Return this transaction's pending batch if a delivery can join it, else None.
+
+    A delivery joins only the batch registered last, at the same savepoint
+    depth: a rolled-back savepoint then drops the batch's callback and every
+    delivery in it together, exactly as it would drop their own callbacks, and
+    on-commit callbacks keep their order. Reads Django's list of pending
+    callbacks, (savepoint ids, callback, robust) since Django 4.2.
+    """
+    connection = transaction.get_connection()
+    if not connection.in_atomic_block or not connection.run_on_commit:
+        return None
+    savepoints, callback, _robust = connection.run_on_commit[-1]
+    if isinstance(callback, _EnqueueAfterCommit) and savepoints == set(connection.savepoint_ids):
+        return callback
+    return None
 
 
 def dispatch(operation_id: int, *, at: datetime | None = None) -> str:
@@ -81,8 +153,10 @@ def dispatch(operation_id: int, *, at: datetime | None = None) -> str:
 def dispatch_on_commit(operation: Operation | int) -> None:
     """Record the job id in the caller's transaction; enqueue once it commits.
 
-    Runs inside the caller's transaction. A lost enqueue (Redis down, a crash
-    right after the commit) is delivered later by the sweeper.
+    Runs inside the caller's transaction. Operations dispatched one after the
+    other in one transaction are enqueued together, in one pipeline. A lost
+    enqueue (Redis down, a crash right after the commit) is delivered later by
+    the sweeper.
     """
     op = (
         operation
@@ -91,15 +165,10 @@ def dispatch_on_commit(operation: Operation | int) -> None:
     )
     func, job_id = _delivery(op)
     fence.record_dispatch_in_tx(op.pk, job_id)
-
-    def deliver() -> None:
-        try:
-            _enqueue(op, func, job_id, None)
-        except Exception:  # Redis down: the row is durable, the sweeper delivers it
-            logger.warning(
-                "enqueue of operation %s failed; the sweeper will deliver it",
-                op.pk,
-                exc_info=True,
-            )
-
-    transaction.on_commit(deliver)
+    delivery = _Delivery(op, func, job_id)
+    batch = _open_batch()
+    if batch is not None:
+        batch.deliveries.append(delivery)
+    else:
+        # Outside a transaction, on_commit runs the batch at once.
+        transaction.on_commit(_EnqueueAfterCommit(delivery))

@@ -15,6 +15,7 @@ from typing import Any
 import django_rq
 from django.conf import settings
 from redis import Redis
+from redis.sentinel import Sentinel
 from rq.queue import Queue
 
 from payments.conf import payments_settings
@@ -39,6 +40,29 @@ def _client(url: str, db: int | None, timeout: float | None) -> Redis:
     return Redis.from_url(url, **options)
 
 
+@functools.cache
+def _sentinel_client(
+    sentinels: tuple[tuple[str, int], ...],
+    master: str,
+    db: int,
+    username: str | None,
+    password: str | None,
+    sentinel_options: tuple[tuple[str, Any], ...],
+    timeout: float | None,
+) -> Redis:
+    """The client of a master the sentinels name: each new connection asks them where it is.
+
+    After a failover the old master's connections fail; the next command asks
+    the sentinels again and reaches the promoted replica (redis-py's Sentinel
+    connection pool), in this process's one pool per configuration.
+    """
+    options: dict[str, Any] = {"db": db, "username": username, "password": password}
+    if timeout is not None:
+        options.update(socket_connect_timeout=timeout, socket_timeout=timeout)
+    sentinel = Sentinel(list(sentinels), sentinel_kwargs=dict(sentinel_options), **options)
+    return sentinel.master_for(master, redis_class=Redis)
+
+
 def redis_client(name: str | None = None, *, timeout: float | None = None) -> Redis:
     """Return this process's client for the Redis of queue `name` (default: payments).
 
@@ -48,6 +72,16 @@ def redis_client(name: str | None = None, *, timeout: float | None = None) -> Re
     config = queue_config(name)
     if "URL" in config:
         return _client(config["URL"], config.get("DB"), timeout)
+    if "SENTINELS" in config:  # after URL, as django-rq decides (rqworker uses its choice)
+        return _sentinel_client(
+            tuple((str(host), int(port)) for host, port in config["SENTINELS"]),
+            config["MASTER_NAME"],
+            int(config.get("DB") or 0),
+            config.get("USERNAME"),
+            config.get("PASSWORD"),
+            tuple(sorted(config.get("SENTINEL_KWARGS", {}).items())),
+            timeout,
+        )
     return _client(
         f"redis://{config.get('HOST', 'localhost')}:{config.get('PORT', 6379)}",
         config.get("DB", 0),

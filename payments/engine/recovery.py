@@ -24,7 +24,9 @@ from rq.registry import ScheduledJobRegistry, StartedJobRegistry
 from payments.conf import payments_settings
 from payments.engine import fence
 from payments.engine.dispatch import dispatch, dispatch_on_commit
-from payments.engine.handlers import get_handler
+from payments.engine.effects import EffectResult
+from payments.engine.handlers import HandlerSpec, get_handler
+from payments.engine.outcomes import Outcome
 from payments.engine.queues import payments_queue
 from payments.engine.steps import past_grace, reconcile_step, view_of
 from payments.exceptions import (
@@ -312,6 +314,147 @@ def settle_one(claim: StepClaim, *, actor: str) -> str:
         resume=True,
     )
     return "done"
+
+
+def settle_from_provider(
+    claim: StepClaim, found: EffectResult, *, actor: str, source: str = "provider event"
+) -> str:
+    """Settle a claim from what the provider told us itself (an event); return the outcome.
+
+    `found` is the provider object as the step's lookup would report it: SUCCESS
+    with its reference, or PERMANENT (refused). Runs in its own transaction or
+    inside the caller's (the inbox's, for a webhook): every write is a savepoint.
+
+    * unsettled (`uncertain`, or `claimed` by an owner whose lease ran out or
+      was released): taken over (`fence.take_over_claim`), settled through
+      `fence.settle_claim` and the operation moved as `settle_one` moves it
+      after a lookup: done -> `retrying` and dispatched (`on_resume`), refused
+      -> `failed` (`on_failure`). "done" / "failed".
+    * another owner holds a live lease on the claim, or a worker runs the
+      operation now: nothing changes, that owner records its own answer; the
+      caller may bring the fact again later. "busy".
+    * settled the same way already: nothing changes, except that an operation
+      left between its claim's commit and its own (what the reconciler's
+      stranded pass resumes) is resumed. "already_settled".
+    * a refusal for a step recorded done: an older fact, nothing changes. "stale".
+    * a contradiction (a success for a step recorded failed, a second success
+      reference for a done step, a reference that already settles another
+      claim): an alert, and the operation goes to `needs_review`; no claim
+      changes. "needs_review" ("alerted" when the operation had succeeded).
+    """
+    if found.outcome not in (Outcome.SUCCESS, Outcome.PERMANENT):
+        raise ValueError(f"a provider fact is a success or a refusal, not {found.outcome}")
+    current = StepClaim.objects.select_related("operation").get(pk=claim.pk)
+    op = current.operation
+    spec = get_handler(op.kind)
+    if current.state in (ClaimState.DONE, ClaimState.FAILED):
+        return _against_settled(current, found, spec, actor)
+    if found.outcome == Outcome.SUCCESS:
+        other = fence.claim_carrying(found.reference, besides=current)
+        if other is not None:  # one provider object settles one step: never record it twice
+            return _contradiction(
+                current,
+                actor,
+                f"{source}: the provider's {found.reference} already settles {other}",
+            )
+    if _worker_runs(op):
+        return "busy"
+    taken = fence.take_over_claim(
+        current, owner=actor, lease_seconds=payments_settings().claim_lease, why=source
+    )
+    if taken is None:
+        return "busy"
+    if taken.state in (ClaimState.DONE, ClaimState.FAILED):
+        return _against_settled(taken, found, spec, actor)
+    fence.note_provider_view(taken, found, source=source)
+    if found.outcome == Outcome.SUCCESS:
+        fence.settle_claim(
+            taken,
+            ClaimState.DONE,
+            actor=actor,
+            reference=found.reference,
+            result=found.as_result(),
+            reason=f"{source}: {found.reference} succeeded",
+        )
+        _move(
+            op,
+            OperationState.RETRYING,
+            actor,
+            f"{source}: the provider shows the step succeeded; resuming",
+            on_resume=spec.on_resume,
+            resume=True,
+        )
+        return "done"
+    code = str(found.data.get("code") or "refused")
+    fence.settle_claim(
+        taken,
+        ClaimState.FAILED,
+        actor=actor,
+        reference=found.reference,
+        result=found.as_result(),
+        error=f"refused: {code}",
+        reason=f"{source}: refused ({code})",
+    )
+    _move(
+        op, OperationState.FAILED, actor, f"provider: refused ({code})", on_failure=spec.on_failure
+    )
+    return "failed"
+
+
+def _worker_runs(op: Operation) -> bool:
+    """Tell whether a worker holds the operation's lease now (it records its own outcome)."""
+    return fence.lease_alive(Operation.objects.get(pk=op.pk), fence.db_now())
+
+
+def _against_settled(claim: StepClaim, found: EffectResult, spec: HandlerSpec, actor: str) -> str:
+    """Compare a provider fact with a settled claim; settled claims never change."""
+    op = claim.operation
+    if claim.state == ClaimState.DONE:
+        if found.outcome != Outcome.SUCCESS:
+            logger.info(
+                "operation %s step %s is done (%s); an older refusal %s changes nothing",
+                op.key,
+                claim.step,
+                claim.provider_reference,
+                found.reference,
+            )
+            return "stale"
+        if claim.provider_reference and found.reference != claim.provider_reference:
+            return _contradiction(
+                claim,
+                actor,
+                f"a second success {found.reference} beside {claim.provider_reference}: "
+                "double charge",
+            )
+        if Operation.objects.filter(pk=op.pk).filter(stranded_operations()).exists():
+            _move(
+                op,
+                OperationState.RETRYING,
+                actor,
+                "claims settled; resuming",
+                on_resume=spec.on_resume,
+                resume=True,
+            )
+        return "already_settled"
+    if found.outcome == Outcome.SUCCESS:
+        return _contradiction(
+            claim, actor, f"{found.reference} succeeded for a step recorded failed"
+        )
+    return "already_settled"
+
+
+def _contradiction(claim: StepClaim, actor: str, reason: str) -> str:
+    """Alert and park the operation in needs_review; no claim changes."""
+    op = claim.operation
+    if _worker_runs(op):
+        return "busy"  # it may not leave RUNNING under a live lease: bring it again later
+    reason = f"provider contradicts {claim.step} ({claim.state}): {reason}"[:500]
+    alerts.error("operation %s needs review: %s", op.key, reason)
+    state = Operation.objects.values_list("state", flat=True).get(pk=op.pk)
+    if state == OperationState.SUCCEEDED:
+        return "alerted"  # final: the alert is all there is to do
+    _move(op, OperationState.NEEDS_REVIEW, actor, reason)
+    return "needs_review"
 
 
 def _move(

@@ -12,6 +12,18 @@ bounded count), and turns every failure into a `ProviderError` whose
 - PERMANENT: refused for good (402 decline, 400, 404).
 - CONFLICT: the key was used with other parameters (400 idempotency_error).
 
+Connections. `ProviderClient.from_settings()` returns a client on this
+process's shared session (`shared_session`): keep-alive connections are
+reused across calls and jobs, at most `POOL_MAXSIZE` are kept open, and a
+session idle for `MAX_IDLE_SECONDS` is closed and rebuilt before the provider
+(or a load balancer in front of it) would close its connections under a new
+request. After `os.fork` the child gets a session of its own (keyed by pid),
+never the parent's sockets. A request on a kept-alive socket that the provider
+closed is classified like any other transport failure: a socket found closed
+before the request is sent is replaced by a new connection (if that connect
+fails: TRANSIENT); a reset after the request went out is UNCERTAIN
+(tests/provider/test_client_session.py pins both on real sockets).
+
 Refunds (`create_refund`, `retrieve_refund`, `list_refunds`) go through the
 same table: a refused refund is an InvalidRequest (PERMANENT) whose `code`
 says why (`errors.REFUND_AMOUNT_TOO_LARGE`, `errors.CHARGE_ALREADY_REFUNDED`,
@@ -25,7 +37,11 @@ bodies.
 from __future__ import annotations
 
 import logging
+import os
+import threading
+import time
 from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,6 +62,113 @@ MAX_IDEMPOTENCY_KEY_LENGTH = 255
 PAYMENT_INTENTS_PATH = "/v1/payment_intents"
 REFUNDS_PATH = "/v1/refunds"
 REFUND_REASONS = frozenset({"duplicate", "fraudulent", "requested_by_customer"})
+
+#: Kept-alive connections one process keeps to the provider. A worker sends one
+#: request at a time (one connection); threads beyond this open extra
+#: connections that are closed after their request instead of kept.
+POOL_MAXSIZE = 4
+#: A session unused for this long is closed and rebuilt before its next request.
+#: Servers and load balancers close idle keep-alive connections after some
+#: quiet time (the fake provider after 120 s, common load balancers after 60 s);
+#: a request written onto a socket at the moment its peer closes it ends
+#: UNCERTAIN, so the client gives such sockets up well before.
+MAX_IDLE_SECONDS = 30.0
+
+
+def new_session(*, pool_maxsize: int = POOL_MAXSIZE) -> requests.Session:
+    """Return a requests session for the provider: no automatic retries, a bounded pool.
+
+    The CA bundle comes from requests' own environment (REQUESTS_CA_BUNDLE), so
+    a provider with a private CA (the fake provider over TLS) needs no setting.
+    """
+    session = requests.Session()
+    # No automatic retries: a retry is a fence decision with a counted
+    # attempt, and urllib3 must not resend a POST behind our back.
+    adapter = HTTPAdapter(max_retries=0, pool_connections=1, pool_maxsize=pool_maxsize)
+    session.mount("http://", adapter)
+    session.mount("https://", adapter)
+    return session
+
+
+class _ProcessSession:
+    """One process's provider session, rebuilt when it sat idle past MAX_IDLE_SECONDS.
+
+    The idle age is the session's: a worker sends one request at a time, so
+    its one connection is exactly as idle as the session. With threads, a
+    pooled connection can idle while others work; urllib3 still drops one the
+    provider has already closed before reusing it.
+    """
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self._lock = threading.Lock()
+        self.session = new_session()
+        self._in_flight = 0
+        self._idle_since = time.monotonic()
+
+    @contextmanager
+    def use(self) -> Iterator[requests.Session]:
+        """Lend the session for one request; rebuild it first if it sat idle too long."""
+        with self._lock:
+            if self._in_flight == 0 and time.monotonic() - self._idle_since > MAX_IDLE_SECONDS:
+                self.session.close()  # closes every idle kept-alive connection
+                self.session = new_session()
+            self._in_flight += 1
+            session = self.session
+        try:
+            yield session
+        finally:
+            with self._lock:
+                self._in_flight -= 1
+                if self._in_flight == 0:
+                    self._idle_since = time.monotonic()
+
+    def close(self) -> None:
+        with self._lock:
+            self.session.close()
+
+
+_process_session: _ProcessSession | None = None
+_process_session_lock = threading.Lock()
+
+
+def _shared() -> _ProcessSession:
+    """Return this process's session holder, a new one after a fork (keyed by pid)."""
+    global _process_session
+    pid = os.getpid()
+    current = _process_session
+    if current is None or current.pid != pid:
+        with _process_session_lock:
+            current = _process_session
+            if current is None or current.pid != pid:
+                # The parent's session is dropped, not closed: its sockets are
+                # the parent's connections, still in use there.
+                current = _process_session = _ProcessSession(pid)
+    return current
+
+
+def shared_session() -> requests.Session:
+    """Return the requests session this process's provider clients share."""
+    return _shared().session
+
+
+def close_shared_session() -> None:
+    """Close this process's shared session; the next provider call builds a new one."""
+    global _process_session
+    with _process_session_lock:
+        if _process_session is not None and _process_session.pid == os.getpid():
+            _process_session.close()
+        _process_session = None
+
+
+def _after_fork_in_child() -> None:
+    # A lock held by another thread at the fork stays held in the child forever.
+    global _process_session, _process_session_lock
+    _process_session_lock = threading.Lock()
+    _process_session = None
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 @dataclass(frozen=True)
@@ -158,7 +281,13 @@ def build_metadata_query(metadata: Mapping[str, str]) -> str:
 
 
 class ProviderClient:
-    """Talk to the provider's PaymentIntents and Refunds APIs; one HTTP request per call."""
+    """Talk to the provider's PaymentIntents and Refunds APIs; one HTTP request per call.
+
+    Requests go through `session`, or with `shared=True` through this process's
+    shared session, or else through a new session of the client's own.
+    `close()` closes the first and the last, never the shared one (other clients
+    of the process use it).
+    """
 
     def __init__(
         self,
@@ -168,25 +297,26 @@ class ProviderClient:
         connect_timeout: float,
         read_timeout: float,
         session: requests.Session | None = None,
+        shared: bool = False,
     ) -> None:
         if not api_key:
             raise ValueError("api_key is required")
+        if shared and session is not None:
+            raise ValueError("pass a session or shared=True, not both")
         self.base_url = base_url.rstrip("/")
         self._api_key = api_key
         self.connect_timeout = float(connect_timeout)
         self.read_timeout = float(read_timeout)
-        if session is None:
-            session = requests.Session()
-            # No automatic retries: a retry is a fence decision with a counted
-            # attempt, and urllib3 must not resend a POST behind our back.
-            adapter = HTTPAdapter(max_retries=0)
-            session.mount("http://", adapter)
-            session.mount("https://", adapter)
-        self._session = session
+        self._own_session: requests.Session | None = None
+        if not shared:
+            self._own_session = session if session is not None else new_session()
 
     @classmethod
     def from_settings(cls, *, session: requests.Session | None = None) -> ProviderClient:
-        """Build a client from the PAYMENTS settings (read here, lazily, not at import)."""
+        """Build a client from the PAYMENTS settings (read here, lazily, not at import).
+
+        Without `session`, the client uses this process's shared session.
+        """
         from payments.conf import payments_settings
 
         conf = payments_settings()
@@ -196,14 +326,29 @@ class ProviderClient:
             connect_timeout=conf.provider_connect_timeout,
             read_timeout=conf.provider_read_timeout,
             session=session,
+            shared=session is None,
         )
+
+    @property
+    def _session(self) -> requests.Session:
+        """The session the next request goes through."""
+        return self._own_session if self._own_session is not None else shared_session()
 
     def __repr__(self) -> str:
         return f"ProviderClient({self.base_url!r})"
 
     def close(self) -> None:
-        """Close pooled connections."""
-        self._session.close()
+        """Close the client's pooled connections (a shared session stays open)."""
+        if self._own_session is not None:
+            self._own_session.close()
+
+    @contextmanager
+    def _use_session(self) -> Iterator[requests.Session]:
+        if self._own_session is not None:
+            yield self._own_session
+        else:
+            with _shared().use() as session:
+                yield session
 
     def __enter__(self) -> ProviderClient:
         return self
@@ -331,6 +476,26 @@ class ProviderClient:
                 return
             query = {**query, "starting_after": items[-1].id}
 
+    def list_events(self, *, created_gte: int | None = None, limit: int = 100) -> Iterator[Event]:
+        """Yield the provider's events (newest first), following `starting_after` pages.
+
+        For catching up on webhooks missed while the endpoint was down: the
+        listed events are the ones the provider pushes, unsigned (the API key
+        authenticates this answer).
+        """
+        if not 1 <= limit <= 100:
+            raise ValueError("limit must be between 1 and 100")
+        query: dict[str, str] = {"limit": str(limit)}
+        if created_gte is not None:
+            query["created[gte]"] = str(int(created_gte))
+        while True:
+            answer = self._request("GET", EVENTS_PATH, query=query)
+            items = [_event(item, answer) for item in _data(answer)]
+            yield from items
+            if not answer.body.get("has_more") or not items:
+                return
+            query = {**query, "starting_after": items[-1].id}
+
     # --- transport and classification --------------------------------------
 
     def _request(
@@ -349,17 +514,18 @@ class ProviderClient:
         context = f"{method} {path}"
         logger.debug("provider request %s %s idempotency_key=%s", method, path, idempotency_key)
         try:
-            response = self._session.request(
-                method,
-                self.base_url + path,
-                data=form,
-                params=query,
-                headers=headers,
-                timeout=(self.connect_timeout, self.read_timeout),
-                # A redirect would turn the POST into a GET elsewhere; treat it
-                # as an unexpected answer instead of following it.
-                allow_redirects=False,
-            )
+            with self._use_session() as session:
+                response = session.request(
+                    method,
+                    self.base_url + path,
+                    data=form,
+                    params=query,
+                    headers=headers,
+                    timeout=(self.connect_timeout, self.read_timeout),
+                    # A redirect would turn the POST into a GET elsewhere; treat it
+                    # as an unexpected answer instead of following it.
+                    allow_redirects=False,
+                )
         except requests.RequestException as exc:
             failure = classify_exception(exc, context=context)
             logger.info(
@@ -475,3 +641,46 @@ def _check_idempotency_key(key: str) -> None:
         raise ValueError(f"idempotency_key longer than {MAX_IDEMPOTENCY_KEY_LENGTH} characters")
     if not key.isascii() or not key.isprintable():
         raise ValueError("idempotency_key must be printable ASCII")
+
+
+# --- events (webhooks and their list) ------------------------------------------
+
+EVENTS_PATH = "/v1/events"
+
+
+@dataclass(frozen=True)
+class Event:
+    """A provider event: its id, type, creation time and the object it carries."""
+
+    id: str
+    type: str
+    created: int
+    object: Mapping[str, Any] = field(hash=False)
+    #: The whole event as the provider sent it (stored as is).
+    raw: Mapping[str, Any] = field(hash=False, repr=False)
+
+    @classmethod
+    def from_json(cls, data: Any) -> Event:
+        """Build from a decoded event; raise ValueError when it is not one."""
+        if not isinstance(data, dict) or data.get("object") != "event":
+            raise ValueError("not an event object")
+        event_id, kind, created = data.get("id"), data.get("type"), data.get("created")
+        payload = data.get("data")
+        obj = payload.get("object") if isinstance(payload, dict) else None
+        if not isinstance(event_id, str) or not event_id or len(event_id) > 255:
+            raise ValueError("event without an id")
+        if not isinstance(kind, str) or not kind or len(kind) > 100:
+            raise ValueError("event without a type")
+        if isinstance(created, bool) or not isinstance(created, int) or created < 0:
+            raise ValueError("event without a creation time")
+        if not isinstance(obj, dict):
+            raise ValueError("event without data.object")
+        return cls(id=event_id, type=kind, created=created, object=obj, raw=data)
+
+
+def _event(item: Any, answer: _Answer) -> Event:
+    """Parse one event out of a list answer; anything else is an UNCERTAIN answer."""
+    try:
+        return Event.from_json(item)
+    except ValueError as exc:
+        raise answer.not_understood("an event") from exc

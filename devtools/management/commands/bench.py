@@ -14,11 +14,13 @@ from django.db import connection
 from devtools.bench.runner import (
     WORKER_CLASSES,
     Bench,
+    db_round_trips,
     fenced,
     inbox_cost,
     noop,
     purge_rate,
     reconciler_rate,
+    session_reuse,
     unfenced,
 )
 
@@ -26,8 +28,10 @@ from devtools.bench.runner import (
 class Command(BaseCommand):
     help = (
         "Benchmark, in one run: fenced vs unfenced checkout throughput, RQ no-op ceiling per "
-        "worker class, scaling over 1/2/4 workers, inbox cost, reconciler rate, inbox purge "
-        "rate. Needs a database of its own (its name must end in _bench): it empties it."
+        "worker class, database round trips per checkout, scaling over 1/2/4 workers, the same "
+        "over TLS with the per-charge saving of session reuse, inbox cost, reconciler rate, "
+        "inbox purge rate. Needs a database of its own (its name must end in _bench): it "
+        "empties it."
     )
 
     def add_arguments(self, parser: CommandParser) -> None:
@@ -44,6 +48,15 @@ class Command(BaseCommand):
             type=float,
             default=0.2,
             help="A Stripe-like charge latency for a second comparison.",
+        )
+        parser.add_argument(
+            "--count-orders", type=int, default=50, help="Checkouts whose round trips are counted."
+        )
+        parser.add_argument(
+            "--session-charges",
+            type=int,
+            default=200,
+            help="Sequential charges per side for the session reuse comparison.",
         )
         parser.add_argument("--inbox-jobs", type=int, default=1000)
         parser.add_argument("--reconcile", type=int, default=100)
@@ -68,11 +81,8 @@ class Command(BaseCommand):
             f"{_cpus()} cores, Python {platform.python_version()}",
             "provider_latency_seconds": options["latency"],
         }
-        with Bench(
-            latency=options["latency"],
-            log_dir=Path(settings.BASE_DIR) / "var" / "log" / "bench",
-            say=say,
-        ) as bench:
+        log_dir = Path(settings.BASE_DIR) / "var" / "log" / "bench"
+        with Bench(latency=options["latency"], log_dir=log_dir, say=say) as bench:
             per_class = {}
             for cls in WORKER_CLASSES:
                 say(f"{cls}: no-op ceiling, fenced and unfenced checkout (2 workers)...")
@@ -111,6 +121,12 @@ class Command(BaseCommand):
                 "fenced_to_unfenced": u / f,
             }
             figures["faster_worker_class"] = best
+            say("database round trips per checkout, fenced and unfenced (2 workers)...")
+            figures["db_round_trips"] = db_round_trips(bench, options["count_orders"], workers=2)
+            say("provider session reuse over plain HTTP...")
+            bench.set_latency(0)
+            figures["session_reuse_http"] = session_reuse(bench, options["session_charges"])
+            bench.set_latency(options["latency"])
             say(f"scaling with {best} over 1, 2, 4 workers...")
             figures["scaling"] = {
                 k: n / bench.batch(fenced(n), workers=k, worker_class=best) for k in (1, 2, 4)
@@ -125,6 +141,22 @@ class Command(BaseCommand):
             say(f"inbox purge of {options['purge_rows']:,} rows...")
             bench.reset()
             figures["purge"] = purge_rate(options["purge_rows"], options["purge_batch"])
+            bench.reset()
+        with Bench(latency=options["latency"], log_dir=log_dir, say=say, tls=True) as bench:
+            say(f"over TLS: fenced vs unfenced with {best}, 2 workers, session reuse...")
+            rounds = []
+            for _ in range(2):
+                f = bench.batch(fenced(n), workers=2, worker_class=best)
+                u = bench.batch(unfenced(n), workers=2, worker_class=best)
+                rounds.append((f, u))
+            fenced_s, unfenced_s = min(f for f, _ in rounds), min(u for _, u in rounds)
+            bench.set_latency(0)
+            figures["tls"] = {
+                "fenced_checkouts_per_second": n / fenced_s,
+                "unfenced_checkouts_per_second": n / unfenced_s,
+                "fenced_to_unfenced": unfenced_s / fenced_s,
+                "session_reuse": session_reuse(bench, options["session_charges"]),
+            }
             bench.reset()
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(figures, indent=2, sort_keys=True))
@@ -146,12 +178,15 @@ def _table(f: dict) -> list[str]:
     ]
     for cls, v in f["worker_classes"].items():
         rows += [
-            (f"{cls}: no-op jobs/s", f"{v['noop_jobs_per_second']:.0f}"),
+            (f"{cls}: no-op jobs/s (context)", f"{v['noop_jobs_per_second']:.0f}"),
             (f"{cls}: fenced checkouts/s", f"{v['fenced_checkouts_per_second']:.1f}"),
             (f"{cls}: unfenced checkouts/s", f"{v['unfenced_checkouts_per_second']:.1f}"),
-            (f"{cls}: fenced / unfenced (goal >= 0.9)", f"{v['fenced_to_unfenced']:.2f}"),
             (
-                f"{cls}: fenced jobs/s / no-op jobs/s (goal >= 0.5)",
+                f"{cls}: fenced / unfenced, 2 workers (goal >= 0.95)",
+                f"{v['fenced_to_unfenced']:.2f}",
+            ),
+            (
+                f"{cls}: fenced jobs/s / no-op jobs/s (context)",
                 f"{v['fenced_jobs_to_noop_jobs']:.2f}",
             ),
         ]
@@ -160,11 +195,47 @@ def _table(f: dict) -> list[str]:
     rows.append(
         (
             f"at {r['latency_seconds'] * 1000:.0f} ms per charge, {r['workers']} workers: "
-            "fenced / unfenced",
+            "fenced / unfenced (goal >= 0.97)",
             f"{r['fenced_to_unfenced']:.2f} ({r['fenced_checkouts_per_second']:.1f} vs "
             f"{r['unfenced_checkouts_per_second']:.1f} checkouts/s)",
         )
     )
+    d = f["db_round_trips"]
+    for side, goal in (("fenced", " (goal <= 15, <= 7 commits)"), ("unfenced", "")):
+        w = d[side]["worker_per_checkout"]
+        rows.append(
+            (
+                f"DB round trips per {side} checkout, worker side{goal}",
+                f"{w['total']:.1f} = {w['statements']:.1f} statements ({w['savepoints']:.1f} "
+                f"savepoint) + {w['begins']:.1f} BEGIN + {w['commits']:.1f} COMMIT + "
+                f"{w['rollbacks']:.1f} ROLLBACK + {w['health_checks']:.1f} health checks",
+            )
+        )
+    a = d["fenced"]["api_per_checkout"]
+    rows.append(
+        (
+            "DB round trips per fenced checkout, API side (goal <= 6)",
+            f"{a['total']:.1f} = {a['statements']:.1f} statements ({a['savepoints']:.1f} "
+            f"savepoint) + {a['begins']:.1f} BEGIN + {a['commits']:.1f} COMMIT + "
+            f"{a['health_checks']:.1f} health checks (unfenced: 0, it only enqueues)",
+        )
+    )
+    t = f["tls"]
+    rows.append(
+        (
+            "over TLS, 2 workers: fenced / unfenced",
+            f"{t['fenced_to_unfenced']:.2f} ({t['fenced_checkouts_per_second']:.1f} vs "
+            f"{t['unfenced_checkouts_per_second']:.1f} checkouts/s)",
+        )
+    )
+    for label, s in (("HTTP", f["session_reuse_http"]), ("TLS", t["session_reuse"])):
+        rows.append(
+            (
+                f"{label}: ms per charge, session reused / new session per charge",
+                f"{s['reuse_ms']:.2f} / {s['new_session_ms']:.2f} "
+                f"(saving {s['saving_ms']:.2f} ms per charge)",
+            )
+        )
     s = f["scaling"]
     rows.append(
         ("fenced checkouts/s with 1 / 2 / 4 workers", f"{s[1]:.1f} / {s[2]:.1f} / {s[4]:.1f}")

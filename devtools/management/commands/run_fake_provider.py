@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import signal
 import threading
+from pathlib import Path
 from typing import Any
 
+from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from devtools.fake_provider.server import FakeProviderServer
@@ -72,6 +74,42 @@ class Command(BaseCommand):
             help="Seconds an idempotency key is remembered (default 86400, as at Stripe).",
         )
         parser.add_argument(
+            "--tls",
+            action="store_true",
+            help="Serve HTTPS with a throwaway certificate (trustme); its CA goes to --ca-file.",
+        )
+        parser.add_argument(
+            "--ca-file",
+            default=None,
+            help="With --tls: where to write the CA (PEM) for REQUESTS_CA_BUNDLE "
+            "(default var/fake_provider/ca.pem).",
+        )
+        parser.add_argument(
+            "--webhook-url",
+            default=None,
+            help="POST every event (signed, retried until a 2xx) to this URL, e.g. "
+            "http://127.0.0.1:8000/webhooks/provider. Needs --webhook-secret.",
+        )
+        parser.add_argument(
+            "--webhook-secret",
+            default=None,
+            help="The signing secret of the webhooks (the app's PAYMENT_PROVIDER_WEBHOOK_SECRET).",
+        )
+        for fault in ("duplicate", "reorder", "delay"):
+            parser.add_argument(
+                f"--webhook-{fault}-rate",
+                dest=f"webhook_{fault}_rate",
+                type=float,
+                default=0.0,
+                help=f"Share (0..1) of events that get the '{fault}' webhook fault.",
+            )
+        parser.add_argument(
+            "--webhook-delay",
+            type=float,
+            default=2.0,
+            help="Seconds a delayed webhook waits before its first attempt (default 2).",
+        )
+        parser.add_argument(
             "--api-key",
             default=None,
             help="The only API key to accept (default: any key starting with sk_).",
@@ -90,6 +128,15 @@ class Command(BaseCommand):
             if options[name] < 0:
                 raise CommandError(f"--{name.replace('_', '-')} must not be negative.")
 
+        if bool(options["webhook_url"]) != bool(options["webhook_secret"]):
+            raise CommandError("--webhook-url and --webhook-secret go together.")
+        webhook_options = {
+            "duplicate_rate": options["webhook_duplicate_rate"],
+            "reorder_rate": options["webhook_reorder_rate"],
+            "delay_rate": options["webhook_delay_rate"],
+            "delay": options["webhook_delay"],
+            "seed": options["seed"],
+        }
         try:
             server = FakeProviderServer(
                 options["host"],
@@ -100,10 +147,21 @@ class Command(BaseCommand):
                 latency=options["latency"],
                 search_lag=options["search_lag"],
                 key_retention=options["key_retention"],
+                tls=options["tls"],
+                webhook_url=options["webhook_url"],
+                webhook_secret=options["webhook_secret"],
+                webhook_options=webhook_options,
                 **rates,
             )
+        except ValueError as exc:
+            raise CommandError(str(exc)) from exc
         except OSError as exc:
             raise CommandError(f"Cannot bind {options['host']}:{options['port']}: {exc}") from exc
+        if options["tls"]:
+            ca_file = server.write_ca(
+                options["ca_file"] or Path(settings.BASE_DIR) / "var" / "fake_provider" / "ca.pem"
+            )
+            self.stdout.write(f"CA certificate (for REQUESTS_CA_BUNDLE): {ca_file}")
 
         stop = threading.Event()
         # Set an event from the handlers; the main thread does the shutdown, so
@@ -114,6 +172,8 @@ class Command(BaseCommand):
         }
         server.start()
         self.stdout.write(f"Fake payment provider listening on {server.url}")
+        if server.webhooks is not None:
+            self.stdout.write(f"Sending signed webhooks to {server.webhooks.url}")
         self.stdout.flush()
         try:
             while not stop.wait(0.5):

@@ -1,0 +1,182 @@
+"""Database round trips, counted at the connection: statements, BEGIN, COMMIT, health checks.
+
+What is counted, and why this way. A round trip is one message sequence that
+waits for PostgreSQL's ReadyForQuery: a statement, a BEGIN, a COMMIT or
+ROLLBACK, a health check. Django's `execute_wrappers` see only what goes
+through a Django cursor (statements, SAVEPOINT and RELEASE included), not the
+rest, so the counter adds what the wrapper cannot see, where it happens:
+
+- BEGIN: psycopg 3 sends it on its own, in a round trip of its own, before
+  the first statement after Django turned autocommit off. The wrapper counts
+  one when a statement is about to run on a connection with autocommit off
+  and no transaction open (psycopg's `transaction_status` IDLE).
+- COMMIT and ROLLBACK: Django calls the psycopg connection's `commit()` and
+  `rollback()` from `DatabaseWrapper._commit` / `_rollback`; psycopg sends
+  nothing when no transaction is open, so they count only when one is.
+- Health checks: `is_usable()` runs `SELECT 1` on a raw psycopg cursor
+  (CONN_HEALTH_CHECKS, once per job or request on a reused connection).
+- Connects are counted apart (`connects`) and not in `total`: opening a
+  connection is several round trips (startup, authentication, SET TIME ZONE)
+  paid once per connection, not per checkout (the bench keeps connections
+  for 60 s, as production does).
+
+A libpq protocol trace (psycopg's `pgconn.trace`) would see every message
+itself, but it writes each one to a file from inside the measured path and is
+lost on each reconnect; tests/devtools/test_bench_counters.py runs a fenced
+checkout with both and checks that they agree, round trip for round trip.
+`executemany` counts once (psycopg pipelines it); the ORM paths measured here
+do not use it.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+from django.db import DEFAULT_DB_ALIAS, connections
+from psycopg import pq
+from redis import Redis
+
+_SAVEPOINT_SQL = re.compile(r"\s*(SAVEPOINT|RELEASE|ROLLBACK\s+TO)\b", re.IGNORECASE)
+
+#: Redis hash (one per job function) where counting workers add up their jobs' trips.
+KEY_PREFIX = "bench:db-round-trips:"
+
+
+@dataclass
+class RoundTrips:
+    """Database round trips by kind; `total` is their sum (connects apart)."""
+
+    statements: int = 0  # every statement through a Django cursor, savepoints included
+    savepoints: int = 0  # of which SAVEPOINT / RELEASE / ROLLBACK TO
+    begins: int = 0
+    commits: int = 0
+    rollbacks: int = 0
+    health_checks: int = 0
+    connects: int = 0  # not round trips of the work: see the module's docstring
+    jobs: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.statements + self.begins + self.commits + self.rollbacks + self.health_checks
+
+    def __sub__(self, other: RoundTrips) -> RoundTrips:
+        return RoundTrips(
+            **{f.name: getattr(self, f.name) - getattr(other, f.name) for f in fields(self)}
+        )
+
+    def __add__(self, other: RoundTrips) -> RoundTrips:
+        return RoundTrips(
+            **{f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)}
+        )
+
+    def add(self, other: RoundTrips) -> None:
+        """Add `other`'s counts to these, in place."""
+        for f in fields(self):
+            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+
+    def per(self, n: int) -> dict[str, float]:
+        """Every count divided by n, with the total: what one checkout costs."""
+        values = {name: value / n for name, value in asdict(self).items() if name != "jobs"}
+        values["total"] = self.total / n
+        return values
+
+
+class RoundTripCounter:
+    """Count the round trips of this thread's connection `alias` while installed."""
+
+    def __init__(self, alias: str = DEFAULT_DB_ALIAS) -> None:
+        self.alias = alias
+        self.counts = RoundTrips()
+        self._undo: list[Callable[[], None]] = []
+
+    def snapshot(self) -> RoundTrips:
+        return RoundTrips(**asdict(self.counts))
+
+    def install(self) -> None:
+        db = connections[self.alias]
+        db.execute_wrappers.append(self._execute)
+        self._undo.append(lambda: db.execute_wrappers.remove(self._execute))
+        self._patch(db, "_commit", self._ending(db, "commits"))
+        self._patch(db, "_rollback", self._ending(db, "rollbacks"))
+        self._patch(db, "is_usable", self._counting("health_checks"))
+        self._patch(db, "connect", self._counting("connects"))
+
+    def uninstall(self) -> None:
+        while self._undo:
+            self._undo.pop()()
+
+    def _patch(
+        self, db: Any, name: str, wrap: Callable[[Callable[[], Any]], Callable[[], Any]]
+    ) -> None:
+        original = getattr(db, name)
+        setattr(db, name, wrap(original))  # an instance attribute: the class stays as it is
+        self._undo.append(lambda: delattr(db, name))
+
+    def _execute(self, execute: Any, sql: str, params: Any, many: bool, context: dict) -> Any:
+        raw = context["connection"].connection
+        if (
+            raw is not None
+            and not raw.autocommit
+            and raw.info.transaction_status == pq.TransactionStatus.IDLE
+        ):
+            self.counts.begins += 1  # psycopg sends BEGIN first, in a round trip of its own
+        self.counts.statements += 1
+        if _SAVEPOINT_SQL.match(sql):
+            self.counts.savepoints += 1
+        return execute(sql, params, many, context)
+
+    def _ending(self, db: Any, field: str) -> Callable[[Callable[[], Any]], Callable[[], Any]]:
+        def wrap(original: Callable[[], Any]) -> Callable[[], Any]:
+            def ending() -> Any:
+                raw = db.connection
+                if raw is not None and raw.info.transaction_status != pq.TransactionStatus.IDLE:
+                    setattr(self.counts, field, getattr(self.counts, field) + 1)
+                return original()
+
+            return ending
+
+        return wrap
+
+    def _counting(self, field: str) -> Callable[[Callable[[], Any]], Callable[[], Any]]:
+        def wrap(original: Callable[[], Any]) -> Callable[[], Any]:
+            def counted() -> Any:
+                setattr(self.counts, field, getattr(self.counts, field) + 1)
+                return original()
+
+            return counted
+
+        return wrap
+
+
+@contextmanager
+def counting(alias: str = DEFAULT_DB_ALIAS) -> Iterator[RoundTripCounter]:
+    """Count this thread's round trips on `alias` inside the block."""
+    counter = RoundTripCounter(alias)
+    counter.install()
+    try:
+        yield counter
+    finally:
+        counter.uninstall()
+
+
+def record(redis: Redis, func_name: str, trips: RoundTrips) -> None:
+    """Add one job's round trips to its function's hash (one Redis round trip)."""
+    with redis.pipeline(transaction=False) as pipe:
+        for name, value in asdict(trips).items():
+            if value:
+                pipe.hincrby(KEY_PREFIX + func_name, name, value)
+        pipe.execute()
+
+
+def recorded(redis: Redis) -> dict[str, RoundTrips]:
+    """Return the round trips the counting workers recorded, by job function."""
+    found = {}
+    for key in redis.scan_iter(match=KEY_PREFIX + "*"):
+        name = key.decode()[len(KEY_PREFIX) :]
+        values = {k.decode(): int(v) for k, v in redis.hgetall(key).items()}
+        found[name] = RoundTrips(**values)
+    return found

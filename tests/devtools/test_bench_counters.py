@@ -1,0 +1,125 @@
+"""The bench's database round-trip counter agrees with a libpq protocol trace.
+
+A round trip ends with PostgreSQL's ReadyForQuery: the trace counts those, the
+counter counts statements, BEGIN, COMMIT, ROLLBACK and health checks from
+Django and psycopg. A fenced checkout run by the bench's counting worker (in
+this process) must give the same number both ways. No timing is asserted.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import IO, Any
+
+import pytest
+from django.db import close_old_connections, connection, transaction
+from django.db.backends.signals import connection_created
+from psycopg import pq
+
+from devtools.bench import dbcount
+from devtools.bench.dbcount import RoundTrips, counting, recorded
+from devtools.bench.workers import CountingWorker
+from payments.engine.dispatch import DELIVER_MESSAGE, RUN_OPERATION
+from payments.models import Operation, OperationState, Order
+from tests.support.flows import checkout
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+_READY = re.compile(r"^B\t\d+\tReadyForQuery\b", re.MULTILINE)
+
+
+class Trace:
+    """libpq's protocol trace of this thread's connection (re-armed on a reconnect)."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self.files: list[tuple[Any, IO[str], Path]] = []
+        self.reconnects = 0
+
+    def arm(self) -> None:
+        raw = connection.connection
+        path = self.directory / f"trace-{len(self.files)}.txt"
+        handle = path.open("w")
+        raw.pgconn.trace(handle.fileno())
+        raw.pgconn.set_trace_flags(pq.Trace.SUPPRESS_TIMESTAMPS | pq.Trace.REGRESS_MODE)
+        self.files.append((raw, handle, path))
+
+    def on_connect(self, sender: Any, connection: Any, **kwargs: Any) -> None:
+        self.reconnects += 1  # after the connection's setup: setup is not counted either
+
+    def round_trips(self) -> int:
+        """Stop tracing and count the ReadyForQuery messages written."""
+        count = 0
+        for raw, handle, path in self.files:
+            if not raw.closed:
+                raw.pgconn.untrace()  # flushes libpq's buffer
+            handle.close()
+            count += len(_READY.findall(path.read_text()))
+        self.files = []
+        return count
+
+
+@pytest.fixture
+def trace(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Trace]:
+    """A fresh connection kept for the whole test (no reconnect between trace and counter)."""
+    connection.close()
+    monkeypatch.setitem(connection.settings_dict, "CONN_MAX_AGE", None)
+    connection.ensure_connection()
+    tracer = Trace(tmp_path)
+    connection_created.connect(tracer.on_connect)
+    yield tracer
+    connection_created.disconnect(tracer.on_connect)
+    tracer.round_trips()
+    if CountingWorker.counter is not None:
+        CountingWorker.counter.uninstall()
+        CountingWorker.counter = None
+
+
+def test_counter__equals_the_trace_on_begin_commit_rollback_savepoints_and_health_check(trace):
+    order = Order.objects.create(amount=100, currency="eur", customer_email="a@example.com")
+    trace.arm()
+    with counting() as counter:
+        close_old_connections()  # a request or job boundary: the next use runs a health check
+        Order.objects.filter(pk=order.pk).update(amount=101)  # autocommit: no BEGIN
+        with transaction.atomic():
+            pass  # nothing sent: no BEGIN, no COMMIT
+        with transaction.atomic():
+            Order.objects.select_for_update().get(pk=order.pk)
+            with transaction.atomic():  # SAVEPOINT ... RELEASE
+                Order.objects.filter(pk=order.pk).update(amount=102)
+        with pytest.raises(RuntimeError), transaction.atomic():
+            Order.objects.filter(pk=order.pk).update(amount=103)
+            raise RuntimeError("rolled back")
+    counts = counter.snapshot()
+    assert trace.round_trips() == counts.total
+    assert (counts.begins, counts.commits, counts.rollbacks) == (2, 1, 1)
+    assert (counts.savepoints, counts.health_checks, counts.connects) == (2, 1, 0)
+
+
+def test_counting_worker__a_fenced_checkout_counted_as_the_trace_counts_it(provider, queue, trace):
+    trace.arm()
+    with counting() as api:
+        close_old_connections()
+        op = checkout("count-1")
+    assert trace.round_trips() == api.snapshot().total > 0
+
+    trace.arm()
+    CountingWorker.counter = dbcount.RoundTripCounter()
+    CountingWorker.counter.install()
+    CountingWorker([queue], connection=queue.connection).work(burst=True)
+    whole_run = CountingWorker.counter.snapshot()
+    assert trace.round_trips() == whole_run.total
+    assert trace.reconnects == 0 and whole_run.connects == 0
+
+    op.refresh_from_db()
+    assert op.state == OperationState.SUCCEEDED
+    by_job = recorded(queue.connection)
+    assert set(by_job) == {RUN_OPERATION, DELIVER_MESSAGE}
+    assert (by_job[RUN_OPERATION].jobs, by_job[DELIVER_MESSAGE].jobs) == (1, 2)
+    jobs = sum(by_job.values(), RoundTrips())
+    # Only the worker's start-up check (names recorded on unfinished operations) is outside a job.
+    assert 0 < jobs.total <= whole_run.total
+    assert jobs.commits >= 3 and jobs.health_checks == 3
+    assert Operation.objects.filter(parent=op).count() == 2
