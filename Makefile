@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PG_URL ?= postgres://postgres@127.0.0.1:5432/fence
 
-.PHONY: install env db migrate demo test lint format bench run clean browser
+.PHONY: install env db migrate demo test lint format bench run clean browser topology
 
 $(VENV)/.installed: requirements.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -44,8 +44,19 @@ browser:
 	  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium) || \
 	  (echo "install Debian's chromium (apt-get install chromium) for the browser test"; exit 1)
 
-test: db browser
-	$(PY) -m pytest
+# Debian's pgbouncer and redis-sentinel for tests/topology (real processes on free ports
+# of 127.0.0.1; the packages' own services are not used). Under `make test` a missing
+# binary fails those tests instead of skipping them (REQUIRE_TOPOLOGY_BINARIES).
+topology:
+	@command -v pgbouncer >/dev/null || test -x /usr/sbin/pgbouncer || \
+	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq pgbouncer) || \
+	  (echo "install Debian's pgbouncer (apt-get install pgbouncer) for tests/topology"; exit 1)
+	@command -v redis-sentinel >/dev/null || \
+	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-sentinel) || \
+	  (echo "install Debian's redis-sentinel (apt-get install redis-sentinel) for tests/topology"; exit 1)
+
+test: db browser topology
+	REQUIRE_TOPOLOGY_BINARIES=1 $(PY) -m pytest
 
 # Style, the layers (import-linter contracts in pyproject.toml) and the types (mypy).
 lint: install env

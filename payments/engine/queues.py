@@ -4,7 +4,9 @@ Every part of the app that talks to the queue's Redis (dispatch, recovery, the
 desk, metrics, health, the deploy checks, the developer tools) asks here, so
 that timeouts, pooling and the queue's name are decided once. Settings are
 read on each call (django-rq freezes its own copy at import), so
-`override_settings` and the test configuration apply.
+`override_settings` and the test configuration apply. A queue entry with
+SENTINELS (REDIS_SENTINELS) gets a client that asks the sentinels for the
+master, as django-rq's `rqworker` does with the same entry.
 """
 
 from __future__ import annotations

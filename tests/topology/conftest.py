@@ -1,0 +1,35 @@
+"""Fixtures of the topology tests: a PgBouncer and a Redis master, replica and sentinels.
+
+Each is a set of real processes on free ports of 127.0.0.1, started for one test
+and stopped after it (tests/support/topology.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+from django.db import connection
+
+from tests.support.topology import PgBouncer, RedisHA
+
+
+@pytest.fixture
+def pgbouncer() -> Iterator[PgBouncer]:
+    """PgBouncer in transaction pooling, one server connection, before the test database."""
+    db = connection.settings_dict
+    bouncer = PgBouncer(pg_host=db["HOST"] or "127.0.0.1", pg_port=int(db["PORT"] or 5432))
+    try:
+        yield bouncer.start()
+    finally:
+        bouncer.stop()
+
+
+@pytest.fixture
+def redis_ha() -> Iterator[RedisHA]:
+    """A Redis master, a replica and three sentinels watching them."""
+    cluster = RedisHA()
+    try:
+        yield cluster.start()
+    finally:
+        cluster.stop()
