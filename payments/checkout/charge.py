@@ -11,7 +11,12 @@ import logging
 from typing import Any
 
 from payments.checkout.names import CHARGE
-from payments.engine.effects import ClaimView, EffectResult, ReferenceNotFound
+from payments.engine.effects import (
+    ClaimView,
+    EffectResult,
+    ReferenceNotFound,
+    sent_metadata_matches,
+)
 from payments.engine.outcomes import Outcome
 from payments.models import Operation
 from payments.provider.client import PaymentIntent, ProviderClient
@@ -137,8 +142,7 @@ def _is_this_request(intent: PaymentIntent, request: dict[str, Any]) -> bool:
     Every metadata item the request sent, its amount and currency must match:
     a key equal to another operation's (another scope) never settles this one.
     """
-    metadata = request.get("metadata") or {}
-    if any(intent.metadata.get(name) != value for name, value in metadata.items()):
+    if not sent_metadata_matches(request, intent.metadata):
         return False
     if "amount" in request and int(request["amount"]) != intent.amount:
         return False

@@ -25,6 +25,7 @@ from payments.engine.dispatch import dispatch_on_commit
 from payments.engine.effects import DeliveryPolicy
 from payments.engine.handlers import DeskHooks, handler
 from payments.engine.runtime import Run
+from payments.entities import lock_order, money_line
 from payments.exceptions import InvalidTransition
 from payments.models import (
     ApiClient,
@@ -171,11 +172,6 @@ def mark_paid(order_id: int, reference: str, operation: Operation) -> dict[str, 
 # --- what the operators' desk needs (payments.engine.handlers.DeskHooks) -------------
 
 
-def lock_order(operation: Operation) -> None:
-    """Lock the operation's order. Runs inside the desk's transaction."""
-    Order.objects.select_for_update().filter(pk=operation.params.get("order_id")).first()
-
-
 def _order_status(operation: Operation) -> str | None:
     """The order's status, unless it is payment failed (open for a charge); "missing"."""
     order = Order.objects.filter(pk=operation.params.get("order_id")).first()
@@ -226,8 +222,7 @@ def new_checkout_attempt(
 
 def describe_charge(operation: Operation) -> str:
     """One line for the desk: the money at stake."""
-    money = format_money(operation.params.get("amount"), operation.params.get("currency"))
-    return f"{money} charge of order {operation.params.get('order_id')}"
+    return money_line(operation, "charge")
 
 
 @handler(

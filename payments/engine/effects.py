@@ -59,6 +59,16 @@ class ExternalEffect(Protocol):
         """
 
 
+def sent_metadata_matches(request: dict[str, Any], metadata: Any) -> bool:
+    """Tell whether a provider object carries every metadata item this claim's request sent.
+
+    An effect's `find` accepts only such objects: another operation with the
+    same key (another scope, another client) never settles this claim.
+    """
+    sent = request.get("metadata") or {}
+    return all(metadata.get(name) == value for name, value in sent.items())
+
+
 class ReferenceNotFound(LookupError):
     """The provider has no object with that reference (or it is not a valid reference)."""
 

@@ -8,7 +8,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from payments.engine.effects import ClaimView, EffectResult, ReferenceNotFound
+from payments.engine.effects import (
+    ClaimView,
+    EffectResult,
+    ReferenceNotFound,
+    sent_metadata_matches,
+)
 from payments.engine.outcomes import Outcome
 from payments.models import Operation
 from payments.provider.client import ProviderClient, Refund
@@ -96,8 +101,8 @@ class RefundEffect:
 
 
 def _is_this_request(refund: Refund, request: dict[str, Any]) -> bool:
-    metadata = request.get("metadata") or {}
-    if any(refund.metadata.get(name) != value for name, value in metadata.items()):
+    """Tell whether a found refund is the one this claim's request made (metadata, intent, amount)."""
+    if not sent_metadata_matches(request, refund.metadata):
         return False
     if refund.payment_intent != request.get("payment_intent"):
         return False

@@ -17,6 +17,7 @@ from django.db import transaction
 from payments.engine import fence
 from payments.engine.dispatch import dispatch_on_commit
 from payments.engine.handlers import DeskHooks, Run, handler
+from payments.entities import lock_order, money_line
 from payments.exceptions import InvalidTransition
 from payments.models import (
     ApiClient,
@@ -125,11 +126,6 @@ def issue_credit_note(operation: Operation, reference: str) -> dict[str, Any]:
 # --- what the operators' desk needs (payments.engine.handlers.DeskHooks) -------------
 
 
-def lock_order(operation: Operation) -> None:
-    """Lock the refund's order. Runs inside the desk's transaction."""
-    Order.objects.select_for_update().filter(pk=operation.params.get("order_id")).first()
-
-
 def refund_no_longer_fits(operation: Operation) -> str | None:
     """Why a failed refund may not run again: the order's other refunds took the rest."""
     order = Order.objects.filter(pk=operation.params.get("order_id")).first()
@@ -158,8 +154,7 @@ def new_refund_attempt(
 
 def describe_refund(operation: Operation) -> str:
     """One line for the desk: the money at stake."""
-    money = format_money(operation.params.get("amount"), operation.params.get("currency"))
-    return f"{money} refund of order {operation.params.get('order_id')}"
+    return money_line(operation, "refund")
 
 
 @handler(
