@@ -13,9 +13,14 @@ All keys live in one optional dict, ``settings.INBOX``:
     Chance, between 0 and 1, that a successful record triggers one bounded
     purge batch for its consumer after the handler's transaction commits.
     ``0`` turns the opportunistic purge off (run ``purge_inbox`` from cron).
-``PURGE_BATCH_SIZE`` (default ``1000``)
-    Rows deleted per batch, both by that opportunistic purge and by default in
-    ``purge_inbox``; each batch is its own short transaction.
+``PURGE_BATCH_SIZE`` (default ``50000``)
+    The most rows one purge batch deletes; each batch is its own short
+    transaction. Batches start at 1000 rows (or this, if smaller) and adapt
+    to ``PURGE_BATCH_SECONDS``; the opportunistic purge runs one first batch.
+``PURGE_BATCH_SECONDS`` (default ``0.02``)
+    The time each purge batch aims to hold its row locks, from its ``DELETE``
+    to its ``COMMIT``: the next batch is sized from the last one's rate.
+    ``0`` turns the adaptation off (every batch is ``PURGE_BATCH_SIZE``).
 ``STRICT_MESSAGE_ID`` (default ``False``)
     When a job carries no message id (enqueued by another tool), an inbox
     handler logs a WARNING and runs unprotected. ``True`` makes it raise
@@ -41,11 +46,19 @@ from rq.defaults import DEFAULT_FAILURE_TTL
 
 DEFAULT_RETENTION = timedelta(days=7)
 DEFAULT_PURGE_CHANCE = 0.001
-DEFAULT_PURGE_BATCH_SIZE = 1000
+DEFAULT_PURGE_BATCH_SIZE = 50_000
+DEFAULT_PURGE_BATCH_SECONDS = 0.02
 DEFAULT_CONSUMER_KEY = "default"
 
 KNOWN_KEYS = frozenset(
-    {"RETENTION", "PURGE_CHANCE", "PURGE_BATCH_SIZE", "STRICT_MESSAGE_ID", "REDELIVERY_HORIZON"}
+    {
+        "RETENTION",
+        "PURGE_CHANCE",
+        "PURGE_BATCH_SIZE",
+        "PURGE_BATCH_SECONDS",
+        "STRICT_MESSAGE_ID",
+        "REDELIVERY_HORIZON",
+    }
 )
 
 
@@ -56,6 +69,7 @@ class InboxSettings:
     retention: dict[str, timedelta]
     purge_chance: float
     purge_batch_size: int
+    purge_batch_seconds: float
     strict_message_id: bool
     redelivery_horizon: timedelta
 
@@ -118,6 +132,16 @@ def inbox_settings() -> InboxSettings:
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ImproperlyConfigured("INBOX['PURGE_BATCH_SIZE'] must be a positive integer.")
 
+    batch_seconds = raw.get("PURGE_BATCH_SECONDS", DEFAULT_PURGE_BATCH_SECONDS)
+    if (
+        isinstance(batch_seconds, bool)
+        or not isinstance(batch_seconds, int | float)
+        or not 0 <= batch_seconds <= 1
+    ):
+        raise ImproperlyConfigured(
+            "INBOX['PURGE_BATCH_SECONDS'] must be a number of seconds between 0 and 1."
+        )
+
     strict = raw.get("STRICT_MESSAGE_ID", False)
     if not isinstance(strict, bool):
         raise ImproperlyConfigured("INBOX['STRICT_MESSAGE_ID'] must be True or False.")
@@ -133,6 +157,7 @@ def inbox_settings() -> InboxSettings:
         retention=retention,
         purge_chance=float(chance),
         purge_batch_size=batch_size,
+        purge_batch_seconds=float(batch_seconds),
         strict_message_id=strict,
         redelivery_horizon=horizon,
     )

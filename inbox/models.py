@@ -6,6 +6,7 @@ from django.db import models
 from django.utils import timezone
 
 CONSUMER_MESSAGE_UNIQUE = "inbox_entry_consumer_message_uniq"
+PURGE_INDEX = "inbox_entry_purge_idx"
 
 
 class InboxEntry(models.Model):
@@ -28,8 +29,12 @@ class InboxEntry(models.Model):
                 fields=["consumer", "message_id"], name=CONSUMER_MESSAGE_UNIQUE
             ),
         ]
-        # Retention purges range over handled_at.
-        indexes = [models.Index(fields=["handled_at"], name="inbox_entry_handled_at_idx")]
+        indexes = [
+            # The admin lists the newest entries first.
+            models.Index(fields=["handled_at"], name="inbox_entry_handled_at_idx"),
+            # The purge walks each consumer's rows oldest first, by (handled_at, id).
+            models.Index(fields=["consumer", "handled_at", "id"], name=PURGE_INDEX),
+        ]
 
     def __str__(self) -> str:
         return f"{self.consumer}:{self.message_id}"

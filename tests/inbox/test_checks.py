@@ -57,6 +57,8 @@ def test_e001__malformed_settings(settings) -> None:
     for bad in (
         {"PURGE_CHANCE": 2},
         {"PURGE_BATCH_SIZE": 0},
+        {"PURGE_BATCH_SECONDS": -0.01},
+        {"PURGE_BATCH_SECONDS": "20ms"},
         {"RETENTION": {"emails": -1}},
         {"RETENTION": {"emails": "7d"}},
         {"STRICT_MESSAGE_ID": "yes"},

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import signal
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
 
@@ -14,13 +18,39 @@ from inbox.durations import format_duration, parse_duration
 from inbox.services import purge_expired
 
 PROGRESS_EVERY = 10
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+@contextmanager
+def stop_requested() -> Iterator[list[str]]:
+    """Collect SIGTERM/SIGINT while the purge runs, instead of dying mid-batch.
+
+    Yield a list that gets the signal's name; the purge checks it between
+    batches, so the batch under way still commits. Off the main thread
+    (where signal handlers cannot be set) the signals keep their handlers.
+    """
+    received: list[str] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield received
+        return
+
+    def handle(signum: int, frame: object) -> None:
+        received.append(signal.Signals(signum).name)
+
+    previous = {sig: signal.signal(sig, handle) for sig in STOP_SIGNALS}
+    try:
+        yield received
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 class Command(BaseCommand):
     help = (
         "Delete inbox entries older than their consumer's retention (INBOX['RETENTION']), "
-        "in batches that each commit on their own, so no lock is held for long. "
-        "Can be run as a cronjob."
+        "in batches that each commit on their own, so no lock is held for long "
+        "(INBOX['PURGE_BATCH_SECONDS']). Can be run as a cronjob; SIGTERM or SIGINT stops it "
+        "between two batches."
     )
 
     def add_arguments(self, parser: CommandParser) -> None:
@@ -39,7 +69,10 @@ class Command(BaseCommand):
         parser.add_argument(
             "--batch-size",
             type=int,
-            help="Rows deleted per transaction. Default: INBOX['PURGE_BATCH_SIZE'] (1000).",
+            help=(
+                "At most this many rows per transaction; batches adapt below it to "
+                "INBOX['PURGE_BATCH_SECONDS']. Default: INBOX['PURGE_BATCH_SIZE'] (50000)."
+            ),
         )
         parser.add_argument(
             "--dry-run",
@@ -75,32 +108,39 @@ class Command(BaseCommand):
                     f"Batch {batch}: {deleted} entries deleted so far ({seconds:.3f}s)."
                 )
 
-        try:
-            result = purge_expired(
-                consumer=consumer,
-                older_than=older_than,
-                batch_size=batch_size,
-                dry_run=options["dry_run"],
-                progress=progress,
-            )
-        except DatabaseError as exc:
-            raise CommandError(f"Purging the inbox failed: {exc}") from exc
+        with stop_requested() as signals:
+            try:
+                result = purge_expired(
+                    consumer=consumer,
+                    older_than=older_than,
+                    batch_size=batch_size,
+                    dry_run=options["dry_run"],
+                    progress=progress,
+                    should_stop=lambda: bool(signals),
+                )
+            except DatabaseError as exc:
+                raise CommandError(f"Purging the inbox failed: {exc}") from exc
 
-        if verbosity < 1:
-            return
         scope = f"consumer {consumer!r}" if consumer else "all consumers"
         age = f"older than {format_duration(older_than)}" if older_than else "past retention"
+        summary = (
+            f"{result.deleted} inbox entries of {scope} {age} in {result.batches} batches "
+            f"(largest {result.largest_batch} rows, longest "
+            f"{result.longest_batch_seconds * 1000:.1f} ms from DELETE to COMMIT)."
+        )
+        if result.interrupted:
+            raise CommandError(
+                f"Stopped by {signals[0]} between two batches after deleting {summary} "
+                "Every batch committed whole; run it again to delete the rest."
+            )
+        if verbosity < 1:
+            return
         if result.dry_run:
             self.stdout.write(
                 f"Dry run: {result.matched} inbox entries of {scope} {age} would be deleted."
             )
         else:
-            self.stdout.write(
-                self.style.SUCCESS(
-                    f"Deleted {result.deleted} inbox entries of {scope} {age} in "
-                    f"{result.batches} batches (longest {result.longest_batch_seconds:.3f}s)."
-                )
-            )
+            self.stdout.write(self.style.SUCCESS(f"Deleted {summary}"))
 
     def _older_than(self, text: str | None) -> timedelta | None:
         if text is None:
