@@ -29,11 +29,13 @@ migrate: db
 # The chaos run starts workers and flushes its Redis: it gets a database of its own
 # and a Redis database of its own, never the ones `make run` or production use.
 DEMO_ENV := DATABASE_URL=postgres://postgres@127.0.0.1:5432/fence_demo REDIS_URL=redis://127.0.0.1:6379/3
+# Options of `manage.py demo`, e.g. `make demo DEMO_ARGS=--no-webhooks`.
+DEMO_ARGS ?=
 
 demo: install env
 	$(DEMO_ENV) $(PY) -m devtools.ensure_database
 	$(DEMO_ENV) $(PY) manage.py migrate --noinput -v 0
-	$(DEMO_ENV) $(PY) manage.py demo
+	$(DEMO_ENV) $(PY) manage.py demo $(DEMO_ARGS)
 
 run: migrate
 	$(PY) manage.py runstack
@@ -70,9 +72,10 @@ format: install
 	$(VENV)/bin/ruff check --fix .
 
 # The bench empties its database: it gets one of its own, and its own Redis database.
+# Its web tier runs gunicorn through a PgBouncer (`manage.py bench --only web` alone).
 BENCH_ENV := DATABASE_URL=postgres://postgres@127.0.0.1:5432/fence_bench REDIS_URL=redis://127.0.0.1:6379/2
 
-bench: install env
+bench: install env topology
 	$(BENCH_ENV) $(PY) -m devtools.ensure_database
 	$(BENCH_ENV) $(PY) manage.py migrate --noinput -v 0
 	$(BENCH_ENV) $(PY) manage.py bench

@@ -19,12 +19,14 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol, TypeVar
 
 import requests
 from django.conf import settings
-from django.db import close_old_connections
+from django.db import DatabaseError, close_old_connections, connection
 from django.db.models import Count, Q, Sum
 
+from devtools.chaos_webhooks import Webhooks, latencies
 from devtools.scratch import claim_scratch, flush_scratch
 from devtools.stack import Stack, free_port
 from payments.conf import payments_settings
@@ -74,6 +76,12 @@ class ChaosConfig:
     seed: int = 1
     timeout: float = 300.0
     worker_class: str | None = None
+    #: The provider's signed events to a web process of their own (devtools.chaos_webhooks).
+    webhooks: bool = True
+    #: Seconds that web process is down (SIGKILLed, then started again) mid-run; 0: never.
+    endpoint_down: float = 5.0
+    recoveries: int = 1  # run_recovery processes (--topology ha: 3, one per host)
+    checkout_interval: float = 0.0  # seconds between checkouts (spreads them over the faults)
 
 
 @dataclass
@@ -95,8 +103,32 @@ class ChaosResult:
     violations: list[str] = field(default_factory=list)
 
 
-def run_chaos(config: ChaosConfig, *, log_dir: Path, say: Callable[[str], None]) -> ChaosResult:
-    """Run the scenario end to end and return what happened (violations included)."""
+class Topology(Protocol):
+    """What a deployment past one host adds to the run (devtools/ha.py: `--topology ha`)."""
+
+    def env(self) -> dict[str, str]:
+        """Settings every process of the run gets on top of the single host's."""
+        ...
+
+    def faults(
+        self, stack: Stack, result: ChaosResult, stop: threading.Event, say: Callable[[str], None]
+    ) -> None:
+        """Break the topology's parts while charges are in flight (run in a thread)."""
+        ...
+
+
+def run_chaos(
+    config: ChaosConfig,
+    *,
+    log_dir: Path,
+    say: Callable[[str], None],
+    topology: Topology | None = None,
+) -> ChaosResult:
+    """Run the scenario end to end and return what happened (violations included).
+
+    With a `topology`, every process gets its settings and its faults run in a
+    thread of their own beside the worker kills, until every operation settled.
+    """
     # Two generators: the orders' cards and amounts must not depend on how
     # many kills the chaos thread has drawn by then.
     rng = random.Random(config.seed)
@@ -114,10 +146,14 @@ def run_chaos(config: ChaosConfig, *, log_dir: Path, say: Callable[[str], None])
         "LOG_LEVEL": "WARNING",
         "API_RATE_PER_CLIENT": "100000/min",  # the API's throttle is not under test
         **CHAOS_TIMEOUTS,
+        **(topology.env() if topology is not None else {}),
     }
     if config.flush:
         claim_scratch(payments_queue().connection, "the chaos run")
     stack = Stack(env=env, log_dir=log_dir / run_id)
+    webhooks = Webhooks(stack) if config.webhooks else None
+    if webhooks is not None:
+        env.update(webhooks.env())
     fail_half = config.fail_rate / 2
     faults = [
         "--seed", str(config.seed),
@@ -127,34 +163,60 @@ def run_chaos(config: ChaosConfig, *, log_dir: Path, say: Callable[[str], None])
         "--fail-before-rate", str(fail_half),
         "--fail-after-rate", str(fail_half),
         "--search-lag", "1",
+        *(webhooks.provider_args() if webhooks is not None else ()),
     ]  # fmt: skip
     stop = threading.Event()
     try:
         stack.start_provider(provider_port, *faults)
         stack.start_api(api_port)
+        if webhooks is not None:
+            webhooks.start_endpoint()
         for _ in range(config.workers):
             stack.start_worker(config.worker_class)
-        stack.start_recovery(interval=1)
+        for index in range(config.recoveries):
+            stack.start_recovery(interval=1, name=f"recovery-{index}" if index else "recovery")
         say(
             f"run {run_id}: provider :{provider_port}, API :{api_port}, {config.workers} workers, "
-            f"recovery loop; logs in {stack.log_dir}"
+            f"{config.recoveries} recovery loop(s); logs in {stack.log_dir}"
         )
         started = time.monotonic()
         chaos = threading.Thread(
             target=_chaos_loop, args=(stack, config, chaos_rng, stop, result), daemon=True
         )
         chaos.start()
+        threads = [chaos]
+        if topology is not None:
+            breaker = threading.Thread(
+                target=topology.faults, args=(stack, result, stop, say), daemon=True
+            )
+            breaker.start()
+            threads.append(breaker)
+        outage = None
+        if webhooks is not None and config.endpoint_down > 0:
+            outage = webhooks.drop_endpoint(
+                when=lambda: len(result.orders) >= max(1, config.orders // 4),
+                down=config.endpoint_down,
+                stop=stop,
+                say=say,
+            )
         deadline = started + config.timeout
         api = _api_session()
         result.keys = _checkout(config, rng, api, api_port, run_id, stack, result, say)
         plan = plan_refunds(config, [amount for _, amount in result.orders])
         _refund(plan, api, api_port, run_id, result, deadline, say)
         result.settled_in_time = _wait_settled(run_id, deadline - time.monotonic(), say)
+        if outage is not None:  # the endpoint back and caught up before the figures
+            outage.join(timeout=max(1.0, deadline - time.monotonic()))
         stop.set()
-        chaos.join(timeout=10)
+        for thread in threads:
+            thread.join(timeout=30)
         result.drained_seconds = time.monotonic() - started
         provider_url = f"http://127.0.0.1:{provider_port}"
         result.report = _measure(result, provider_url)
+        result.report["webhooks"] = webhooks is not None
+        result.report.update(latencies(provider_url, Q(key__startswith=f"chaos-{run_id}-")))
+        if webhooks is not None:
+            result.report.update(webhooks.figures(provider_url))
     finally:
         stop.set()
         stack.stop()
@@ -214,6 +276,8 @@ def _checkout(
             headers={"Idempotency-Key": key},
         )
         keys.append(key)
+        if config.checkout_interval:
+            time.sleep(config.checkout_interval)
         if config.flush and i == config.orders // 2:
             # Redis loses everything: queued jobs, scheduled retries, registries.
             flush_scratch(payments_queue().connection, "the chaos run")
@@ -239,13 +303,19 @@ def _post(session: requests.Session, url: str, body: dict, headers: dict | None 
     """POST through the API; retry a refused connection (the API itself is not under test).
 
     A retry carries the same Idempotency-Key, so a request that did arrive is
-    answered again (a replay), never executed twice.
+    answered again (a replay), never executed twice. A 5xx is retried too: with
+    `--topology ha` the API's database goes away for a moment (a PgBouncer or a
+    PostgreSQL restart) and the request's transaction was rolled back.
     """
-    for attempt in range(5):
+    for attempt in range(12):  # about 15 s in all
+        pause = min(0.2 * (attempt + 1), 2.0)
         try:
             response = session.post(url, json=body, headers=headers, timeout=10)
         except requests.ConnectionError:
-            time.sleep(0.2 * (attempt + 1))
+            time.sleep(pause)
+            continue
+        if response.status_code >= 500:
+            time.sleep(pause)
             continue
         if response.status_code == 429:  # throttled: the API's limits are not under test
             time.sleep(min(float(response.headers.get("Retry-After") or 1), 5.0))
@@ -303,16 +373,19 @@ def _refund(
     not_paid = 0
     say(f"  refunds planned for {len(plan)} orders (if paid)")
     while waiting and time.monotonic() < deadline:
-        close_old_connections()
         # The checkouts' states first: one settled before the order was read is final.
-        checkout_states = dict(
-            Operation.objects.filter(key__in=[result.keys[i] for i in waiting]).values_list(
-                "key", "state"
+        checkout_states = read_db(
+            lambda: dict(
+                Operation.objects.filter(key__in=[result.keys[i] for i in waiting]).values_list(
+                    "key", "state"
+                )
             )
         )
-        statuses = dict(
-            Order.objects.filter(pk__in=[result.orders[i][0] for i in waiting]).values_list(
-                "pk", "status"
+        statuses = read_db(
+            lambda: dict(
+                Order.objects.filter(pk__in=[result.orders[i][0] for i in waiting]).values_list(
+                    "pk", "status"
+                )
             )
         )
         for i in sorted(waiting):
@@ -347,6 +420,24 @@ def _refund(
         say(f"  {len(waiting)} planned orders not settled in time: not refunded")
 
 
+T = TypeVar("T")
+
+
+def read_db(query: Callable[[], T], *, patience: float = 60.0) -> T:
+    """Run a read of the run's own progress on a fresh connection; retry while the database
+    is away (`--topology ha` restarts it under the run), up to `patience` seconds."""
+    deadline = time.monotonic() + patience
+    while True:
+        close_old_connections()
+        try:
+            return query()
+        except DatabaseError:
+            connection.close()
+            if time.monotonic() >= deadline:
+                raise
+            time.sleep(0.5)
+
+
 def _wait_settled(run_id: str, timeout: float, say: Callable[[str], None]) -> bool:
     """Wait until every operation of the run (checkouts, their follow-ups, refunds) is settled."""
     deadline = time.monotonic() + timeout
@@ -354,12 +445,15 @@ def _wait_settled(run_id: str, timeout: float, say: Callable[[str], None]) -> bo
     last = ""
     next_line = 0.0
     while True:
-        close_old_connections()
-        counts = dict(
-            Operation.objects.filter(Q(key__startswith=prefix) | Q(parent__key__startswith=prefix))
-            .values_list("state")
-            .annotate(n=Count("id"))
-            .values_list("state", "n")
+        counts = read_db(
+            lambda: dict(
+                Operation.objects.filter(
+                    Q(key__startswith=prefix) | Q(parent__key__startswith=prefix)
+                )
+                .values_list("state")
+                .annotate(n=Count("id"))
+                .values_list("state", "n")
+            )
         )
         line = ", ".join(f"{s} {n}" for s, n in sorted(counts.items()))
         if line != last and time.monotonic() >= next_line:

@@ -8,6 +8,15 @@ from html import escape
 from pathlib import Path
 
 from devtools.chaos import ChaosResult
+from devtools.chaos_webhooks import (
+    ANSWER_LATE,
+    ANSWER_LOST,
+    CAUSES,
+    LATENCY_KEY,
+    OWNER_KILLED,
+    SETTLER_ORDER,
+)
+from devtools.ha import timeline_html
 
 ROWS = [
     ("orders", "orders"),
@@ -41,6 +50,32 @@ ROWS = [
     ("time to drain (s)", "drain_seconds"),
 ]
 
+#: Who settled an outcome its worker did not record, as the report names them.
+SETTLER_LABELS = {
+    "provider_event": "a provider event (webhook)",
+    "catch_up": "the catch-up (sync_provider_events)",
+    "reconciler": "the reconciler",
+    "worker_replay": "a worker's same-key replay",
+    "all": "any of them",
+}
+
+#: Provider success -> operation settled, for outcomes no worker had from its own answer.
+CAUSE_LABELS = {
+    ANSWER_LOST: "success -> settled (s), answer lost (dropped, 500)",
+    ANSWER_LATE: "success -> settled (s), answer after the read timeout",
+    OWNER_KILLED: "success -> settled (s), worker killed in its call",
+}
+
+WEBHOOK_ROWS = [
+    ("webhook events sent by the provider", "webhook_events"),
+    ("  deliveries answered 2xx", "webhook_deliveries"),
+    ("  attempts failed (retried)", "webhook_failed_attempts"),
+    ("  duplicated / reordered / delayed", "webhook_faults"),
+    ("  given up", "webhook_gave_up"),
+    ("endpoint down (s)", "webhook_endpoint_outages_seconds"),
+    ("catch-up after the outage", "webhook_catch_up"),
+]
+
 STATE_COLOURS = {
     "succeeded": "#2e7d32",
     "failed": "#c62828",
@@ -60,8 +95,41 @@ def table(result: ChaosResult) -> list[str]:
         ("refund operations by state", _states(r["refund_operations_by_state"])),
     ]
     rows += [(label, r[key]) for label, key in ROWS]
+    rows += webhook_rows(r)
+    rows += latency_rows(r)
     width = max(len(label) for label, _ in rows)
     return [f"  {label:<{width}}  {value}" for label, value in rows]
+
+
+def webhook_rows(r: dict[str, object]) -> list[tuple[str, object]]:
+    """The provider events' figures: what the fake sent, its faults, the outage."""
+    if not r.get("webhooks"):
+        return [("webhooks", "off")]
+    values = dict(r)
+    values["webhook_faults"] = (
+        f"{r.get('webhook_duplicated')} / {r.get('webhook_reordered')} / {r.get('webhook_delayed')}"
+    )
+    return [(label, values.get(key)) for label, key in WEBHOOK_ROWS]
+
+
+def latency_rows(r: dict[str, object]) -> list[tuple[str, object]]:
+    """Provider success to operation settled, for outcomes no worker had from its own
+    answer: p50, p95 and the count, by cause, then by who settled the claim."""
+    figures = r.get(LATENCY_KEY)
+    if not isinstance(figures, dict):
+        return []
+    rows: list[tuple[str, object]] = []
+    for cause in CAUSES:
+        rows.append((CAUSE_LABELS[cause], ""))
+        for name in (*SETTLER_ORDER, "all"):
+            rows.append((f"  settled by {SETTLER_LABELS[name]}", _latency(figures[cause][name])))
+    return rows
+
+
+def _latency(summary: dict[str, object]) -> str:
+    if not summary["count"]:
+        return "none"
+    return f"p50 {summary['p50']:.2f} s, p95 {summary['p95']:.2f} s, n {summary['count']}"
 
 
 def _states(counts: dict[str, int]) -> str:
@@ -153,7 +221,13 @@ def _html(result: ChaosResult) -> str:
             ("checkout operations by state", _states(r["operations_by_state"])),
             ("refund operations by state", _states(r["refund_operations_by_state"])),
             *((label, r[key]) for label, key in ROWS),
+            *webhook_rows(r),
+            *latency_rows(r),
         ]
+    )
+    latency = "".join(
+        f"<tr><td>{escape(label)}</td><td>{escape(str(value))}</td></tr>"
+        for label, value in latency_rows(r)
     )
     return f"""<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><title>Chaos run {result.run_id}</title>
@@ -179,6 +253,12 @@ Drained in {r["drain_seconds"]} s.</p>
 <h2>The invariant: one provider success per paid order, each with one claim</h2>{invariant_chart}
 <h2>Refunds: one provider refund per refund, each with one claim and one credit note</h2>{refund_chart}
 <h2>What went wrong on purpose, and what recovered</h2>{chaos_chart}
+<h2>Provider success to operation settled, for outcomes no worker had from its answer</h2>
+<p>Seconds from the charge or refund succeeding at the provider (the fake's clock) to the
+operation's settled audit row, by cause (the answer lost at once, late, or its worker
+killed in the call: each has its own floor) and by who settled the step's claim.</p>
+<table>{latency}</table>
+{timeline_html(r)}
 <h2>All figures</h2><table>{rows}</table>
 </body></html>
 """

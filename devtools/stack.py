@@ -85,8 +85,9 @@ class Stack:
         )
         return proc
 
-    def start_api(self, port: int) -> Proc:
-        proc = self._spawn("api", ["runserver", "--noreload", "--skip-checks", f"127.0.0.1:{port}"])
+    def start_api(self, port: int, name: str = "api") -> Proc:
+        """Start a web process (the project's runserver) on `port`, named `name` in the logs."""
+        proc = self._spawn(name, ["runserver", "--noreload", "--skip-checks", f"127.0.0.1:{port}"])
         wait_http(f"http://127.0.0.1:{port}/api/orders", what="API server", ok=(405, 401))
         return proc
 
@@ -98,8 +99,9 @@ class Stack:
             args += ["--worker-class", worker_class]
         return self._spawn(name, args)
 
-    def start_recovery(self, interval: float) -> Proc:
-        return self._spawn("recovery", ["run_recovery", "--interval", str(interval)])
+    def start_recovery(self, interval: float, name: str = "recovery") -> Proc:
+        """Start a `run_recovery` loop (several may run: each owns the claims it takes)."""
+        return self._spawn(name, ["run_recovery", "--interval", str(interval)])
 
     def workers(self) -> list[Proc]:
         return [p for p in self.procs if p.name.startswith("worker-") and p.alive]
@@ -115,7 +117,12 @@ class Stack:
         proc.popen.wait(timeout=10)
 
     def stop(self) -> None:
-        """Stop everything: SIGTERM, then SIGKILL what is still there after 10 s."""
+        """Stop everything: SIGTERM, then SIGKILL what is still there after 10 s.
+
+        Then SIGKILL what is left in the stack's process groups: a worker's
+        fork (RQ's scheduler runs in one) can outlive its worker, which kept
+        the test database open after a run.
+        """
         for proc in self.procs:
             proc.signal_group(signal.SIGTERM)
         deadline = time.monotonic() + 10
@@ -125,6 +132,27 @@ class Stack:
             except subprocess.TimeoutExpired:
                 proc.signal_group(signal.SIGKILL)
                 proc.popen.wait(timeout=5)
+        for pid in group_members({proc.popen.pid for proc in self.procs}):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def group_members(groups: set[int]) -> list[int]:
+    """Return the pids of this project's `manage.py` processes in one of `groups` (from /proc)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            pgid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[2])
+            cmdline = (entry / "cmdline").read_bytes()
+        except (OSError, ValueError, IndexError):
+            continue  # the process ended while we looked
+        if pgid in groups and b"manage.py" in cmdline:
+            found.append(int(entry.name))
+    return found
 
 
 def descendants(pid: int) -> list[int]:

@@ -52,6 +52,9 @@ Control API (no auth; JSON in and out):
   `slow_delay`, `search_lag`, `key_retention`, `api_key`.
 - `POST /_fake/reset` forgets intents, refunds, keys, queued faults and counters.
 - `GET /_fake/stats` returns counters; `GET /_fake/health` returns `{"status": "ok"}`.
+- `GET /_fake/timeline` returns `{"data": [...]}`: every charge and refund that
+  succeeded (`object`, `id`, `metadata`, `succeeded_at`: the fake's Unix time
+  to the microsecond; `created` is whole seconds), oldest first.
 
 TLS: `FakeProviderServer(tls=True)` serves HTTPS with a throwaway certificate
 for its host from a throwaway CA (made with `trustme`, never written to the
@@ -409,6 +412,8 @@ class _Handler(BaseHTTPRequestHandler):
             return Reply(200, {"status": "ok"})
         if method == "GET" and path == "/_fake/stats":
             return Reply(200, state.stats())
+        if method == "GET" and path == "/_fake/timeline":
+            return Reply(200, {"data": state.timeline()})
         if path == "/_fake/webhooks":
             return _webhooks_control(self.server.webhooks, method, body)
         if method != "POST":

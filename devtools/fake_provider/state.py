@@ -259,6 +259,30 @@ class FakeState:
             rows = sorted(self._events.values(), key=lambda e: e.seq)
             return [copy.deepcopy(e.data) for e in rows if type in (None, e.data["type"])]
 
+    def timeline(self) -> list[dict[str, Any]]:
+        """Return when each charge and refund succeeded, to the microsecond, oldest first.
+
+        An object's `created` is whole seconds, as at Stripe; this is the fake's
+        own clock at the moment it executed the charge or the refund (before any
+        fault delayed or dropped its answer), for the chaos run's latencies.
+        """
+        with self._cond:
+            rows = [
+                ("payment_intent", i.seq, i.created_at, i.data)
+                for i in self._intents.values()
+                if i.data["status"] == "succeeded"
+            ] + [("refund", r.seq, r.created_at, r.data) for r in self._refunds.values()]
+            rows.sort(key=lambda row: row[1])
+            return [
+                {
+                    "object": kind,
+                    "id": data["id"],
+                    "metadata": dict(data["metadata"]),
+                    "succeeded_at": at,
+                }
+                for kind, _, at, data in rows
+            ]
+
     def succeeded_count(self, *, metadata: Mapping[str, str] | None = None) -> int:
         """Count succeeded intents (the number of real charges)."""
         return sum(1 for i in self.intents(metadata=metadata) if i["status"] == "succeeded")

@@ -70,14 +70,16 @@ def _options(op: Operation, job_id: str) -> dict[str, Any]:
     }
 
 
-def _enqueue(op: Operation, func: str, job_id: str, at: datetime | None) -> None:
+def _enqueue(
+    op: Operation, func: str, job_id: str, at: datetime | None, first: bool = False
+) -> None:
     queue = payments_queue()
     options = _options(op, job_id)
     options["job_timeout"] = options.pop("timeout")
     if at is not None and at > timezone.now():
         queue.enqueue_at(at, func, op.pk, **options)
     else:
-        queue.enqueue(func, op.pk, **options)
+        queue.enqueue(func, op.pk, at_front=first, **options)
 
 
 @dataclass(frozen=True)
@@ -85,6 +87,7 @@ class _Delivery:
     op: Operation
     func: str
     job_id: str
+    first: bool = False  # at the front of the queue
 
 
 class _EnqueueAfterCommit:
@@ -110,12 +113,24 @@ class _EnqueueAfterCommit:
 
 
 def _enqueue_together(deliveries: Sequence[_Delivery]) -> None:
-    """Enqueue the deliveries, in order, in one pipeline (one Redis round trip)."""
+    """Enqueue the deliveries, in order, in one pipeline (one Redis round trip).
+
+    A batch goes all to the back or all to the front; pushed to the front one
+    by one, the last would come first, so those are pushed in reverse.
+    """
+    if deliveries[0].first:
+        deliveries = deliveries[::-1]
     queue = payments_queue()
     # DjangoRQ adds the configured result TTL in enqueue_call; enqueue_many does not.
     result_ttl = get_result_ttl(queue.name)
     jobs = [
-        queue.prepare_data(d.func, (d.op.pk,), result_ttl=result_ttl, **_options(d.op, d.job_id))
+        queue.prepare_data(
+            d.func,
+            (d.op.pk,),
+            result_ttl=result_ttl,
+            at_front=d.first,
+            **_options(d.op, d.job_id),
+        )
         for d in deliveries
     ]
     with queue.connection.pipeline() as pipe:
@@ -123,7 +138,7 @@ def _enqueue_together(deliveries: Sequence[_Delivery]) -> None:
         pipe.execute()
 
 
-def _open_batch() -> _EnqueueAfterCommit | None:
+def _open_batch(first: bool) -> _EnqueueAfterCommit | None:
     """Return this transaction's pending batch if a delivery can join it, else None.
 
     A delivery joins only the batch registered last, at the same savepoint
@@ -136,27 +151,33 @@ def _open_batch() -> _EnqueueAfterCommit | None:
     if not connection.in_atomic_block or not connection.run_on_commit:
         return None
     savepoints, callback, _robust = connection.run_on_commit[-1]
-    if isinstance(callback, _EnqueueAfterCommit) and savepoints == set(connection.savepoint_ids):
+    if (
+        isinstance(callback, _EnqueueAfterCommit)
+        and savepoints == set(connection.savepoint_ids)
+        and callback.deliveries[-1].first == first
+    ):
         return callback
     return None
 
 
-def dispatch(operation_id: int, *, at: datetime | None = None) -> str:
-    """Record a new job id, then enqueue the job (at `at`, else now); return the job id."""
+def dispatch(operation_id: int, *, at: datetime | None = None, first: bool = False) -> str:
+    """Record a new job id, then enqueue the job (at `at`, else now; with `first`, at the
+    front of the queue); return the job id."""
     op = Operation.objects.only("key", "kind", "scope").get(pk=operation_id)
     func, job_id = _delivery(op)
     fence.record_dispatch_in_tx(op.pk, job_id)
-    _enqueue(op, func, job_id, at)
+    _enqueue(op, func, job_id, at, first)
     return job_id
 
 
-def dispatch_on_commit(operation: Operation | int) -> None:
+def dispatch_on_commit(operation: Operation | int, *, first: bool = False) -> None:
     """Record the job id in the caller's transaction; enqueue once it commits.
 
     Runs inside the caller's transaction. Operations dispatched one after the
     other in one transaction are enqueued together, in one pipeline. A lost
     enqueue (Redis down, a crash right after the commit) is delivered later by
-    the sweeper.
+    the sweeper. With `first`, the job goes to the front of the queue, ahead
+    of new work: an operation resumed once the provider's outcome is known.
     """
     op = (
         operation
@@ -165,8 +186,8 @@ def dispatch_on_commit(operation: Operation | int) -> None:
     )
     func, job_id = _delivery(op)
     fence.record_dispatch_in_tx(op.pk, job_id)
-    delivery = _Delivery(op, func, job_id)
-    batch = _open_batch()
+    delivery = _Delivery(op, func, job_id, first)
+    batch = _open_batch(first)
     if batch is not None:
         batch.deliveries.append(delivery)
     else:

@@ -72,7 +72,12 @@ def job_is_live(op: Operation, now: datetime) -> bool:
     except NoSuchJobError:
         return False
     status = job.get_status(refresh=False)
-    if status in (JobStatus.QUEUED, JobStatus.DEFERRED):
+    if status == JobStatus.QUEUED:
+        # Still waiting in the queue. A worker moves a job to RQ's intermediate queue as
+        # it takes it; SIGKILLed before the started registry knew, the job stays there,
+        # `queued`, until RQ's maintenance (every 10 min): not live.
+        return queue.get_job_position(job.id) is not None
+    if status == JobStatus.DEFERRED:
         return True
     if status == JobStatus.SCHEDULED:
         # RQ's own retry of an abandoned or failed job is scheduled too; only
@@ -123,7 +128,9 @@ def sweep(*, dry_run: bool = False, batch_size: int = 500) -> SweepReport:
             continue
         report.dispatched.append(op.key)
         if not dry_run:
-            dispatch(op.pk)
+            # A worker had taken it (and may have charged) when it died: it goes back to the
+            # front, ahead of new work; a pending or retrying one to the back.
+            dispatch(op.pk, first=op.state == OperationState.RUNNING)
             logger.info("operation %s had no live job; dispatched again", op.key)
     return report
 
@@ -483,4 +490,5 @@ def _move(
         if on_resume is not None and resume and was_failed:
             on_resume(locked)
         if resume:
-            dispatch_on_commit(locked)
+            # Ahead of new work: the provider's outcome is known, money may be taken already.
+            dispatch_on_commit(locked, first=True)

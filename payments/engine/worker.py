@@ -10,14 +10,19 @@ SIGKILL of the worker also ends its job: there is no orphaned work horse.
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
-from django.db import close_old_connections
+from django.db import InterfaceError, OperationalError, close_old_connections, connection
 from rq.worker import SimpleWorker
 
 from payments.engine.handlers import unknown_recorded_names
 
 logger = logging.getLogger("payments.engine.worker")
+
+#: Seconds a starting worker waits for its database (a PostgreSQL or PgBouncer restart)
+#: before it gives up and exits.
+DATABASE_PATIENCE = 120.0
 
 
 class FenceWorker(SimpleWorker):
@@ -26,11 +31,13 @@ class FenceWorker(SimpleWorker):
     Before it takes a job it checks that every kind and step name recorded on
     unfinished operations is known to this deploy's handlers (payments.E010),
     and refuses to start otherwise: a renamed step would derive a new
-    idempotency key for a step that already ran.
+    idempotency key for a step that already ran. A worker started while the
+    database is away (a restart) waits for it instead of exiting: a supervisor
+    that restarts it quickly would soon give up on it for good.
     """
 
     def work(self, *args: Any, **kwargs: Any) -> bool:
-        problems = unknown_recorded_names()
+        problems = recorded_name_problems()
         if problems:
             for problem in problems:
                 logger.error("worker not started: %s, but no handler declares it", problem)
@@ -49,3 +56,19 @@ class FenceWorker(SimpleWorker):
             return super().execute_job(job, queue)
         finally:
             close_old_connections()
+
+
+def recorded_name_problems(patience: float = DATABASE_PATIENCE) -> list[str]:
+    """`unknown_recorded_names()`, once the database answers (up to `patience` seconds)."""
+    deadline = time.monotonic() + patience
+    pause = 0.5
+    while True:
+        try:
+            return unknown_recorded_names()
+        except (OperationalError, InterfaceError) as exc:
+            connection.close()  # a new connection for the next attempt
+            if time.monotonic() + pause > deadline:
+                raise
+            logger.warning("worker not started yet: waiting for the database (%s)", exc)
+            time.sleep(pause)
+            pause = min(pause * 2, 5.0)

@@ -34,11 +34,11 @@ from rq import Retry
 
 from inbox.handlers import inbox_guard
 from payments.conf import payments_settings
-from payments.engine import recovery
+from payments.engine import fence, recovery
 from payments.engine.outcomes import Outcome
 from payments.engine.queues import payments_queue
 from payments.exceptions import ConfigurationError
-from payments.models import Operation, ProviderEvent
+from payments.models import ClaimState, Operation, ProviderEvent
 from payments.provider.client import Event
 from payments.webhooks.events import Fact, claim_for, facts_of, object_id_of
 
@@ -94,14 +94,20 @@ def store_event(event: Event, *, enqueue: bool = True) -> tuple[ProviderEvent, b
 
 
 def enqueue_handling(event_id: str) -> None:
-    """Enqueue the job that handles a stored event (retried while its claim is busy)."""
+    """Enqueue the job that handles a stored event (retried while its claim is busy).
+
+    At the front of the queue, and so are its retries: an event tells of money
+    already taken or given back, and must not wait behind a burst of new
+    checkouts (the operation it resumes goes first too: `recovery._move`).
+    """
     try:
         payments_queue().enqueue(
             HANDLE_JOB,
             event_id,
             job_timeout=payments_settings().job_timeout,
-            retry=Retry(max=len(RETRY_DELAYS), interval=list(RETRY_DELAYS)),
+            retry=Retry(max=len(RETRY_DELAYS), interval=list(RETRY_DELAYS), enqueue_at_front=True),
             description=f"provider event {event_id}",
+            at_front=True,
         )
     except Exception:  # Redis down: the row is durable; sync_provider_events handles it
         logger.warning(
@@ -109,6 +115,35 @@ def enqueue_handling(event_id: str) -> None:
             event_id,
             exc_info=True,
         )
+
+
+def seconds_until_free(event_id: str) -> float | None:
+    """Seconds until every lease that keeps the event "busy" has run out, by the database's
+    clock: its claims' (claimed, leased) and their operations' (a worker runs them).
+
+    None when no such lease is live (or the event is not stored, or unreadable).
+    A worker SIGKILLed in its call leaves its claim leased: the event can
+    settle it as soon as the lease runs out, so its job comes back then.
+    """
+    row = ProviderEvent.objects.filter(pk=event_id).only("payload").first()
+    if row is None:
+        return None
+    try:
+        facts = facts_of(Event.from_json(row.payload))
+    except ValueError:
+        return None
+    now = fence.db_now()
+    ends: list[datetime | None] = []
+    for fact in facts:
+        claim = claim_for(fact)
+        if claim is None:
+            continue
+        if claim.state == ClaimState.CLAIMED and claim.lease_expires_at is not None:
+            ends.append(claim.lease_expires_at)
+        if fence.lease_alive(claim.operation, now):
+            ends.append(claim.operation.lease_expires_at)
+    live = [end for end in ends if end is not None and end > now]
+    return max((end - now).total_seconds() for end in live) if live else None
 
 
 def handle_event(event_id: str, *, actor: str) -> str:

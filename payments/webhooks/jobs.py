@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Any
 
@@ -9,7 +10,10 @@ from rq import get_current_job
 
 from payments.engine import fence
 from payments.exceptions import MalformedJob
-from payments.webhooks.handling import handle_event
+from payments.webhooks.handling import handle_event, seconds_until_free
+
+#: Seconds after a blocking lease ends before the event comes back (clocks, the scheduler).
+LEASE_MARGIN = 0.25
 
 
 class EventDeferred(Exception):
@@ -25,8 +29,27 @@ def handle_provider_event(event_id: str) -> str:
         raise MalformedJob(f"takes an event id, got {type(event_id).__name__}")
     outcome = handle_event(event_id, actor=_actor(job))
     if outcome == "busy":
+        if job is not None:
+            _come_back_when_free(job, event_id)
         raise EventDeferred(f"provider event {event_id}: a claim's owner is alive")
     return outcome
+
+
+def _come_back_when_free(job: Any, event_id: str) -> None:
+    """Bring the next retry forward to when the blocking leases run out; never put it off.
+
+    RQ retries after `RETRY_DELAYS`; a lease that runs out sooner (its owner
+    died in its call) is the moment the event can settle the claim. RQ reads
+    the interval from this very job object when the job fails, right after.
+    """
+    intervals = list(getattr(job, "retry_intervals", None) or [])
+    retries_left = getattr(job, "retries_left", None) or 0
+    wait = seconds_until_free(event_id)
+    if not intervals or retries_left <= 0 or wait is None:
+        return
+    index = max(len(intervals) - retries_left, 0)  # the one RQ's get_retry_interval picks
+    intervals[index] = min(intervals[index], max(1, math.ceil(wait + LEASE_MARGIN)))
+    job.retry_intervals = intervals
 
 
 def _actor(job: Any) -> str:

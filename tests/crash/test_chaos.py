@@ -1,9 +1,11 @@
 """The chaos run, small: real processes, provider faults, workers SIGKILLed, Redis flushed,
-and refunds through the API while workers keep dying."""
+refunds through the API while workers keep dying, and the provider's signed webhooks
+(duplicated, reordered, delayed) to an endpoint that is SIGKILLed for a while."""
 
 from __future__ import annotations
 
 import json
+from io import StringIO
 
 import pytest
 from django.core.management import call_command
@@ -15,7 +17,7 @@ from tests.support.workers import worker_env
 pytestmark = pytest.mark.django_db(transaction=True)
 
 
-def test_chaos_run__no_double_charge_no_double_refund_nothing_lost(
+def test_chaos_run_with_webhooks_and_a_dropped_endpoint__no_double_charge_nothing_lost(
     provider, redis_conn, monkeypatch, tmp_path, settings
 ):
     settings.DEBUG = True  # a developer's machine: demo refuses to run otherwise
@@ -24,9 +26,10 @@ def test_chaos_run__no_double_charge_no_double_refund_nothing_lost(
         if name in ("DATABASE_URL", "REDIS_URL", "SECRET_KEY", "API_TOKEN"):
             monkeypatch.setenv(name, value)
 
+    out = StringIO()
     call_command(
         "demo", orders=30, workers=2, kill_interval=(1.0, 3.0), seed=7, timeout=240,
-        refund_rate=0.3, output=str(tmp_path),
+        refund_rate=0.5, drop_rate=0.2, endpoint_down=3.0, output=str(tmp_path), stdout=out,
     )  # fmt: skip
 
     report = json.loads((tmp_path / "report.json").read_text())
@@ -62,3 +65,28 @@ def test_chaos_run__no_double_charge_no_double_refund_nothing_lost(
     assert report["redis_flushed"] is True
     assert report["settled_in_time"] is True
     assert (tmp_path / "report.html").read_text().count("<svg") == 4
+    # Webhooks: sent, some with faults, some refused while the endpoint was down, none
+    # given up; the endpoint came back and the catch-up ran.
+    assert report["webhooks"] is True
+    assert report["webhook_events"] >= report["provider_successes"]
+    assert report["webhook_failed_attempts"] >= 1
+    assert report["webhook_gave_up"] == 0
+    assert len(report["webhook_endpoint_outages_seconds"]) == 1
+    assert report["webhook_catch_up"].startswith("Provider events since 1h")
+    # Provider success -> operation settled, by cause and settler: figures, not their values.
+    latency = report["success_to_settled_seconds"]
+    for cause in ("answer_lost", "answer_late", "worker_killed"):
+        for settler in ("provider_event", "catch_up", "reconciler", "worker_replay", "all"):
+            figures = latency[cause][settler]
+            assert set(figures) == {"count", "p50", "p95", "max"}
+            assert (figures["p50"] is None) == (figures["count"] == 0)
+    lost = latency["answer_lost"]
+    assert lost["all"]["count"] >= 1
+    assert isinstance(lost["all"]["p50"], float) and isinstance(lost["all"]["p95"], float)
+    by_events = sum(latency[c][s]["count"] for c in latency for s in ("provider_event", "catch_up"))
+    assert by_events >= 1  # some outcomes were settled by the provider's events
+    assert report["successes_not_settled"] == 0
+    printed = out.getvalue()
+    assert "settled by a provider event (webhook)" in printed
+    assert "settled by the reconciler" in printed
+    assert " p95 " in printed

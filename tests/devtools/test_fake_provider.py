@@ -752,3 +752,22 @@ def test_command__serves_until_sigterm_then_exits_cleanly():
         if process.poll() is None:
             process.kill()
             process.wait()
+
+
+def test_timeline__every_success_to_the_microsecond_declines_left_out(clocked, clock):
+    """`GET /_fake/timeline`: when each charge and refund succeeded (the chaos run's clock)."""
+    clock.advance(0.25)
+    intent = post(clocked, key="k-1").json()
+    post(clocked, key="k-2", payment_method="pm_card_chargeDeclined")
+    clock.advance(0.5)
+    refunded = refund(clocked, payment_intent=intent["id"], amount="500").json()
+
+    timeline = requests.get(clocked.url + "/_fake/timeline", timeout=2).json()["data"]
+
+    assert [(row["object"], row["id"]) for row in timeline] == [
+        ("payment_intent", intent["id"]),
+        ("refund", refunded["id"]),
+    ]
+    assert timeline[0]["metadata"] == {"step": "checkout:order:1:charge"}
+    assert timeline[1]["succeeded_at"] - timeline[0]["succeeded_at"] == pytest.approx(0.5)
+    assert timeline[0]["succeeded_at"] != int(timeline[0]["succeeded_at"])  # not whole seconds

@@ -10,6 +10,7 @@ from datetime import timedelta
 
 import pytest
 from django.utils import timezone
+from rq.intermediate_queue import IntermediateQueue
 from rq.job import JobStatus
 
 from payments.checkout.handler import request_checkout
@@ -202,6 +203,61 @@ def test_started_job_of_a_dead_worker__is_not_live_once_the_lease_ran_out(provid
 
     assert not job_is_live(Operation.objects.get(pk=op.pk), now)
     assert [k for k in sweep().dispatched] == ["dead"]
+
+
+def test_an_operation_whose_worker_died__goes_back_to_the_front_of_the_queue(provider, queue):
+    """It had left the queue already (and may have charged): new checkouts wait behind it."""
+    order = create_order(amount=100, currency="eur", email="s@example.com")
+    op, _ = request_checkout(
+        order_id=order.pk, key="interrupted", payment_method="pm_card_visa", actor="test"
+    )
+    queue.empty()  # its worker took the job, then died
+    now = timezone.now()
+    with fence_writes():  # hand-made state, as the test says
+        Operation.objects.filter(pk=op.pk).update(
+            state=OperationState.RUNNING,
+            lease_owner="dead/1",
+            lease_expires_at=now - timedelta(seconds=1),
+        )
+    backlog = [
+        request_checkout(
+            order_id=create_order(amount=100, currency="eur", email=f"n{i}@example.com").pk,
+            key=f"new-{i}",
+            payment_method="pm_card_visa",
+            actor="test",
+        )[0].pk
+        for i in range(2)
+    ]
+
+    assert sweep().dispatched == ["interrupted"]
+
+    assert [queue.fetch_job(j).args[0] for j in queue.job_ids] == [op.pk, *backlog]
+
+
+def test_queued_job_a_killed_worker_had_dequeued__is_not_live(provider, queue):
+    """RQ moves a job to its intermediate queue as a worker takes it; SIGKILLed before the
+    started registry knew, the job stays there, its status still `queued`."""
+    order = create_order(amount=100, currency="eur", email="s@example.com")
+    op, _ = request_checkout(
+        order_id=order.pk, key="dequeued", payment_method="pm_card_visa", actor="test"
+    )
+    op.refresh_from_db()
+    intermediate = IntermediateQueue(queue.key, connection=queue.connection)
+    queue.connection.lmove(queue.key, intermediate.key, "LEFT", "RIGHT")  # the worker's dequeue
+    assert queue.fetch_job(op.job_id).get_status() == JobStatus.QUEUED
+    assert queue.count == 0
+
+    assert not job_is_live(op, timezone.now())
+
+    with fence_writes():  # hand-made state, as the test says
+        Operation.objects.filter(pk=op.pk).update(
+            dispatched_at=timezone.now() - timedelta(minutes=1)
+        )
+    assert sweep().dispatched == ["dequeued"]
+    run_worker(queue)
+    op.refresh_from_db()
+    assert op.state == OperationState.SUCCEEDED
+    assert charges(provider, op) == 1
 
 
 def test_deferred_job__meets_a_live_lease_and_schedules_a_recheck(provider, queue):

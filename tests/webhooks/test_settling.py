@@ -338,9 +338,10 @@ def test_refund_events__settle_an_uncertain_refund(provider_with_secret, queue):
     refund.refresh_from_db()
     assert refund.state == OperationState.SUCCEEDED
     assert CreditNote.objects.get().amount == 500
+    # Whichever of the two runs first settles the claim (events go to the front of the
+    # queue, the last one queued first); the other finds it settled.
     outcomes = dict(ProviderEvent.objects.values_list("type", "outcome"))
-    assert outcomes["refund.created"] == "done"
-    assert outcomes["charge.refunded"] in ("already_settled", "done")
+    assert sorted(outcomes.values()) == ["already_settled", "done"]
     assert len(provider_with_secret.state.refunds()) == 1
 
 

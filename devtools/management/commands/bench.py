@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 import logging
 import platform
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError, CommandParser
@@ -23,6 +25,8 @@ from devtools.bench.runner import (
     session_reuse,
     unfenced,
 )
+from devtools.bench.webload import LoadShape, web_tier
+from devtools.topology import MissingBinary, binary
 
 
 class Command(BaseCommand):
@@ -30,8 +34,9 @@ class Command(BaseCommand):
         "Benchmark, in one run: fenced vs unfenced checkout throughput, RQ no-op ceiling per "
         "worker class, database round trips per checkout, scaling over 1/2/4 workers, the same "
         "over TLS with the per-charge saving of session reuse, inbox cost, reconciler rate, "
-        "inbox purge rate. Needs a database of its own (its name must end in _bench): it "
-        "empties it."
+        "inbox purge rate, and the web tier under load (gunicorn on direct connections vs "
+        "through PgBouncer; --only web runs that alone). Needs a database of its own (its "
+        "name must end in _bench): it empties it."
     )
 
     def add_arguments(self, parser: CommandParser) -> None:
@@ -61,7 +66,40 @@ class Command(BaseCommand):
         parser.add_argument("--inbox-jobs", type=int, default=1000)
         parser.add_argument("--reconcile", type=int, default=100)
         parser.add_argument("--purge-rows", type=int, default=1_000_000)
-        parser.add_argument("--purge-batch", type=int, default=1000)
+        parser.add_argument(
+            "--purge-batch",
+            type=int,
+            default=None,
+            help="Most rows per purge batch. Default: INBOX['PURGE_BATCH_SIZE'].",
+        )
+        parser.add_argument(
+            "--only",
+            choices=["web"],
+            default=None,
+            help="Run one section only (web: the web tier's load, direct vs PgBouncer).",
+        )
+        parser.add_argument(
+            "--web-workers", type=int, default=4, help="gunicorn workers for the web tier."
+        )
+        parser.add_argument(
+            "--web-orders", type=int, default=250, help="Orders checked out per web-tier run."
+        )
+        parser.add_argument(
+            "--web-duplicates",
+            type=int,
+            default=4,
+            help="Concurrent requests per order, all with the same Idempotency-Key.",
+        )
+        parser.add_argument(
+            "--web-concurrency", type=int, default=16, help="Requests in flight at once."
+        )
+        parser.add_argument(
+            "--web-pool-sizes",
+            default=None,
+            help="PgBouncer server connections per run, comma-separated "
+            "(default: as many as gunicorn workers, then 1).",
+        )
+        parser.add_argument("--web-rounds", type=int, default=2, help="Rounds per side.")
         parser.add_argument("--output", default=None, help="JSON file for the results.")
 
     def handle(self, *args: object, **options: object) -> None:
@@ -71,7 +109,13 @@ class Command(BaseCommand):
                 f"the bench empties its database; {name!r} does not end in "
                 "_bench (make bench sets DATABASE_URL for you)"
             )
-        out = Path(options["output"] or Path(settings.BASE_DIR) / "var" / "bench" / "results.json")
+        try:  # the web tier's PgBouncer: say so now, not after the other sections
+            binary("pgbouncer")
+        except MissingBinary as exc:
+            raise CommandError(str(exc)) from None
+        only = options["only"]
+        default_out = "results-web.json" if only == "web" else "results.json"
+        out = Path(options["output"] or Path(settings.BASE_DIR) / "var" / "bench" / default_out)
         n, say = options["orders"], self.stdout.write
         # The reconciler runs in this process: its step records would bury the table.
         for name in ("payments", "inbox"):
@@ -82,6 +126,11 @@ class Command(BaseCommand):
             "provider_latency_seconds": options["latency"],
         }
         log_dir = Path(settings.BASE_DIR) / "var" / "log" / "bench"
+        if only == "web":
+            with Bench(latency=options["latency"], log_dir=log_dir, say=say) as bench:
+                figures["web_tier"] = self._web_tier(bench, options, log_dir)
+            self._report(figures, out)
+            return
         with Bench(latency=options["latency"], log_dir=log_dir, say=say) as bench:
             per_class = {}
             for cls in WORKER_CLASSES:
@@ -142,6 +191,7 @@ class Command(BaseCommand):
             bench.reset()
             figures["purge"] = purge_rate(options["purge_rows"], options["purge_batch"])
             bench.reset()
+            figures["web_tier"] = self._web_tier(bench, options, log_dir)
         with Bench(latency=options["latency"], log_dir=log_dir, say=say, tls=True) as bench:
             say(f"over TLS: fenced vs unfenced with {best}, 2 workers, session reuse...")
             rounds = []
@@ -158,11 +208,45 @@ class Command(BaseCommand):
                 "session_reuse": session_reuse(bench, options["session_charges"]),
             }
             bench.reset()
+        self._report(figures, out)
+
+    def _web_tier(self, bench: Bench, options: dict[str, Any], log_dir: Path) -> dict[str, Any]:
+        """gunicorn on direct connections vs through PgBouncer under the same checkout load."""
+        workers = options["web_workers"]
+        sizes = options["web_pool_sizes"]
+        pool_sizes = (
+            [int(s) for s in sizes.split(",")] if sizes else sorted({workers, 1}, reverse=True)
+        )
+        shape = LoadShape(
+            orders=options["web_orders"],
+            duplicates=options["web_duplicates"],
+            concurrency=options["web_concurrency"],
+        )
+        self.stdout.write(
+            f"web tier: {shape.requests} checkout requests ({shape.orders} orders x "
+            f"{shape.duplicates} duplicates), {shape.concurrency} at once..."
+        )
+        return web_tier(
+            database=connection.settings_dict,
+            workers=workers,
+            shape=shape,
+            pool_sizes=pool_sizes,
+            rounds=options["web_rounds"],
+            log_dir=log_dir,
+            reset=bench.reset,
+            say=self.stdout.write,
+        )
+
+    def _report(self, figures: dict[str, Any], out: Path) -> None:
+        """Save the figures, print the table and the web tier's verdict."""
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(figures, indent=2, sort_keys=True))
         for line in _table(figures):
-            say(line)
-        say(f"\nSaved to {out}")
+            self.stdout.write(line)
+        if "web_tier" in figures:
+            for line, ok in _web_verdict(figures["web_tier"]):
+                self.stdout.write(self.style.SUCCESS(line) if ok else self.style.ERROR(line))
+        self.stdout.write(f"\nSaved to {out}")
 
 
 def _cpus() -> int:
@@ -176,6 +260,16 @@ def _table(f: dict) -> list[str]:
         ("machine", f["machine"]),
         ("provider latency per charge", f"{f['provider_latency_seconds'] * 1000:.0f} ms"),
     ]
+    if "worker_classes" in f:
+        rows += _queue_rows(f)
+    if "web_tier" in f:
+        rows += _web_rows(f["web_tier"])
+    width = max(len(a) for a, _ in rows)
+    return [""] + [f"  {a:<{width}}  {b}" for a, b in rows]
+
+
+def _queue_rows(f: dict) -> list[tuple[str, str]]:
+    rows: list[tuple[str, str]] = []
     for cls, v in f["worker_classes"].items():
         rows += [
             (f"{cls}: no-op jobs/s (context)", f"{v['noop_jobs_per_second']:.0f}"),
@@ -257,13 +351,92 @@ def _table(f: dict) -> list[str]:
     )
     p = f["purge"]
     rows += [
+        ("purge: rows", f"{p['rows']:,}"),
         (
             "purge: batched rows/s",
-            f"{p['batched_rows_per_second']:,.0f} ({p['batches']} batches of {p['batch_size']})",
+            f"{p['batched_rows_per_second']:,.0f} ({p['batches']} batches, largest "
+            f"{p['largest_batch']:,} rows, at most {p['batch_size']:,}, aiming at "
+            f"{p['batch_seconds_target'] * 1000:.0f} ms)",
         ),
-        ("purge: longest batch", f"{p['longest_batch_seconds'] * 1000:.1f} ms"),
         ("purge: one unbounded DELETE rows/s", f"{p['unbounded_rows_per_second']:,.0f}"),
-        ("purge: batched / unbounded rate", f"{p['ratio_batched_to_unbounded_rate']:.2f}"),
+        (
+            "purge: longest batch, DELETE to COMMIT (goal <= 50 ms)",
+            f"{p['longest_batch_seconds'] * 1000:.1f} ms",
+        ),
+        (
+            "purge: batched / unbounded rate (goal >= 0.5)",
+            f"{p['ratio_batched_to_unbounded_rate']:.2f}",
+        ),
     ]
-    width = max(len(a) for a, _ in rows)
-    return [""] + [f"  {a:<{width}}  {b}" for a, b in rows]
+    return rows
+
+
+def _side_name(side: str) -> str:
+    return "direct" if side == "direct" else f"PgBouncer pool {side.rsplit('_', 1)[1]}"
+
+
+def _web_rows(w: dict) -> list[tuple[str, str]]:
+    """The web tier's figures, one column per side (direct, then each PgBouncer pool)."""
+    sides = w["sides"]
+
+    def each(fmt: Callable[[dict], str]) -> str:
+        return " / ".join(fmt(v) for v in sides.values())
+
+    return [
+        (
+            f"web tier: {w['workers']} gunicorn workers, {w['orders'] * w['duplicates']} "
+            f"checkouts ({w['orders']} keys x {w['duplicates']}), {w['concurrency']} at once",
+            " / ".join(_side_name(side) for side in sides),
+        ),
+        ("web: requests/s", each(lambda v: f"{v['requests_per_second']:.1f}")),
+        ("web: p50 / p99 latency, ms", each(lambda v: f"{v['p50_ms']:.0f}, {v['p99_ms']:.0f}")),
+        (
+            "web: 5xx + connection errors (goal 0)",
+            each(lambda v: str(v["server_errors"] + v["connection_errors"])),
+        ),
+        (
+            "web: answers by status",
+            each(lambda v: ", ".join(f"{code} x {count}" for code, count in v["statuses"].items())),
+        ),
+        (
+            "web: operations per key, max (goal 1)",
+            each(lambda v: str(v["operations_per_key"]["max"])),
+        ),
+        (
+            "web: CPU ms per request: gunicorn + PostgreSQL + PgBouncer + load generator",
+            each(_cpu_per_request),
+        ),
+        (
+            "web: cores busy with the run / load average before it (other processes)",
+            each(lambda v: f"{v['cores_busy']:.2f}, {v['load_average_before']:.1f}"),
+        ),
+        (
+            "web: keys whose duplicates were all in flight together",
+            each(lambda v: f"{v['keys_in_flight_together']} of {v['keys']}"),
+        ),
+    ]
+
+
+def _cpu_per_request(v: dict) -> str:
+    cpu = v["cpu_ms_per_request"]
+    parts = [cpu["gunicorn"], cpu["postgresql"], cpu.get("pgbouncer", 0.0), cpu["load_generator"]]
+    return " + ".join(f"{part:.1f}" for part in parts) + f" = {sum(parts):.1f}"
+
+
+def _web_verdict(w: dict) -> list[tuple[str, bool]]:
+    """One line per side: the fence's promise under concurrent duplicates, held or broken."""
+    lines = []
+    for side, v in w["sides"].items():
+        if v["violations"]:
+            lines.append(
+                (f"web tier, {_side_name(side)}: BROKEN: {'; '.join(v['violations'])}", False)
+            )
+        else:
+            lines.append(
+                (
+                    f"web tier, {_side_name(side)}: held: every request answered 202, "
+                    "one created per key and the others replays, one operation per key, 0 5xx",
+                    True,
+                )
+            )
+    return lines

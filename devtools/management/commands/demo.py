@@ -9,6 +9,7 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from devtools.chaos import ChaosConfig, run_chaos
 from devtools.chaos_report import table, write_files
+from devtools.ha import HaSchedule, run_ha, timeline_lines
 
 
 def _rate(value: str) -> float:
@@ -90,6 +91,37 @@ class Command(BaseCommand):
             "--worker-class", default=None, help="RQ worker class, e.g. rq.worker.SimpleWorker."
         )
         parser.add_argument(
+            "--no-webhooks",
+            action="store_true",
+            help="No provider events: uncertain outcomes are settled by the reconciler and by "
+            "workers' replays alone.",
+        )
+        parser.add_argument(
+            "--endpoint-down",
+            type=float,
+            default=d.endpoint_down,
+            metavar="SECONDS",
+            help="With webhooks: the web process that receives them is SIGKILLed once a quarter "
+            "of the orders are checked out and started again SECONDS later; 0: never.",
+        )
+        parser.add_argument(
+            "--topology",
+            choices=("single", "ha"),
+            default="single",
+            help="single: the processes on this host's PostgreSQL and Redis (default). ha: a "
+            "PostgreSQL cluster of the run's own behind PgBouncer (transaction pooling), Redis "
+            "with a replica and three sentinels, 3 recovery processes; a Redis master failover, "
+            "a PgBouncer restart and a PostgreSQL restart while charges are in flight, each on "
+            "a timeline with the throughput around it (no Redis flush).",
+        )
+        parser.add_argument(
+            "--fault-gap",
+            type=float,
+            default=HaSchedule().gap,
+            metavar="SECONDS",
+            help="With --topology ha: seconds from one fault's end to the next fault.",
+        )
+        parser.add_argument(
             "--output", default=None, help="Directory for report.json and report.html."
         )
 
@@ -101,6 +133,8 @@ class Command(BaseCommand):
             )
         if options["orders"] < 1 or options["workers"] < 1:
             raise CommandError("--orders and --workers must be at least 1.")
+        if options["endpoint_down"] < 0:
+            raise CommandError("--endpoint-down must not be negative.")
         kill_min, kill_max = options["kill_interval"]
         config = ChaosConfig(
             orders=options["orders"], workers=options["workers"],
@@ -110,6 +144,7 @@ class Command(BaseCommand):
             kill_min=kill_min, kill_max=kill_max, flush=not options["no_flush"],
             seed=options["seed"], timeout=options["timeout"],
             worker_class=options["worker_class"],
+            webhooks=not options["no_webhooks"], endpoint_down=options["endpoint_down"],
         )  # fmt: skip
         var = Path(settings.BASE_DIR) / "var"
         self.stdout.write(
@@ -117,14 +152,30 @@ class Command(BaseCommand):
             f"{kill_min}-{kill_max}s, faults drop {config.drop_rate:.0%} / slow "
             f"{config.slow_rate:.0%} / 500 {config.fail_rate:.0%}, declines "
             f"{config.decline_rate:.0%}, refunds {config.refund_rate:.0%} of the orders, "
-            f"seed {config.seed}"
+            f"seed {config.seed}; "
+            + (
+                f"webhooks on (duplicates, reordering, delays; endpoint down "
+                f"{config.endpoint_down:g}s mid-run)"
+                if config.webhooks
+                else "webhooks off"
+            )
         )
-        result = run_chaos(config, log_dir=var / "log", say=self.stdout.write)
+        if options["topology"] == "ha":
+            if options["fault_gap"] <= 0:
+                raise CommandError("--fault-gap must be positive.")
+            gap = options["fault_gap"]
+            schedule = HaSchedule(first_after=min(5.0, gap), gap=gap, window=min(5.0, gap / 2))
+            result = run_ha(config, log_dir=var / "log", say=self.stdout.write, schedule=schedule)
+        else:
+            result = run_chaos(config, log_dir=var / "log", say=self.stdout.write)
         if not result.report:
             raise CommandError("the chaos run did not finish; see the logs")
         self.stdout.write("")
         for line in table(result):
             self.stdout.write(line)
+        if "timeline" in result.report:
+            for line in timeline_lines(result.report):
+                self.stdout.write(line)
         out = Path(options["output"]) if options["output"] else var / "demo" / result.run_id
         json_path, html_path = write_files(result, out)
         self.stdout.write(f"\nReport: {html_path}\n        {json_path}")

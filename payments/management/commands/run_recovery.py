@@ -42,6 +42,9 @@ class Command(BaseCommand):
                     self.stdout.write(
                         f"swept {len(swept.dispatched)} of {swept.examined} due operations"
                     )
+            # A connection the sweep's error left broken (a PostgreSQL or PgBouncer
+            # restart cut it) is replaced here, not failed on by the reconcile.
+            close_old_connections()
             try:
                 settled = reconcile(time_budget=max(interval * 3, 30.0))
             except Exception as exc:
