@@ -84,12 +84,21 @@ def request_checkout(
             "currency": order.currency,
             "payment_method": payment_method,
         }
-        if not order.key_known:
-            if order.status not in CHECKOUT_OPEN_STATUSES:
+        # The two Exists() read the statement's snapshot, taken before it waited
+        # for the order's lock; the order's own columns are re-read after the
+        # wait. A refusal is therefore confirmed by a fresh read first: a retry
+        # of a key committed while this request waited replays, not 409.
+        closed = order.status not in CHECKOUT_OPEN_STATUSES
+        if (
+            not order.key_known
+            and (closed or order.earlier_charge_unsettled)
+            and not _known_now(client, scope, key)
+        ):
+            if closed:
                 raise CheckoutNotAllowed(
                     f"order {order.pk} is {order.status}; it cannot be checked out"
                 )
-            if order.earlier_charge_unsettled:
+            if _unsettled_charges(order.pk).exists():
                 raise CheckoutNotAllowed(
                     f"an earlier payment attempt of order {order.pk} may still have charged; "
                     "it must be settled first"
@@ -109,6 +118,11 @@ def request_checkout(
             order.status = OrderStatus.PROCESSING
             order.save(update_fields=["status", "updated_at"])
     return op, created
+
+
+def _known_now(client: ApiClient | None, scope: str, key: str) -> bool:
+    """Tell whether the key is taken, read now; only where a refusal depends on it."""
+    return Operation.objects.filter(client=client, scope=scope, key=key).exists()
 
 
 def _unsettled_charges(order_id: Any) -> QuerySet[StepClaim]:

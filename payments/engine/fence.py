@@ -34,7 +34,6 @@ from payments.models import (
     ClaimState,
     KeyScope,
     Operation,
-    OperationEvent,
     OperationState,
     StepClaim,
 )
@@ -147,6 +146,14 @@ def _json(value: Any) -> str | None:
 # --- audit -----------------------------------------------------------------------
 
 
+#: One audit row, stamped by the database's clock like every statement above.
+RECORD_EVENT = f"""
+{AUDIT_INSERT}
+VALUES (%(operation)s, %(step)s, %(from_state)s, %(to_state)s, %(actor)s, %(reason)s,
+        statement_timestamp())
+"""
+
+
 @fence_writer
 def record_event_in_tx(
     operation: Operation,
@@ -156,16 +163,25 @@ def record_event_in_tx(
     from_state: str = "",
     step: str = "",
     reason: str = "",
-) -> OperationEvent:
-    """Write one audit row. Runs inside the caller's transaction."""
-    return OperationEvent.objects.create(
-        operation=operation,
-        step=step,
-        from_state=from_state,
-        to_state=to_state,
-        actor=actor[:255],
-        reason=reason,
-    )
+) -> None:
+    """Write one audit row. Runs inside the caller's transaction.
+
+    Stamped with PostgreSQL's clock, as the one-statement transitions stamp
+    theirs: the trail's order (created_at, id) never depends on which host
+    wrote a row or how far its clock drifts.
+    """
+    with connection.cursor() as cursor:
+        cursor.execute(
+            RECORD_EVENT,
+            {
+                "operation": operation.pk,
+                "step": step,
+                "from_state": from_state,
+                "to_state": to_state,
+                "actor": actor[:255],
+                "reason": reason,
+            },
+        )
 
 
 # --- operations ------------------------------------------------------------------
@@ -435,7 +451,13 @@ def release_held_lease(
     return _one(
         Operation,
         sql,
-        {"id": operation.pk, "owner": owner, "to_state": to_state, "reason": reason, **values},
+        {
+            "id": operation.pk,
+            "owner": owner[:255],
+            "to_state": to_state,
+            "reason": reason,
+            **values,
+        },
     )
 
 
@@ -632,18 +654,20 @@ def claim_step(
 
 
 @fence_writer
-def insert_local_claim_in_tx(
-    operation: Operation, step: str, *, owner: str, result: dict[str, Any]
-) -> StepClaim | None:
-    """Insert the `done` claim of a local step with its result; None if the step is taken.
+def insert_local_claim_in_tx(operation: Operation, step: str, *, owner: str) -> StepClaim | None:
+    """Insert the `done` claim of a local step; None when the step is taken already.
 
-    Runs inside the transaction of the step's writes, after them: the caller
-    rolls its writes back when this returns None (a concurrent duplicate
-    committed first; ON CONFLICT waited for it), so the writes happen once.
+    Runs inside the transaction of the step's writes, before them: a
+    concurrent duplicate waits on the claim's unique key (ON CONFLICT) and,
+    once the first commits, gets None and writes nothing.
     """
-    return _insert_claim(
-        operation, step, state=ClaimState.DONE, owner=owner, reason="", result=result
-    )
+    return _insert_claim(operation, step, state=ClaimState.DONE, owner=owner, reason="")
+
+
+@fence_writer
+def store_local_result_in_tx(claim: StepClaim, result: dict[str, Any]) -> None:
+    """Store a local step's result on its claim. Runs inside the step's transaction."""
+    StepClaim.objects.filter(pk=claim.pk).update(result=result)
 
 
 def _locked_claim_in_tx(claim_id: int) -> StepClaim:
@@ -779,7 +803,7 @@ def settle_claim(
             "id": claim.pk,
             "to_state": state,
             "from_states": transitions.claim_sources(state),
-            "actor": actor,
+            "actor": actor[:255],
             "reference": reference or "",
             "set_result": result is not None,
             "result": _json(result),

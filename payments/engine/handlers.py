@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
 
-from django.db import IntegrityError, transaction
+from django.db import transaction
 from django.db.models import Q
 
 from inbox.handlers import inbox_handler
@@ -255,10 +255,6 @@ def unknown_recorded_names() -> list[str]:
 # --- what a fenced handler gets -------------------------------------------------------
 
 
-class _StepTaken(Exception):
-    """A local step's claim was taken by a duplicate that committed first: roll back."""
-
-
 @dataclass
 class Run:
     """What a fenced handler gets: its operation and the three kinds of step."""
@@ -278,29 +274,22 @@ class Run:
 
     @telemetry.traced("local")
     def local(self, step: str, func: Callable[[], dict[str, Any] | None]) -> dict[str, Any]:
-        """Run a local step: its writes and its `done` claim (with the result) commit together, once.
+        """Run a local step: its `done` claim and its writes commit together, once.
 
-        The claim is inserted after the writes, in their transaction: a
-        concurrent duplicate that committed first leaves no claim to insert,
-        and the writes roll back (one of them may instead collide with the
-        first's on a constraint of its own: then the claim found says so).
+        The claim goes first, so a step done before is replayed without
+        running `func` again, and a concurrent duplicate waits on the claim's
+        unique key and finds it taken once the first commits.
         """
-        try:
-            with transaction.atomic():
+        with transaction.atomic():
+            claim = fence.insert_local_claim_in_tx(self.operation, step, owner=self.worker_id)
+            if claim is not None:
                 result = func() or {}
-                claim = fence.insert_local_claim_in_tx(
-                    self.operation, step, owner=self.worker_id, result=result
-                )
-                if claim is None:
-                    raise _StepTaken
-        except (_StepTaken, IntegrityError):
-            existing = StepClaim.objects.filter(operation=self.operation, step=step).first()
-            if existing is None:
-                raise  # an integrity error of the step's own writes: a bug, not a duplicate
-            telemetry.note(outcome=telemetry.SKIPPED, transaction=telemetry.ROLLBACK)
-            logger.info("step %s/%s already done; skipped", self.operation.key, step)
-            return existing.result or {}
-        return result
+                fence.store_local_result_in_tx(claim, result)
+                return result
+        existing = StepClaim.objects.get(operation=self.operation, step=step)
+        telemetry.note(outcome=telemetry.SKIPPED, transaction=telemetry.NONE)
+        logger.info("step %s/%s already done; skipped", self.operation.key, step)
+        return existing.result or {}
 
     @telemetry.traced("side_effect")
     def side_effect(

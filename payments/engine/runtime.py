@@ -51,14 +51,15 @@ def execute(operation_id: int, *, worker_id: str, job: Any = None) -> str:
         operation_id, owner=worker_id, seconds=payments_settings().claim_lease
     )
     op = leased.operation
+    if not leased.acquired and op.state == OperationState.RUNNING:
+        logger.info("operation %s not run: %s", op.key, _why_not(op))
+        return "deferred"  # another worker's live lease: look again when it ends
     try:
         spec = get_handler(op.kind)
     except ConfigurationError as exc:  # e.g. a kind renamed by a deploy: a person decides
         return _unrunnable(op, worker_id, str(exc), leased=leased.acquired)
     if not leased.acquired:
         logger.info("operation %s not run: %s", op.key, _why_not(op))
-        if op.state == OperationState.RUNNING:
-            return "deferred"  # another worker's live lease: look again when it ends
         return f"skipped:{op.state}"
     try:
         spec.func(Run(op, worker_id, spec))
