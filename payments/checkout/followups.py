@@ -21,7 +21,7 @@ from payments.checkout.names import (
     SALES_STATS_CONSUMER,
 )
 from payments.engine import fence
-from payments.engine.dispatch import dispatch_on_commit
+from payments.engine.dispatch import create_and_dispatch_in_tx
 from payments.engine.handlers import message_handler
 from payments.models import KeyScope, LedgerEntry, Operation, Order, SalesDay
 
@@ -42,7 +42,7 @@ def write_follow_ups_in_tx(order: Order, reference: str, *, parent: Operation, a
         "reference": reference,
     }
     for kind in FOLLOW_UPS:
-        op, created = fence.create_operation_in_tx(
+        op, created = create_and_dispatch_in_tx(
             key=fence.follow_up_key(parent, kind),
             scope=KeyScope.DERIVED,
             parent=parent,
@@ -52,8 +52,6 @@ def write_follow_ups_in_tx(order: Order, reference: str, *, parent: Operation, a
             params=params,
             actor=actor,
         )
-        if created:
-            dispatch_on_commit(op)
 
 
 @message_handler(RECORD_SALE, consumer=LEDGER_CONSUMER)

@@ -15,13 +15,14 @@ from typing import Any
 
 from django.core.mail import send_mail
 from django.db import transaction
+from django.db.models import CharField, Exists, OuterRef, QuerySet
+from django.db.models.functions import Cast
 from django.utils import timezone
 
 from payments.checkout.charge import PaymentIntentCharge
 from payments.checkout.followups import write_follow_ups_in_tx
 from payments.checkout.names import CHARGE, CHECKOUT, CONFIRMATION_EMAIL, INVOICE, MARK_PAID
-from payments.engine import fence
-from payments.engine.dispatch import dispatch_on_commit
+from payments.engine.dispatch import create_and_dispatch_in_tx
 from payments.engine.effects import DeliveryPolicy
 from payments.engine.handlers import DeskHooks, handler
 from payments.engine.runtime import Run
@@ -67,25 +68,42 @@ def request_checkout(
     raises CheckoutNotAllowed. Raises Order.DoesNotExist for an unknown order.
     """
     with transaction.atomic():
-        order = Order.objects.select_for_update().get(pk=order_id)
+        # One read: the order (locked), whether the key is known, whether an
+        # earlier charge of the order may have taken money.
+        order = (
+            Order.objects.select_for_update(of=("self",))
+            .annotate(
+                key_known=Exists(Operation.objects.filter(client=client, scope=scope, key=key)),
+                earlier_charge_unsettled=Exists(_unsettled_charges(OuterRef("pk"))),
+            )
+            .get(pk=order_id)
+        )
         params = {
             "order_id": order.pk,
             "amount": order.amount,
             "currency": order.currency,
             "payment_method": payment_method,
         }
-        existing = Operation.objects.filter(client=client, scope=scope, key=key).first()
-        if existing is None:
-            if order.status not in CHECKOUT_OPEN_STATUSES:
+        # The two Exists() read the statement's snapshot, taken before it waited
+        # for the order's lock; the order's own columns are re-read after the
+        # wait. A refusal is therefore confirmed by a fresh read first: a retry
+        # of a key committed while this request waited replays, not 409.
+        closed = order.status not in CHECKOUT_OPEN_STATUSES
+        if (
+            not order.key_known
+            and (closed or order.earlier_charge_unsettled)
+            and not _known_now(client, scope, key)
+        ):
+            if closed:
                 raise CheckoutNotAllowed(
                     f"order {order.pk} is {order.status}; it cannot be checked out"
                 )
-            if _earlier_charge_unsettled(order):
+            if _unsettled_charges(order.pk).exists():
                 raise CheckoutNotAllowed(
                     f"an earlier payment attempt of order {order.pk} may still have charged; "
                     "it must be settled first"
                 )
-        op, created = fence.create_operation_in_tx(
+        op, created = create_and_dispatch_in_tx(
             key=key,
             kind=CHECKOUT,
             entity_type="order",
@@ -99,25 +117,22 @@ def request_checkout(
         if created:
             order.status = OrderStatus.PROCESSING
             order.save(update_fields=["status", "updated_at"])
-            dispatch_on_commit(op)
     return op, created
 
 
-def _earlier_charge_unsettled(order: Order) -> bool:
-    """Tell whether an earlier checkout of the order charged, or may have.
+def _known_now(client: ApiClient | None, scope: str, key: str) -> bool:
+    """Tell whether the key is taken, read now; only where a refusal depends on it."""
+    return Operation.objects.filter(client=client, scope=scope, key=key).exists()
 
-    A new checkout is safe only when every earlier charge claim failed.
-    """
-    return (
-        StepClaim.objects.filter(
-            operation__kind=CHECKOUT,
-            operation__entity_type="order",
-            operation__entity_id=str(order.pk),
-            step=CHARGE,
-        )
-        .exclude(state=ClaimState.FAILED)
-        .exists()
-    )
+
+def _unsettled_charges(order_id: Any) -> QuerySet[StepClaim]:
+    """The order's charge claims that did not fail: each charged, or may have."""
+    return StepClaim.objects.filter(
+        operation__kind=CHECKOUT,
+        operation__entity_type="order",
+        operation__entity_id=Cast(order_id, CharField()),
+        step=CHARGE,
+    ).exclude(state=ClaimState.FAILED)
 
 
 def reopen_order(operation: Operation) -> None:
@@ -134,9 +149,8 @@ def mark_order_failed(operation: Operation) -> None:
     )
 
 
-def issue_invoice(order_id: int, reference: str) -> dict[str, Any]:
+def issue_invoice(order: Order, reference: str) -> dict[str, Any]:
     """Create the order's invoice. Runs inside the step's transaction."""
-    order = Order.objects.get(pk=order_id)
     invoice = Invoice.objects.create(
         order=order,
         number=f"INV-{order.pk:08d}",
@@ -147,9 +161,8 @@ def issue_invoice(order_id: int, reference: str) -> dict[str, Any]:
     return {"invoice": invoice.number}
 
 
-def send_confirmation(order_id: int, reference: str) -> dict[str, Any]:
+def send_confirmation(order: Order, reference: str) -> dict[str, Any]:
     """Send the order confirmation e-mail."""
-    order = Order.objects.get(pk=order_id)
     amount = format_money(order.amount, order.currency)  # JPY has no minor unit, KWD three
     send_mail(
         subject=f"Order {order.pk} is paid",
@@ -160,11 +173,9 @@ def send_confirmation(order_id: int, reference: str) -> dict[str, Any]:
     return {"sent": True}
 
 
-def mark_paid(order_id: int, reference: str, operation: Operation) -> dict[str, Any]:
+def mark_paid(order: Order, reference: str, operation: Operation) -> dict[str, Any]:
     """Mark the order paid and write its follow-ups. Runs inside the step's transaction."""
-    order = Order.objects.select_for_update().get(pk=order_id)
-    order.status = OrderStatus.PAID
-    order.save(update_fields=["status", "updated_at"])
+    Order.objects.filter(pk=order.pk).update(status=OrderStatus.PAID, updated_at=timezone.now())
     write_follow_ups_in_tx(order, reference, parent=operation, actor="checkout")
     return {"status": OrderStatus.PAID}
 
@@ -241,13 +252,14 @@ def describe_charge(operation: Operation) -> str:
 )
 def checkout(run: Run) -> None:
     """Charge the order once, invoice it, confirm by e-mail, mark it paid."""
-    order_id = int(run.params["order_id"])
+    # Read once: what the steps use of it (amount, currency, e-mail) never changes.
+    order = Order.objects.get(pk=int(run.params["order_id"]))
     charge = run.external(CHARGE)
     reference = charge["reference"]
-    run.local(INVOICE, lambda: issue_invoice(order_id, reference))
+    run.local(INVOICE, lambda: issue_invoice(order, reference))
     run.side_effect(
         CONFIRMATION_EMAIL,
-        lambda: send_confirmation(order_id, reference),
+        lambda: send_confirmation(order, reference),
         policy=DeliveryPolicy.AT_MOST_ONCE,
     )
-    run.local(MARK_PAID, lambda: mark_paid(order_id, reference, run.operation))
+    run.local(MARK_PAID, lambda: mark_paid(order, reference, run.operation))

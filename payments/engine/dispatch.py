@@ -39,6 +39,9 @@ def message_id_for(operation_key: str, scope: str = KeyScope.CLIENT) -> str:
     return hashlib.sha256(name.encode()).hexdigest()[:32]
 
 
+#: The job's meta entry naming the operation's kind.
+KIND_META_KEY = "operation_kind"
+
 #: The RQ entry points, named by path: RQ stores the path with the job, and
 #: naming them keeps this module free of an import of the jobs (which import it).
 RUN_OPERATION = "payments.engine.jobs.run_operation"
@@ -47,13 +50,18 @@ DELIVER_MESSAGE = "payments.engine.jobs.deliver_message"
 
 def _delivery(op: Operation) -> tuple[str, str]:
     """Return the job function's path and a job id for one delivery of `op`."""
+    return _delivery_of(op.kind, op.key, op.scope)
+
+
+def _delivery_of(kind: str, key: str, scope: str) -> tuple[str, str]:
+    """Return the job function's path and a job id for one delivery of an operation."""
     try:
-        consumer = get_handler(op.kind).consumer
+        consumer = get_handler(kind).consumer
     except ConfigurationError:  # no handler: run_operation parks it in needs_review
         consumer = None
     if consumer is not None:
         # An inbox message: every delivery of it must carry the same id.
-        return DELIVER_MESSAGE, message_id_for(op.key, op.scope)
+        return DELIVER_MESSAGE, message_id_for(key, scope)
     # The fence guards operations; each delivery is a job of its own.
     return RUN_OPERATION, uuid.uuid4().hex
 
@@ -67,6 +75,9 @@ def _options(op: Operation, job_id: str) -> dict[str, Any]:
         "timeout": conf.job_timeout,
         "description": f"{op.kind} operation {op.pk}",
         "retry": Retry(max=retries, interval=list(conf.retry_backoff)) if retries else None,
+        # The worker finds the handler without reading the row first (a hint: the
+        # row read in the handler's own statement must agree).
+        "meta": {KIND_META_KEY: op.kind},
     }
 
 
@@ -186,8 +197,30 @@ def dispatch_on_commit(operation: Operation | int, *, first: bool = False) -> No
     )
     func, job_id = _delivery(op)
     fence.record_dispatch_in_tx(op.pk, job_id)
-    delivery = _Delivery(op, func, job_id, first)
-    batch = _open_batch(first)
+    _enqueue_on_commit(_Delivery(op, func, job_id, first))
+
+
+def create_and_dispatch_in_tx(
+    *, key: str, kind: str, scope: str = KeyScope.CLIENT, **create: Any
+) -> tuple[Operation, bool]:
+    """Create an operation (fence.create_operation_in_tx) and enqueue it once the caller commits.
+
+    The job id is written by the INSERT itself (no statement of its own); an
+    existing operation (same key) is returned as it is and nothing is enqueued.
+    Runs inside the caller's transaction.
+    """
+    func, job_id = _delivery_of(kind, key, scope)
+    op, created = fence.create_operation_in_tx(
+        key=key, kind=kind, scope=scope, job_id=job_id, **create
+    )
+    if created:
+        _enqueue_on_commit(_Delivery(op, func, job_id))
+    return op, created
+
+
+def _enqueue_on_commit(delivery: _Delivery) -> None:
+    """Enqueue `delivery` after the caller's commit, with the transaction's other deliveries."""
+    batch = _open_batch(delivery.first)
     if batch is not None:
         batch.deliveries.append(delivery)
     else:

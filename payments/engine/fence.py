@@ -34,7 +34,6 @@ from payments.models import (
     ClaimState,
     KeyScope,
     Operation,
-    OperationEvent,
     OperationState,
     StepClaim,
 )
@@ -116,7 +115,43 @@ def unique_violation_of(exc: IntegrityError, constraint: str) -> bool:
     return getattr(diag, "constraint_name", None) == constraint
 
 
+# --- one statement per transition --------------------------------------------------
+#
+# A transition on a worker's path (take the lease, claim, settle, leave the lease,
+# create) is ONE data-modifying statement: the row lock, the compare-and-set, the
+# change and its audit row travel together. Outside a transaction it is its own
+# transaction (one round trip, committed when it returns); inside the caller's it
+# joins it. Each statement's WHERE clause accepts exactly the from-states the
+# transition table allows (transitions.operation_sources / claim_sources); when it
+# changes nothing, the Python check on a fresh read raises with both states.
+
+#: The audit row's columns, in the order the statements below select them.
+AUDIT_INSERT = (
+    "INSERT INTO payments_operationevent "
+    "(operation_id, step, from_state, to_state, actor, reason, created_at)"
+)
+
+
+def _one(model: type[Any], sql: str, params: dict[str, Any]) -> Any:
+    """Run one statement that returns at most one row of `model`; return it, or None."""
+    rows = list(model.objects.raw(sql, params))
+    return rows[0] if rows else None
+
+
+def _json(value: Any) -> str | None:
+    """A JSON document for a `%s::jsonb` parameter (None stays SQL NULL)."""
+    return None if value is None else json.dumps(value)
+
+
 # --- audit -----------------------------------------------------------------------
+
+
+#: One audit row, stamped by the database's clock like every statement above.
+RECORD_EVENT = f"""
+{AUDIT_INSERT}
+VALUES (%(operation)s, %(step)s, %(from_state)s, %(to_state)s, %(actor)s, %(reason)s,
+        statement_timestamp())
+"""
 
 
 @fence_writer
@@ -128,19 +163,52 @@ def record_event_in_tx(
     from_state: str = "",
     step: str = "",
     reason: str = "",
-) -> OperationEvent:
-    """Write one audit row. Runs inside the caller's transaction."""
-    return OperationEvent.objects.create(
-        operation=operation,
-        step=step,
-        from_state=from_state,
-        to_state=to_state,
-        actor=actor[:255],
-        reason=reason,
-    )
+) -> None:
+    """Write one audit row. Runs inside the caller's transaction.
+
+    Stamped with PostgreSQL's clock, as the one-statement transitions stamp
+    theirs: the trail's order (created_at, id) never depends on which host
+    wrote a row or how far its clock drifts.
+    """
+    with connection.cursor() as cursor:
+        cursor.execute(
+            RECORD_EVENT,
+            {
+                "operation": operation.pk,
+                "step": step,
+                "from_state": from_state,
+                "to_state": to_state,
+                "actor": actor[:255],
+                "reason": reason,
+            },
+        )
 
 
 # --- operations ------------------------------------------------------------------
+
+
+#: Create an operation (none -> pending), audited; a key already taken returns nothing.
+CREATE_OPERATION = f"""
+WITH created AS (
+    INSERT INTO payments_operation (
+        key, scope, client_id, parent_id, retry_of_id, kind, entity_type, entity_id, params,
+        fingerprint, state, attempts, last_error, lease_owner, job_id, dispatched_at,
+        created_at, updated_at
+    )
+    VALUES (
+        %(key)s, %(scope)s, %(client)s, %(parent)s, %(retry_of)s, %(kind)s, %(entity_type)s,
+        %(entity_id)s, %(params)s::jsonb, %(fingerprint)s, 'pending', 0, '', '', %(job_id)s,
+        CASE WHEN %(job_id)s <> '' THEN statement_timestamp() END,
+        statement_timestamp(), statement_timestamp()
+    )
+    ON CONFLICT ON CONSTRAINT {Operation.KEY_CONSTRAINT} DO NOTHING
+    RETURNING *
+), audit AS (
+    {AUDIT_INSERT}
+    SELECT id, '', '', 'pending', %(actor)s, 'created', statement_timestamp() FROM created
+)
+SELECT * FROM created
+"""
 
 
 @fence_writer
@@ -156,45 +224,50 @@ def create_operation_in_tx(
     parent: Operation | None = None,
     scope: str = KeyScope.CLIENT,
     client: ApiClient | None = None,
+    job_id: str = "",
 ) -> tuple[Operation, bool]:
     """Create the operation for `key`, or return the existing one with the same fingerprint.
 
     Runs inside the caller's transaction, next to the business change that asks
     for it (the row is the durable outbox). Keys are scoped per API client and
-    per scope: two clients' keys never meet. Returns (operation, created).
+    per scope: two clients' keys never meet. `job_id` records the delivery the
+    caller will enqueue once the transaction commits (dispatch does that), in
+    the same statement. Returns (operation, created).
     Raises OperationConflict when the key exists with another fingerprint.
     """
     if not transaction.get_connection().in_atomic_block:
         raise InvalidTransition("create_operation_in_tx must run inside transaction.atomic()")
     entity_id = str(entity_id)
     fp = fingerprint(kind, entity_type, entity_id, params)
-    try:
-        with transaction.atomic():  # savepoint: a duplicate key must not abort the caller
-            op = Operation.objects.create(
-                key=key,
-                scope=scope,
-                client=client,
-                parent=parent,
-                kind=kind,
-                entity_type=entity_type,
-                entity_id=entity_id,
-                params=params,
-                fingerprint=fp,
-                retry_of=retry_of,
-            )
-    except IntegrityError as exc:
-        if not unique_violation_of(exc, Operation.KEY_CONSTRAINT):
-            raise
-        existing = Operation.objects.get(client=client, scope=scope, key=key)
-        if existing.fingerprint != fp:
-            raise OperationConflict(
-                key,
-                existing_kind=existing.kind,
-                existing_entity=f"{existing.entity_type} {existing.entity_id}",
-            ) from exc
-        return existing, False
-    record_event_in_tx(op, to_state=OperationState.PENDING, actor=actor, reason="created")
-    return op, True
+    op = _one(
+        Operation,
+        CREATE_OPERATION,
+        {
+            "key": key,
+            "scope": scope,
+            "client": client.pk if client is not None else None,
+            "parent": parent.pk if parent is not None else None,
+            "retry_of": retry_of.pk if retry_of is not None else None,
+            "kind": kind,
+            "entity_type": entity_type,
+            "entity_id": entity_id,
+            "params": _json(params),
+            "fingerprint": fp,
+            "job_id": job_id,
+            "actor": actor[:255],
+        },
+    )
+    if op is not None:
+        return op, True
+    # The key is taken (ON CONFLICT waited for a concurrent inserter to commit).
+    existing = Operation.objects.get(client=client, scope=scope, key=key)
+    if existing.fingerprint != fp:
+        raise OperationConflict(
+            key,
+            existing_kind=existing.kind,
+            existing_entity=f"{existing.entity_type} {existing.entity_id}",
+        )
+    return existing, False
 
 
 @fence_writer
@@ -256,25 +329,55 @@ class LeaseResult:
     acquired: bool
 
 
+#: pending | retrying | running (its lease run out, or this owner's) -> running, audited.
+ACQUIRE_LEASE = f"""
+WITH old AS (
+    SELECT id, state FROM payments_operation WHERE id = %(id)s FOR UPDATE
+), leased AS (
+    UPDATE payments_operation AS op
+    SET state = 'running', lease_owner = %(owner)s,
+        lease_expires_at = statement_timestamp() + make_interval(secs => %(seconds)s),
+        next_attempt_at = NULL, updated_at = statement_timestamp()
+    FROM old
+    WHERE op.id = old.id
+      AND old.state = ANY(%(from_states)s)
+      AND NOT (old.state = 'running' AND op.lease_owner <> %(owner)s
+               AND COALESCE(op.lease_expires_at > statement_timestamp(), false))
+    RETURNING op.*, old.state AS from_state, statement_timestamp() AS db_now
+), audit AS (
+    {AUDIT_INSERT}
+    SELECT id, '', from_state, 'running', %(owner)s,
+           CASE WHEN from_state = 'running' THEN 'lease expired; taken over' ELSE '' END,
+           statement_timestamp()
+    FROM leased
+)
+SELECT * FROM leased
+"""
+
+
+@fence_writer
 def acquire_lease(operation_id: int, *, owner: str, seconds: int) -> LeaseResult:
-    """Take the operation's lease if it is runnable and no live lease is held."""
-    with transaction.atomic():
-        op = locked_operation_in_tx(operation_id)
-        now = clock_of(op)
-        leased_by_other = lease_alive(op, now) and op.lease_owner != owner
-        if op.state not in RUNNABLE_OPERATION_STATES or leased_by_other:
-            return LeaseResult(op, acquired=False)
-        reason = "lease expired; taken over" if op.state == OperationState.RUNNING else ""
-        transition_in_tx(
-            op,
-            OperationState.RUNNING,
-            actor=owner,
-            reason=reason,
-            lease_owner=owner,
-            lease_expires_at=now + timedelta(seconds=seconds),
-            next_attempt_at=None,
-        )
-    return LeaseResult(op, acquired=True)
+    """Take the operation's lease if it is runnable and no live lease is held.
+
+    One statement (ACQUIRE_LEASE) in the happy path; when it takes nothing,
+    one read tells the caller why (state, or another worker's live lease).
+    Raises Operation.DoesNotExist for an unknown id.
+    """
+    runnable = [
+        state
+        for state in transitions.operation_sources(OperationState.RUNNING)
+        if state in RUNNABLE_OPERATION_STATES
+    ]
+    op = _one(
+        Operation,
+        ACQUIRE_LEASE,
+        {"id": operation_id, "owner": owner, "seconds": seconds, "from_states": runnable},
+    )
+    if op is not None:
+        return LeaseResult(op, acquired=True)
+    return LeaseResult(
+        Operation.objects.annotate(db_now=Now()).get(pk=operation_id), acquired=False
+    )
 
 
 def release_in_tx(
@@ -295,6 +398,110 @@ def release_in_tx(
         lease_expires_at=None,
         **fields,
     )
+
+
+#: running (held by this owner) -> a run's outcome, lease dropped, audited.
+RELEASE_HELD_LEASE = f"""
+WITH old AS (
+    SELECT id, state FROM payments_operation
+    WHERE id = %(id)s AND state = 'running' AND lease_owner = %(owner)s
+    FOR UPDATE
+), released AS (
+    UPDATE payments_operation AS op
+    SET state = %(to_state)s, lease_owner = '', lease_expires_at = NULL,
+        updated_at = statement_timestamp(){{fields}}
+    FROM old
+    WHERE op.id = old.id AND op.state = 'running' AND op.lease_owner = %(owner)s
+    RETURNING op.*, old.state AS from_state
+), audit AS (
+    {AUDIT_INSERT}
+    SELECT id, '', from_state, %(to_state)s, %(owner)s, %(reason)s, statement_timestamp()
+    FROM released
+)
+SELECT * FROM released
+"""
+#: The columns a release may set besides the state and the lease.
+RELEASE_FIELDS = frozenset({"last_error", "next_attempt_at", "attempts", "result"})
+
+
+@fence_writer
+def release_held_lease(
+    operation: Operation,
+    to_state: OperationState,
+    *,
+    owner: str,
+    reason: str = "",
+    **fields: Any,
+) -> Operation | None:
+    """Leave RUNNING for `to_state` if `owner` still holds the lease; return the row, or None.
+
+    One statement (RELEASE_HELD_LEASE): the check that this worker still
+    holds the lease, the change and its audit row. None: the lease was lost
+    (run out and taken over), nothing changed. Own transaction, or the caller's.
+    """
+    transitions.check_operation(operation.key, OperationState.RUNNING, to_state)
+    unknown = set(fields) - RELEASE_FIELDS
+    if unknown:
+        raise InvalidTransition(f"a release cannot set {sorted(unknown)}")
+    assignments = "".join(f", {name} = %({name})s" for name in sorted(fields))
+    values = {name: _json(v) if name == "result" else v for name, v in fields.items()}
+    sql = RELEASE_HELD_LEASE.replace("{fields}", assignments)
+    if "result" in fields:
+        sql = sql.replace("result = %(result)s", "result = %(result)s::jsonb")
+    return _one(
+        Operation,
+        sql,
+        {
+            "id": operation.pk,
+            "owner": owner[:255],
+            "to_state": to_state,
+            "reason": reason,
+            **values,
+        },
+    )
+
+
+#: A message's operation (pending | retrying | failed, ...) -> succeeded, audited; locks it.
+SUCCEED_MESSAGE = f"""
+WITH old AS (
+    SELECT id, state FROM payments_operation WHERE id = %(id)s FOR UPDATE
+), succeeded AS (
+    UPDATE payments_operation AS op
+    SET state = 'succeeded', next_attempt_at = NULL, updated_at = statement_timestamp()
+    FROM old
+    WHERE op.id = old.id AND old.state = ANY(%(from_states)s)
+    RETURNING op.*, old.state AS from_state
+), audit AS (
+    {AUDIT_INSERT}
+    SELECT id, '', from_state, 'succeeded', %(actor)s, %(reason)s, statement_timestamp()
+    FROM succeeded
+)
+SELECT * FROM succeeded
+"""
+
+
+@fence_writer
+def succeed_message_in_tx(operation_id: int, *, actor: str, reason: str) -> Operation:
+    """Mark a message's operation succeeded and return it, locked. In the caller's transaction.
+
+    One statement (SUCCEED_MESSAGE). Raises IllegalTransition when its state
+    may not succeed (already succeeded, say): the caller's transaction rolls back.
+    """
+    op = _one(
+        Operation,
+        SUCCEED_MESSAGE,
+        {
+            "id": operation_id,
+            "from_states": transitions.operation_sources(OperationState.SUCCEEDED),
+            "actor": actor[:255],
+            "reason": reason,
+        },
+    )
+    if op is None:
+        current = Operation.objects.get(pk=operation_id)
+        transitions.check_operation(current.key, current.state, OperationState.SUCCEEDED)
+        raise InvalidTransition(f"operation {current.key} changed while it was delivered")
+    return op
 
 
 def record_failed_attempt_in_tx(
@@ -351,6 +558,63 @@ class ClaimResult:
     created: bool
 
 
+#: Insert a claim (none -> claimed, or done for a local step), audited; a taken step: nothing.
+INSERT_CLAIM = f"""
+WITH inserted AS (
+    INSERT INTO payments_stepclaim (
+        operation_id, step, state, idempotency_key, provider_reference, request, result,
+        error, attempts, claimed_by, claimed_at, lease_expires_at, settled_at, updated_at
+    )
+    VALUES (
+        %(operation)s, %(step)s, %(state)s, %(idempotency_key)s, '', %(request)s::jsonb,
+        %(result)s::jsonb, '', 1, %(owner)s, statement_timestamp(),
+        statement_timestamp() + make_interval(secs => %(lease_seconds)s),
+        CASE WHEN %(state)s = 'done' THEN statement_timestamp() END, statement_timestamp()
+    )
+    ON CONFLICT ON CONSTRAINT {StepClaim.UNIQUE_CONSTRAINT} DO NOTHING
+    RETURNING *
+), audit AS (
+    {AUDIT_INSERT}
+    SELECT operation_id, step, '', state, claimed_by, %(reason)s, statement_timestamp()
+    FROM inserted
+)
+SELECT * FROM inserted
+"""
+
+
+def _insert_claim(
+    operation: Operation,
+    step: str,
+    *,
+    state: ClaimState,
+    owner: str,
+    reason: str,
+    lease_seconds: int | None = None,
+    idempotency_key: str = "",
+    request: dict[str, Any] | None = None,
+    result: dict[str, Any] | None = None,
+) -> StepClaim | None:
+    """Run INSERT_CLAIM; return the new claim (its operation attached), or None if taken."""
+    claim = _one(
+        StepClaim,
+        INSERT_CLAIM,
+        {
+            "operation": operation.pk,
+            "step": step,
+            "state": state,
+            "idempotency_key": idempotency_key,
+            "request": _json(request),
+            "result": _json(result),
+            "owner": owner[:255],
+            "lease_seconds": lease_seconds,
+            "reason": reason,
+        },
+    )
+    if claim is not None:
+        claim.operation = operation
+    return claim
+
+
 @fence_writer
 def claim_step(
     operation: Operation,
@@ -364,56 +628,40 @@ def claim_step(
     """Insert and COMMIT the claim of an external step; on conflict return the existing row.
 
     Must be called outside any transaction: the claim has to be durable before
-    the external call it fences. `provider_call` derives and stores the
-    provider idempotency key (not for effects that have none, like e-mail).
+    the external call it fences (the statement commits as it returns).
+    `provider_call` derives and stores the provider idempotency key (not for
+    effects that have none, like e-mail).
     """
     if transaction.get_connection().in_atomic_block:
         raise InvalidTransition("claim_step must commit before the external call; no atomic()")
-    try:
-        with transaction.atomic():
-            now = db_now()
-            claim = StepClaim.objects.create(
-                operation=operation,
-                step=step,
-                state=ClaimState.CLAIMED,
-                idempotency_key=derive_idempotency_key(operation.key, step, operation.scope)
-                if provider_call
-                else "",
-                request=request,
-                attempts=1,  # the claimant acts at once; each take-over adds one
-                claimed_by=owner,
-                claimed_at=now,
-                lease_expires_at=now + timedelta(seconds=lease_seconds),
-            )
-            record_event_in_tx(
-                operation, step=step, to_state=ClaimState.CLAIMED, actor=owner, reason="claimed"
-            )
-    except IntegrityError as exc:
-        if not unique_violation_of(exc, StepClaim.UNIQUE_CONSTRAINT):
-            raise
-        return ClaimResult(StepClaim.objects.get(operation=operation, step=step), created=False)
-    return ClaimResult(claim, created=True)
+    claim = _insert_claim(
+        operation,
+        step,
+        state=ClaimState.CLAIMED,
+        owner=owner,
+        reason="claimed",
+        # the claimant acts at once (attempts 1); each take-over adds one
+        lease_seconds=lease_seconds,
+        idempotency_key=derive_idempotency_key(operation.key, step, operation.scope)
+        if provider_call
+        else "",
+        request=request,
+    )
+    if claim is not None:
+        return ClaimResult(claim, created=True)
+    existing = StepClaim.objects.select_related("operation").get(operation=operation, step=step)
+    return ClaimResult(existing, created=False)
 
 
 @fence_writer
-def insert_local_claim_in_tx(operation: Operation, step: str, *, owner: str) -> StepClaim:
-    """Insert a `done` claim for a local step. Runs inside the transaction of the step's writes.
+def insert_local_claim_in_tx(operation: Operation, step: str, *, owner: str) -> StepClaim | None:
+    """Insert the `done` claim of a local step; None when the step is taken already.
 
-    A concurrent duplicate raises IntegrityError on the claim constraint, which
-    rolls the whole transaction back: the step's writes happen once.
+    Runs inside the transaction of the step's writes, before them: a
+    concurrent duplicate waits on the claim's unique key (ON CONFLICT) and,
+    once the first commits, gets None and writes nothing.
     """
-    now = db_now()
-    claim = StepClaim.objects.create(
-        operation=operation,
-        step=step,
-        state=ClaimState.DONE,
-        claimed_by=owner,
-        claimed_at=now,
-        settled_at=now,
-        attempts=1,
-    )
-    record_event_in_tx(operation, step=step, to_state=ClaimState.DONE, actor=owner)
-    return claim
+    return _insert_claim(operation, step, state=ClaimState.DONE, owner=owner, reason="")
 
 
 @fence_writer
@@ -498,6 +746,35 @@ def take_over_claim(
     return row
 
 
+#: claimed | uncertain (held by this actor) -> done | failed | uncertain, audited.
+SETTLE_CLAIM = f"""
+WITH old AS (
+    SELECT id, state FROM payments_stepclaim WHERE id = %(id)s FOR UPDATE
+), settled AS (
+    UPDATE payments_stepclaim AS claim
+    SET state = %(to_state)s,
+        provider_reference = CASE WHEN %(reference)s <> '' THEN %(reference)s
+                                  ELSE claim.provider_reference END,
+        result = CASE WHEN %(set_result)s THEN %(result)s::jsonb ELSE claim.result END,
+        error = %(error)s,
+        lease_expires_at = NULL,
+        settled_at = CASE WHEN %(to_state)s <> 'uncertain' THEN statement_timestamp()
+                          ELSE claim.settled_at END,
+        updated_at = statement_timestamp()
+    FROM old
+    WHERE claim.id = old.id AND old.state = ANY(%(from_states)s)
+      AND claim.claimed_by = %(actor)s
+    RETURNING claim.*, old.state AS from_state
+), audit AS (
+    {AUDIT_INSERT}
+    SELECT operation_id, step, from_state, %(to_state)s, %(actor)s, %(reason)s,
+           statement_timestamp()
+    FROM settled
+)
+SELECT * FROM settled
+"""
+
+
 @fence_writer
 def settle_claim(
     claim: StepClaim,
@@ -513,34 +790,34 @@ def settle_claim(
 
     Only the claim's current owner may settle it (compare-and-set on owner and
     state, through the transition table): anyone else gets NotClaimOwner or
-    IllegalTransition and the row stays as it was. Runs in its own
-    transaction, or inside the caller's.
+    IllegalTransition and the row stays as it was. One statement
+    (SETTLE_CLAIM): its own transaction, or the caller's.
     """
-    with transaction.atomic():
-        row = _locked_claim_in_tx(claim.pk)
-        transitions.check_claim(_name(row), row.state, state)
-        _require_owner(row, actor)
-        from_state = row.state
-        row.state = state
-        if reference:
-            row.provider_reference = reference
-        if result is not None:
-            row.result = result
-        row.error = error[:2000]
-        row.lease_expires_at = None
-        if state != ClaimState.UNCERTAIN:
-            row.settled_at = clock_of(row)
-        row.save()
-        record_event_in_tx(
-            row.operation,
-            step=row.step,
-            from_state=from_state,
-            to_state=state,
-            actor=actor,
-            reason=reason or error[:500],
-        )
-        if state == ClaimState.DONE:
-            failpoint(BEFORE_RECORD_COMMIT)
+    if state == ClaimState.DONE:
+        # Killed here, the outcome is not recorded: what a crash before the commit leaves.
+        failpoint(BEFORE_RECORD_COMMIT)
+    row = _one(
+        StepClaim,
+        SETTLE_CLAIM,
+        {
+            "id": claim.pk,
+            "to_state": state,
+            "from_states": transitions.claim_sources(state),
+            "actor": actor[:255],
+            "reference": reference or "",
+            "set_result": result is not None,
+            "result": _json(result),
+            "error": error[:2000],
+            "reason": reason or error[:500],
+        },
+    )
+    if row is None:
+        # Refused: say why, with the row as it is now (an illegal move, or another owner).
+        current = StepClaim.objects.select_related("operation").get(pk=claim.pk)
+        transitions.check_claim(_name(current), current.state, state)
+        _require_owner(current, actor)
+        raise NotClaimOwner(name=_name(current), owner=current.claimed_by, actor=actor)
+    row.operation = claim.operation
     return row
 
 

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
 
-from django.db import IntegrityError, transaction
+from django.db import transaction
 from django.db.models import Q
 
 from inbox.handlers import inbox_handler
@@ -167,9 +167,12 @@ def message_handler(kind: str, *, consumer: str) -> Callable[[EntityHook], Entit
     def register(func: EntityHook) -> EntityHook:
         @inbox_handler(consumer=consumer)
         def deliver(operation_id: int, worker_id: str) -> str:
-            op = fence.locked_operation_in_tx(operation_id)
+            # Marked succeeded first (one statement, which also locks the row), then
+            # the writes: all of it commits with the inbox row, or none of it.
+            op = succeed_message_in_tx(operation_id, worker_id)
+            if op.kind != kind:  # the job named another kind: roll back, count it, alert
+                raise ConfigurationError(f"operation {op.key} is a {op.kind}, not a {kind}")
             func(op)
-            succeed_message_in_tx(op, worker_id)
             return "delivered"
 
         deliver.__name__ = deliver.__qualname__ = f"deliver_{kind}"
@@ -179,10 +182,12 @@ def message_handler(kind: str, *, consumer: str) -> Callable[[EntityHook], Entit
     return register
 
 
-def succeed_message_in_tx(op: Operation, worker_id: str) -> None:
-    """Mark a delivered message's operation succeeded. Runs inside the caller's transaction."""
-    fence.transition_in_tx(
-        op, OperationState.SUCCEEDED, actor=worker_id, reason="delivered", next_attempt_at=None
+def succeed_message_in_tx(operation: Operation | int, worker_id: str) -> Operation:
+    """Mark a delivered message's operation succeeded; return it, locked. In the caller's tx."""
+    return fence.succeed_message_in_tx(
+        operation if isinstance(operation, int) else operation.pk,
+        actor=worker_id,
+        reason="delivered",
     )
 
 
@@ -269,20 +274,22 @@ class Run:
 
     @telemetry.traced("local")
     def local(self, step: str, func: Callable[[], dict[str, Any] | None]) -> dict[str, Any]:
-        """Run a local step: its claim and its writes commit together, once."""
-        try:
-            with transaction.atomic():
-                claim = fence.insert_local_claim_in_tx(self.operation, step, owner=self.worker_id)
+        """Run a local step: its `done` claim and its writes commit together, once.
+
+        The claim goes first, so a step done before is replayed without
+        running `func` again, and a concurrent duplicate waits on the claim's
+        unique key and finds it taken once the first commits.
+        """
+        with transaction.atomic():
+            claim = fence.insert_local_claim_in_tx(self.operation, step, owner=self.worker_id)
+            if claim is not None:
                 result = func() or {}
                 fence.store_local_result_in_tx(claim, result)
-        except IntegrityError as exc:
-            if not fence.unique_violation_of(exc, StepClaim.UNIQUE_CONSTRAINT):
-                raise  # any other integrity error is a bug, not a duplicate
-            existing = StepClaim.objects.get(operation=self.operation, step=step)
-            telemetry.note(outcome=telemetry.SKIPPED, transaction=telemetry.ROLLBACK)
-            logger.info("step %s/%s already done; skipped", self.operation.key, step)
-            return existing.result or {}
-        return result
+                return result
+        existing = StepClaim.objects.get(operation=self.operation, step=step)
+        telemetry.note(outcome=telemetry.SKIPPED, transaction=telemetry.NONE)
+        logger.info("step %s/%s already done; skipped", self.operation.key, step)
+        return existing.result or {}
 
     @telemetry.traced("side_effect")
     def side_effect(

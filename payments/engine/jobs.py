@@ -8,7 +8,7 @@ from typing import Any
 from rq import get_current_job
 
 from payments.engine import fence, messages, runtime
-from payments.engine.dispatch import dispatch
+from payments.engine.dispatch import KIND_META_KEY, dispatch
 from payments.engine.failpoints import AFTER_INBOX_COMMIT, AFTER_RECORD_COMMIT, failpoint
 from payments.exceptions import MalformedJob
 from payments.models import Operation, OperationState
@@ -35,7 +35,8 @@ def deliver_message(operation_id: int) -> str:
     job = get_current_job()
     _check(operation_id, job)
     try:
-        outcome = messages.deliver(operation_id, worker_id=_worker_id(job), job=job)
+        kind = job.meta.get(KIND_META_KEY) if job is not None else None
+        outcome = messages.deliver(operation_id, worker_id=_worker_id(job), job=job, kind=kind)
     except Operation.DoesNotExist:
         _malformed(job, f"operation {operation_id} does not exist")
     failpoint(AFTER_INBOX_COMMIT)

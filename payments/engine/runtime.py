@@ -47,19 +47,19 @@ def execute(operation_id: int, *, worker_id: str, job: Any = None) -> str:
     Raises RetryLater (RQ retries the job after its backoff) or
     RetriesExhausted (the job goes to the failed registry).
     """
-    kind = Operation.objects.values_list("kind", flat=True).get(pk=operation_id)
-    try:
-        spec = get_handler(kind)
-    except ConfigurationError as exc:  # e.g. a kind renamed by a deploy: a person decides
-        return _unrunnable(operation_id, worker_id, str(exc))
     leased = fence.acquire_lease(
         operation_id, owner=worker_id, seconds=payments_settings().claim_lease
     )
     op = leased.operation
+    if not leased.acquired and op.state == OperationState.RUNNING:
+        logger.info("operation %s not run: %s", op.key, _why_not(op))
+        return "deferred"  # another worker's live lease: look again when it ends
+    try:
+        spec = get_handler(op.kind)
+    except ConfigurationError as exc:  # e.g. a kind renamed by a deploy: a person decides
+        return _unrunnable(op, worker_id, str(exc), leased=leased.acquired)
     if not leased.acquired:
         logger.info("operation %s not run: %s", op.key, _why_not(op))
-        if op.state == OperationState.RUNNING:
-            return "deferred"  # another worker's live lease: look again when it ends
         return f"skipped:{op.state}"
     try:
         spec.func(Run(op, worker_id, spec))
@@ -99,28 +99,33 @@ def _why_not(op: Operation) -> str:
 def _finish(
     op: Operation, state: OperationState, worker_id: str, reason: str, **fields: Any
 ) -> bool:
-    """Leave RUNNING if this worker still holds the lease; return whether it did."""
-    with transaction.atomic():
-        locked = fence.locked_operation_in_tx(op.pk)
-        if not fence.holds_lease_in_tx(locked, worker_id):
-            logger.warning("operation %s: lease lost before %s; left as is", op.key, state)
-            return False
-        if state in (OperationState.SUCCEEDED, OperationState.NEEDS_REVIEW):
-            fields.setdefault("last_error", "" if state == OperationState.SUCCEEDED else reason)
-        fence.release_in_tx(locked, state, actor=worker_id, reason=reason[:500], **fields)
+    """Leave RUNNING if this worker still holds the lease; return whether it did (one statement)."""
+    if state in (OperationState.SUCCEEDED, OperationState.NEEDS_REVIEW):
+        fields.setdefault("last_error", "" if state == OperationState.SUCCEEDED else reason)
+    released = fence.release_held_lease(op, state, owner=worker_id, reason=reason[:500], **fields)
+    if released is None:
+        logger.warning("operation %s: lease lost before %s; left as is", op.key, state)
+        return False
     return True
 
 
-def _unrunnable(operation_id: int, worker_id: str, reason: str) -> str:
+def _unrunnable(op: Operation, worker_id: str, reason: str, *, leased: bool) -> str:
     """Park an operation no handler can run in needs_review, with an alert."""
-    with transaction.atomic():
-        locked = fence.locked_operation_in_tx(operation_id)
-        if locked.state not in RUNNABLE_OPERATION_STATES:
-            return f"skipped:{locked.state}"
-        fence.release_in_tx(
-            locked, OperationState.NEEDS_REVIEW, actor=worker_id, reason=reason, last_error=reason
-        )
-    alerts.error("operation %s cannot run: %s", locked.key, reason)
+    if leased:
+        _finish(op, OperationState.NEEDS_REVIEW, worker_id, reason)
+    else:
+        with transaction.atomic():
+            locked = fence.locked_operation_in_tx(op.pk)
+            if locked.state not in RUNNABLE_OPERATION_STATES:
+                return f"skipped:{locked.state}"
+            fence.release_in_tx(
+                locked,
+                OperationState.NEEDS_REVIEW,
+                actor=worker_id,
+                reason=reason,
+                last_error=reason,
+            )
+    alerts.error("operation %s cannot run: %s", op.key, reason)
     return "needs_review"
 
 

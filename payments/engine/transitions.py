@@ -2,7 +2,10 @@
 
 Every state change of an operation (`fence.transition_in_tx`) and of a claim
 (`fence.settle_claim`, `take_over_claim`, `release_claim`) asks `check_*`
-here; the runtime, recovery, the desk and the API decide nothing on their own.
+here, or, where the fence makes the change in one statement, states in that
+statement's WHERE clause exactly the from-states this table allows
+(`operation_sources`, `claim_sources`); the runtime, recovery, the desk and
+the API decide nothing on their own.
 An illegal transition raises IllegalTransition, is logged with both states and
 leaves the row as it was (the caller's transaction rolls back).
 """
@@ -64,3 +67,13 @@ def check_operation(name: str, from_state: str, to_state: str) -> None:
 def check_claim(name: str, from_state: str, to_state: str) -> None:
     """Raise IllegalTransition unless a claim may go from `from_state` to `to_state`."""
     _check(CLAIM_TRANSITIONS, "claim", name, from_state, to_state)
+
+
+def operation_sources(to_state: str) -> list[str]:
+    """Every state an operation may leave for `to_state` (what a one-statement transition accepts)."""
+    return sorted(s for s, targets in OPERATION_TRANSITIONS.items() if to_state in targets)
+
+
+def claim_sources(to_state: str) -> list[str]:
+    """Every state a claim may leave for `to_state` (what a one-statement transition accepts)."""
+    return sorted(s for s, targets in CLAIM_TRANSITIONS.items() if to_state in targets)

@@ -14,8 +14,7 @@ from typing import Any
 
 from django.db import transaction
 
-from payments.engine import fence
-from payments.engine.dispatch import dispatch_on_commit
+from payments.engine.dispatch import create_and_dispatch_in_tx
 from payments.engine.handlers import DeskHooks, Run, handler
 from payments.entities import lock_order, money_line
 from payments.exceptions import InvalidTransition
@@ -86,7 +85,7 @@ def request_refund(
                 raise RefundNotAllowed(
                     f"order {order.pk} has {left} (minor units) left to refund, not {amount}"
                 )
-        op, created = fence.create_operation_in_tx(
+        op, created = create_and_dispatch_in_tx(
             key=key,
             kind=REFUND,
             entity_type="order",
@@ -97,8 +96,6 @@ def request_refund(
             scope=scope,
             client=client,
         )
-        if created:
-            dispatch_on_commit(op)
     return op, created
 
 

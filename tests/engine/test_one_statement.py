@@ -1,0 +1,153 @@
+"""Each transition on a worker's path is one statement: one round trip, its audit row inside.
+
+Counted at the connection (devtools.bench.dbcount: statements, BEGIN, COMMIT,
+health checks) outside any transaction, as a worker runs them: the statement
+is its own transaction, so the count is the whole cost of the transition.
+Each test also checks what the statement did (state, owner, audit row) and
+that a refused transition changed nothing.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from devtools.bench.dbcount import RoundTrips, counting
+from payments.checkout.handler import request_checkout
+from payments.checkout.orders import create_order
+from payments.engine import fence
+from payments.exceptions import IllegalTransition, NotClaimOwner
+from payments.models import ClaimState, Operation, OperationEvent, OperationState, StepClaim
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+WORKER = "worker-a/1"
+
+
+def pending_checkout(key: str = "one-1") -> Operation:
+    order = create_order(amount=1200, currency="eur", email="one@example.com")
+    op, _ = request_checkout(order_id=order.pk, key=key, payment_method="pm_card_visa", actor="t")
+    return op
+
+
+def trips(counter) -> RoundTrips:
+    return counter.snapshot()
+
+
+def audit(op: Operation) -> list[tuple[str, str, str, str]]:
+    return list(
+        OperationEvent.objects.filter(operation=op)
+        .order_by("id")
+        .values_list("step", "from_state", "to_state", "actor")
+    )
+
+
+def test_acquire_lease__one_round_trip_with_its_audit_row(queue):
+    op = pending_checkout()
+
+    with counting() as counter:
+        leased = fence.acquire_lease(op.pk, owner=WORKER, seconds=30)
+
+    assert leased.acquired
+    assert trips(counter).total == 1
+    assert (trips(counter).begins, trips(counter).commits) == (0, 0)
+    op.refresh_from_db()
+    assert (op.state, op.lease_owner) == (OperationState.RUNNING, WORKER)
+    assert audit(op)[-1] == ("", OperationState.PENDING, OperationState.RUNNING, WORKER)
+
+
+def test_acquire_lease__a_live_lease_of_another_worker_is_left_alone(queue):
+    op = pending_checkout()
+    fence.acquire_lease(op.pk, owner=WORKER, seconds=30)
+    before = audit(op)
+
+    other = fence.acquire_lease(op.pk, owner="worker-b/2", seconds=30)
+
+    assert not other.acquired
+    op.refresh_from_db()
+    assert op.lease_owner == WORKER
+    assert audit(op) == before
+
+
+def test_claim_then_settle__one_round_trip_each(queue):
+    op = fence.acquire_lease(pending_checkout().pk, owner=WORKER, seconds=30).operation
+
+    with counting() as counter:
+        claimed = fence.claim_step(op, "charge", owner=WORKER, lease_seconds=30, request={"a": 1})
+    claim_trips = trips(counter)
+    with counting() as counter:
+        settled = fence.settle_claim(
+            claimed.claim, ClaimState.DONE, actor=WORKER, reference="pi_1", result={"r": 1}
+        )
+
+    assert claimed.created and claim_trips.total == 1
+    assert trips(counter).total == 1
+    row = StepClaim.objects.get(pk=claimed.claim.pk)
+    assert (row.state, row.provider_reference, row.result) == (ClaimState.DONE, "pi_1", {"r": 1})
+    assert row.request == {"a": 1} and row.idempotency_key and row.settled_at is not None
+    assert settled.state == ClaimState.DONE
+    assert audit(op)[-2:] == [
+        ("charge", "", ClaimState.CLAIMED, WORKER),
+        ("charge", ClaimState.CLAIMED, ClaimState.DONE, WORKER),
+    ]
+
+
+def test_claim_of_a_taken_step__returns_the_row_and_writes_nothing(queue):
+    op = fence.acquire_lease(pending_checkout().pk, owner=WORKER, seconds=30).operation
+    first = fence.claim_step(op, "charge", owner=WORKER, lease_seconds=30)
+    before = audit(op)
+
+    second = fence.claim_step(op, "charge", owner="worker-b/2", lease_seconds=30)
+
+    assert not second.created and second.claim.pk == first.claim.pk
+    assert second.claim.claimed_by == WORKER
+    assert audit(op) == before
+
+
+def test_settle__refused_for_another_owner_and_for_a_settled_claim(queue):
+    op = fence.acquire_lease(pending_checkout().pk, owner=WORKER, seconds=30).operation
+    claim = fence.claim_step(op, "charge", owner=WORKER, lease_seconds=30).claim
+
+    with pytest.raises(NotClaimOwner):
+        fence.settle_claim(claim, ClaimState.DONE, actor="worker-b/2", reference="pi_x")
+    fence.settle_claim(claim, ClaimState.FAILED, actor=WORKER, error="declined")
+    before = audit(op)
+    with pytest.raises(IllegalTransition):
+        fence.settle_claim(claim, ClaimState.DONE, actor=WORKER, reference="pi_y")
+
+    row = StepClaim.objects.get(pk=claim.pk)
+    assert (row.state, row.provider_reference) == (ClaimState.FAILED, "")
+    assert audit(op) == before
+
+
+def test_release_held_lease__one_round_trip__and_none_once_the_lease_is_lost(queue):
+    op = fence.acquire_lease(pending_checkout().pk, owner=WORKER, seconds=30).operation
+
+    lost = fence.release_held_lease(op, OperationState.SUCCEEDED, owner="worker-b/2")
+    with counting() as counter:
+        released = fence.release_held_lease(
+            op, OperationState.SUCCEEDED, owner=WORKER, reason="all steps done", last_error=""
+        )
+
+    assert lost is None
+    assert released is not None and trips(counter).total == 1
+    op.refresh_from_db()
+    assert (op.state, op.lease_owner, op.lease_expires_at) == (OperationState.SUCCEEDED, "", None)
+    assert audit(op)[-1] == ("", OperationState.RUNNING, OperationState.SUCCEEDED, WORKER)
+
+
+def test_checkout_request__five_round_trips_one_transaction(queue):
+    order = create_order(amount=1500, currency="eur", email="api@example.com")
+
+    with counting() as counter:
+        op, created = request_checkout(
+            order_id=order.pk, key="api-1", payment_method="pm_card_visa", actor="api"
+        )
+
+    counted = trips(counter)
+    # BEGIN, the order with the key and earlier-charge checks, the operation with its
+    # audit row and job id, the order's status, COMMIT.
+    assert created and counted.total == 5 and counted.commits == 1
+    op.refresh_from_db()
+    assert op.job_id and op.dispatched_at is not None
+    assert audit(op) == [("", "", OperationState.PENDING, "api")]
+    assert queue.fetch_job(op.job_id) is not None

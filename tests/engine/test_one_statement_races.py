@@ -1,0 +1,345 @@
+"""The one-statement transitions under races, clock skew and redelivery (an outside review's tests).
+
+Four of them failed on the first version of the rewrite and pass since: a
+retry of a key committed while the request waited for the order's lock is a
+replay, not a 409; the audit trail is ordered by one clock; a done local
+step is replayed without running its function; a worker without the kind's
+handler leaves another worker's live lease alone.
+
+Concurrency is driven with a second thread (its own Django connection) that
+holds a transaction open; the main thread's statement is started in a third
+thread and we wait until PostgreSQL shows it blocked on a lock before the
+holder commits.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from datetime import timedelta
+from unittest import mock
+
+import pytest
+from django.db import connection, connections, transaction
+from django.utils import timezone
+
+from payments.checkout.handler import CheckoutNotAllowed, request_checkout
+from payments.checkout.orders import create_order
+from payments.engine import fence
+from payments.engine.writes import fence_writes
+from payments.exceptions import NotClaimOwner
+from payments.models import ClaimState, Operation, OperationEvent, OperationState, StepClaim
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+WORKER = "worker-a/1"
+
+
+def _pending_checkout(key: str) -> Operation:
+    order = create_order(amount=1200, currency="eur", email="r@example.com")
+    op, _ = request_checkout(order_id=order.pk, key=key, payment_method="pm_card_visa", actor="t")
+    return op
+
+
+def _wait_until_blocked(timeout: float = 10.0) -> None:
+    """Wait until some other backend of this database waits on a lock."""
+    deadline = time.monotonic() + timeout
+    with connection.cursor() as cursor:
+        while time.monotonic() < deadline:
+            cursor.execute(
+                "SELECT count(*) FROM pg_stat_activity "
+                "WHERE datname = current_database() AND wait_event_type = 'Lock' "
+                "AND pid <> pg_backend_pid()"
+            )
+            if cursor.fetchone()[0]:
+                return
+            time.sleep(0.02)
+    raise AssertionError("the second statement never blocked")
+
+
+class _Thread(threading.Thread):
+    def __init__(self, target):
+        super().__init__(daemon=True)
+        self._target_fn = target
+        self.result = None
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            self.result = self._target_fn()
+        except BaseException as exc:  # noqa: BLE001
+            self.error = exc
+        finally:
+            connections.close_all()
+
+
+def _hold_then(work, hold_started: threading.Event, release: threading.Event):
+    """In its own transaction: do `work`, signal, wait, commit."""
+
+    def run():
+        with transaction.atomic():
+            value = work()
+            hold_started.set()
+            assert release.wait(20)
+        return value
+
+    return run
+
+
+# --- F1: request_checkout's one annotated SELECT ... FOR UPDATE reads a stale snapshot ---
+
+
+def test_concurrent_replay_of_the_same_key__returns_the_operation_not_order_not_open(queue):
+    """A client retries its checkout (same Idempotency-Key) while the first is committing.
+
+    The parent commit read the key in a statement issued after the order's row lock
+    was granted (fresh snapshot); 43c0260 computes `key_known` in the locking
+    statement itself: after the lock wait, EvalPlanQual re-reads the ORDER row
+    (now `processing`) but the Exists() subquery keeps the statement's old snapshot,
+    so the key looks unknown and the replay is refused as `order_not_open`.
+    """
+    order = create_order(amount=1200, currency="eur", email="r@example.com")
+    started, release = threading.Event(), threading.Event()
+    first = _Thread(
+        _hold_then(
+            lambda: request_checkout(
+                order_id=order.pk, key="same-key", payment_method="pm_card_visa", actor="api"
+            ),
+            started,
+            release,
+        )
+    )
+    first.start()
+    assert started.wait(20)
+    second = _Thread(
+        lambda: request_checkout(
+            order_id=order.pk, key="same-key", payment_method="pm_card_visa", actor="api"
+        )
+    )
+    second.start()
+    _wait_until_blocked()
+    release.set()
+    first.join(20)
+    second.join(20)
+    assert first.error is None, first.error
+    op, created = first.result
+    assert created
+    # The replay must be the same operation, not a refusal.
+    assert not isinstance(second.error, CheckoutNotAllowed), second.error
+    assert second.error is None, second.error
+    assert second.result[0].pk == op.pk and second.result[1] is False
+
+
+# --- F2: audit rows stamped by two clocks, ordered by created_at -------------------------
+
+
+def test_audit_trail_order__survives_an_app_clock_ahead_of_the_database(queue):
+    """OperationEvent is ordered by (created_at, id). One-statement transitions stamp it with
+    statement_timestamp() (the DB's clock), the ORM ones (take-over, release, give-up, the
+    desk) with timezone.now() (the host's clock). With a host 5 s ahead of the database,
+    a settle written after a take-over sorts before it."""
+    op = fence.acquire_lease(_pending_checkout("clock-1").pk, owner=WORKER, seconds=30).operation
+    claim = fence.claim_step(op, "charge", owner=WORKER, lease_seconds=30).claim
+    with fence_writes():  # the lease runs out (as the fence's own tests hand-make it)
+        StepClaim.objects.filter(pk=claim.pk).update(
+            lease_expires_at=timezone.now() - timedelta(seconds=1)
+        )
+    ahead = timezone.now() + timedelta(seconds=5)
+    real_now = timezone.now
+    with mock.patch("django.utils.timezone.now", lambda: real_now() + timedelta(seconds=5)):
+        taken = fence.take_over_claim(claim, owner="worker-b/2", lease_seconds=30)
+        assert taken is not None
+        fence.settle_claim(taken, ClaimState.DONE, actor="worker-b/2", reference="pi_1")
+    assert ahead  # (the patched clock was in force for both calls)
+    trail = list(
+        OperationEvent.objects.filter(operation=op, step="charge").values_list(
+            "from_state", "to_state"
+        )
+    )  # the model's ordering: created_at, id
+    assert trail == [
+        ("", ClaimState.CLAIMED),
+        (ClaimState.CLAIMED, ClaimState.UNCERTAIN),
+        (ClaimState.UNCERTAIN, ClaimState.DONE),
+    ], trail
+
+
+# --- controls: the EvalPlanQual cases the brief asks about (expected to hold) -----------
+
+
+def test_acquire_lease__waiting_behind_a_lease_taker__does_not_take_its_live_lease(queue):
+    op = _pending_checkout("epq-1")
+    started, release = threading.Event(), threading.Event()
+    holder = _Thread(
+        _hold_then(
+            lambda: fence.acquire_lease(op.pk, owner="holder/1", seconds=60), started, release
+        )
+    )
+    holder.start()
+    assert started.wait(20)
+    waiter = _Thread(lambda: fence.acquire_lease(op.pk, owner="waiter/2", seconds=60))
+    waiter.start()
+    _wait_until_blocked()
+    release.set()
+    holder.join(20)
+    waiter.join(20)
+    assert holder.error is None and waiter.error is None, (holder.error, waiter.error)
+    assert holder.result.acquired
+    assert not waiter.result.acquired
+    op.refresh_from_db()
+    assert op.lease_owner == "holder/1"
+    assert OperationEvent.objects.filter(operation=op, to_state=OperationState.RUNNING).count() == 1
+
+
+def test_settle__waiting_behind_a_take_over__is_refused(queue):
+    op = fence.acquire_lease(_pending_checkout("epq-2").pk, owner=WORKER, seconds=30).operation
+    claim = fence.claim_step(op, "charge", owner=WORKER, lease_seconds=30).claim
+    with fence_writes():
+        StepClaim.objects.filter(pk=claim.pk).update(
+            lease_expires_at=timezone.now() - timedelta(seconds=1)
+        )
+    started, release = threading.Event(), threading.Event()
+    taker = _Thread(
+        _hold_then(
+            lambda: fence.take_over_claim(claim, owner="worker-b/2", lease_seconds=30),
+            started,
+            release,
+        )
+    )
+    taker.start()
+    assert started.wait(20)
+    late = _Thread(
+        lambda: fence.settle_claim(claim, ClaimState.DONE, actor=WORKER, reference="pi_late")
+    )
+    late.start()
+    _wait_until_blocked()
+    release.set()
+    taker.join(20)
+    late.join(20)
+    assert taker.error is None, taker.error
+    assert isinstance(late.error, NotClaimOwner), late.error
+    row = StepClaim.objects.get(pk=claim.pk)
+    assert (row.state, row.claimed_by, row.provider_reference) == (
+        ClaimState.UNCERTAIN,
+        "worker-b/2",
+        "",
+    )
+
+
+def test_release_held_lease__waiting_behind_a_take_over__changes_nothing(queue):
+    op = fence.acquire_lease(_pending_checkout("epq-3").pk, owner=WORKER, seconds=30).operation
+    with fence_writes():
+        Operation.objects.filter(pk=op.pk).update(
+            lease_expires_at=timezone.now() - timedelta(seconds=1)
+        )
+    started, release = threading.Event(), threading.Event()
+    taker = _Thread(
+        _hold_then(
+            lambda: fence.acquire_lease(op.pk, owner="worker-b/2", seconds=60), started, release
+        )
+    )
+    taker.start()
+    assert started.wait(20)
+    late = _Thread(
+        lambda: fence.release_held_lease(op, OperationState.SUCCEEDED, owner=WORKER, reason="x")
+    )
+    late.start()
+    _wait_until_blocked()
+    release.set()
+    taker.join(20)
+    late.join(20)
+    assert taker.error is None and late.error is None, (taker.error, late.error)
+    assert taker.result.acquired
+    assert late.result is None
+    op.refresh_from_db()
+    assert (op.state, op.lease_owner) == (OperationState.RUNNING, "worker-b/2")
+
+
+def test_local_claim__concurrent_duplicate__writes_once(queue):
+    """Run.local's claim after the writes: the second waits on ON CONFLICT and rolls back."""
+    from payments.engine.handlers import Run, get_handler
+
+    op = fence.acquire_lease(_pending_checkout("loc-1").pk, owner=WORKER, seconds=30).operation
+    spec = get_handler(op.kind)
+    calls: list[str] = []
+    started, release = threading.Event(), threading.Event()
+
+    def first_fn():
+        calls.append("first")
+        return {"n": 1}
+
+    first = _Thread(
+        _hold_then(lambda: Run(op, "a/1", spec).local("review_step", first_fn), started, release)
+    )
+    first.start()
+    assert started.wait(20)
+
+    def second_fn():
+        calls.append("second")
+        return {"n": 2}
+
+    second = _Thread(lambda: Run(op, "b/2", spec).local("review_step", second_fn))
+    second.start()
+    _wait_until_blocked()
+    release.set()
+    first.join(20)
+    second.join(20)
+    assert first.error is None and second.error is None, (first.error, second.error)
+    assert first.result == {"n": 1} and second.result == {"n": 1}
+    assert StepClaim.objects.get(operation=op, step="review_step").claimed_by == "a/1"
+    assert OperationEvent.objects.filter(operation=op, step="review_step").count() == 1
+
+
+# --- F3 (pre-existing, kept by the reordering): an unknown kind strips a live lease --------
+
+
+def test_unknown_kind_on_a_worker__leaves_another_workers_live_lease_alone(queue):
+    """Worker B (a deploy without the kind's handler) gets a redelivery while worker A
+    holds a live lease. execute() now knows the lease was NOT acquired, yet _unrunnable
+    (leased=False) parks the RUNNING operation in needs_review and clears A's lease."""
+    from payments.engine import runtime
+    from payments.exceptions import ConfigurationError
+
+    op = _pending_checkout("unknown-1")
+    assert fence.acquire_lease(op.pk, owner="worker-a/1", seconds=60).acquired
+
+    def no_handler(kind):
+        raise ConfigurationError(f"no handler for {kind!r}")
+
+    with mock.patch.object(runtime, "get_handler", no_handler):
+        outcome = runtime.execute(op.pk, worker_id="worker-b/2")
+
+    op.refresh_from_db()
+    assert (op.state, op.lease_owner) == (OperationState.RUNNING, "worker-a/1"), (
+        outcome,
+        op.state,
+        op.lease_owner,
+    )
+
+
+# --- F4: Run.local runs the step's function again before it learns the step is done ------
+
+
+def test_a_done_local_step__is_replayed_without_running_its_function_again(queue):
+    """A redelivery (crash after the step committed, before _finish) replays a done local
+    step. The parent inserted the claim first, so the duplicate stopped at the claim's
+    unique violation and `fn` never ran again; 43c0260 runs `fn` first. Any fn whose
+    second run raises (a check on the state its first run wrote), or that does
+    something outside the transaction, now breaks or repeats on every redelivery."""
+    from payments.engine.handlers import Run, get_handler
+
+    op = fence.acquire_lease(_pending_checkout("replay-1").pk, owner=WORKER, seconds=30).operation
+    spec = get_handler(op.kind)
+    assert Run(op, WORKER, spec).local("review_local", lambda: {"n": 1}) == {"n": 1}
+    ran: list[str] = []
+
+    def again():
+        ran.append("again")
+        raise RuntimeError("the order is no longer processing")  # what a state check says
+
+    result = None
+    error = None
+    try:
+        result = Run(op, WORKER, spec).local("review_local", again)
+    except RuntimeError as exc:
+        error = exc
+    assert (ran, error, result) == ([], None, {"n": 1})
