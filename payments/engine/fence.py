@@ -133,9 +133,31 @@ AUDIT_INSERT = (
 
 
 def _one(model: type[Any], sql: str, params: dict[str, Any]) -> Any:
-    """Run one statement that returns at most one row of `model`; return it, or None."""
-    rows = list(model.objects.raw(sql, params))
-    return rows[0] if rows else None
+    """Run one statement that returns at most one row of `model`; return it, or None.
+
+    The row becomes a model instance as a queryset would make it (JSON
+    decoded, `from_db`); columns that are not the model's (`from_state`,
+    `db_now`) become attributes. A plain cursor, not `raw()`: the statements
+    are on every worker's path and `raw()` maps the columns anew each time.
+    """
+    with connection.cursor() as cursor:
+        cursor.execute(sql, params)
+        row = cursor.fetchone()
+        if row is None:
+            return None
+        names = [column.name for column in cursor.description]
+    by_column = dict(zip(names, row, strict=True))
+    fields = model._meta.concrete_fields
+    values = []
+    for field in fields:
+        value = by_column.pop(field.column)
+        if value is not None and hasattr(field, "from_db_value"):
+            value = field.from_db_value(value, None, connection)
+        values.append(value)
+    instance = model.from_db(connection.alias, [f.attname for f in fields], values)
+    for name, value in by_column.items():
+        setattr(instance, name, value)
+    return instance
 
 
 def _json(value: Any) -> str | None:
