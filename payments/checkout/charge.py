@@ -15,6 +15,7 @@ from payments.engine.effects import (
     ClaimView,
     EffectResult,
     ReferenceNotFound,
+    fence_metadata,
     sent_metadata_matches,
 )
 from payments.engine.outcomes import Outcome
@@ -47,13 +48,7 @@ class PaymentIntentCharge:
             "amount": int(params["amount"]),
             "currency": params["currency"],
             "payment_method": params["payment_method"],
-            "metadata": {
-                "operation_key": self.operation.key,
-                "step": CHARGE,
-                "order_id": str(params["order_id"]),
-                # Unique across key scopes: a client key may equal a derived one.
-                "operation_id": str(self.operation.pk),
-            },
+            "metadata": fence_metadata(self.operation, CHARGE, order_id=str(params["order_id"])),
         }
 
     def perform(self, request: dict[str, Any], idempotency_key: str) -> EffectResult:

@@ -73,7 +73,7 @@ def request_checkout(
         order = (
             Order.objects.select_for_update(of=("self",))
             .annotate(
-                key_known=Exists(Operation.objects.filter(client=client, scope=scope, key=key)),
+                key_known=Exists(_with_key(client, scope, key)),
                 earlier_charge_unsettled=Exists(_unsettled_charges(OuterRef("pk"))),
             )
             .get(pk=order_id)
@@ -92,7 +92,7 @@ def request_checkout(
         if (
             not order.key_known
             and (closed or order.earlier_charge_unsettled)
-            and not _known_now(client, scope, key)
+            and not _with_key(client, scope, key).exists()
         ):
             if closed:
                 raise CheckoutNotAllowed(
@@ -120,9 +120,9 @@ def request_checkout(
     return op, created
 
 
-def _known_now(client: ApiClient | None, scope: str, key: str) -> bool:
-    """Tell whether the key is taken, read now; only where a refusal depends on it."""
-    return Operation.objects.filter(client=client, scope=scope, key=key).exists()
+def _with_key(client: ApiClient | None, scope: str, key: str) -> QuerySet[Operation]:
+    """The operation a client's key names (none or one)."""
+    return Operation.objects.filter(client=client, scope=scope, key=key)
 
 
 def _unsettled_charges(order_id: Any) -> QuerySet[StepClaim]:

@@ -59,6 +59,21 @@ class ExternalEffect(Protocol):
         """
 
 
+def fence_metadata(operation: Any, step: str, **business: str) -> dict[str, str]:
+    """The metadata every effect's request sends: what the lookups search and match by.
+
+    `operation_key` and `step` find a lost outcome; `operation_id` is unique
+    across key scopes (a client key may equal a derived one); `business`
+    adds what the handler wants on the provider's dashboard (an order id).
+    """
+    return {
+        "operation_key": operation.key,
+        "step": step,
+        **business,
+        "operation_id": str(operation.pk),
+    }
+
+
 def sent_metadata_matches(request: dict[str, Any], metadata: Any) -> bool:
     """Tell whether a provider object carries every metadata item this claim's request sent.
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any, cast
 
-from django.db import IntegrityError, connection, transaction
+from django.db import connection, transaction
 from django.db.models.functions import Now
 
 from payments.conf import payments_settings
@@ -107,12 +107,6 @@ def db_now() -> datetime:
         cursor.execute("SELECT now()")
         (now,) = cursor.fetchone()
     return now
-
-
-def unique_violation_of(exc: IntegrityError, constraint: str) -> bool:
-    """Tell whether `exc` is a violation of exactly the named constraint."""
-    diag = getattr(exc.__cause__, "diag", None)
-    return getattr(diag, "constraint_name", None) == constraint
 
 
 # --- one statement per transition --------------------------------------------------
@@ -465,14 +459,15 @@ def release_held_lease(
     unknown = set(fields) - RELEASE_FIELDS
     if unknown:
         raise InvalidTransition(f"a release cannot set {sorted(unknown)}")
-    assignments = "".join(f", {name} = %({name})s" for name in sorted(fields))
-    values = {name: _json(v) if name == "result" else v for name, v in fields.items()}
-    sql = RELEASE_HELD_LEASE.replace("{fields}", assignments)
-    if "result" in fields:
-        sql = sql.replace("result = %(result)s", "result = %(result)s::jsonb")
+    json_columns = {"result"}
+    assignments = "".join(
+        f", {name} = %({name})s" + ("::jsonb" if name in json_columns else "")
+        for name in sorted(fields)
+    )
+    values = {name: _json(v) if name in json_columns else v for name, v in fields.items()}
     return _one(
         Operation,
-        sql,
+        RELEASE_HELD_LEASE.replace("{fields}", assignments),
         {
             "id": operation.pk,
             "owner": owner[:255],

@@ -182,13 +182,9 @@ def message_handler(kind: str, *, consumer: str) -> Callable[[EntityHook], Entit
     return register
 
 
-def succeed_message_in_tx(operation: Operation | int, worker_id: str) -> Operation:
+def succeed_message_in_tx(operation_id: int, worker_id: str) -> Operation:
     """Mark a delivered message's operation succeeded; return it, locked. In the caller's tx."""
-    return fence.succeed_message_in_tx(
-        operation if isinstance(operation, int) else operation.pk,
-        actor=worker_id,
-        reason="delivered",
-    )
+    return fence.succeed_message_in_tx(operation_id, actor=worker_id, reason="delivered")
 
 
 def discover_handlers(package: ModuleType) -> list[str]:

@@ -30,7 +30,6 @@ from payments.exceptions import (
     StepUncertain,
 )
 from payments.models import (
-    RUNNABLE_OPERATION_STATES,
     ClaimState,
     Operation,
     OperationState,
@@ -51,16 +50,17 @@ def execute(operation_id: int, *, worker_id: str, job: Any = None) -> str:
         operation_id, owner=worker_id, seconds=payments_settings().claim_lease
     )
     op = leased.operation
-    if not leased.acquired and op.state == OperationState.RUNNING:
+    if not leased.acquired:
         logger.info("operation %s not run: %s", op.key, _why_not(op))
-        return "deferred"  # another worker's live lease: look again when it ends
+        if op.state == OperationState.RUNNING:
+            return "deferred"  # another worker's live lease: look again when it ends
+        return f"skipped:{op.state}"
     try:
         spec = get_handler(op.kind)
     except ConfigurationError as exc:  # e.g. a kind renamed by a deploy: a person decides
-        return _unrunnable(op, worker_id, str(exc), leased=leased.acquired)
-    if not leased.acquired:
-        logger.info("operation %s not run: %s", op.key, _why_not(op))
-        return f"skipped:{op.state}"
+        _finish(op, OperationState.NEEDS_REVIEW, worker_id, str(exc))
+        alerts.error("operation %s cannot run: %s", op.key, exc)
+        return "needs_review"
     try:
         spec.func(Run(op, worker_id, spec))
     except StepBusy as exc:
@@ -107,26 +107,6 @@ def _finish(
         logger.warning("operation %s: lease lost before %s; left as is", op.key, state)
         return False
     return True
-
-
-def _unrunnable(op: Operation, worker_id: str, reason: str, *, leased: bool) -> str:
-    """Park an operation no handler can run in needs_review, with an alert."""
-    if leased:
-        _finish(op, OperationState.NEEDS_REVIEW, worker_id, reason)
-    else:
-        with transaction.atomic():
-            locked = fence.locked_operation_in_tx(op.pk)
-            if locked.state not in RUNNABLE_OPERATION_STATES:
-                return f"skipped:{locked.state}"
-            fence.release_in_tx(
-                locked,
-                OperationState.NEEDS_REVIEW,
-                actor=worker_id,
-                reason=reason,
-                last_error=reason,
-            )
-    alerts.error("operation %s cannot run: %s", op.key, reason)
-    return "needs_review"
 
 
 def _give_up_state_in_tx(

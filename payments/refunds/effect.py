@@ -12,6 +12,7 @@ from payments.engine.effects import (
     ClaimView,
     EffectResult,
     ReferenceNotFound,
+    fence_metadata,
     sent_metadata_matches,
 )
 from payments.engine.outcomes import Outcome
@@ -42,12 +43,9 @@ class RefundEffect:
             "payment_intent": params["payment_intent"],
             "amount": int(params["amount"]),
             "currency": params["currency"],
-            "metadata": {
-                "operation_key": self.operation.key,
-                "step": REFUND_STEP,
-                "order_id": str(params["order_id"]),
-                "operation_id": str(self.operation.pk),
-            },
+            "metadata": fence_metadata(
+                self.operation, REFUND_STEP, order_id=str(params["order_id"])
+            ),
         }
 
     def perform(self, request: dict[str, Any], idempotency_key: str) -> EffectResult:
