@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import requests
+from django.db.models import Q
 
 from devtools.stack import free_port
 from devtools.topology import (
@@ -196,6 +197,16 @@ def assert_paid_once(provider, orders: dict[str, int]) -> None:
         assert provider.state.succeeded_count(metadata={"order_id": str(order_id)}) == 1, key
         assert Invoice.objects.filter(order_id=order_id).count() == 1, key
         assert LedgerEntry.objects.filter(order_id=order_id).count() == 1, key
+
+
+def checkout_settled(op: Operation) -> bool:
+    """Tell whether a checkout and both its follow-ups succeeded.
+
+    The ledger line is written by a follow-up that runs after the checkout's
+    own success: an assertion on it before then would race.
+    """
+    done = Operation.objects.filter(Q(pk=op.pk) | Q(parent=op), state=OperationState.SUCCEEDED)
+    return done.count() == 3
 
 
 def all_settled(count: int) -> bool:

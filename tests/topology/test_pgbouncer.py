@@ -27,13 +27,12 @@ from payments.checkout.orders import create_order
 from payments.engine.failpoints import AFTER_PROVIDER_ACCEPT
 from payments.models import (
     ClaimState,
-    Operation,
-    OperationState,
 )
 from tests.support.topology import (
     Api,
     all_settled,
     assert_paid_once,
+    checkout_settled,
     free_port,
     start_gunicorn,
     stop_process,
@@ -135,10 +134,10 @@ def test_crash_after_provider_accept_through_pgbouncer__redelivery_charges_once(
 
     def succeeded() -> bool:
         supervisor.poll()
-        return Operation.objects.get(pk=op.pk).state == OperationState.SUCCEEDED
+        return checkout_settled(op)
 
     try:
-        wait_until(succeeded, timeout=40, what="the checkout to succeed after the crash")
+        wait_until(succeeded, timeout=40, what="the checkout and its follow-ups to succeed")
     finally:
         stderr = supervisor.stop()
 

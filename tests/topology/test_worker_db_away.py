@@ -18,8 +18,7 @@ from django.db import connection
 
 from payments.checkout.handler import request_checkout
 from payments.checkout.orders import create_order
-from payments.models import Operation, OperationState
-from tests.support.topology import assert_paid_once
+from tests.support.topology import assert_paid_once, checkout_settled
 from tests.support.workers import start_worker, stop_worker, wait_until, worker_env
 
 # Transactional: the worker process must see the committed operation.
@@ -45,9 +44,9 @@ def test_worker_started_while_the_database_is_away__waits_for_it_then_works(
         assert worker.poll() is None, "the worker exited:\n" + stop_worker(worker)
         pgbouncer.start()  # back, on the same port
         wait_until(
-            lambda: Operation.objects.get(pk=op.pk).state == OperationState.SUCCEEDED,
+            lambda: checkout_settled(op),
             40,
-            "the worker to pay the order once the database is back",
+            "the worker to pay the order (and run its follow-ups) once the database is back",
         )
     finally:
         stderr = stop_worker(worker)
