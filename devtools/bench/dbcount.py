@@ -15,6 +15,11 @@ rest, so the counter adds what the wrapper cannot see, where it happens:
   nothing when no transaction is open, so they count only when one is.
 - Health checks: `is_usable()` runs `SELECT 1` on a raw psycopg cursor
   (CONN_HEALTH_CHECKS, once per job or request on a reused connection).
+- Single-statement transactions: a data-modifying statement sent with
+  autocommit on is a transaction of its own, committed as it returns, with
+  no COMMIT of its own; `autocommits` counts them (they are statements, so
+  not again in `total`), and `transactions` = `commits` + `autocommits` is
+  the number of transactions the work committed.
 - Connects are counted apart (`connects`) and not in `total`: opening a
   connection is several round trips (startup, authentication, SET TIME ZONE)
   paid once per connection, not per checkout (the bench keeps connections
@@ -40,6 +45,8 @@ from django.db import DEFAULT_DB_ALIAS, connections
 from psycopg import pq
 from redis import Redis
 
+#: A statement that only reads (a data-modifying CTE starts with WITH and counts as a write).
+_READ_SQL = re.compile(r"\s*(SELECT|SHOW)\b", re.IGNORECASE)
 _SAVEPOINT_SQL = re.compile(r"\s*(SAVEPOINT|RELEASE|ROLLBACK\s+TO)\b", re.IGNORECASE)
 
 #: Redis hash (one per job function) where counting workers add up their jobs' trips.
@@ -55,6 +62,7 @@ class RoundTrips:
     begins: int = 0
     commits: int = 0
     rollbacks: int = 0
+    autocommits: int = 0  # of the statements, data-modifying ones sent with autocommit on
     health_checks: int = 0
     connects: int = 0  # not round trips of the work: see the module's docstring
     jobs: int = 0
@@ -62,6 +70,11 @@ class RoundTrips:
     @property
     def total(self) -> int:
         return self.statements + self.begins + self.commits + self.rollbacks + self.health_checks
+
+    @property
+    def transactions(self) -> int:
+        """Transactions committed: COMMITs sent, and statements committed on their own."""
+        return self.commits + self.autocommits
 
     def __sub__(self, other: RoundTrips) -> RoundTrips:
         return RoundTrips(
@@ -82,6 +95,7 @@ class RoundTrips:
         """Every count divided by n, with the total: what one checkout costs."""
         values = {name: value / n for name, value in asdict(self).items() if name != "jobs"}
         values["total"] = self.total / n
+        values["transactions"] = self.transactions / n
         return values
 
 
@@ -118,12 +132,11 @@ class RoundTripCounter:
 
     def _execute(self, execute: Any, sql: str, params: Any, many: bool, context: dict) -> Any:
         raw = context["connection"].connection
-        if (
-            raw is not None
-            and not raw.autocommit
-            and raw.info.transaction_status == pq.TransactionStatus.IDLE
-        ):
-            self.counts.begins += 1  # psycopg sends BEGIN first, in a round trip of its own
+        if raw is not None and raw.info.transaction_status == pq.TransactionStatus.IDLE:
+            if not raw.autocommit:
+                self.counts.begins += 1  # psycopg sends BEGIN first, in a round trip of its own
+            elif not _READ_SQL.match(sql):
+                self.counts.autocommits += 1  # its own transaction, committed as it returns
         self.counts.statements += 1
         if _SAVEPOINT_SQL.match(sql):
             self.counts.savepoints += 1

@@ -632,7 +632,6 @@ def _insert_claim(
     return claim
 
 
-@fence_writer
 def claim_step(
     operation: Operation,
     step: str,
@@ -651,6 +650,31 @@ def claim_step(
     """
     if transaction.get_connection().in_atomic_block:
         raise InvalidTransition("claim_step must commit before the external call; no atomic()")
+    return claim_step_in_tx(
+        operation,
+        step,
+        owner=owner,
+        lease_seconds=lease_seconds,
+        request=request,
+        provider_call=provider_call,
+    )
+
+
+@fence_writer
+def claim_step_in_tx(
+    operation: Operation,
+    step: str,
+    *,
+    owner: str,
+    lease_seconds: int,
+    request: dict[str, Any] | None = None,
+    provider_call: bool = True,
+) -> ClaimResult:
+    """`claim_step` in the caller's transaction, which must commit before the call it fences.
+
+    For a handler's open transaction (payments.engine.unit): the claim commits
+    with the writes before it, then the call is made.
+    """
     claim = _insert_claim(
         operation,
         step,

@@ -29,7 +29,6 @@ from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
 
-from django.db import transaction
 from django.db.models import Q
 
 from inbox.handlers import inbox_handler
@@ -37,6 +36,7 @@ from payments.conf import payments_settings
 from payments.engine import fence, telemetry
 from payments.engine.effects import DeliveryPolicy, ExternalEffect
 from payments.engine.steps import run_external_step
+from payments.engine.unit import WorkUnit
 from payments.exceptions import ConfigurationError, StepBusy, StepTransient
 from payments.models import (
     FINAL_OPERATION_STATES,
@@ -258,6 +258,8 @@ class Run:
     operation: Operation
     worker_id: str
     spec: HandlerSpec
+    #: The open transaction of this run's writes (payments.engine.unit); the runtime ends it.
+    unit: WorkUnit = field(default_factory=WorkUnit)
 
     @property
     def params(self) -> dict[str, Any]:
@@ -265,6 +267,7 @@ class Run:
 
     def external(self, step: str) -> dict[str, Any]:
         """Run an external step (claim committed before the call); return its result."""
+        self.unit.commit()  # what the handler wrote before the call is durable before it
         effect = self.spec.effect(step, self.operation)
         return run_external_step(self.operation, step, effect, owner=self.worker_id)
 
@@ -272,30 +275,44 @@ class Run:
     def local(self, step: str, func: Callable[[], dict[str, Any] | None]) -> dict[str, Any]:
         """Run a local step: its `done` claim and its writes commit together, once.
 
-        The claim goes first, so a step done before is replayed without
-        running `func` again, and a concurrent duplicate waits on the claim's
-        unique key and finds it taken once the first commits.
+        They go in the run's open transaction (payments.engine.unit), which
+        commits with the next claim or when the handler returns. The claim goes
+        first, so a step done before is replayed without running `func` again,
+        and a concurrent duplicate waits on the claim's unique key and finds it
+        taken once the first commits. If `func` raises, the open transaction
+        rolls back: this step and the local steps since the last claim run
+        again on the next attempt.
         """
-        with transaction.atomic():
-            claim = fence.insert_local_claim_in_tx(self.operation, step, owner=self.worker_id)
-            if claim is not None:
-                result = func() or {}
-                fence.store_local_result_in_tx(claim, result)
-                return result
-        existing = StepClaim.objects.get(operation=self.operation, step=step)
-        telemetry.note(outcome=telemetry.SKIPPED, transaction=telemetry.NONE)
-        logger.info("step %s/%s already done; skipped", self.operation.key, step)
-        return existing.result or {}
+        self.unit.join()
+        claim = fence.insert_local_claim_in_tx(self.operation, step, owner=self.worker_id)
+        if claim is None:
+            existing = StepClaim.objects.get(operation=self.operation, step=step)
+            telemetry.note(outcome=telemetry.SKIPPED, transaction=telemetry.NONE)
+            logger.info("step %s/%s already done; skipped", self.operation.key, step)
+            return existing.result or {}
+        try:
+            result = func() or {}
+            fence.store_local_result_in_tx(claim, result)
+        except BaseException:
+            self.unit.roll_back()
+            raise
+        return result
 
     @telemetry.traced("side_effect")
     def side_effect(
         self, step: str, func: Callable[[], dict[str, Any] | None], *, policy: DeliveryPolicy
     ) -> dict[str, Any]:
-        """Run an effect that cannot be looked up (plain e-mail) under its declared policy."""
+        """Run an effect that cannot be looked up (plain e-mail) under its declared policy.
+
+        Its claim commits with the run's open transaction before `func` runs;
+        its outcome is written in the next one (payments.engine.unit).
+        """
         lease = payments_settings().claim_lease
-        claimed = fence.claim_step(
+        self.unit.join()
+        claimed = fence.claim_step_in_tx(
             self.operation, step, owner=self.worker_id, lease_seconds=lease, provider_call=False
         )
+        self.unit.commit()  # the claim is durable before anything is sent
         claim = claimed.claim
         resend = False
         if not claimed.created:
@@ -318,12 +335,8 @@ class Run:
                     self.operation.key,
                     step,
                 )
-                fence.settle_claim(
-                    claim,
-                    ClaimState.DONE,
-                    actor=self.worker_id,
-                    result=result,
-                    reason="outcome unknown; skipped under at-most-once",
+                self._settle_done(
+                    claim, result, reason="outcome unknown; skipped under at-most-once"
                 )
                 return result
             resend = True
@@ -339,10 +352,16 @@ class Run:
             logger.warning(
                 "step %s/%s failed; not retried (at most once)", self.operation.key, step
             )
-            fence.settle_claim(
-                claim, ClaimState.DONE, actor=self.worker_id, result=result, reason=reason
-            )
+            self._settle_done(claim, result, reason=reason)
             return result
         result.update({"policy": str(policy), "resent": resend})
-        fence.settle_claim(claim, ClaimState.DONE, actor=self.worker_id, result=result)
+        self._settle_done(claim, result)
         return result
+
+    def _settle_done(self, claim: StepClaim, result: dict[str, Any], *, reason: str = "") -> None:
+        """Write a side effect's outcome in the open transaction (again alone if it rolls back)."""
+        self.unit.record(
+            lambda: fence.settle_claim(
+                claim, ClaimState.DONE, actor=self.worker_id, result=result, reason=reason
+            )
+        )

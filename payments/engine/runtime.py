@@ -61,8 +61,9 @@ def execute(operation_id: int, *, worker_id: str, job: Any = None) -> str:
         _finish(op, OperationState.NEEDS_REVIEW, worker_id, str(exc))
         alerts.error("operation %s cannot run: %s", op.key, exc)
         return "needs_review"
+    run = Run(op, worker_id, spec)
     try:
-        spec.func(Run(op, worker_id, spec))
+        _run_handler(spec, run)
     except StepBusy as exc:
         _finish(op, OperationState.RETRYING, worker_id, str(exc), next_attempt_at=exc.until)
         return "deferred"
@@ -86,8 +87,29 @@ def execute(operation_id: int, *, worker_id: str, job: Any = None) -> str:
     except Exception as exc:  # a bug or a database error: bounded retries, then visible
         logger.exception("operation %s: unexpected error in handler %s", op.key, op.kind)
         _transient(op, spec, worker_id, f"{type(exc).__name__}: {exc}", job)
+    # The release joins the handler's open transaction: its last writes and the
+    # operation's `succeeded` commit together.
     _finish(op, OperationState.SUCCEEDED, worker_id, "all steps done")
+    run.unit.commit()
     return "succeeded"
+
+
+def _run_handler(spec: HandlerSpec, run: Run) -> None:
+    """Call the handler; on any error, commit its open transaction before the error is handled.
+
+    What the unit holds then is complete (a failing local step rolled itself
+    back): the steps done before the failure stay done, as if each had
+    committed. A commit that fails has rolled back and rewritten the recorded
+    outcomes (payments.engine.unit); the handler's error is what is handled.
+    """
+    try:
+        spec.func(run)
+    except BaseException:
+        try:
+            run.unit.commit()
+        except Exception:
+            logger.exception("operation %s: its open transaction did not commit", run.operation.key)
+        raise
 
 
 def _why_not(op: Operation) -> str:

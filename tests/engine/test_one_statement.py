@@ -151,3 +151,36 @@ def test_checkout_request__five_round_trips_one_transaction(queue):
     assert op.job_id and op.dispatched_at is not None
     assert audit(op) == [("", "", OperationState.PENDING, "api")]
     assert queue.fetch_job(op.job_id) is not None
+
+
+def worker_trips_of_one_checkout(queue, key: str) -> RoundTrips:
+    """Run one fenced checkout and its follow-ups on the bench's counting worker; add them up."""
+    from devtools.bench import dbcount
+    from devtools.bench.dbcount import recorded
+    from devtools.bench.workers import CountingWorker
+    from tests.support.flows import checkout
+
+    op = checkout(key)
+    CountingWorker.counter = dbcount.RoundTripCounter()
+    CountingWorker.counter.install()
+    try:
+        CountingWorker([queue], connection=queue.connection).work(burst=True)
+    finally:
+        CountingWorker.counter.uninstall()
+        CountingWorker.counter = None
+    op.refresh_from_db()
+    assert op.state == OperationState.SUCCEEDED
+    return sum(recorded(queue.connection).values(), RoundTrips())
+
+
+def test_fenced_checkout__at_most_seven_transactions_on_the_worker_side(provider, queue):
+    """Lease, charge claim, then one transaction per stretch between two calls, two follow-ups.
+
+    The charge's outcome, the invoice and the e-mail's claim commit together
+    (before the e-mail goes); the e-mail's outcome, mark_paid with its
+    follow-ups and the lease's release commit together.
+    """
+    counted = worker_trips_of_one_checkout(queue, "seven-1")
+
+    assert counted.jobs == 3
+    assert counted.transactions <= 7, counted

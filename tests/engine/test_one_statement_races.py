@@ -254,6 +254,14 @@ def test_release_held_lease__waiting_behind_a_take_over__changes_nothing(queue):
     assert (op.state, op.lease_owner) == (OperationState.RUNNING, "worker-b/2")
 
 
+def _local(run, step, fn):
+    """Run one local step as the runtime would: its open transaction ends with the run."""
+    try:
+        return run.local(step, fn)
+    finally:
+        run.unit.commit()
+
+
 def test_local_claim__concurrent_duplicate__writes_once(queue):
     """Run.local's claim after the writes: the second waits on ON CONFLICT and rolls back."""
     from payments.engine.handlers import Run, get_handler
@@ -268,7 +276,7 @@ def test_local_claim__concurrent_duplicate__writes_once(queue):
         return {"n": 1}
 
     first = _Thread(
-        _hold_then(lambda: Run(op, "a/1", spec).local("review_step", first_fn), started, release)
+        _hold_then(lambda: _local(Run(op, "a/1", spec), "review_step", first_fn), started, release)
     )
     first.start()
     assert started.wait(20)
@@ -277,7 +285,7 @@ def test_local_claim__concurrent_duplicate__writes_once(queue):
         calls.append("second")
         return {"n": 2}
 
-    second = _Thread(lambda: Run(op, "b/2", spec).local("review_step", second_fn))
+    second = _Thread(lambda: _local(Run(op, "b/2", spec), "review_step", second_fn))
     second.start()
     _wait_until_blocked()
     release.set()
@@ -329,7 +337,7 @@ def test_a_done_local_step__is_replayed_without_running_its_function_again(queue
 
     op = fence.acquire_lease(_pending_checkout("replay-1").pk, owner=WORKER, seconds=30).operation
     spec = get_handler(op.kind)
-    assert Run(op, WORKER, spec).local("review_local", lambda: {"n": 1}) == {"n": 1}
+    assert _local(Run(op, WORKER, spec), "review_local", lambda: {"n": 1}) == {"n": 1}
     ran: list[str] = []
 
     def again():
@@ -339,7 +347,7 @@ def test_a_done_local_step__is_replayed_without_running_its_function_again(queue
     result = None
     error = None
     try:
-        result = Run(op, WORKER, spec).local("review_local", again)
+        result = _local(Run(op, WORKER, spec), "review_local", again)
     except RuntimeError as exc:
         error = exc
     assert (ran, error, result) == ([], None, {"n": 1})

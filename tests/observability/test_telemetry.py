@@ -135,7 +135,9 @@ def test_step_records__replayed_steps_end_skipped_without_a_call(provider, queue
     json_log.buffer.seek(0)
 
     run_external_step(op, "charge", spec.effect("charge", op), owner="test-worker")
-    Run(op, "test-worker", spec).local("invoice", lambda: {"invoice": "again"})
+    run = Run(op, "test-worker", spec)
+    run.local("invoice", lambda: {"invoice": "again"})
+    run.unit.commit()
 
     ends = {r["step"]: r for r in json_log.steps() if r["event"] == "step.end"}
     assert (ends["charge"]["outcome"], ends["charge"]["transaction"]) == ("skipped", "none")

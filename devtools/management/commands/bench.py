@@ -302,7 +302,9 @@ def _queue_rows(f: dict) -> list[tuple[str, str]]:
                 f"DB round trips per {side} checkout, worker side{goal}",
                 f"{w['total']:.1f} = {w['statements']:.1f} statements ({w['savepoints']:.1f} "
                 f"savepoint) + {w['begins']:.1f} BEGIN + {w['commits']:.1f} COMMIT + "
-                f"{w['rollbacks']:.1f} ROLLBACK + {w['health_checks']:.1f} health checks",
+                f"{w['rollbacks']:.1f} ROLLBACK + {w['health_checks']:.1f} health checks; "
+                f"{w['transactions']:.1f} transactions committed ({w['commits']:.1f} COMMIT + "
+                f"{w['autocommits']:.1f} single statements)",
             )
         )
     a = d["fenced"]["api_per_checkout"]
