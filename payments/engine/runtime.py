@@ -89,8 +89,12 @@ def execute(operation_id: int, *, worker_id: str, job: Any = None) -> str:
         _transient(op, spec, worker_id, f"{type(exc).__name__}: {exc}", job)
     # The release joins the handler's open transaction: its last writes and the
     # operation's `succeeded` commit together.
-    _finish(op, OperationState.SUCCEEDED, worker_id, "all steps done")
-    run.unit.commit()
+    try:
+        _finish(op, OperationState.SUCCEEDED, worker_id, "all steps done")
+        run.unit.commit()
+    except BaseException:  # a database error, the job's timeout: nothing stays open
+        run.unit.roll_back()
+        raise
     return "succeeded"
 
 

@@ -33,11 +33,24 @@ import sys
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from django.db import transaction
+from django.db import DatabaseError, connection, transaction
+from psycopg import pq
 
 logger = logging.getLogger("payments.engine.unit")
 
 T = TypeVar("T")
+
+
+class UnitRolledBack(DatabaseError):
+    """The open transaction could not commit: it was rolled back, recorded outcomes rewritten."""
+
+
+def _aborted() -> bool:
+    """Tell whether this connection's transaction was aborted by an error (only ROLLBACK is left)."""
+    raw = connection.connection
+    return connection.needs_rollback or (
+        raw is not None and raw.info.transaction_status == pq.TransactionStatus.INERROR
+    )
 
 
 class WorkUnit:
@@ -67,12 +80,18 @@ class WorkUnit:
     def commit(self) -> None:
         """Commit what the unit holds (nothing to do when it is not open).
 
-        A commit that fails rolls back: the recorded outcomes are written
-        again on their own, then the error goes up.
+        A transaction a database error aborted is not committed (PostgreSQL
+        would turn the COMMIT into a silent ROLLBACK): it is rolled back, the
+        recorded outcomes are written again on their own, and
+        UnitRolledBack says so. A commit that fails does the same.
         """
-        atomic, self._atomic = self._atomic, None
+        atomic = self._atomic
         if atomic is None:
             return
+        if _aborted():
+            self.roll_back()
+            raise UnitRolledBack("a database error aborted the handler's open transaction")
+        self._atomic = None
         try:
             atomic.__exit__(None, None, None)
         except BaseException:

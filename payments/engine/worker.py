@@ -55,7 +55,28 @@ class FenceWorker(SimpleWorker):
         try:
             return super().execute_job(job, queue)
         finally:
+            abandon_open_transaction(job)
             close_old_connections()
+
+
+def abandon_open_transaction(job: Any) -> None:
+    """Roll back and close a connection a job left inside a transaction; say so loudly.
+
+    The runtime ends every transaction it opens, even on a timeout; this is
+    the last line if one is ever left open. Closing it rolls it back on the
+    server; Django's bookkeeping of the atomic blocks is reset, or it would
+    refuse to reconnect ("the connection is closed") for every later job.
+    """
+    if not connection.in_atomic_block:
+        return
+    logger.error("job %s left a transaction open; rolled back, connection closed", job.id)
+    connection.in_atomic_block = False
+    connection.atomic_blocks = []
+    connection.savepoint_ids = []
+    connection.needs_rollback = False
+    connection.closed_in_transaction = False
+    connection.commit_on_exit = True
+    connection.close()
 
 
 def recorded_name_problems(patience: float = DATABASE_PATIENCE) -> list[str]:

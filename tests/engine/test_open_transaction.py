@@ -7,15 +7,18 @@ checkout or `Run` and looks at the committed rows from the outside.
 
 from __future__ import annotations
 
+import signal
 import threading
+import time
 
 import pytest
-from django.db import connection
+from django.db import connection, transaction
 
 from payments.checkout import handler as checkout_handler
-from payments.checkout.names import CONFIRMATION_EMAIL
+from payments.checkout.names import CONFIRMATION_EMAIL, MARK_PAID
 from payments.engine import fence
 from payments.engine.handlers import Run, get_handler
+from payments.engine.worker import FenceWorker
 from payments.models import ClaimState, Invoice, Operation, OperationState, Order, StepClaim
 from tests.support.flows import checkout
 from tests.support.workers import run_worker
@@ -141,3 +144,117 @@ def test_the_last_steps_writes_and_the_release__commit_together(provider, queue,
     assert op.state == OperationState.SUCCEEDED
     assert seen == {"paid_before_release": "processing"}
     assert Order.objects.get(pk=op.params["order_id"]).status == "paid"
+
+
+# --- a failure while the unit ends: nothing stays open, nothing recorded is lost ---------
+
+
+def cancel_this_statement() -> None:
+    """A real database error in the current transaction (as a lock wait or deadlock gives)."""
+    with connection.cursor() as cursor:
+        cursor.execute("SET LOCAL statement_timeout = 50")
+        cursor.execute("SELECT pg_sleep(1)")
+
+
+def fence_worker(queue) -> None:
+    """FenceWorker in this process, with pytest's signal handlers given back."""
+    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        FenceWorker([queue], connection=queue.connection).work(burst=True)
+    finally:
+        for s, handler in saved.items():
+            signal.signal(s, handler)
+
+
+def test_a_database_error_in_the_release__rolls_the_unit_back__and_the_retry_pays(
+    provider, queue, monkeypatch, mailoutbox
+):
+    release = fence.release_held_lease
+    hits = []
+
+    def failing_once(operation, to_state, **kwargs):
+        if to_state == OperationState.SUCCEEDED and not hits:
+            hits.append(operation.key)
+            cancel_this_statement()
+        return release(operation, to_state, **kwargs)
+
+    monkeypatch.setattr(fence, "release_held_lease", failing_once)
+    op = checkout("unit-5")
+    run_worker(queue)
+
+    assert hits == ["unit-5"] and not connection.in_atomic_block
+    op.refresh_from_db()
+    assert op.state == OperationState.SUCCEEDED
+    assert Order.objects.get(pk=op.params["order_id"]).status == "paid"
+    email = StepClaim.objects.get(operation=op, step=CONFIRMATION_EMAIL)
+    assert email.result["sent"] is True and len(mailoutbox) == 1
+
+
+def test_a_database_error_on_a_claim_in_the_unit__keeps_the_emails_outcome(
+    provider, queue, monkeypatch, mailoutbox
+):
+    """An aborted transaction is not "committed" (PostgreSQL would roll it back in
+    silence): the unit rolls back and writes the e-mail's outcome again."""
+    insert = fence.insert_local_claim_in_tx
+    hits = []
+
+    def cancelled_once(operation, step, *, owner):
+        if step == MARK_PAID and not hits:
+            hits.append(step)
+            cancel_this_statement()
+        return insert(operation, step, owner=owner)
+
+    monkeypatch.setattr(fence, "insert_local_claim_in_tx", cancelled_once)
+    op = checkout("unit-6")
+    run_worker(queue)
+
+    op.refresh_from_db()
+    assert (hits, op.state) == ([MARK_PAID], OperationState.SUCCEEDED)
+    email = StepClaim.objects.get(operation=op, step=CONFIRMATION_EMAIL)
+    assert (email.result["sent"], len(mailoutbox)) == (True, 1)
+
+
+def test_the_jobs_timeout_during_the_release__leaves_no_transaction_open(
+    provider, queue, monkeypatch, mailoutbox
+):
+    """RQ's SIGALRM fires while the lease is released: the unit rolls back, the
+    worker's connection stays usable, the retry pays the order and the next
+    checkout on the same worker runs."""
+    release = fence.release_held_lease
+    slowed = []
+
+    def slow_once(operation, to_state, **kwargs):
+        if to_state == OperationState.SUCCEEDED and not slowed:
+            slowed.append(operation.key)
+            time.sleep(5)  # the job's timeout (JOB_TIMEOUT 3 s in the tests) fires here
+        return release(operation, to_state, **kwargs)
+
+    monkeypatch.setattr(fence, "release_held_lease", slow_once)
+    op = checkout("unit-7")
+    fence_worker(queue)
+
+    assert slowed == ["unit-7"] and not connection.in_atomic_block
+    op.refresh_from_db()
+    assert op.state == OperationState.SUCCEEDED
+    assert Order.objects.get(pk=op.params["order_id"]).status == "paid"
+    assert len(mailoutbox) == 1
+    second = checkout("unit-8")
+    fence_worker(queue)
+    second.refresh_from_db()
+    assert second.state == OperationState.SUCCEEDED
+
+
+def test_a_job_that_leaves_a_transaction_open__is_rolled_back_by_the_worker(queue, caplog):
+    queue.enqueue(leave_a_transaction_open)
+    fence_worker(queue)
+
+    assert not connection.in_atomic_block
+    assert "left a transaction open" in caplog.text
+    # Rolled back, and the connection works again (Django reconnected).
+    assert not Order.objects.filter(customer_email="left-open@example.com").exists()
+
+
+def leave_a_transaction_open() -> None:
+    """A job that enters atomic() and returns inside it (what a bug would do)."""
+    transaction.atomic().__enter__()
+    Order.objects.create(amount=1, currency="eur", customer_email="left-open@example.com")
