@@ -20,6 +20,11 @@ rest, so the counter adds what the wrapper cannot see, where it happens:
   no COMMIT of its own; `autocommits` counts them (they are statements, so
   not again in `total`), and `transactions` = `commits` + `autocommits` is
   the number of transactions the work committed.
+- Prepares: the fence prepares its statements (payments.engine.fence,
+  `_statement_cursor`); psycopg sends a statement's Parse in a round trip of
+  its own the first time a connection runs it. `prepares` counts those (in
+  `total`): psycopg's own list of the connection's prepared statements grows.
+  On kept connections they are paid once, not per checkout.
 - Connects are counted apart (`connects`) and not in `total`: opening a
   connection is several round trips (startup, authentication, SET TIME ZONE)
   paid once per connection, not per checkout (the bench keeps connections
@@ -63,13 +68,21 @@ class RoundTrips:
     commits: int = 0
     rollbacks: int = 0
     autocommits: int = 0  # of the statements, data-modifying ones sent with autocommit on
+    prepares: int = 0  # a statement's first run on a connection: its Parse, one round trip
     health_checks: int = 0
     connects: int = 0  # not round trips of the work: see the module's docstring
     jobs: int = 0
 
     @property
     def total(self) -> int:
-        return self.statements + self.begins + self.commits + self.rollbacks + self.health_checks
+        return (
+            self.statements
+            + self.prepares
+            + self.begins
+            + self.commits
+            + self.rollbacks
+            + self.health_checks
+        )
 
     @property
     def transactions(self) -> int:
@@ -97,6 +110,12 @@ class RoundTrips:
         values["total"] = self.total / n
         values["transactions"] = self.transactions / n
         return values
+
+
+def _prepared_statements(raw: Any) -> int:
+    """How many statements psycopg has prepared on this connection (its own bookkeeping)."""
+    manager = getattr(raw, "_prepared", None)  # psycopg's PrepareManager: no public count
+    return len(getattr(manager, "_names", ())) if manager is not None else 0
 
 
 class RoundTripCounter:
@@ -140,7 +159,12 @@ class RoundTripCounter:
         self.counts.statements += 1
         if _SAVEPOINT_SQL.match(sql):
             self.counts.savepoints += 1
-        return execute(sql, params, many, context)
+        prepared = _prepared_statements(raw)
+        try:
+            return execute(sql, params, many, context)
+        finally:
+            if _prepared_statements(raw) > prepared:
+                self.counts.prepares += 1
 
     def _ending(self, db: Any, field: str) -> Callable[[Callable[[], Any]], Callable[[], Any]]:
         def wrap(original: Callable[[], Any]) -> Callable[[], Any]:

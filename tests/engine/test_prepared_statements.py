@@ -1,0 +1,110 @@
+"""The fence's statements are prepared once per connection, except behind a transaction pooler.
+
+Each test looks at PostgreSQL's own list of the session's prepared
+statements (pg_prepared_statements) after real transitions.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+from django.db import connection
+
+from devtools.bench.dbcount import counting
+from payments.checkout.handler import request_checkout
+from payments.checkout.orders import create_order
+from payments.engine import fence
+from payments.models import Operation, OperationState
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+WORKER = "worker-a/1"
+
+
+def pending(key: str) -> Operation:
+    order = create_order(amount=900, currency="eur", email="prep@example.com")
+    op, _ = request_checkout(order_id=order.pk, key=key, payment_method="pm_card_visa", actor="t")
+    return op
+
+
+def prepared_on_this_session() -> list[str]:
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT statement FROM pg_prepared_statements")
+        return [row[0] for row in cursor.fetchall()]
+
+
+def lease_and_back(op: Operation) -> None:
+    fence.acquire_lease(op.pk, owner=WORKER, seconds=30)
+    fence.release_held_lease(op, OperationState.RETRYING, owner=WORKER, reason="again")
+
+
+def test_a_transition__is_parsed_once_per_connection(queue):
+    op = pending("prep-1")
+    connection.close()  # a new session: nothing prepared yet
+
+    with counting() as first:
+        lease_and_back(op)
+    with counting() as second:
+        lease_and_back(op)
+
+    assert (first.snapshot().prepares, second.snapshot().prepares) == (2, 0)
+    assert second.snapshot().total == 2  # one round trip per transition, no Parse
+    statements = prepared_on_this_session()
+    assert any("lease_expires_at = statement_timestamp()" in s for s in statements)
+
+
+def test_behind_a_transaction_pooler__nothing_is_prepared(queue, monkeypatch):
+    """DATABASE_POOLING=transaction pins OPTIONS prepare_threshold to None: a prepared
+    statement would not follow the client to its next PgBouncer server session."""
+    op = pending("prep-2")
+    options = {**connection.settings_dict.get("OPTIONS", {}), "prepare_threshold": None}
+    monkeypatch.setitem(connection.settings_dict, "OPTIONS", options)
+    connection.close()
+
+    with counting() as counter:
+        lease_and_back(op)
+
+    assert counter.snapshot().prepares == 0
+    assert prepared_on_this_session() == []
+    op.refresh_from_db()
+    assert op.state == OperationState.RETRYING
+
+
+def alter_from_another_connection(sql: str) -> None:
+    """What `migrate` in another process does (psycopg forgets its statements after an
+    ALTER on its own connection, so the test must not run it on this one)."""
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            with connection.cursor() as cursor:
+                cursor.execute(sql)
+        except BaseException as exc:  # reported below, in the test's thread
+            errors.append(exc)
+        finally:
+            connection.close()
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join(30)
+    assert not errors, errors
+
+
+def test_a_column_added_by_a_migration__does_not_break_a_prepared_statement(queue):
+    """A deploy migrates while workers keep their connections: the statements name
+    their columns, so the prepared result does not change ("cached plan must not
+    change result type" would fail every transition until the worker reconnects)."""
+    op = pending("prep-3")
+    lease_and_back(op)  # prepared on this session
+    alter_from_another_connection(
+        "ALTER TABLE payments_operation ADD COLUMN added_by_a_deploy integer"
+    )
+    try:
+        lease_and_back(op)
+        leased = fence.acquire_lease(op.pk, owner=WORKER, seconds=30)
+    finally:
+        alter_from_another_connection(
+            "ALTER TABLE payments_operation DROP COLUMN added_by_a_deploy"
+        )
+    assert leased.acquired and leased.operation.state == OperationState.RUNNING
