@@ -143,25 +143,34 @@ def _statement_cursor() -> Any:
 
     Each statement is parsed, analysed and planned once per connection
     instead of on every call (about half a fence statement's cost on
-    PostgreSQL, measured by `make bench`). Behind PgBouncer in transaction
-    pooling a prepared statement would not follow the client to its next
-    server session, so a database whose OPTIONS pin `prepare_threshold` to
-    None (what DATABASE_POOLING=transaction sets) gets Django's usual cursor
-    and nothing is prepared. The statements name their columns (no `*`), so a
-    column added by a migration cannot change a prepared statement's result.
+    PostgreSQL, measured by `make bench`). Django's usual cursor, nothing
+    prepared, when:
+    - the database's OPTIONS pin `prepare_threshold` to None (what
+      DATABASE_POOLING=transaction sets): behind PgBouncer in transaction
+      pooling a prepared statement would not follow the client to its next
+      server session;
+    - OPTIONS set `server_side_binding`: the ORM's cursors would be prepared too;
+    - queries are logged (DEBUG): Django's cursor logs the SQL with its values.
+    The statements name their columns (no `*`), so a column a migration adds
+    cannot change a prepared statement's result. A rollback makes psycopg
+    forget the connection's prepared statements; the next run prepares again.
     """
-    if connection.settings_dict.get("OPTIONS", {}).get("prepare_threshold", 0) is None:
+    options = connection.settings_dict.get("OPTIONS", {})
+    if (
+        options.get("prepare_threshold", 0) is None
+        or options.get("server_side_binding") is True
+        or connection.queries_logged
+    ):
         return connection.cursor()
+    # What connection.cursor() does first: replace a kept connection that broke.
+    connection.close_if_health_check_failed()
     connection.ensure_connection()
     raw = connection.connection
-    # Only server-side-binding cursors prepare, and only this one is (Django's
-    # ORM uses client-side binding): 0 prepares each statement on its first run.
+    # Only server-side-binding cursors prepare, and the ORM's use client-side
+    # binding (checked above): 0 prepares each statement on its first run.
     raw.prepare_threshold = 0
     # Django wraps a DB-API cursor here (django-stubs type the argument as the wrapper).
-    cursor = cast(Any, psycopg.Cursor(raw))
-    if connection.queries_logged:
-        return connection.make_debug_cursor(cursor)
-    return connection.make_cursor(cursor)
+    return connection.make_cursor(cast(Any, psycopg.Cursor(raw)))
 
 
 def _one(model: type[Any], sql: str, params: dict[str, Any]) -> Any:
@@ -426,7 +435,7 @@ def acquire_lease(operation_id: int, *, owner: str, seconds: int) -> LeaseResult
     op = _one(
         Operation,
         ACQUIRE_LEASE,
-        {"id": operation_id, "owner": owner, "seconds": seconds, "from_states": runnable},
+        {"id": operation_id, "owner": owner[:255], "seconds": seconds, "from_states": runnable},
     )
     if op is not None:
         return LeaseResult(op, acquired=True)

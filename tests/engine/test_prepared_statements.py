@@ -7,9 +7,10 @@ statements (pg_prepared_statements) after real transitions.
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
-from django.db import connection
+from django.db import close_old_connections, connection
 
 from devtools.bench.dbcount import counting
 from payments.checkout.handler import request_checkout
@@ -108,3 +109,52 @@ def test_a_column_added_by_a_migration__does_not_break_a_prepared_statement(queu
             "ALTER TABLE payments_operation DROP COLUMN added_by_a_deploy"
         )
     assert leased.acquired and leased.operation.state == OperationState.RUNNING
+
+
+# --- from an outside review: when the fence must not prepare, and the health check ------
+
+
+def kill_this_backend() -> None:
+    """The server ends this session (a PostgreSQL or PgBouncer restart), unknown to Django."""
+    pid = connection.connection.info.backend_pid
+    alter_from_another_connection(f"SELECT pg_terminate_backend({pid})")
+
+
+def test_a_kept_connection_that_broke__is_replaced_before_the_first_fence_statement(queue):
+    """A job's first statement is acquire_lease: Django's health check must run before it,
+    as before any ORM query, or a worker fails its first job after a restart."""
+    op = pending("prep-4")
+    connection.close_at = time.monotonic() + 60  # kept (CONN_MAX_AGE), not expired
+    kill_this_backend()
+    close_old_connections()  # a job's start: the next cursor runs the health check
+
+    leased = fence.acquire_lease(op.pk, owner=WORKER, seconds=30)
+
+    assert leased.acquired
+
+
+def test_with_server_side_binding__the_orms_queries_are_not_prepared(queue, monkeypatch):
+    op = pending("prep-5")
+    options = {**connection.settings_dict.get("OPTIONS", {}), "server_side_binding": True}
+    monkeypatch.setitem(connection.settings_dict, "OPTIONS", options)
+    connection.close()
+
+    lease_and_back(op)
+    for i in range(3):
+        list(Operation.objects.filter(key=f"nope-{i}"))
+
+    assert prepared_on_this_session() == []
+
+
+def test_with_queries_logged__the_fence_statements_are_logged_with_their_values(queue):
+    op = pending("prep-6")
+    connection.force_debug_cursor = True
+    try:
+        connection.queries_log.clear()
+        lease_and_back(op)
+        logged = [query["sql"] for query in connection.queries]
+    finally:
+        connection.force_debug_cursor = False
+
+    assert len(logged) == 2
+    assert "'worker-a/1'" in logged[0] and "make_interval(secs => 30)" in logged[0]
