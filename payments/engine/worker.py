@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from typing import Any, cast
 
 from django.db import InterfaceError, OperationalError, close_old_connections, connection
 from rq.worker import SimpleWorker
@@ -19,6 +19,10 @@ from rq.worker import SimpleWorker
 from payments.engine.handlers import unknown_recorded_names
 
 logger = logging.getLogger("payments.engine.worker")
+
+#: Seconds since the previous job ended cleanly within which the next job's connection
+#: skips Django's health check (CONN_HEALTH_CHECKS' `SELECT 1`).
+HEALTH_CHECK_AFTER_IDLE = 1.0
 
 #: Seconds a starting worker waits for its database (a PostgreSQL or PgBouncer restart)
 #: before it gives up and exits.
@@ -47,16 +51,27 @@ class FenceWorker(SimpleWorker):
             )
         return bool(super().work(*args, **kwargs))
 
+    _clean_until = 0.0  # monotonic time until which this worker's connection counts as fresh
+
     def execute_job(self, job: Any, queue: Any) -> Any:
         # Django does this around each request; a worker has no requests. A
         # connection that broke (PostgreSQL restarted) or outlived
         # CONN_MAX_AGE is replaced instead of failing the next job.
         close_old_connections()
+        if time.monotonic() < self._clean_until:
+            # The previous job used this connection without an error a moment
+            # ago: a `SELECT 1` now would be one round trip per job for nothing
+            # (3 per checkout). A connection that broke in between fails the
+            # job's first statement, before anything changed; the job is
+            # retried on a new connection, as after any database error.
+            cast(Any, connection).health_check_done = True  # Django's flag (not in the stubs)
         try:
             return super().execute_job(job, queue)
         finally:
             abandon_open_transaction(job)
             close_old_connections()
+            clean = connection.connection is not None and not connection.errors_occurred
+            self._clean_until = time.monotonic() + HEALTH_CHECK_AFTER_IDLE if clean else 0.0
 
 
 def abandon_open_transaction(job: Any) -> None:

@@ -98,7 +98,10 @@ def test_counter__equals_the_trace_on_begin_commit_rollback_savepoints_and_healt
     assert (counts.savepoints, counts.health_checks, counts.connects) == (2, 1, 0)
 
 
-def test_counting_worker__a_fenced_checkout_counted_as_the_trace_counts_it(provider, queue, trace):
+def test_counting_worker__a_fenced_checkout_counted_as_the_trace_counts_it(
+    provider, queue, trace, monkeypatch
+):
+    monkeypatch.setattr("payments.engine.worker.HEALTH_CHECK_AFTER_IDLE", 0.0)  # every job checks
     trace.arm()
     with counting() as api:
         close_old_connections()
