@@ -71,7 +71,7 @@ class Command(BaseCommand):
             type=int,
             help=(
                 "At most this many rows per transaction; batches adapt below it to "
-                "INBOX['PURGE_BATCH_SECONDS']. Default: INBOX['PURGE_BATCH_SIZE'] (50000)."
+                "INBOX['PURGE_BATCH_SECONDS']. Default: INBOX['PURGE_BATCH_SIZE'] (20000)."
             ),
         )
         parser.add_argument(
