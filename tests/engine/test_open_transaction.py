@@ -7,7 +7,6 @@ checkout or `Run` and looks at the committed rows from the outside.
 
 from __future__ import annotations
 
-import signal
 import threading
 import time
 
@@ -18,10 +17,9 @@ from payments.checkout import handler as checkout_handler
 from payments.checkout.names import CONFIRMATION_EMAIL, MARK_PAID
 from payments.engine import fence
 from payments.engine.handlers import Run, get_handler
-from payments.engine.worker import FenceWorker
 from payments.models import ClaimState, Invoice, Operation, OperationState, Order, StepClaim
 from tests.support.flows import checkout
-from tests.support.workers import run_worker
+from tests.support.workers import run_fence_worker, run_worker
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -156,16 +154,6 @@ def cancel_this_statement() -> None:
         cursor.execute("SELECT pg_sleep(1)")
 
 
-def fence_worker(queue) -> None:
-    """FenceWorker in this process, with pytest's signal handlers given back."""
-    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        FenceWorker([queue], connection=queue.connection).work(burst=True)
-    finally:
-        for s, handler in saved.items():
-            signal.signal(s, handler)
-
-
 def test_a_database_error_in_the_release__rolls_the_unit_back__and_the_retry_pays(
     provider, queue, monkeypatch, mailoutbox
 ):
@@ -231,7 +219,7 @@ def test_the_jobs_timeout_during_the_release__leaves_no_transaction_open(
 
     monkeypatch.setattr(fence, "release_held_lease", slow_once)
     op = checkout("unit-7")
-    fence_worker(queue)
+    run_fence_worker(queue)
 
     assert slowed == ["unit-7"] and not connection.in_atomic_block
     op.refresh_from_db()
@@ -239,14 +227,14 @@ def test_the_jobs_timeout_during_the_release__leaves_no_transaction_open(
     assert Order.objects.get(pk=op.params["order_id"]).status == "paid"
     assert len(mailoutbox) == 1
     second = checkout("unit-8")
-    fence_worker(queue)
+    run_fence_worker(queue)
     second.refresh_from_db()
     assert second.state == OperationState.SUCCEEDED
 
 
 def test_a_job_that_leaves_a_transaction_open__is_rolled_back_by_the_worker(queue, caplog):
     queue.enqueue(leave_a_transaction_open)
-    fence_worker(queue)
+    run_fence_worker(queue)
 
     assert not connection.in_atomic_block
     assert "left a transaction open" in caplog.text

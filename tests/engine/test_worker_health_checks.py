@@ -7,15 +7,13 @@ depends on how fast this machine runs them.
 
 from __future__ import annotations
 
-import signal
-
 import pytest
 from django.db import connection
 
 from devtools.bench.dbcount import counting
 from payments.engine import worker as worker_module
-from payments.engine.worker import FenceWorker
 from payments.models import Order
+from tests.support.workers import run_fence_worker
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -27,15 +25,6 @@ def read_orders() -> int:
 def fail_with_a_database_error() -> None:
     with connection.cursor() as cursor:
         cursor.execute("SELECT * FROM no_such_table")
-
-
-def run(queue) -> None:
-    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        FenceWorker([queue], connection=queue.connection).work(burst=True)
-    finally:
-        for s, handler in saved.items():
-            signal.signal(s, handler)
 
 
 @pytest.fixture
@@ -53,7 +42,7 @@ def test_back_to_back_jobs__only_the_first_is_health_checked(queue, kept_connect
         queue.enqueue(read_orders)
 
     with counting() as counter:
-        run(queue)
+        run_fence_worker(queue)
 
     assert counter.snapshot().health_checks == 1
 
@@ -64,7 +53,7 @@ def test_after_an_idle_pause__every_job_is_health_checked(queue, kept_connection
         queue.enqueue(read_orders)
 
     with counting() as counter:
-        run(queue)
+        run_fence_worker(queue)
 
     assert counter.snapshot().health_checks == 3
 
@@ -78,7 +67,7 @@ def test_after_a_database_error__the_connection_is_checked_before_the_next_job(
     queue.enqueue(read_orders)
 
     with counting() as counter:
-        run(queue)
+        run_fence_worker(queue)
 
     # The first job's check and the one Django makes after the error, before the third
     # job (which then uses the connection just checked): without the error, 1.

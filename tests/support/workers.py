@@ -33,6 +33,18 @@ def run_worker(queue: Queue, *, with_scheduler: bool = False) -> None:
             signal.signal(sig, handler)
 
 
+def run_fence_worker(queue: Queue) -> None:
+    """Run jobs until the queue is empty on the product's FenceWorker, in this process."""
+    from payments.engine.worker import FenceWorker
+
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        FenceWorker([queue], connection=queue.connection).work(burst=True)
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
+
+
 def database_url() -> str:
     """The URL of the test database, for a process of its own."""
     db = connection.settings_dict
