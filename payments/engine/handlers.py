@@ -293,8 +293,8 @@ class Run:
         try:
             result = func() or {}
             fence.store_local_result_in_tx(claim, result)
-        except BaseException:
-            self.unit.roll_back()
+        except BaseException as exc:
+            self.unit.roll_back(f"local step {step} failed ({type(exc).__name__})")
             raise
         return result
 

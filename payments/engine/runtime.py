@@ -92,8 +92,8 @@ def execute(operation_id: int, *, worker_id: str, job: Any = None) -> str:
     try:
         _finish(op, OperationState.SUCCEEDED, worker_id, "all steps done")
         run.unit.commit()
-    except BaseException:  # a database error, the job's timeout: nothing stays open
-        run.unit.roll_back()
+    except BaseException as exc:  # a database error, the job's timeout: nothing stays open
+        run.unit.roll_back(f"leaving the lease failed ({type(exc).__name__})")
         raise
     return "succeeded"
 
@@ -105,12 +105,16 @@ def _run_handler(spec: HandlerSpec, run: Run) -> None:
     back): the steps done before the failure stay done, as if each had
     committed. A commit that fails has rolled back and rewritten the recorded
     outcomes (payments.engine.unit); the handler's error is what is handled.
+    A handler that returns after a local step's failure rolled back earlier
+    steps (it caught the error) has not done them: UnitRolledBack, retried.
     """
     try:
         spec.func(run)
+        run.unit.require_intact()
     except BaseException:
         try:
-            run.unit.commit()
+            if run.unit.intact:
+                run.unit.commit()
         except Exception:
             logger.exception("operation %s: its open transaction did not commit", run.operation.key)
         raise

@@ -21,7 +21,11 @@ Rules (the runtime and `Run` keep them; a handler never sees the unit):
 - A local step whose function raises rolls the unit back (`roll_back()`):
   its partial writes go, and with them the local steps done since the last
   commit, claims included, so they run again on the next attempt exactly as
-  after a crash at that point.
+  after a crash at that point. The rest of the run then refuses to go on
+  (UnitRolledBack), even if the handler caught the error.
+- A step inside the handler's own `transaction.atomic()` is refused
+  (InvalidTransition): the unit must be the outermost transaction, or its
+  COMMIT would only release a savepoint.
 - The runtime ends the unit with the operation's release when the handler
   returns, and commits it before it handles a step's failure.
 """
@@ -36,13 +40,21 @@ from typing import Any, TypeVar
 from django.db import DatabaseError, connection, transaction
 from psycopg import pq
 
+from payments.exceptions import InvalidTransition
+
 logger = logging.getLogger("payments.engine.unit")
 
 T = TypeVar("T")
 
 
 class UnitRolledBack(DatabaseError):
-    """The open transaction could not commit: it was rolled back, recorded outcomes rewritten."""
+    """The run's open transaction rolled back: what it held is lost, the operation runs again.
+
+    Raised when an aborted transaction could not commit, and by every later
+    step of a run whose open transaction a failing local step rolled back (a
+    handler that catches that failure must not carry on as if the steps
+    before it were done): the runtime counts a failed attempt and retries.
+    """
 
 
 def _aborted() -> bool:
@@ -53,22 +65,48 @@ def _aborted() -> bool:
     )
 
 
+NESTED = (
+    "a fenced handler's steps must not run inside its own transaction.atomic(): the run "
+    "commits each claim before its call and cannot inside an outer transaction"
+)
+
+
 class WorkUnit:
     """The open transaction of one handler run (see the module's docstring)."""
 
     def __init__(self) -> None:
         self._atomic: Any = None
         self._redo: list[Callable[[], object]] = []
+        self._lost: str | None = None
 
     @property
     def is_open(self) -> bool:
         return self._atomic is not None
 
+    @property
+    def intact(self) -> bool:
+        """False once a rollback lost what this run's steps had written."""
+        return self._lost is None
+
+    def require_intact(self) -> None:
+        """Raise UnitRolledBack if a rollback lost what this run's steps had written."""
+        if self._lost is not None:
+            raise UnitRolledBack(self._lost)
+
     def join(self) -> None:
-        """Open the unit's transaction unless it is open (BEGIN goes with its first statement)."""
+        """Open the unit's transaction unless it is open (BEGIN goes with its first statement).
+
+        Refused (InvalidTransition) inside the handler's own atomic() block,
+        and after a rollback lost earlier steps (UnitRolledBack).
+        """
+        self.require_intact()
         if self._atomic is None:
+            if connection.in_atomic_block:
+                raise InvalidTransition(NESTED)
             self._atomic = transaction.atomic()
             self._atomic.__enter__()
+        elif connection.atomic_blocks[-1] is not self._atomic:
+            raise InvalidTransition(NESTED)
 
     def record(self, write: Callable[[], T]) -> T:
         """Write an outcome already known outside, in the unit; again on its own if it rolls back."""
@@ -85,28 +123,37 @@ class WorkUnit:
         recorded outcomes are written again on their own, and
         UnitRolledBack says so. A commit that fails does the same.
         """
+        self.require_intact()
         atomic = self._atomic
         if atomic is None:
             return
+        if connection.atomic_blocks != [atomic]:
+            raise InvalidTransition(NESTED)  # its COMMIT would only release a savepoint
         if _aborted():
-            self.roll_back()
-            raise UnitRolledBack("a database error aborted the handler's open transaction")
+            self.roll_back("a database error aborted the handler's open transaction")
+            raise UnitRolledBack(self._lost)
         self._atomic = None
         try:
             atomic.__exit__(None, None, None)
         except BaseException:
+            self._lost = "the handler's open transaction failed to commit"
             self._rewrite()
             raise
         self._redo = []
 
-    def roll_back(self) -> None:
-        """Roll the unit back (a local step's function raised); rewrite the recorded outcomes."""
+    def roll_back(self, why: str) -> None:
+        """Roll the unit back and rewrite the recorded outcomes; later steps of this run refuse.
+
+        What the unit held (the local steps since the last claim, claims
+        included) is gone; they run again on the next attempt.
+        """
         atomic, self._atomic = self._atomic, None
         if atomic is None:
             return
+        self._lost = f"{why}; the steps written since the last claim were rolled back"
         exc_type, exc, tb = sys.exc_info()
         if exc is None:
-            exc_type, exc, tb = RuntimeError, RuntimeError("unit rolled back"), None
+            exc_type, exc, tb = RuntimeError, RuntimeError(why), None
         atomic.__exit__(exc_type, exc, tb)
         self._rewrite()
 

@@ -275,9 +275,15 @@ def test_local_claim__concurrent_duplicate__writes_once(queue):
         calls.append("first")
         return {"n": 1}
 
-    first = _Thread(
-        _hold_then(lambda: _local(Run(op, "a/1", spec), "review_step", first_fn), started, release)
-    )
+    def first_holds_its_open_transaction():
+        run = Run(op, "a/1", spec)
+        value = run.local("review_step", first_fn)  # the run's transaction stays open
+        started.set()
+        assert release.wait(20)
+        run.unit.commit()
+        return value
+
+    first = _Thread(first_holds_its_open_transaction)
     first.start()
     assert started.wait(20)
 

@@ -7,6 +7,7 @@ checkout or `Run` and looks at the committed rows from the outside.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 
@@ -15,8 +16,12 @@ from django.db import connection, transaction
 
 from payments.checkout import handler as checkout_handler
 from payments.checkout.names import CONFIRMATION_EMAIL, MARK_PAID
-from payments.engine import fence
+from payments.engine import fence, runtime
+from payments.engine import handlers as handlers_module
+from payments.engine.effects import DeliveryPolicy
 from payments.engine.handlers import Run, get_handler
+from payments.engine.unit import UnitRolledBack
+from payments.exceptions import RetryLater
 from payments.models import ClaimState, Invoice, Operation, OperationState, Order, StepClaim
 from tests.support.flows import checkout
 from tests.support.workers import run_fence_worker, run_worker
@@ -113,12 +118,14 @@ def test_a_local_step_that_raises__rolls_back_the_local_steps_since_the_last_cla
 
     with pytest.raises(RuntimeError):
         run.local("second_local", failing)
-    run.unit.commit()  # what the runtime does before it handles the error: nothing is left
 
     assert claims(op) == {}
     assert not Invoice.objects.filter(number="INV-partial").exists()
-    assert run.local("first_local", lambda: {"n": 2}) == {"n": 2}  # runs again
-    run.unit.commit()
+    with pytest.raises(UnitRolledBack):  # this run may not go on as if first_local were done
+        run.local("third_local", lambda: {"n": 3})
+    again = Run(op, "worker-a/1", get_handler(op.kind))  # the next attempt
+    assert again.local("first_local", lambda: {"n": 2}) == {"n": 2}
+    again.unit.commit()
     assert StepClaim.objects.get(operation=op, step="first_local").result == {"n": 2}
 
 
@@ -246,3 +253,105 @@ def leave_a_transaction_open() -> None:
     """A job that enters atomic() and returns inside it (what a bug would do)."""
     transaction.atomic().__enter__()
     Order.objects.create(amount=1, currency="eur", customer_email="left-open@example.com")
+
+
+# --- from an outside review: handlers that catch a step's failure, or wrap steps in atomic()
+
+
+def with_handler(monkeypatch, op: Operation, func) -> None:
+    """Run `op` with `func` as its handler (the kind's registration, otherwise unchanged)."""
+    spec = get_handler(op.kind)
+    monkeypatch.setitem(handlers_module._HANDLERS, op.kind, dataclasses.replace(spec, func=func))
+
+
+def test_a_handler_that_catches_a_failing_local_step__does_not_succeed_without_the_steps_before(
+    queue, monkeypatch
+):
+    """The failing step rolled back the local steps since the last claim: returning
+    as if they were done would lose them for good. The run refuses, the attempt
+    counts as failed, and the next attempt writes them."""
+    op = checkout("unit-9")
+    attempts = []
+
+    def handler(run):
+        run.local("first_local", lambda: {"invoice": "written"})
+        try:
+            run.local("optional", lambda: {"ratio": 1 / len(attempts)})  # fails on the first try
+        except ZeroDivisionError:
+            attempts.append("caught")
+
+    with_handler(monkeypatch, op, handler)
+    with pytest.raises(RetryLater, match="UnitRolledBack"):
+        runtime.execute(op.pk, worker_id="worker-a/1")
+
+    assert claims(op) == {}
+    assert runtime.execute(op.pk, worker_id="worker-a/1") == "succeeded"
+    assert claims(op) == {"first_local": ClaimState.DONE, "optional": ClaimState.DONE}
+
+
+def test_a_side_effect_inside_the_handlers_own_atomic__is_refused_before_anything_is_sent(
+    queue, monkeypatch
+):
+    op = checkout("unit-10")
+    sent = []
+
+    def handler(run):
+        with transaction.atomic():
+            run.side_effect(
+                "email",
+                lambda: sent.append(1) or {"sent": True},
+                policy=DeliveryPolicy.AT_MOST_ONCE,
+            )
+
+    with_handler(monkeypatch, op, handler)
+    with pytest.raises(RetryLater, match="InvalidTransition"):
+        runtime.execute(op.pk, worker_id="worker-a/1")
+
+    assert (sent, claims(op)) == ([], {})
+
+
+def test_a_local_step_inside_the_handlers_own_atomic__is_refused__and_the_block_rolls_back(
+    queue, monkeypatch
+):
+    """Opened inside the handler's block, the run's transaction would outlive it and
+    commit what the block rolled back."""
+    op = checkout("unit-11")
+
+    def handler(run):
+        try:
+            with transaction.atomic():
+                Invoice.objects.create(
+                    order_id=op.params["order_id"], number="INV-unit-11", amount=1, currency="eur"
+                )
+                run.local("x", lambda: {"x": 1})
+                raise ValueError("the handler's own block fails")
+        except ValueError:
+            pass
+
+    with_handler(monkeypatch, op, handler)
+    with pytest.raises(RetryLater, match="InvalidTransition"):
+        runtime.execute(op.pk, worker_id="worker-a/1")
+
+    assert not Invoice.objects.filter(number="INV-unit-11").exists()
+    assert claims(op) == {} and not connection.in_atomic_block
+
+
+def test_a_step_inside_an_atomic_opened_after_a_local_step__is_refused(queue, monkeypatch):
+    op = checkout("unit-12")
+    sent = []
+
+    def handler(run):
+        run.local("first_local", lambda: {"n": 1})
+        with transaction.atomic():
+            run.side_effect(
+                "email",
+                lambda: sent.append(1) or {"sent": True},
+                policy=DeliveryPolicy.AT_MOST_ONCE,
+            )
+
+    with_handler(monkeypatch, op, handler)
+    with pytest.raises(RetryLater, match="InvalidTransition"):
+        runtime.execute(op.pk, worker_id="worker-a/1")
+
+    assert sent == []
+    assert claims(op) == {"first_local": ClaimState.DONE}  # done before the refusal: kept
