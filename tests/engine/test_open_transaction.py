@@ -161,19 +161,25 @@ def cancel_this_statement() -> None:
         cursor.execute("SELECT pg_sleep(1)")
 
 
+def before_the_first_success_release(monkeypatch, failure) -> list[str]:
+    """Call `failure` inside the first `succeeded` release; return the keys it hit."""
+    release = fence.release_held_lease
+    hits: list[str] = []
+
+    def once(operation, to_state, **kwargs):
+        if to_state == OperationState.SUCCEEDED and not hits:
+            hits.append(operation.key)
+            failure()
+        return release(operation, to_state, **kwargs)
+
+    monkeypatch.setattr(fence, "release_held_lease", once)
+    return hits
+
+
 def test_a_database_error_in_the_release__rolls_the_unit_back__and_the_retry_pays(
     provider, queue, monkeypatch, mailoutbox
 ):
-    release = fence.release_held_lease
-    hits = []
-
-    def failing_once(operation, to_state, **kwargs):
-        if to_state == OperationState.SUCCEEDED and not hits:
-            hits.append(operation.key)
-            cancel_this_statement()
-        return release(operation, to_state, **kwargs)
-
-    monkeypatch.setattr(fence, "release_held_lease", failing_once)
+    hits = before_the_first_success_release(monkeypatch, cancel_this_statement)
     op = checkout("unit-5")
     run_worker(queue)
 
@@ -215,16 +221,8 @@ def test_the_jobs_timeout_during_the_release__leaves_no_transaction_open(
     """RQ's SIGALRM fires while the lease is released: the unit rolls back, the
     worker's connection stays usable, the retry pays the order and the next
     checkout on the same worker runs."""
-    release = fence.release_held_lease
-    slowed = []
-
-    def slow_once(operation, to_state, **kwargs):
-        if to_state == OperationState.SUCCEEDED and not slowed:
-            slowed.append(operation.key)
-            time.sleep(5)  # the job's timeout (JOB_TIMEOUT 3 s in the tests) fires here
-        return release(operation, to_state, **kwargs)
-
-    monkeypatch.setattr(fence, "release_held_lease", slow_once)
+    # The job's timeout (JOB_TIMEOUT 3 s in the tests) fires in this sleep.
+    slowed = before_the_first_success_release(monkeypatch, lambda: time.sleep(5))
     op = checkout("unit-7")
     run_fence_worker(queue)
 
