@@ -16,8 +16,9 @@ All keys live in one optional dict, ``settings.INBOX``:
 ``PURGE_BATCH_SIZE`` (default ``20000``)
     The most rows one purge batch deletes; each batch is its own short
     transaction. The cap bounds a slow batch: `make bench` measured 20,000-row
-    batches holding their locks 22-40 ms, while 50,000 let one reach 88 ms. Batches start at 1000 rows (or this, if smaller) and adapt
-    to ``PURGE_BATCH_SECONDS``; the opportunistic purge runs one first batch.
+    batches holding their locks 22-40 ms, while 50,000 let one reach 88 ms.
+    Batches start at 1000 rows (or this, if smaller) and adapt to
+    ``PURGE_BATCH_SECONDS``; the opportunistic purge runs one first batch.
 ``PURGE_BATCH_SECONDS`` (default ``0.02``)
     The time each purge batch aims to hold its row locks, from its ``DELETE``
     to its ``COMMIT``: the next batch is sized from the last one's rate.

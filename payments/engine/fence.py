@@ -119,6 +119,9 @@ def db_now() -> datetime:
 # joins it. Each statement's WHERE clause accepts exactly the from-states the
 # transition table allows (transitions.operation_sources / claim_sources); when it
 # changes nothing, the Python check on a fresh read raises with both states.
+# String parameters are cast (`::text`): a prepared statement (see
+# `_statement_cursor`) types each parameter once, and one used both as a column's
+# value and in a comparison would otherwise get two types.
 
 
 def _columns(model: type[Any], alias: str = "") -> str:
@@ -212,7 +215,7 @@ def _json(value: Any) -> str | None:
 #: One audit row, stamped by the database's clock like every statement above.
 RECORD_EVENT = f"""
 {AUDIT_INSERT}
-VALUES (%(operation)s, %(step)s::text, %(from_state)s, %(to_state)s::text, %(actor)s::text, %(reason)s::text,
+VALUES (%(operation)s, %(step)s, %(from_state)s, %(to_state)s, %(actor)s, %(reason)s,
         statement_timestamp())
 """
 
@@ -259,8 +262,9 @@ WITH created AS (
         created_at, updated_at
     )
     VALUES (
-        %(key)s::text, %(scope)s::text, %(client)s, %(parent)s, %(retry_of)s, %(kind)s::text, %(entity_type)s::text,
-        %(entity_id)s::text, %(params)s::jsonb, %(fingerprint)s::text, 'pending', 0, '', '', %(job_id)s::text,
+        %(key)s::text, %(scope)s::text, %(client)s, %(parent)s, %(retry_of)s, %(kind)s::text,
+        %(entity_type)s::text, %(entity_id)s::text, %(params)s::jsonb, %(fingerprint)s::text,
+        'pending', 0, '', '', %(job_id)s::text,
         CASE WHEN %(job_id)s::text <> '' THEN statement_timestamp() END,
         statement_timestamp(), statement_timestamp()
     )
@@ -479,7 +483,8 @@ WITH old AS (
     RETURNING {_columns(Operation, "op")}, old.state AS from_state
 ), audit AS (
     {AUDIT_INSERT}
-    SELECT id, '', from_state, %(to_state)s::text, %(owner)s::text, %(reason)s::text, statement_timestamp()
+    SELECT id, '', from_state, %(to_state)s::text, %(owner)s::text, %(reason)s::text,
+           statement_timestamp()
     FROM released
 )
 SELECT {OPERATION_COLUMNS}, from_state FROM released
@@ -631,7 +636,8 @@ WITH inserted AS (
         error, attempts, claimed_by, claimed_at, lease_expires_at, settled_at, updated_at
     )
     VALUES (
-        %(operation)s, %(step)s::text, %(state)s::text, %(idempotency_key)s::text, '', %(request)s::jsonb,
+        %(operation)s, %(step)s::text, %(state)s::text, %(idempotency_key)s::text, '',
+        %(request)s::jsonb,
         %(result)s::jsonb, '', 1, %(owner)s::text, statement_timestamp(),
         statement_timestamp() + make_interval(secs => %(lease_seconds)s),
         CASE WHEN %(state)s::text = 'done' THEN statement_timestamp() END, statement_timestamp()

@@ -58,7 +58,7 @@ class UnitRolledBack(DatabaseError):
 
 
 def _aborted() -> bool:
-    """Tell whether this connection's transaction was aborted by an error (only ROLLBACK is left)."""
+    """Tell whether an error aborted this connection's transaction (only ROLLBACK is left)."""
     raw = connection.connection
     return connection.needs_rollback or (
         raw is not None and raw.info.transaction_status == pq.TransactionStatus.INERROR
@@ -109,7 +109,7 @@ class WorkUnit:
             raise InvalidTransition(NESTED)
 
     def record(self, write: Callable[[], T]) -> T:
-        """Write an outcome already known outside, in the unit; again on its own if it rolls back."""
+        """Write an outcome known outside in the unit; write it again alone if the unit rolls back."""
         self.join()
         result = write()
         self._redo.append(write)
