@@ -287,6 +287,13 @@ def test_a_handler_that_catches_a_failing_local_step__does_not_succeed_without_t
     assert claims(op) == {"first_local": ClaimState.DONE, "optional": ClaimState.DONE}
 
 
+def refused_with_the_handler(monkeypatch, op: Operation, handler) -> None:
+    """Run `op` once with `handler`: the attempt fails on InvalidTransition (a step in atomic())."""
+    with_handler(monkeypatch, op, handler)
+    with pytest.raises(RetryLater, match="InvalidTransition"):
+        runtime.execute(op.pk, worker_id="worker-a/1")
+
+
 def test_a_side_effect_inside_the_handlers_own_atomic__is_refused_before_anything_is_sent(
     queue, monkeypatch
 ):
@@ -301,9 +308,7 @@ def test_a_side_effect_inside_the_handlers_own_atomic__is_refused_before_anythin
                 policy=DeliveryPolicy.AT_MOST_ONCE,
             )
 
-    with_handler(monkeypatch, op, handler)
-    with pytest.raises(RetryLater, match="InvalidTransition"):
-        runtime.execute(op.pk, worker_id="worker-a/1")
+    refused_with_the_handler(monkeypatch, op, handler)
 
     assert (sent, claims(op)) == ([], {})
 
@@ -326,9 +331,7 @@ def test_a_local_step_inside_the_handlers_own_atomic__is_refused__and_the_block_
         except ValueError:
             pass
 
-    with_handler(monkeypatch, op, handler)
-    with pytest.raises(RetryLater, match="InvalidTransition"):
-        runtime.execute(op.pk, worker_id="worker-a/1")
+    refused_with_the_handler(monkeypatch, op, handler)
 
     assert not Invoice.objects.filter(number="INV-unit-11").exists()
     assert claims(op) == {} and not connection.in_atomic_block
@@ -347,9 +350,7 @@ def test_a_step_inside_an_atomic_opened_after_a_local_step__is_refused(queue, mo
                 policy=DeliveryPolicy.AT_MOST_ONCE,
             )
 
-    with_handler(monkeypatch, op, handler)
-    with pytest.raises(RetryLater, match="InvalidTransition"):
-        runtime.execute(op.pk, worker_id="worker-a/1")
+    refused_with_the_handler(monkeypatch, op, handler)
 
     assert sent == []
     assert claims(op) == {"first_local": ClaimState.DONE}  # done before the refusal: kept

@@ -13,20 +13,13 @@ import pytest
 from django.db import close_old_connections, connection
 
 from devtools.bench.dbcount import counting
-from payments.checkout.handler import request_checkout
-from payments.checkout.orders import create_order
 from payments.engine import fence
 from payments.models import Operation, OperationState
+from tests.support.flows import checkout
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
 WORKER = "worker-a/1"
-
-
-def pending(key: str) -> Operation:
-    order = create_order(amount=900, currency="eur", email="prep@example.com")
-    op, _ = request_checkout(order_id=order.pk, key=key, payment_method="pm_card_visa", actor="t")
-    return op
 
 
 def prepared_on_this_session() -> list[str]:
@@ -41,7 +34,7 @@ def lease_and_back(op: Operation) -> None:
 
 
 def test_a_transition__is_parsed_once_per_connection(queue):
-    op = pending("prep-1")
+    op = checkout("prep-1")
     connection.close()  # a new session: nothing prepared yet
 
     with counting() as first:
@@ -58,7 +51,7 @@ def test_a_transition__is_parsed_once_per_connection(queue):
 def test_behind_a_transaction_pooler__nothing_is_prepared(queue, monkeypatch):
     """DATABASE_POOLING=transaction pins OPTIONS prepare_threshold to None: a prepared
     statement would not follow the client to its next PgBouncer server session."""
-    op = pending("prep-2")
+    op = checkout("prep-2")
     options = {**connection.settings_dict.get("OPTIONS", {}), "prepare_threshold": None}
     monkeypatch.setitem(connection.settings_dict, "OPTIONS", options)
     connection.close()
@@ -96,7 +89,7 @@ def test_a_column_added_by_a_migration__does_not_break_a_prepared_statement(queu
     """A deploy migrates while workers keep their connections: the statements name
     their columns, so the prepared result does not change ("cached plan must not
     change result type" would fail every transition until the worker reconnects)."""
-    op = pending("prep-3")
+    op = checkout("prep-3")
     lease_and_back(op)  # prepared on this session
     alter_from_another_connection(
         "ALTER TABLE payments_operation ADD COLUMN added_by_a_deploy integer"
@@ -123,7 +116,7 @@ def kill_this_backend() -> None:
 def test_a_kept_connection_that_broke__is_replaced_before_the_first_fence_statement(queue):
     """A job's first statement is acquire_lease: Django's health check must run before it,
     as before any ORM query, or a worker fails its first job after a restart."""
-    op = pending("prep-4")
+    op = checkout("prep-4")
     connection.close_at = time.monotonic() + 60  # kept (CONN_MAX_AGE), not expired
     kill_this_backend()
     close_old_connections()  # a job's start: the next cursor runs the health check
@@ -134,7 +127,7 @@ def test_a_kept_connection_that_broke__is_replaced_before_the_first_fence_statem
 
 
 def test_with_server_side_binding__the_orms_queries_are_not_prepared(queue, monkeypatch):
-    op = pending("prep-5")
+    op = checkout("prep-5")
     options = {**connection.settings_dict.get("OPTIONS", {}), "server_side_binding": True}
     monkeypatch.setitem(connection.settings_dict, "OPTIONS", options)
     connection.close()
@@ -147,7 +140,7 @@ def test_with_server_side_binding__the_orms_queries_are_not_prepared(queue, monk
 
 
 def test_with_queries_logged__the_fence_statements_are_logged_with_their_values(queue):
-    op = pending("prep-6")
+    op = checkout("prep-6")
     connection.force_debug_cursor = True
     try:
         connection.queries_log.clear()
