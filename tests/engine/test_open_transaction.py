@@ -8,7 +8,6 @@ checkout or `Run` and looks at the committed rows from the outside.
 from __future__ import annotations
 
 import dataclasses
-import threading
 import time
 
 import pytest
@@ -23,26 +22,11 @@ from payments.engine.handlers import Run, get_handler
 from payments.engine.unit import UnitRolledBack
 from payments.exceptions import RetryLater
 from payments.models import ClaimState, Invoice, Operation, OperationState, Order, StepClaim
+from tests.support.concurrency import on_another_connection
 from tests.support.flows import checkout
 from tests.support.workers import run_fence_worker, run_worker
 
 pytestmark = pytest.mark.django_db(transaction=True)
-
-
-def committed(query):
-    """Run `query` on another connection: what is committed, not what this one sees."""
-    found = []
-
-    def look() -> None:
-        try:
-            found.append(query())
-        finally:
-            connection.close()
-
-    thread = threading.Thread(target=look)
-    thread.start()
-    thread.join(20)
-    return found[0]
 
 
 def claims(op: Operation) -> dict[str, str]:
@@ -54,8 +38,10 @@ def test_the_invoice__is_committed_before_the_email_goes(provider, queue, monkey
     send = checkout_handler.send_confirmation
 
     def watching(order, reference):
-        seen["invoices"] = committed(lambda: Invoice.objects.filter(order=order).count())
-        seen["email_claim"] = committed(
+        seen["invoices"] = on_another_connection(
+            lambda: Invoice.objects.filter(order=order).count()
+        )
+        seen["email_claim"] = on_another_connection(
             lambda: StepClaim.objects.filter(step=CONFIRMATION_EMAIL).values_list(
                 "state", flat=True
             )[0]
@@ -136,7 +122,7 @@ def test_the_last_steps_writes_and_the_release__commit_together(provider, queue,
     release = fence.release_held_lease
 
     def watching(operation, to_state, **kwargs):
-        seen["paid_before_release"] = committed(
+        seen["paid_before_release"] = on_another_connection(
             lambda: Order.objects.get(pk=operation.params["order_id"]).status
         )
         return release(operation, to_state, **kwargs)

@@ -6,7 +6,6 @@ statements (pg_prepared_statements) after real transitions.
 
 from __future__ import annotations
 
-import threading
 import time
 
 import pytest
@@ -15,6 +14,7 @@ from django.db import close_old_connections, connection
 from devtools.bench.dbcount import counting
 from payments.engine import fence
 from payments.models import Operation, OperationState
+from tests.support.concurrency import on_another_connection
 from tests.support.flows import checkout
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -68,21 +68,12 @@ def test_behind_a_transaction_pooler__nothing_is_prepared(queue, monkeypatch):
 def alter_from_another_connection(sql: str) -> None:
     """What `migrate` in another process does (psycopg forgets its statements after an
     ALTER on its own connection, so the test must not run it on this one)."""
-    errors: list[BaseException] = []
 
     def run() -> None:
-        try:
-            with connection.cursor() as cursor:
-                cursor.execute(sql)
-        except BaseException as exc:  # reported below, in the test's thread
-            errors.append(exc)
-        finally:
-            connection.close()
+        with connection.cursor() as cursor:
+            cursor.execute(sql)
 
-    thread = threading.Thread(target=run)
-    thread.start()
-    thread.join(30)
-    assert not errors, errors
+    on_another_connection(run)
 
 
 def test_a_column_added_by_a_migration__does_not_break_a_prepared_statement(queue):

@@ -31,3 +31,14 @@ def race(targets: list[Callable[[], object]]) -> list[object]:
     for t in threads:
         t.join(timeout=30)
     return results
+
+
+def on_another_connection(func: Callable[[], object]) -> object:
+    """Run `func` in a thread of its own (its own connection): what is committed, not ours.
+
+    Returns its result; raises what it raised.
+    """
+    (result,) = race([func])
+    if isinstance(result, Exception):
+        raise result
+    return result
