@@ -302,7 +302,8 @@ def _queue_rows(f: dict) -> list[tuple[str, str]]:
                 f"DB round trips per {side} checkout, worker side{goal}",
                 f"{w['total']:.1f} = {w['statements']:.1f} statements ({w['savepoints']:.1f} "
                 f"savepoint) + {w['begins']:.1f} BEGIN + {w['commits']:.1f} COMMIT + "
-                f"{w['rollbacks']:.1f} ROLLBACK + {w['health_checks']:.1f} health checks; "
+                f"{w['rollbacks']:.1f} ROLLBACK + {w['health_checks']:.1f} health checks + "
+                f"{w['prepares']:.1f} prepares; "
                 f"{w['transactions']:.1f} transactions committed ({w['commits']:.1f} COMMIT + "
                 f"{w['autocommits']:.1f} single statements)",
             )
@@ -313,7 +314,8 @@ def _queue_rows(f: dict) -> list[tuple[str, str]]:
             "DB round trips per fenced checkout, API side (goal <= 6)",
             f"{a['total']:.1f} = {a['statements']:.1f} statements ({a['savepoints']:.1f} "
             f"savepoint) + {a['begins']:.1f} BEGIN + {a['commits']:.1f} COMMIT + "
-            f"{a['health_checks']:.1f} health checks (unfenced: 0, it only enqueues)",
+            f"{a['health_checks']:.1f} health checks + {a['prepares']:.1f} prepares "
+            "(unfenced: 0, it only enqueues)",
         )
     )
     t = f["tls"]
