@@ -394,6 +394,9 @@ class LeaseResult:
 
     operation: Operation
     acquired: bool
+    #: The steps claimed when the lease was taken (None when it was not taken): a local
+    #: step not among them runs its function first (payments.engine.handlers.Run.local).
+    claimed_steps: frozenset[str] | None = None
 
 
 #: pending | retrying | running (its lease run out, or this owner's) -> running, audited.
@@ -419,7 +422,9 @@ WITH old AS (
            statement_timestamp()
     FROM leased
 )
-SELECT {OPERATION_COLUMNS}, from_state, db_now FROM leased
+SELECT {OPERATION_COLUMNS}, from_state, db_now,
+       ARRAY(SELECT step FROM payments_stepclaim WHERE operation_id = leased.id) AS claimed_steps
+FROM leased
 """
 
 
@@ -442,7 +447,8 @@ def acquire_lease(operation_id: int, *, owner: str, seconds: int) -> LeaseResult
         {"id": operation_id, "owner": owner[:255], "seconds": seconds, "from_states": runnable},
     )
     if op is not None:
-        return LeaseResult(op, acquired=True)
+        claimed = frozenset(op.__dict__.pop("claimed_steps"))
+        return LeaseResult(op, acquired=True, claimed_steps=claimed)
     return LeaseResult(
         Operation.objects.annotate(db_now=Now()).get(pk=operation_id), acquired=False
     )
@@ -749,14 +755,19 @@ def claim_step_in_tx(
 
 
 @fence_writer
-def insert_local_claim_in_tx(operation: Operation, step: str, *, owner: str) -> StepClaim | None:
+def insert_local_claim_in_tx(
+    operation: Operation, step: str, *, owner: str, result: dict[str, Any] | None = None
+) -> StepClaim | None:
     """Insert the `done` claim of a local step; None when the step is taken already.
 
-    Runs inside the transaction of the step's writes, before them: a
-    concurrent duplicate waits on the claim's unique key (ON CONFLICT) and,
-    once the first commits, gets None and writes nothing.
+    Runs inside the transaction of the step's writes: a concurrent duplicate
+    waits on the claim's unique key (ON CONFLICT) and, once the first
+    commits, gets None. Before the writes (no `result` yet, stored after
+    them), or after them with their `result` in the same statement.
     """
-    return _insert_claim(operation, step, state=ClaimState.DONE, owner=owner, reason="")
+    return _insert_claim(
+        operation, step, state=ClaimState.DONE, owner=owner, reason="", result=result
+    )
 
 
 @fence_writer

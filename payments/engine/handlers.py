@@ -260,6 +260,11 @@ class Run:
     spec: HandlerSpec
     #: The open transaction of this run's writes (payments.engine.unit); the runtime ends it.
     unit: WorkUnit = field(default_factory=WorkUnit)
+    #: The steps claimed when this run's lease was taken (the runtime passes them; None:
+    #: unknown, every local step inserts its claim first).
+    claimed_at_lease: frozenset[str] | None = None
+    #: The local steps this run has gone through (a second call with a name replays).
+    _local_steps: set[str] = field(default_factory=set, init=False, repr=False)
 
     @property
     def params(self) -> dict[str, Any]:
@@ -276,14 +281,22 @@ class Run:
         """Run a local step: its `done` claim and its writes commit together, once.
 
         They go in the run's open transaction (payments.engine.unit), which
-        commits with the next claim or when the handler returns. The claim goes
-        first, so a step done before is replayed without running `func` again,
-        and a concurrent duplicate waits on the claim's unique key and finds it
-        taken once the first commits. If `func` raises, the open transaction
-        rolls back: this step and the local steps since the last claim run
-        again on the next attempt.
+        commits with the next claim or when the handler returns. A step the
+        lease found unclaimed runs `func` first, then inserts its claim with
+        its result: one statement beside the writes. Any other step inserts
+        its claim first, so a step done before is replayed without running
+        `func` again. A concurrent duplicate waits on the claim's unique key;
+        once the first commits it finds the step taken: it replays it, or,
+        when its own `func` has run already, rolls its open transaction back
+        (UnitRolledBack: the attempt is retried and finds the step done). If
+        `func` raises, the open transaction rolls back: this step and the
+        local steps since the last claim run again on the next attempt.
         """
         self.unit.join()
+        first_go = step not in self._local_steps
+        self._local_steps.add(step)
+        if first_go and self.claimed_at_lease is not None and step not in self.claimed_at_lease:
+            return self._local_then_claim(step, func)
         claim = fence.insert_local_claim_in_tx(self.operation, step, owner=self.worker_id)
         if claim is None:
             existing = StepClaim.objects.get(operation=self.operation, step=step)
@@ -296,6 +309,23 @@ class Run:
         except BaseException as exc:
             self.unit.roll_back(f"local step {step} failed ({type(exc).__name__})")
             raise
+        return result
+
+    def _local_then_claim(
+        self, step: str, func: Callable[[], dict[str, Any] | None]
+    ) -> dict[str, Any]:
+        """Run a local step no claim existed for at the lease: `func`, then claim and result."""
+        try:
+            result = func() or {}
+            claim = fence.insert_local_claim_in_tx(
+                self.operation, step, owner=self.worker_id, result=result
+            )
+        except BaseException as exc:
+            self.unit.roll_back(f"local step {step} failed ({type(exc).__name__})")
+            raise
+        if claim is None:  # a duplicate run committed the step while this one ran it
+            self.unit.roll_back(f"local step {step} was done meanwhile by another run")
+            self.unit.require_intact()
         return result
 
     @telemetry.traced("side_effect")

@@ -61,7 +61,7 @@ def execute(operation_id: int, *, worker_id: str, job: Any = None) -> str:
         _finish(op, OperationState.NEEDS_REVIEW, worker_id, str(exc))
         alerts.error("operation %s cannot run: %s", op.key, exc)
         return "needs_review"
-    run = Run(op, worker_id, spec)
+    run = Run(op, worker_id, spec, claimed_at_lease=leased.claimed_steps)
     try:
         _run_handler(spec, run)
     except StepBusy as exc:

@@ -10,13 +10,21 @@ that a refused transition changed nothing.
 from __future__ import annotations
 
 import pytest
+from django.utils import timezone
 
 from devtools.bench.dbcount import RoundTrips, counting
 from payments.checkout.handler import request_checkout
 from payments.checkout.orders import create_order
 from payments.engine import fence
 from payments.exceptions import IllegalTransition, NotClaimOwner
-from payments.models import ClaimState, Operation, OperationEvent, OperationState, StepClaim
+from payments.models import (
+    ClaimState,
+    Operation,
+    OperationEvent,
+    OperationState,
+    SalesDay,
+    StepClaim,
+)
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -188,3 +196,44 @@ def test_fenced_checkout__at_most_seven_transactions_on_the_worker_side(provider
 
     assert counted.jobs == 3
     assert counted.transactions <= 7, counted
+
+
+def worker_trips_by_job(queue, key: str, monkeypatch) -> dict[str, int]:
+    """One fenced checkout on the counting worker: the round trips of each job function
+    (the two follow-ups add up), without what a kept connection pays once (the Parse of
+    a prepared statement, the health check)."""
+    from devtools.bench import dbcount
+    from devtools.bench.dbcount import recorded
+    from devtools.bench.workers import CountingWorker
+    from tests.support.flows import checkout
+
+    monkeypatch.setattr("payments.engine.worker.HEALTH_CHECK_AFTER_IDLE", 60.0)
+    op = checkout(key)
+    CountingWorker.counter = dbcount.RoundTripCounter()
+    CountingWorker.counter.install()
+    try:
+        CountingWorker([queue], connection=queue.connection).work(burst=True)
+    finally:
+        CountingWorker.counter.uninstall()
+        CountingWorker.counter = None
+    op.refresh_from_db()
+    assert op.state == OperationState.SUCCEEDED
+    by_job = recorded(queue.connection)
+    return {
+        name.rsplit(".", 1)[-1]: t.total - t.prepares - t.health_checks
+        for name, t in by_job.items()
+    }
+
+
+def test_fenced_checkout__round_trips_of_each_job(provider, queue, monkeypatch):
+    """The checkout job, 17: the lease (1), the order's read (1), the charge's claim
+    and outcome (2); BEGIN, the invoice, its claim with its result, the e-mail's claim,
+    COMMIT (5); BEGIN, the e-mail's outcome, the order's status, two follow-ups,
+    mark_paid's claim with its result, the release, COMMIT (8). A local step costs one
+    statement beside its writes: it runs first, then its claim goes in with its result.
+    The follow-ups, 11: BEGIN, the inbox row, the `succeeded`, COMMIT (4 each), and
+    their writes: the ledger line (1), the day's counter read and added to (2)."""
+    SalesDay.objects.create(day=timezone.now().date(), currency="eur")  # the day has sales
+    by_job = worker_trips_by_job(queue, "trips-1", monkeypatch)
+
+    assert by_job == {"run_operation": 17, "deliver_message": 11}, by_job

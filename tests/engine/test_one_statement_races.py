@@ -303,6 +303,55 @@ def test_local_claim__concurrent_duplicate__writes_once(queue):
     assert OperationEvent.objects.filter(operation=op, step="review_step").count() == 1
 
 
+def test_local_step_run_first__concurrent_duplicate__rolls_its_writes_back(queue):
+    """Two runs whose leases both found the step unclaimed (a taken-over lease whose
+    first owner still runs) both run the function; the second's claim waits on the
+    first's and, once the first commits, finds it taken: its writes roll back and its
+    attempt ends in UnitRolledBack. The step's writes exist once."""
+    from payments.engine.handlers import Run, get_handler
+    from payments.engine.unit import UnitRolledBack
+    from payments.models import LedgerEntry
+
+    leased = fence.acquire_lease(_pending_checkout("loc-2").pk, owner=WORKER, seconds=30)
+    op, spec = leased.operation, get_handler(leased.operation.kind)
+    assert leased.claimed_steps == frozenset()
+    started, release = threading.Event(), threading.Event()
+
+    def write(who):
+        def fn():
+            LedgerEntry.objects.create(
+                order_id=op.params["order_id"], amount=1, currency="eur", provider_reference=who
+            )
+            return {"by": who}
+
+        return fn
+
+    def first_holds_its_open_transaction():
+        run = Run(op, "a/1", spec, claimed_at_lease=leased.claimed_steps)
+        value = run.local("review_step", write("first"))
+        started.set()
+        assert release.wait(20)
+        run.unit.commit()
+        return value
+
+    first = _Thread(first_holds_its_open_transaction)
+    first.start()
+    assert started.wait(20)
+    second_run = Run(op, "b/2", spec, claimed_at_lease=leased.claimed_steps)
+    second = _Thread(lambda: _local(second_run, "review_step", write("second")))
+    second.start()
+    _wait_until_blocked()
+    release.set()
+    first.join(20)
+    second.join(20)
+    assert first.error is None and first.result == {"by": "first"}
+    assert isinstance(second.error, UnitRolledBack), second.error
+    assert list(LedgerEntry.objects.values_list("provider_reference", flat=True)) == ["first"]
+    claim = StepClaim.objects.get(operation=op, step="review_step")
+    assert (claim.claimed_by, claim.result) == ("a/1", {"by": "first"})
+    assert OperationEvent.objects.filter(operation=op, step="review_step").count() == 1
+
+
 # --- F3 (pre-existing, kept by the reordering): an unknown kind strips a live lease --------
 
 

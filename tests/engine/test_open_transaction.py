@@ -185,11 +185,11 @@ def test_a_database_error_on_a_claim_in_the_unit__keeps_the_emails_outcome(
     insert = fence.insert_local_claim_in_tx
     hits = []
 
-    def cancelled_once(operation, step, *, owner):
+    def cancelled_once(operation, step, *, owner, result=None):
         if step == MARK_PAID and not hits:
             hits.append(step)
             cancel_this_statement()
-        return insert(operation, step, owner=owner)
+        return insert(operation, step, owner=owner, result=result)
 
     monkeypatch.setattr(fence, "insert_local_claim_in_tx", cancelled_once)
     op = checkout("unit-6")
