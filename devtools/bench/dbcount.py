@@ -25,6 +25,13 @@ rest, so the counter adds what the wrapper cannot see, where it happens:
   its own the first time a connection runs it. `prepares` counts those (in
   `total`): psycopg's own list of the connection's prepared statements grows.
   On kept connections they are paid once, not per checkout.
+- Pipelines: the fence sends a statement together with the BEGIN it opens
+  or the COMMIT that ends it (psycopg's pipeline mode, payments.engine.fence
+  `_execute`): they wait for one answer, at the pipeline's Sync. What goes in
+  a pipeline is counted as usual (statement, COMMIT) and again in
+  `pipelined`, which `total` subtracts; each pipeline adds one `syncs`. Its
+  Parse goes with it too: no `prepares`. A BEGIN psycopg sends in a pipeline
+  is synced on its own first: a round trip, as outside one.
 - Connects are counted apart (`connects`) and not in `total`: opening a
   connection is several round trips (startup, authentication, SET TIME ZONE)
   paid once per connection, not per checkout (the bench keeps connections
@@ -46,6 +53,7 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
+import psycopg
 from django.db import DEFAULT_DB_ALIAS, connections
 from psycopg import pq
 from redis import Redis
@@ -53,6 +61,7 @@ from redis import Redis
 #: A statement that only reads (a data-modifying CTE starts with WITH and counts as a write).
 _READ_SQL = re.compile(r"\s*(SELECT|SHOW)\b", re.IGNORECASE)
 _SAVEPOINT_SQL = re.compile(r"\s*(SAVEPOINT|RELEASE|ROLLBACK\s+TO)\b", re.IGNORECASE)
+_COMMIT_SQL = re.compile(r"\s*COMMIT\s*$", re.IGNORECASE)
 
 #: Redis hash (one per job function) where counting workers add up their jobs' trips.
 KEY_PREFIX = "bench:db-round-trips:"
@@ -70,6 +79,8 @@ class RoundTrips:
     autocommits: int = 0  # of the statements, data-modifying ones sent with autocommit on
     prepares: int = 0  # a statement's first run on a connection: its Parse, one round trip
     health_checks: int = 0
+    pipelined: int = 0  # of the above, sent in a pipeline: no round trip of their own
+    syncs: int = 0  # a pipeline's one round trip
     connects: int = 0  # not round trips of the work: see the module's docstring
     jobs: int = 0
 
@@ -82,6 +93,8 @@ class RoundTrips:
             + self.commits
             + self.rollbacks
             + self.health_checks
+            + self.syncs
+            - self.pipelined
         )
 
     @property
@@ -137,6 +150,7 @@ class RoundTripCounter:
         self._patch(db, "_rollback", self._ending(db, "rollbacks"))
         self._patch(db, "is_usable", self._counting("health_checks"))
         self._patch(db, "connect", self._counting("connects"))
+        self._count_pipelines(db)
 
     def uninstall(self) -> None:
         while self._undo:
@@ -149,21 +163,47 @@ class RoundTripCounter:
         setattr(db, name, wrap(original))  # an instance attribute: the class stays as it is
         self._undo.append(lambda: delattr(db, name))
 
+    def _count_pipelines(self, db: Any) -> None:
+        """Count one round trip (`syncs`) per pipeline this connection sends."""
+        original = psycopg.Connection.pipeline
+        counts = self.counts
+
+        @contextmanager
+        def pipeline(conn: Any) -> Iterator[Any]:
+            with original(conn) as pipe:
+                yield pipe
+            if conn is db.connection:
+                counts.syncs += 1
+
+        psycopg.Connection.pipeline = pipeline  # type: ignore[assignment,method-assign]
+
+        def undo() -> None:
+            psycopg.Connection.pipeline = original  # type: ignore[method-assign]
+
+        self._undo.append(undo)
+
     def _execute(self, execute: Any, sql: str, params: Any, many: bool, context: dict) -> Any:
         raw = context["connection"].connection
+        piped = raw is not None and raw.pgconn.pipeline_status != pq.PipelineStatus.OFF
         if raw is not None and raw.info.transaction_status == pq.TransactionStatus.IDLE:
             if not raw.autocommit:
-                self.counts.begins += 1  # psycopg sends BEGIN first, in a round trip of its own
+                # psycopg sends BEGIN first, in a round trip of its own (in a pipeline too:
+                # it syncs the BEGIN before it queues the statement).
+                self.counts.begins += 1
             elif not _READ_SQL.match(sql):
                 self.counts.autocommits += 1  # its own transaction, committed as it returns
-        self.counts.statements += 1
+        if _COMMIT_SQL.match(sql):
+            self.counts.commits += 1  # a COMMIT sent as a statement (the fence's, piped)
+        else:
+            self.counts.statements += 1
+        self.counts.pipelined += piped
         if _SAVEPOINT_SQL.match(sql):
             self.counts.savepoints += 1
         prepared = _prepared_statements(raw)
         try:
             return execute(sql, params, many, context)
         finally:
-            if _prepared_statements(raw) > prepared:
+            if _prepared_statements(raw) > prepared and not piped:
                 self.counts.prepares += 1
 
     def _ending(self, db: Any, field: str) -> Callable[[Callable[[], Any]], Callable[[], Any]]:

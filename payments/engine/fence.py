@@ -15,6 +15,9 @@ import logging
 import os
 import secrets
 import socket
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any, cast
@@ -176,6 +179,58 @@ def _statement_cursor() -> Any:
     return connection.make_cursor(cast(Any, psycopg.Cursor(raw)))
 
 
+class CommitWith:
+    """Asks the next fence statement to send the transaction's COMMIT in its round trip."""
+
+    def __init__(self) -> None:
+        #: True once the COMMIT went with a statement and succeeded.
+        self.committed = False
+
+
+_COMMIT_WITH_NEXT: ContextVar[CommitWith | None] = ContextVar("commit_with_next", default=None)
+
+
+@contextmanager
+def commit_with_next_statement() -> Iterator[CommitWith]:
+    """Inside the block, the next fence statement commits the open transaction with it.
+
+    For payments.engine.unit, which ends its transaction with the statement
+    that must commit with it (a claim before its call, the release): the
+    statement and the COMMIT go in one round trip (psycopg's pipeline mode),
+    and the COMMIT is skipped if the statement fails. The caller closes
+    Django's side of the transaction after the block (`CommitWith.committed`).
+    """
+    marker = CommitWith()
+    token = _COMMIT_WITH_NEXT.set(marker)
+    try:
+        yield marker
+    finally:
+        _COMMIT_WITH_NEXT.reset(token)
+
+
+def _execute(cursor: Any, sql: str, params: dict[str, Any]) -> None:
+    """Execute one fence statement; the COMMIT asked for (CommitWith) goes with it.
+
+    In psycopg's pipeline mode the statement and the COMMIT wait for one
+    answer. Nothing else changes: a statement that fails aborts the
+    transaction, and the COMMIT after it is not run. (A BEGIN gains nothing
+    there: psycopg waits for its answer before the statement, as outside.)
+    """
+    raw = connection.connection
+    commit = _COMMIT_WITH_NEXT.get()
+    if commit is None or raw is None or raw.autocommit:
+        cursor.execute(sql, params)
+        return
+    with connection.wrap_database_errors, raw.pipeline():
+        cursor.execute(sql, params)
+        if commit is not None:
+            _COMMIT_WITH_NEXT.set(None)  # one statement commits; later ones run after it
+            with connection.cursor() as ending:
+                ending.execute("COMMIT")
+    if commit is not None:
+        commit.committed = True
+
+
 def _one(model: type[Any], sql: str, params: dict[str, Any]) -> Any:
     """Run one statement that returns at most one row of `model`; return it, or None.
 
@@ -185,7 +240,7 @@ def _one(model: type[Any], sql: str, params: dict[str, Any]) -> Any:
     are on every worker's path and `raw()` maps the columns anew each time.
     """
     with _statement_cursor() as cursor:
-        cursor.execute(sql, params)
+        _execute(cursor, sql, params)
         row = cursor.fetchone()
         if row is None:
             return None

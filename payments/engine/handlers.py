@@ -339,10 +339,12 @@ class Run:
         """
         lease = payments_settings().claim_lease
         self.unit.join()
-        claimed = fence.claim_step_in_tx(
-            self.operation, step, owner=self.worker_id, lease_seconds=lease, provider_call=False
+        # The claim commits with the unit, in one round trip: durable before anything is sent.
+        claimed = self.unit.commit_with(
+            lambda: fence.claim_step_in_tx(
+                self.operation, step, owner=self.worker_id, lease_seconds=lease, provider_call=False
+            )
         )
-        self.unit.commit()  # the claim is durable before anything is sent
         claim = claimed.claim
         resend = False
         if not claimed.created:

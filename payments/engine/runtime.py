@@ -88,10 +88,11 @@ def execute(operation_id: int, *, worker_id: str, job: Any = None) -> str:
         logger.exception("operation %s: unexpected error in handler %s", op.key, op.kind)
         _transient(op, spec, worker_id, f"{type(exc).__name__}: {exc}", job)
     # The release joins the handler's open transaction: its last writes and the
-    # operation's `succeeded` commit together.
+    # operation's `succeeded` commit together, the COMMIT in the release's round trip.
     try:
-        _finish(op, OperationState.SUCCEEDED, worker_id, "all steps done")
-        run.unit.commit()
+        run.unit.commit_with(
+            lambda: _finish(op, OperationState.SUCCEEDED, worker_id, "all steps done")
+        )
     except BaseException as exc:  # a database error, the job's timeout: nothing stays open
         run.unit.roll_back(f"leaving the lease failed ({type(exc).__name__})")
         raise

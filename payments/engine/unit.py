@@ -14,7 +14,8 @@ So a handler's writes between two calls go in one transaction, the unit:
 Rules (the runtime and `Run` keep them; a handler never sees the unit):
 
 - The claim that fences a call commits before the call, with the unit
-  (`commit()`): the guarantee "claimed before called" is unchanged.
+  (`commit_with()`: the claim's statement and the COMMIT in one round trip):
+  the guarantee "claimed before called" is unchanged.
 - An outcome already known outside (an e-mail sent) is written in the unit
   with `record()`; if the unit then rolls back, the outcome is written again
   on its own, so a later step's failure never loses it.
@@ -40,6 +41,7 @@ from typing import Any, TypeVar
 from django.db import DatabaseError, connection, transaction
 from psycopg import pq
 
+from payments.engine import fence
 from payments.exceptions import InvalidTransition
 
 logger = logging.getLogger("payments.engine.unit")
@@ -140,6 +142,45 @@ class WorkUnit:
             self._rewrite()
             raise
         self._redo = []
+
+    def commit_with(self, statement: Callable[[], T]) -> T:
+        """Run one fence statement and commit the unit with it, in one round trip.
+
+        For the statement the unit must commit with (a claim before its call,
+        the operation's release). Its COMMIT goes with it
+        (fence.commit_with_next_statement) and is not run if it fails; a
+        failure of either rolls the unit back as `commit()` would. Without an
+        open unit the statement commits on its own.
+        """
+        self.require_intact()
+        atomic = self._atomic
+        if atomic is None:
+            return statement()
+        if connection.atomic_blocks != [atomic]:
+            raise InvalidTransition(NESTED)  # its COMMIT would only release a savepoint
+        if _aborted():
+            self.roll_back("a database error aborted the handler's open transaction")
+            raise UnitRolledBack(self._lost)
+        try:
+            with fence.commit_with_next_statement() as sent:
+                result = statement()
+        except BaseException:
+            if sent.committed:  # the error came after the COMMIT: what the unit held is durable
+                self._close_committed(atomic)
+            else:
+                self.roll_back("the handler's open transaction failed to commit")
+            raise
+        if sent.committed:
+            self._close_committed(atomic)
+        else:  # the statement did not go through the fence's cursor: commit as usual
+            self.commit()
+        return result
+
+    def _close_committed(self, atomic: Any) -> None:
+        """End Django's side of a transaction whose COMMIT was sent (psycopg sends nothing)."""
+        self._atomic = None
+        self._redo = []
+        atomic.__exit__(None, None, None)
 
     def roll_back(self, why: str) -> None:
         """Roll the unit back and rewrite the recorded outcomes; later steps of this run refuse.

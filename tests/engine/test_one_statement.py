@@ -226,14 +226,16 @@ def worker_trips_by_job(queue, key: str, monkeypatch) -> dict[str, int]:
 
 
 def test_fenced_checkout__round_trips_of_each_job(provider, queue, monkeypatch):
-    """The checkout job, 17: the lease (1), the order's read (1), the charge's claim
-    and outcome (2); BEGIN, the invoice, its claim with its result, the e-mail's claim,
-    COMMIT (5); BEGIN, the e-mail's outcome, the order's status, two follow-ups,
-    mark_paid's claim with its result, the release, COMMIT (8). A local step costs one
-    statement beside its writes: it runs first, then its claim goes in with its result.
+    """The checkout job, 15: the lease (1), the order's read (1), the charge's claim
+    and outcome (2); BEGIN, the invoice, its claim with its result, the e-mail's claim
+    with the COMMIT (4); BEGIN, the e-mail's outcome, the order's status, two
+    follow-ups, mark_paid's claim with its result, the release with the COMMIT (7).
+    A local step costs one statement beside its writes: it runs first, then its claim
+    goes in with its result. The statement a unit commits with sends the COMMIT in
+    its own round trip (a pipeline).
     The follow-ups, 11: BEGIN, the inbox row, the `succeeded`, COMMIT (4 each), and
     their writes: the ledger line (1), the day's counter read and added to (2)."""
     SalesDay.objects.create(day=timezone.now().date(), currency="eur")  # the day has sales
     by_job = worker_trips_by_job(queue, "trips-1", monkeypatch)
 
-    assert by_job == {"run_operation": 17, "deliver_message": 11}, by_job
+    assert by_job == {"run_operation": 15, "deliver_message": 11}, by_job

@@ -340,3 +340,86 @@ def test_a_step_inside_an_atomic_opened_after_a_local_step__is_refused(queue, mo
 
     assert sent == []
     assert claims(op) == {"first_local": ClaimState.DONE}  # done before the refusal: kept
+
+
+@pytest.fixture
+def fail_once_in_sql():
+    """Install a database trigger that fails once: `claim` refuses the e-mail's claim insert,
+    `commit` makes the first COMMIT after an invoice insert fail (a deferred constraint)."""
+    installed: list[str] = []
+
+    def install(where: str) -> None:
+        with connection.cursor() as cursor:
+            cursor.execute("CREATE SEQUENCE test_fail_once")
+            if where == "claim":
+                cursor.execute(
+                    "CREATE FUNCTION test_fail_once() RETURNS trigger LANGUAGE plpgsql AS $$ "
+                    "BEGIN IF NEW.step = 'confirmation_email' AND nextval('test_fail_once') = 1 "
+                    "THEN RAISE EXCEPTION 'the claim fails once (test)'; END IF; RETURN NEW; END $$"
+                )
+                cursor.execute(
+                    "CREATE TRIGGER test_fail_once BEFORE INSERT ON payments_stepclaim "
+                    "FOR EACH ROW EXECUTE FUNCTION test_fail_once()"
+                )
+                installed.append("payments_stepclaim")
+            else:
+                cursor.execute(
+                    "CREATE FUNCTION test_fail_once() RETURNS trigger LANGUAGE plpgsql AS $$ "
+                    "BEGIN IF nextval('test_fail_once') = 1 "
+                    "THEN RAISE EXCEPTION 'the commit fails once (test)'; END IF; RETURN NEW; END $$"
+                )
+                cursor.execute(
+                    "CREATE CONSTRAINT TRIGGER test_fail_once AFTER INSERT ON payments_invoice "
+                    "DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION test_fail_once()"
+                )
+                installed.append("payments_invoice")
+
+    yield install
+    with connection.cursor() as cursor:
+        for table in installed:
+            cursor.execute(f"DROP TRIGGER test_fail_once ON {table}")
+        cursor.execute("DROP FUNCTION IF EXISTS test_fail_once()")
+        cursor.execute("DROP SEQUENCE IF EXISTS test_fail_once")
+
+
+def failures_seen() -> int:
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT last_value, is_called FROM test_fail_once")
+        value, called = cursor.fetchone()
+    return value if called else 0
+
+
+def test_the_emails_claim_failing_with_its_commit__commits_nothing__and_the_retry_sends_once(
+    provider, queue, fail_once_in_sql, mailoutbox
+):
+    """The e-mail's claim and the unit's COMMIT go in one round trip: the claim fails,
+    the COMMIT after it is not run, the invoice rolls back with it; nothing was sent,
+    and the retry invoices and sends once."""
+    fail_once_in_sql("claim")
+    op = checkout("unit-pipe-1")
+    run_worker(queue)
+
+    assert failures_seen() >= 1
+    op.refresh_from_db()
+    assert op.state == OperationState.SUCCEEDED and op.attempts == 1
+    assert Invoice.objects.filter(order_id=op.params["order_id"]).count() == 1
+    email = StepClaim.objects.get(operation=op, step=CONFIRMATION_EMAIL)
+    assert (email.result["sent"], email.result["resent"], len(mailoutbox)) == (True, False, 1)
+
+
+def test_a_commit_that_fails_after_the_emails_claim__is_not_taken_for_a_commit(
+    provider, queue, fail_once_in_sql, mailoutbox
+):
+    """The COMMIT sent with the e-mail's claim fails (a deferred constraint): the claim
+    and the invoice are not durable, so nothing is sent; the retry claims, invoices and
+    sends once."""
+    fail_once_in_sql("commit")
+    op = checkout("unit-pipe-2")
+    run_worker(queue)
+
+    assert failures_seen() >= 1
+    op.refresh_from_db()
+    assert op.state == OperationState.SUCCEEDED and op.attempts == 1
+    assert Invoice.objects.filter(order_id=op.params["order_id"]).count() == 1
+    email = StepClaim.objects.get(operation=op, step=CONFIRMATION_EMAIL)
+    assert (email.result["sent"], email.result["resent"], len(mailoutbox)) == (True, False, 1)
