@@ -29,7 +29,7 @@ from inbox.conf import inbox_settings
 from inbox.context import handling
 from inbox.exceptions import MissingMessageId
 from inbox.queues import CONSUMER_META_KEY, MESSAGE_ID_META_KEY
-from inbox.services import purge_expired, record_message
+from inbox.services import check_identity, purge_expired, record_message
 from inbox.signals import duplicate_skipped
 
 logger = logging.getLogger("inbox")
@@ -38,7 +38,9 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 
 @contextmanager
-def inbox_guard(consumer: str, message_id: str) -> Iterator[bool]:
+def inbox_guard(
+    consumer: str, message_id: str, *, record: Callable[[], bool] | None = None
+) -> Iterator[bool]:
     """Open ``atomic()``, record the message and yield whether to handle it.
 
     Yield True on the first delivery: run the handler inside the ``with``
@@ -53,9 +55,16 @@ def inbox_guard(consumer: str, message_id: str) -> Iterator[bool]:
 
     Nested in an outer ``atomic()``, this becomes a savepoint and commits
     with the outer transaction; the opportunistic purge runs after that.
+
+    ``record`` replaces :func:`~inbox.services.record_message` for a caller
+    that inserts the row in a statement of its own, together with its first
+    write (one round trip instead of two): it must insert exactly the row
+    ``record_message`` would, ``ON CONFLICT (consumer, message_id) DO
+    NOTHING``, in the current transaction, and return whether it inserted it.
     """
+    check_identity(consumer, message_id)
     with transaction.atomic():
-        handle = record_message(consumer, message_id)
+        handle = record() if record is not None else record_message(consumer, message_id)
         if handle:
             _schedule_purge(consumer)
         else:
@@ -97,6 +106,15 @@ def _purge_after_commit(consumer: str, batch_size: int) -> None:
             consumer,
             result.longest_batch_seconds,
         )
+
+
+def current_message(consumer: str | None = None) -> tuple[str | None, str | None]:
+    """Return (consumer, message id) of the running job, as :func:`inbox_handler` reads them.
+
+    The consumer is, in order: ``consumer``, ``job.meta["consumer"]``, the
+    job's origin queue. Either may be None (no job, or no message id).
+    """
+    return _message_of(get_current_job(), consumer)
 
 
 def _message_of(job: Job | None, consumer: str | None) -> tuple[str | None, str | None]:

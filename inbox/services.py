@@ -38,7 +38,8 @@ class PurgeResult:
     """True when ``should_stop`` ended the purge early, between two batches."""
 
 
-def _check_identity(consumer: str, message_id: str) -> None:
+def check_identity(consumer: str, message_id: str) -> None:
+    """Raise InvalidMessageId unless both fit the inbox row's columns."""
     # Both are CharFields, whose max_length is always set.
     consumer_max = cast(int, InboxEntry._meta.get_field("consumer").max_length)
     message_id_max = cast(int, InboxEntry._meta.get_field("message_id").max_length)
@@ -61,7 +62,7 @@ def record_message(consumer: str, message_id: str) -> bool:
     ``transaction.atomic()``: in autocommit the row would commit before the
     handler's writes, and a crash in between would skip the message for good.
     """
-    _check_identity(consumer, message_id)
+    check_identity(consumer, message_id)
     if not connection.in_atomic_block:
         raise TransactionRequired(consumer, message_id)
     table = connection.ops.quote_name(InboxEntry._meta.db_table)

@@ -20,12 +20,14 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Any, cast
+from typing import Any, NoReturn, cast
 
 import psycopg
 from django.db import connection, transaction
 from django.db.models.functions import Now
+from django.utils import timezone
 
+from inbox.models import InboxEntry
 from payments.conf import payments_settings
 from payments.engine import transitions
 from payments.engine.effects import EffectResult
@@ -611,6 +613,75 @@ SELECT {OPERATION_COLUMNS}, from_state FROM succeeded
 """
 
 
+#: A message's first delivery: its inbox row (as inbox.services.record_message writes it)
+#: and its operation -> succeeded, audited and locked, in one statement. A redelivery
+#: (the row exists) changes nothing. Always one row: `recorded`, and the operation's
+#: columns when it succeeded (NULL when its state may not succeed).
+DELIVER_MESSAGE = f"""
+WITH inbox AS (
+    INSERT INTO {InboxEntry._meta.db_table} (consumer, message_id, handled_at)
+    VALUES (%(consumer)s::text, %(message_id)s::text, %(handled_at)s)
+    ON CONFLICT (consumer, message_id) DO NOTHING
+    RETURNING id
+), old AS (
+    SELECT id, state FROM payments_operation
+    WHERE id = %(id)s AND EXISTS (SELECT 1 FROM inbox)
+    FOR UPDATE
+), succeeded AS (
+    UPDATE payments_operation AS op
+    SET state = 'succeeded', next_attempt_at = NULL, updated_at = statement_timestamp()
+    FROM old
+    WHERE op.id = old.id AND old.state = ANY(%(from_states)s)
+    RETURNING {_columns(Operation, "op")}, old.state AS from_state
+), audit AS (
+    {AUDIT_INSERT}
+    SELECT id, '', from_state, 'succeeded', %(actor)s::text, %(reason)s::text, statement_timestamp()
+    FROM succeeded
+)
+SELECT {_columns(Operation, "s")}, s.from_state, EXISTS (SELECT 1 FROM inbox) AS recorded
+FROM (SELECT 1) AS one LEFT JOIN succeeded AS s ON true
+"""
+
+
+@fence_writer
+def deliver_message_in_tx(
+    operation_id: int, *, consumer: str, message_id: str, actor: str, reason: str
+) -> Operation | None:
+    """Record a message's inbox row and mark its operation succeeded; return it, locked.
+
+    One statement (DELIVER_MESSAGE) for what record_message and
+    succeed_message_in_tx do in two. None: the inbox row exists (a
+    redelivery), nothing changed. Raises as succeed_message_in_tx does when
+    the operation may not succeed (the caller's transaction rolls back, the
+    inbox row with it). In the caller's transaction (inbox.handlers.inbox_guard).
+    """
+    op = _one(
+        Operation,
+        DELIVER_MESSAGE,
+        {
+            "consumer": consumer,
+            "message_id": message_id,
+            "handled_at": timezone.now(),
+            "id": operation_id,
+            "from_states": transitions.operation_sources(OperationState.SUCCEEDED),
+            "actor": actor[:255],
+            "reason": reason,
+        },
+    )
+    if not op.__dict__.pop("recorded"):
+        return None
+    if op.pk is None:
+        _refuse_success(operation_id)
+    return op
+
+
+def _refuse_success(operation_id: int) -> NoReturn:
+    """Raise why the operation may not succeed (IllegalTransition, or it changed meanwhile)."""
+    current = Operation.objects.get(pk=operation_id)
+    transitions.check_operation(current.key, current.state, OperationState.SUCCEEDED)
+    raise InvalidTransition(f"operation {current.key} changed while it was delivered")
+
+
 @fence_writer
 def succeed_message_in_tx(operation_id: int, *, actor: str, reason: str) -> Operation:
     """Mark a message's operation succeeded and return it, locked. In the caller's transaction.
@@ -629,9 +700,7 @@ def succeed_message_in_tx(operation_id: int, *, actor: str, reason: str) -> Oper
         },
     )
     if op is None:
-        current = Operation.objects.get(pk=operation_id)
-        transitions.check_operation(current.key, current.state, OperationState.SUCCEEDED)
-        raise InvalidTransition(f"operation {current.key} changed while it was delivered")
+        _refuse_success(operation_id)
     return op
 
 

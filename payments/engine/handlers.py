@@ -31,7 +31,7 @@ from typing import Any
 
 from django.db.models import Q
 
-from inbox.handlers import inbox_handler
+from inbox.handlers import current_message, inbox_guard, inbox_handler
 from payments.conf import payments_settings
 from payments.engine import fence, telemetry
 from payments.engine.effects import DeliveryPolicy, ExternalEffect
@@ -165,15 +165,38 @@ def message_handler(kind: str, *, consumer: str) -> Callable[[EntityHook], Entit
     """
 
     def register(func: EntityHook) -> EntityHook:
-        @inbox_handler(consumer=consumer)
-        def deliver(operation_id: int, worker_id: str) -> str:
-            # Marked succeeded first (one statement, which also locks the row), then
-            # the writes: all of it commits with the inbox row, or none of it.
-            op = succeed_message_in_tx(operation_id, worker_id)
+        def handle(op: Operation) -> str:
             if op.kind != kind:  # the job named another kind: roll back, count it, alert
                 raise ConfigurationError(f"operation {op.key} is a {op.kind}, not a {kind}")
             func(op)
             return "delivered"
+
+        @inbox_handler(consumer=consumer)
+        def deliver_without_message_id(operation_id: int, worker_id: str) -> str:
+            # Not sent by the dispatcher (no message id): inbox_handler decides.
+            return handle(succeed_message_in_tx(operation_id, worker_id))
+
+        def deliver(operation_id: int, worker_id: str) -> str | None:
+            name, message_id = current_message(consumer)
+            if name is None or message_id is None:
+                return deliver_without_message_id(operation_id, worker_id)
+            delivered: list[Operation] = []
+
+            def record() -> bool:
+                # The inbox row and the operation's `succeeded` (which locks its row)
+                # in one statement, then the writes: all of it commits, or none of it.
+                op = fence.deliver_message_in_tx(
+                    operation_id,
+                    consumer=name,
+                    message_id=message_id,
+                    actor=worker_id,
+                    reason="delivered",
+                )
+                delivered.extend([op] if op is not None else [])
+                return op is not None
+
+            with inbox_guard(name, message_id, record=record) as first:
+                return handle(delivered[0]) if first else None
 
         deliver.__name__ = deliver.__qualname__ = f"deliver_{kind}"
         _register(HandlerSpec(kind=kind, func=deliver, consumer=consumer))

@@ -233,9 +233,10 @@ def test_fenced_checkout__round_trips_of_each_job(provider, queue, monkeypatch):
     A local step costs one statement beside its writes: it runs first, then its claim
     goes in with its result. The statement a unit commits with sends the COMMIT in
     its own round trip (a pipeline).
-    The follow-ups, 11: BEGIN, the inbox row, the `succeeded`, COMMIT (4 each), and
-    their writes: the ledger line (1), the day's counter read and added to (2)."""
+    The follow-ups, 9: BEGIN, the inbox row with the `succeeded` (one statement),
+    COMMIT (3 each), and their writes: the ledger line (1), the day's counter read
+    and added to (2)."""
     SalesDay.objects.create(day=timezone.now().date(), currency="eur")  # the day has sales
     by_job = worker_trips_by_job(queue, "trips-1", monkeypatch)
 
-    assert by_job == {"run_operation": 15, "deliver_message": 11}, by_job
+    assert by_job == {"run_operation": 15, "deliver_message": 9}, by_job

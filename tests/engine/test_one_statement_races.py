@@ -352,6 +352,102 @@ def test_local_step_run_first__concurrent_duplicate__rolls_its_writes_back(queue
     assert OperationEvent.objects.filter(operation=op, step="review_step").count() == 1
 
 
+def test_deliver_message__concurrent_duplicate_delivery__runs_the_handler_once(queue, monkeypatch):
+    """Two workers deliver one follow-up message at once (a redelivery while the first
+    still runs its handler): the second's DELIVER_MESSAGE waits on the first's inbox row
+    and, once the first commits, records nothing and skips the handler."""
+    from payments.checkout.names import LEDGER_CONSUMER, RECORD_SALE
+    from payments.engine import handlers
+    from payments.engine.dispatch import message_id_for
+    from payments.models import LedgerEntry
+
+    parent = _pending_checkout("msg-1")
+    params = {"order_id": parent.params["order_id"], "amount": 5, "currency": "eur"}
+    with transaction.atomic():
+        op, _ = fence.create_operation_in_tx(
+            key=fence.follow_up_key(parent, RECORD_SALE),
+            kind=RECORD_SALE,
+            entity_type="order",
+            entity_id=parent.params["order_id"],
+            params={**params, "reference": "pi_1"},
+            actor="t",
+            parent=parent,
+            scope="derived",
+        )
+    message = (LEDGER_CONSUMER, message_id_for(op.key, op.scope))
+    monkeypatch.setattr(handlers, "current_message", lambda consumer: message)
+    started, release = threading.Event(), threading.Event()
+    create = LedgerEntry.objects.create
+
+    def slow_create(**fields):
+        started.set()
+        assert release.wait(20)
+        return create(**fields)
+
+    monkeypatch.setattr(LedgerEntry.objects, "create", slow_create)
+    deliver = handlers.get_handler(RECORD_SALE).func
+    first = _Thread(lambda: deliver(op.pk, "a/1"))
+    first.start()
+    assert started.wait(20)
+    second = _Thread(lambda: deliver(op.pk, "b/2"))
+    second.start()
+    _wait_until_blocked()
+    release.set()
+    first.join(20)
+    second.join(20)
+
+    assert (first.error, second.error) == (None, None)
+    assert (first.result, second.result) == ("delivered", None)
+    assert LedgerEntry.objects.filter(provider_reference="pi_1").count() == 1
+    op.refresh_from_db()
+    assert op.state == OperationState.SUCCEEDED
+    assert list(OperationEvent.objects.filter(operation=op).values_list("to_state", "actor")) == [
+        (OperationState.PENDING, "t"),
+        (OperationState.SUCCEEDED, "a/1"),
+    ]
+
+
+def test_deliver_message__an_operation_that_may_not_succeed__rolls_back_its_inbox_row(
+    queue, monkeypatch
+):
+    """A message delivered again after its inbox row was purged finds its operation
+    succeeded: DELIVER_MESSAGE changes nothing, the refusal rolls the new inbox row back."""
+    from inbox.models import InboxEntry
+    from payments.checkout.names import LEDGER_CONSUMER, RECORD_SALE
+    from payments.engine import handlers
+    from payments.exceptions import IllegalTransition
+    from payments.models import LedgerEntry
+
+    parent = _pending_checkout("msg-2")
+    with transaction.atomic():
+        op, _ = fence.create_operation_in_tx(
+            key=fence.follow_up_key(parent, RECORD_SALE),
+            kind=RECORD_SALE,
+            entity_type="order",
+            entity_id=parent.params["order_id"],
+            params={
+                "order_id": parent.params["order_id"],
+                "amount": 5,
+                "currency": "eur",
+                "reference": "pi_2",
+            },
+            actor="t",
+            parent=parent,
+            scope="derived",
+        )
+    monkeypatch.setattr(handlers, "current_message", lambda consumer: (LEDGER_CONSUMER, "m-2"))
+    deliver = handlers.get_handler(RECORD_SALE).func
+    assert deliver(op.pk, "a/1") == "delivered"
+    InboxEntry.objects.all().delete()  # purged
+
+    with pytest.raises(IllegalTransition):
+        deliver(op.pk, "b/2")
+
+    assert not InboxEntry.objects.exists()
+    assert LedgerEntry.objects.filter(provider_reference="pi_2").count() == 1
+    assert OperationEvent.objects.filter(operation=op, to_state="succeeded").count() == 1
+
+
 # --- F3 (pre-existing, kept by the reordering): an unknown kind strips a live lease --------
 
 
