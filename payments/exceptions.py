@@ -91,6 +91,19 @@ class StepBusy(PaymentsError):
         super().__init__(f"{operation_key}/{step}: claimed by another worker until {until}")
 
 
+class StepDoneMeanwhile(StepBusy):
+    """Another run of the operation did this local step while this one ran its function.
+
+    This run's writes since its last claim rolled back; the operation runs
+    again at once (no attempt counted) and replays the step. Comes from a
+    worker whose lease ran out and was taken over while it still ran.
+    """
+
+    def __init__(self, *, operation_key: str, step: str) -> None:
+        super().__init__(operation_key=operation_key, step=step, until=None)
+        self.args = (f"{operation_key}/{step}: done meanwhile by another run; running again",)
+
+
 class RetryLater(PaymentsError):
     """Raised to RQ so that its Retry runs the job again after the backoff."""
 

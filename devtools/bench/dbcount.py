@@ -81,6 +81,7 @@ class RoundTrips:
     health_checks: int = 0
     pipelined: int = 0  # of the above, sent in a pipeline: no round trip of their own
     syncs: int = 0  # a pipeline's one round trip
+    deallocates: int = 0  # psycopg's DEALLOCATE ALL after a rollback of prepared statements
     connects: int = 0  # not round trips of the work: see the module's docstring
     jobs: int = 0
 
@@ -94,6 +95,7 @@ class RoundTrips:
             + self.rollbacks
             + self.health_checks
             + self.syncs
+            + self.deallocates
             - self.pipelined
         )
 
@@ -170,10 +172,12 @@ class RoundTripCounter:
 
         @contextmanager
         def pipeline(conn: Any) -> Iterator[Any]:
-            with original(conn) as pipe:
-                yield pipe
-            if conn is db.connection:
-                counts.syncs += 1
+            ours = conn is db.connection
+            try:
+                with original(conn) as pipe:
+                    yield pipe
+            finally:  # a failed pipeline waited for its answer too
+                counts.syncs += ours
 
         psycopg.Connection.pipeline = pipeline  # type: ignore[assignment,method-assign]
 
@@ -212,7 +216,14 @@ class RoundTripCounter:
                 raw = db.connection
                 if raw is not None and raw.info.transaction_status != pq.TransactionStatus.IDLE:
                     setattr(self.counts, field, getattr(self.counts, field) + 1)
-                return original()
+                prepared = _prepared_statements(raw)
+                try:
+                    return original()
+                finally:
+                    # psycopg forgets its prepared statements after a rollback and tells
+                    # the server so (DEALLOCATE ALL): a round trip of its own.
+                    if prepared and not _prepared_statements(db.connection):
+                        self.counts.deallocates += 1
 
             return ending
 

@@ -26,6 +26,7 @@ import psycopg
 from django.db import connection, transaction
 from django.db.models.functions import Now
 from django.utils import timezone
+from psycopg import pq
 
 from inbox.models import InboxEntry
 from payments.conf import payments_settings
@@ -223,14 +224,23 @@ def _execute(cursor: Any, sql: str, params: dict[str, Any]) -> None:
     if commit is None or raw is None or raw.autocommit:
         cursor.execute(sql, params)
         return
-    with connection.wrap_database_errors, raw.pipeline():
-        cursor.execute(sql, params)
-        if commit is not None:
-            _COMMIT_WITH_NEXT.set(None)  # one statement commits; later ones run after it
-            with connection.cursor() as ending:
-                ending.execute("COMMIT")
-    if commit is not None:
-        commit.committed = True
+    with connection.wrap_database_errors:
+        try:
+            with raw.pipeline():
+                cursor.execute(sql, params)
+                _COMMIT_WITH_NEXT.set(None)  # one statement commits; later ones run after it
+                with connection.cursor() as ending:
+                    ending.execute("COMMIT")
+        except psycopg.OperationalError as exc:
+            interrupted = exc.__context__
+            if raw.pgconn.pipeline_status == pq.PipelineStatus.OFF or interrupted is None:
+                raise
+            # Interrupted while the answer was on its way (the job's timeout): psycopg
+            # cannot leave pipeline mode and says so instead. The connection is unusable
+            # and whether the COMMIT ran is unknown: close it, raise the interruption.
+            connection.close()
+            raise interrupted from None
+    commit.committed = True
 
 
 def _one(model: type[Any], sql: str, params: dict[str, Any]) -> Any:
@@ -451,8 +461,9 @@ class LeaseResult:
 
     operation: Operation
     acquired: bool
-    #: The steps claimed when the lease was taken (None when it was not taken): a local
-    #: step not among them runs its function first (payments.engine.handlers.Run.local).
+    #: The steps claimed when the lease was taken: a local step not among them runs its
+    #: function first (payments.engine.handlers.Run.local). None when the lease was not
+    #: taken, or was taken over from a worker that may still be running.
     claimed_steps: frozenset[str] | None = None
 
 
@@ -505,7 +516,10 @@ def acquire_lease(operation_id: int, *, owner: str, seconds: int) -> LeaseResult
     )
     if op is not None:
         claimed = frozenset(op.__dict__.pop("claimed_steps"))
-        return LeaseResult(op, acquired=True, claimed_steps=claimed)
+        # Taken over from a worker whose lease ran out: it may still be running,
+        # so this run's local steps claim first (payments.engine.handlers.Run.local).
+        taken_over = op.from_state == OperationState.RUNNING
+        return LeaseResult(op, acquired=True, claimed_steps=None if taken_over else claimed)
     return LeaseResult(
         Operation.objects.annotate(db_now=Now()).get(pk=operation_id), acquired=False
     )

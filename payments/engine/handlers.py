@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
 
+from django.db import DatabaseError
 from django.db.models import Q
 
 from inbox.handlers import current_message, inbox_guard, inbox_handler
@@ -37,7 +38,7 @@ from payments.engine import fence, telemetry
 from payments.engine.effects import DeliveryPolicy, ExternalEffect
 from payments.engine.steps import run_external_step
 from payments.engine.unit import WorkUnit
-from payments.exceptions import ConfigurationError, StepBusy, StepTransient
+from payments.exceptions import ConfigurationError, StepBusy, StepDoneMeanwhile, StepTransient
 from payments.models import (
     FINAL_OPERATION_STATES,
     ClaimState,
@@ -337,7 +338,14 @@ class Run:
     def _local_then_claim(
         self, step: str, func: Callable[[], dict[str, Any] | None]
     ) -> dict[str, Any]:
-        """Run a local step no claim existed for at the lease: `func`, then claim and result."""
+        """Run a local step no claim existed for at the lease: `func`, then claim and result.
+
+        A run whose lease was taken over while it still ran may commit the
+        step meanwhile: then this run's claim finds it taken, or `func` fails
+        on the rows the other wrote (a unique invoice number). Either way this
+        run's writes roll back and StepDoneMeanwhile makes the operation run
+        again at once, without counting an attempt, to replay the step.
+        """
         try:
             result = func() or {}
             claim = fence.insert_local_claim_in_tx(
@@ -345,11 +353,20 @@ class Run:
             )
         except BaseException as exc:
             self.unit.roll_back(f"local step {step} failed ({type(exc).__name__})")
+            if isinstance(exc, Exception) and self._claimed_elsewhere(step):
+                raise StepDoneMeanwhile(operation_key=self.operation.key, step=step) from exc
             raise
-        if claim is None:  # a duplicate run committed the step while this one ran it
+        if claim is None:
             self.unit.roll_back(f"local step {step} was done meanwhile by another run")
-            self.unit.require_intact()
+            raise StepDoneMeanwhile(operation_key=self.operation.key, step=step)
         return result
+
+    def _claimed_elsewhere(self, step: str) -> bool:
+        """Tell whether another run has committed a claim of `step` (after this run's rollback)."""
+        try:
+            return StepClaim.objects.filter(operation=self.operation, step=step).exists()
+        except DatabaseError:
+            return False
 
     @telemetry.traced("side_effect")
     def side_effect(

@@ -98,6 +98,36 @@ def test_counter__equals_the_trace_on_begin_commit_rollback_savepoints_and_healt
     assert (counts.savepoints, counts.health_checks, counts.connects) == (2, 1, 0)
 
 
+@pytest.mark.parametrize("failing", ["statement", "commit"])
+def test_counter__equals_the_trace_on_a_pipeline_that_fails(trace, failing):
+    """A unit's last statement and its COMMIT in one pipeline, failing in the statement
+    (no such step column value) or in the COMMIT (a deferred foreign key): one Sync, then
+    the rollback, and psycopg's DEALLOCATE ALL when statements were prepared."""
+    from django.db import DatabaseError
+
+    from payments.engine import fence
+    from payments.engine.unit import WorkUnit
+
+    order = Order.objects.create(amount=100, currency="eur", customer_email="a@example.com")
+    op = checkout("count-2")
+    target = op if failing == "statement" else Operation(pk=2_000_000_000, key="ghost")
+    step = "s" * 100 if failing == "statement" else "s"  # longer than the column: refused
+    trace.arm()
+    with counting() as counter:
+        unit = WorkUnit()
+        unit.join()
+        Order.objects.filter(pk=order.pk).update(amount=101)
+        with pytest.raises(DatabaseError):
+            unit.commit_with(
+                lambda: fence.claim_step_in_tx(
+                    target, step, owner="t", lease_seconds=30, provider_call=False
+                )
+            )
+    counts = counter.snapshot()
+    assert trace.round_trips() == counts.total
+    assert counts.syncs == 1 and not connection.in_atomic_block
+
+
 def test_counting_worker__a_fenced_checkout_counted_as_the_trace_counts_it(
     provider, queue, trace, monkeypatch
 ):

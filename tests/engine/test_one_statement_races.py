@@ -304,12 +304,12 @@ def test_local_claim__concurrent_duplicate__writes_once(queue):
 
 
 def test_local_step_run_first__concurrent_duplicate__rolls_its_writes_back(queue):
-    """Two runs whose leases both found the step unclaimed (a taken-over lease whose
-    first owner still runs) both run the function; the second's claim waits on the
-    first's and, once the first commits, finds it taken: its writes roll back and its
-    attempt ends in UnitRolledBack. The step's writes exist once."""
+    """Two runs whose leases both found the step unclaimed (an operation the reconciler
+    moved on while its first owner still ran) both run the function; the second's claim
+    waits on the first's and, once the first commits, finds it taken: its writes roll
+    back and StepDoneMeanwhile runs the operation again. The step's writes exist once."""
     from payments.engine.handlers import Run, get_handler
-    from payments.engine.unit import UnitRolledBack
+    from payments.exceptions import StepDoneMeanwhile
     from payments.models import LedgerEntry
 
     leased = fence.acquire_lease(_pending_checkout("loc-2").pk, owner=WORKER, seconds=30)
@@ -338,14 +338,14 @@ def test_local_step_run_first__concurrent_duplicate__rolls_its_writes_back(queue
     first.start()
     assert started.wait(20)
     second_run = Run(op, "b/2", spec, claimed_at_lease=leased.claimed_steps)
-    second = _Thread(lambda: _local(second_run, "review_step", write("second")))
+    second = _Thread(lambda: second_run.local("review_step", write("second")))
     second.start()
     _wait_until_blocked()
     release.set()
     first.join(20)
     second.join(20)
     assert first.error is None and first.result == {"by": "first"}
-    assert isinstance(second.error, UnitRolledBack), second.error
+    assert isinstance(second.error, StepDoneMeanwhile), second.error
     assert list(LedgerEntry.objects.values_list("provider_reference", flat=True)) == ["first"]
     claim = StepClaim.objects.get(operation=op, step="review_step")
     assert (claim.claimed_by, claim.result) == ("a/1", {"by": "first"})
@@ -446,6 +446,93 @@ def test_deliver_message__an_operation_that_may_not_succeed__rolls_back_its_inbo
     assert not InboxEntry.objects.exists()
     assert LedgerEntry.objects.filter(provider_reference="pi_2").count() == 1
     assert OperationEvent.objects.filter(operation=op, to_state="succeeded").count() == 1
+
+
+def _a_worker_holding_the_invoice(op: Operation, started, release) -> _Thread:
+    """Worker a/1 leases the checkout, writes its invoice step, keeps its transaction open."""
+    from payments.checkout.handler import issue_invoice
+    from payments.checkout.names import INVOICE
+    from payments.engine.handlers import Run, get_handler
+    from payments.models import Order
+
+    leased = fence.acquire_lease(op.pk, owner="a/1", seconds=30)
+    order = Order.objects.get(pk=op.params["order_id"])
+
+    def hold():
+        run = Run(leased.operation, "a/1", get_handler(op.kind), claimed_at_lease=frozenset())
+        run.local(INVOICE, lambda: issue_invoice(order, "pi_of_a"))
+        started.set()
+        assert release.wait(20)
+        run.unit.commit()
+
+    worker = _Thread(hold)
+    worker.start()
+    assert started.wait(20)
+    with connection.cursor() as cursor:  # a/1's lease runs out while it still runs
+        cursor.execute(
+            "UPDATE payments_operation SET lease_expires_at = now() - interval '1 second' "
+            "WHERE id = %s",
+            [op.pk],
+        )
+    return worker
+
+
+def test_a_lease_taken_over_from_a_worker_still_running__claims_its_local_steps_first(
+    provider, queue
+):
+    """b/2 takes over the lease of a/1, which still runs with its invoice uncommitted:
+    b/2's invoice step claims first, waits on a/1's claim and replays a/1's invoice."""
+    from payments.engine import runtime
+    from payments.models import Invoice
+
+    op = _pending_checkout("over-1")
+    started, release = threading.Event(), threading.Event()
+    first = _a_worker_holding_the_invoice(op, started, release)
+    second = _Thread(lambda: runtime.execute(op.pk, worker_id="b/2"))
+    second.start()
+    _wait_until_blocked()
+    release.set()
+    first.join(20)
+    second.join(20)
+
+    assert (first.error, second.error, second.result) == (None, None, "succeeded")
+    op.refresh_from_db()
+    assert (op.state, op.attempts) == (OperationState.SUCCEEDED, 0)
+    assert list(Invoice.objects.values_list("provider_reference", flat=True)) == ["pi_of_a"]
+
+
+def test_a_local_step_done_meanwhile_by_a_worker_still_running__runs_again_uncounted(
+    provider, queue
+):
+    """The reconciler moved the operation on (retrying) after a/1's lease ran out, while
+    a/1 still ran. b/2's lease saw no invoice claim, so b/2 runs the invoice first; its
+    insert waits on a/1's invoice number and fails once a/1 commits. b/2 rolls back and
+    defers without counting an attempt; its next run replays a/1's invoice."""
+    from payments.engine import runtime
+    from payments.models import Invoice
+
+    op = _pending_checkout("over-2")
+    started, release = threading.Event(), threading.Event()
+    first = _a_worker_holding_the_invoice(op, started, release)
+    with transaction.atomic():
+        locked = fence.locked_operation_in_tx(op.pk)
+        fence.release_in_tx(
+            locked, OperationState.RETRYING, actor="reconciler", reason="claims settled"
+        )
+    second = _Thread(lambda: runtime.execute(op.pk, worker_id="b/2"))
+    second.start()
+    _wait_until_blocked()
+    release.set()
+    first.join(20)
+    second.join(20)
+
+    assert (first.error, second.error, second.result) == (None, None, "deferred")
+    op.refresh_from_db()
+    assert (op.state, op.attempts) == (OperationState.RETRYING, 0)
+    assert runtime.execute(op.pk, worker_id="b/2") == "succeeded"
+    op.refresh_from_db()
+    assert (op.state, op.attempts) == (OperationState.SUCCEEDED, 0)
+    assert list(Invoice.objects.values_list("provider_reference", flat=True)) == ["pi_of_a"]
 
 
 # --- F3 (pre-existing, kept by the reordering): an unknown kind strips a live lease --------

@@ -345,7 +345,8 @@ def test_a_step_inside_an_atomic_opened_after_a_local_step__is_refused(queue, mo
 @pytest.fixture
 def fail_once_in_sql():
     """Install a database trigger that fails once: `claim` refuses the e-mail's claim insert,
-    `commit` makes the first COMMIT after an invoice insert fail (a deferred constraint)."""
+    `slow claim` makes it take 1 s, `commit` makes the first COMMIT after an invoice
+    insert fail (a deferred constraint)."""
     installed: list[str] = []
 
     def install(where: str) -> None:
@@ -356,6 +357,17 @@ def fail_once_in_sql():
                     "CREATE FUNCTION test_fail_once() RETURNS trigger LANGUAGE plpgsql AS $$ "
                     "BEGIN IF NEW.step = 'confirmation_email' AND nextval('test_fail_once') = 1 "
                     "THEN RAISE EXCEPTION 'the claim fails once (test)'; END IF; RETURN NEW; END $$"
+                )
+                cursor.execute(
+                    "CREATE TRIGGER test_fail_once BEFORE INSERT ON payments_stepclaim "
+                    "FOR EACH ROW EXECUTE FUNCTION test_fail_once()"
+                )
+                installed.append("payments_stepclaim")
+            elif where == "slow claim":
+                cursor.execute(
+                    "CREATE FUNCTION test_fail_once() RETURNS trigger LANGUAGE plpgsql AS $$ "
+                    "BEGIN IF NEW.step = 'confirmation_email' AND nextval('test_fail_once') = 1 "
+                    "THEN PERFORM pg_sleep(1); END IF; RETURN NEW; END $$"
                 )
                 cursor.execute(
                     "CREATE TRIGGER test_fail_once BEFORE INSERT ON payments_stepclaim "
@@ -423,3 +435,36 @@ def test_a_commit_that_fails_after_the_emails_claim__is_not_taken_for_a_commit(
     assert Invoice.objects.filter(order_id=op.params["order_id"]).count() == 1
     email = StepClaim.objects.get(operation=op, step=CONFIRMATION_EMAIL)
     assert (email.result["sent"], email.result["resent"], len(mailoutbox)) == (True, False, 1)
+
+
+def test_the_jobs_timeout_while_the_emails_claim_and_commit_are_answered__is_what_is_raised(
+    provider, queue, fail_once_in_sql, mailoutbox
+):
+    """The job's time runs out while the worker waits for the answer to the e-mail's
+    claim and its COMMIT: the timeout is what the runtime handles (not psycopg's
+    "cannot exit pipeline mode"), the connection left mid-answer is closed, nothing is
+    sent, and the next statement runs on a fresh connection."""
+    import signal
+
+    from rq.timeouts import JobTimeoutException
+
+    fail_once_in_sql("slow claim")
+    op = checkout("unit-pipe-3")
+
+    def time_is_up(signum, frame):
+        raise JobTimeoutException("the job's time is up (test)")
+
+    previous = signal.signal(signal.SIGALRM, time_is_up)
+    signal.setitimer(signal.ITIMER_REAL, 0.4)
+    try:
+        with pytest.raises(RetryLater):
+            runtime.execute(op.pk, worker_id="worker-a/1")
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+    op.refresh_from_db()
+    assert "JobTimeoutException" in op.last_error, op.last_error
+    assert len(mailoutbox) == 0
+    raw = connection.connection
+    assert raw.pgconn.pipeline_status == 0 and not connection.in_atomic_block
