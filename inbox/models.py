@@ -12,8 +12,10 @@ PURGE_INDEX = "inbox_entry_purge_idx"
 class InboxEntry(models.Model):
     """One message handled by one consumer; its insert is the dedup claim.
 
-    Written only by :func:`inbox.services.record_message`, inside the
-    handler's transaction, and deleted only by
+    Written inside the handler's transaction, by
+    :func:`inbox.services.record_message` or by the ``record`` a caller
+    passes to :func:`inbox.handlers.inbox_guard` (which must insert the same
+    row), and deleted only by
     :func:`inbox.services.purge_expired` once the retention has passed.
     """
 

@@ -27,6 +27,7 @@ from django.db import connection, transaction
 from django.db.models.functions import Now
 from django.utils import timezone
 from psycopg import pq
+from rq.timeouts import BaseTimeoutException
 
 from inbox.models import InboxEntry
 from payments.conf import payments_settings
@@ -233,14 +234,26 @@ def _execute(cursor: Any, sql: str, params: dict[str, Any]) -> None:
                     ending.execute("COMMIT")
         except psycopg.OperationalError as exc:
             interrupted = exc.__context__
-            if raw.pgconn.pipeline_status == pq.PipelineStatus.OFF or interrupted is None:
+            if raw.pgconn.pipeline_status == pq.PipelineStatus.OFF or not _is_interruption(
+                interrupted
+            ):
                 raise
             # Interrupted while the answer was on its way (the job's timeout): psycopg
             # cannot leave pipeline mode and says so instead. The connection is unusable
             # and whether the COMMIT ran is unknown: close it, raise the interruption.
             connection.close()
-            raise interrupted from None
+            raise cast(BaseException, interrupted) from None
     commit.committed = True
+
+
+def _is_interruption(exc: BaseException | None) -> bool:
+    """Tell whether `exc` interrupts the worker from outside: the job's timeout, a signal.
+
+    Not any exception that happened to be handled when a database error came.
+    """
+    return isinstance(exc, BaseTimeoutException) or (
+        exc is not None and not isinstance(exc, Exception)
+    )
 
 
 def _one(model: type[Any], sql: str, params: dict[str, Any]) -> Any:

@@ -31,6 +31,7 @@ from typing import Any
 
 from django.db import DatabaseError
 from django.db.models import Q
+from rq.timeouts import BaseTimeoutException
 
 from inbox.handlers import current_message, inbox_guard, inbox_handler
 from payments.conf import payments_settings
@@ -353,7 +354,9 @@ class Run:
             )
         except BaseException as exc:
             self.unit.roll_back(f"local step {step} failed ({type(exc).__name__})")
-            if isinstance(exc, Exception) and self._claimed_elsewhere(step):
+            # An interruption (the job's timeout) stays what it is, whatever else happened.
+            interrupted = isinstance(exc, BaseTimeoutException) or not isinstance(exc, Exception)
+            if not interrupted and self._claimed_elsewhere(step):
                 raise StepDoneMeanwhile(operation_key=self.operation.key, step=step) from exc
             raise
         if claim is None:

@@ -535,6 +535,26 @@ def test_a_local_step_done_meanwhile_by_a_worker_still_running__runs_again_uncou
     assert list(Invoice.objects.values_list("provider_reference", flat=True)) == ["pi_of_a"]
 
 
+def test_the_jobs_timeout_in_a_step_done_meanwhile__stays_a_timeout(queue):
+    """A run-first step whose function is interrupted by the job's timeout raises the
+    timeout, even when another run committed the step meanwhile (not StepDoneMeanwhile,
+    which would hide that the job ran out of time)."""
+    from rq.timeouts import JobTimeoutException
+
+    from payments.engine.handlers import Run, get_handler
+
+    leased = fence.acquire_lease(_pending_checkout("loc-3").pk, owner=WORKER, seconds=30)
+    op, spec = leased.operation, get_handler(leased.operation.kind)
+    assert _local(Run(op, "a/1", spec, claimed_at_lease=frozenset()), "s", lambda: {}) == {}
+
+    def time_is_up():
+        raise JobTimeoutException("the job's time is up (test)")
+
+    stale = Run(op, "b/2", spec, claimed_at_lease=frozenset())  # its lease saw no claim of s
+    with pytest.raises(JobTimeoutException):
+        stale.local("s", time_is_up)
+
+
 # --- F3 (pre-existing, kept by the reordering): an unknown kind strips a live lease --------
 
 

@@ -468,3 +468,39 @@ def test_the_jobs_timeout_while_the_emails_claim_and_commit_are_answered__is_wha
     assert len(mailoutbox) == 0
     raw = connection.connection
     assert raw.pgconn.pipeline_status == 0 and not connection.in_atomic_block
+
+
+def test_a_connection_lost_while_the_emails_claim_and_commit_are_answered__is_what_is_raised(
+    provider, queue, fail_once_in_sql, mailoutbox
+):
+    """The database connection dies while the e-mail's claim and its COMMIT are being
+    answered, inside code that handles an earlier error: the connection's error is what
+    the runtime counts (not the earlier, handled one), and nothing is sent."""
+    import threading
+
+    import psycopg
+
+    from tests.support.workers import database_url
+
+    fail_once_in_sql("slow claim")
+    op = checkout("unit-pipe-4")
+    connection.ensure_connection()
+    pid = connection.connection.info.backend_pid
+
+    def kill_it():
+        time.sleep(0.4)
+        with psycopg.connect(database_url(), autocommit=True) as other:
+            other.execute("SELECT pg_terminate_backend(%s)", [pid])
+
+    killer = threading.Thread(target=kill_it)
+    killer.start()
+    try:
+        raise KeyError("an earlier error, handled")
+    except KeyError:
+        with pytest.raises(RetryLater):
+            runtime.execute(op.pk, worker_id="worker-a/1")
+    killer.join(10)
+
+    op.refresh_from_db()
+    assert op.last_error.startswith("OperationalError"), op.last_error
+    assert len(mailoutbox) == 0
