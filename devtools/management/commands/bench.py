@@ -300,22 +300,25 @@ def _queue_rows(f: dict) -> list[tuple[str, str]]:
         rows.append(
             (
                 f"DB round trips per {side} checkout, worker side{goal}",
-                f"{w['total']:.1f} = {w['statements']:.1f} statements ({w['savepoints']:.1f} "
-                f"savepoint) + {w['begins']:.1f} BEGIN + {w['commits']:.1f} COMMIT + "
-                f"{w['rollbacks']:.1f} ROLLBACK + {w['health_checks']:.1f} health checks + "
-                f"{w['prepares']:.1f} prepares; "
-                f"{w['transactions']:.1f} transactions committed ({w['commits']:.1f} COMMIT + "
-                f"{w['autocommits']:.1f} single statements)",
+                f"{_trips(w)}; {w['transactions']:.1f} transactions committed "
+                f"({w['commits']:.1f} COMMIT + {w['autocommits']:.1f} single statements)",
+            )
+        )
+        by_job = d[side]["by_job"]
+        rows.append(
+            (
+                f"DB round trips per {side} job, by job function",
+                ", ".join(
+                    f"{name.rsplit('.', 1)[-1]} {trips['total']:.1f}"
+                    for name, trips in sorted(by_job.items())
+                ),
             )
         )
     a = d["fenced"]["api_per_checkout"]
     rows.append(
         (
             "DB round trips per fenced checkout, API side (goal <= 6)",
-            f"{a['total']:.1f} = {a['statements']:.1f} statements ({a['savepoints']:.1f} "
-            f"savepoint) + {a['begins']:.1f} BEGIN + {a['commits']:.1f} COMMIT + "
-            f"{a['health_checks']:.1f} health checks + {a['prepares']:.1f} prepares "
-            "(unfenced: 0, it only enqueues)",
+            f"{_trips(a)} (unfenced: 0, it only enqueues)",
         )
     )
     t = f["tls"]
@@ -444,3 +447,20 @@ def _web_verdict(w: dict) -> list[tuple[str, bool]]:
                 )
             )
     return lines
+
+
+def _trips(t: dict[str, float]) -> str:
+    """A round-trip total and the parts it adds up from (devtools.bench.dbcount.RoundTrips)."""
+    text = (
+        f"{t['total']:.1f} = {t['statements']:.1f} statements ({t['savepoints']:.1f} savepoint) "
+        f"+ {t['begins']:.1f} BEGIN + {t['commits']:.1f} COMMIT + {t['rollbacks']:.1f} ROLLBACK "
+        f"+ {t['health_checks']:.1f} health checks + {t['prepares']:.1f} prepares"
+    )
+    if t.get("syncs") or t.get("pipelined"):
+        text += (
+            f" + {t['syncs']:.1f} pipelines - {t['pipelined']:.1f} sent in a pipeline "
+            "(a statement and its COMMIT wait for one answer)"
+        )
+    if t.get("deallocates"):
+        text += f" + {t['deallocates']:.1f} DEALLOCATE"
+    return text
