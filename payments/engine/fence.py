@@ -621,11 +621,8 @@ def release_held_lease(
     )
 
 
-#: A message's operation (pending | retrying | failed, ...) -> succeeded, audited; locks it.
-SUCCEED_MESSAGE = f"""
-WITH old AS (
-    SELECT id, state FROM payments_operation WHERE id = %(id)s FOR UPDATE
-), succeeded AS (
+#: The part both message statements share: the operation `old` locked -> succeeded, audited.
+SUCCEEDED_FROM_OLD = f"""succeeded AS (
     UPDATE payments_operation AS op
     SET state = 'succeeded', next_attempt_at = NULL, updated_at = statement_timestamp()
     FROM old
@@ -635,7 +632,13 @@ WITH old AS (
     {AUDIT_INSERT}
     SELECT id, '', from_state, 'succeeded', %(actor)s::text, %(reason)s::text, statement_timestamp()
     FROM succeeded
-)
+)"""
+
+#: A message's operation (pending | retrying | failed, ...) -> succeeded, audited; locks it.
+SUCCEED_MESSAGE = f"""
+WITH old AS (
+    SELECT id, state FROM payments_operation WHERE id = %(id)s FOR UPDATE
+), {SUCCEEDED_FROM_OLD}
 SELECT {OPERATION_COLUMNS}, from_state FROM succeeded
 """
 
@@ -654,17 +657,7 @@ WITH inbox AS (
     SELECT id, state FROM payments_operation
     WHERE id = %(id)s AND EXISTS (SELECT 1 FROM inbox)
     FOR UPDATE
-), succeeded AS (
-    UPDATE payments_operation AS op
-    SET state = 'succeeded', next_attempt_at = NULL, updated_at = statement_timestamp()
-    FROM old
-    WHERE op.id = old.id AND old.state = ANY(%(from_states)s)
-    RETURNING {_columns(Operation, "op")}, old.state AS from_state
-), audit AS (
-    {AUDIT_INSERT}
-    SELECT id, '', from_state, 'succeeded', %(actor)s::text, %(reason)s::text, statement_timestamp()
-    FROM succeeded
-)
+), {SUCCEEDED_FROM_OLD}
 SELECT {_columns(Operation, "s")}, s.from_state, EXISTS (SELECT 1 FROM inbox) AS recorded
 FROM (SELECT 1) AS one LEFT JOIN succeeded AS s ON true
 """

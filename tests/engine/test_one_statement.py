@@ -165,8 +165,9 @@ def test_checkout_request__five_round_trips_one_transaction(queue):
     assert queue.fetch_job(op.job_id) is not None
 
 
-def worker_trips_of_one_checkout(queue, key: str) -> RoundTrips:
-    """Run one fenced checkout and its follow-ups on the bench's counting worker; add them up."""
+def trips_by_job_of_one_checkout(queue, key: str) -> dict[str, RoundTrips]:
+    """Run one fenced checkout and its follow-ups on the bench's counting worker; return
+    the round trips of each job function (the two follow-ups add up)."""
     from devtools.bench import dbcount
     from devtools.bench.dbcount import recorded
     from devtools.bench.workers import CountingWorker
@@ -182,7 +183,12 @@ def worker_trips_of_one_checkout(queue, key: str) -> RoundTrips:
         CountingWorker.counter = None
     op.refresh_from_db()
     assert op.state == OperationState.SUCCEEDED
-    return sum(recorded(queue.connection).values(), RoundTrips())
+    return {name.rsplit(".", 1)[-1]: t for name, t in recorded(queue.connection).items()}
+
+
+def worker_trips_of_one_checkout(queue, key: str) -> RoundTrips:
+    """One fenced checkout's round trips on the worker side, its three jobs added up."""
+    return sum(trips_by_job_of_one_checkout(queue, key).values(), RoundTrips())
 
 
 def test_fenced_checkout__at_most_seven_transactions_on_the_worker_side(provider, queue):
@@ -199,29 +205,12 @@ def test_fenced_checkout__at_most_seven_transactions_on_the_worker_side(provider
 
 
 def worker_trips_by_job(queue, key: str, monkeypatch) -> dict[str, int]:
-    """One fenced checkout on the counting worker: the round trips of each job function
-    (the two follow-ups add up), without what a kept connection pays once (the Parse of
-    a prepared statement, the health check)."""
-    from devtools.bench import dbcount
-    from devtools.bench.dbcount import recorded
-    from devtools.bench.workers import CountingWorker
-    from tests.support.flows import checkout
-
+    """One fenced checkout's round trips by job function, without what a kept
+    connection pays once (the Parse of a prepared statement, the health check)."""
     monkeypatch.setattr("payments.engine.worker.HEALTH_CHECK_AFTER_IDLE", 60.0)
-    op = checkout(key)
-    CountingWorker.counter = dbcount.RoundTripCounter()
-    CountingWorker.counter.install()
-    try:
-        CountingWorker([queue], connection=queue.connection).work(burst=True)
-    finally:
-        CountingWorker.counter.uninstall()
-        CountingWorker.counter = None
-    op.refresh_from_db()
-    assert op.state == OperationState.SUCCEEDED
-    by_job = recorded(queue.connection)
     return {
-        name.rsplit(".", 1)[-1]: t.total - t.prepares - t.health_checks
-        for name, t in by_job.items()
+        name: t.total - t.prepares - t.health_checks
+        for name, t in trips_by_job_of_one_checkout(queue, key).items()
     }
 
 

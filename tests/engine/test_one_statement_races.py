@@ -262,6 +262,36 @@ def _local(run, step, fn):
         run.unit.commit()
 
 
+def _first_run_holding(run, step: str, fn) -> tuple[_Thread, threading.Event]:
+    """Run `run`'s local step on a thread of its own and keep its open transaction until
+    the returned event is set (then commit it); return the thread and the event."""
+    started, release = threading.Event(), threading.Event()
+
+    def hold():
+        value = run.local(step, fn)
+        started.set()
+        assert release.wait(20)
+        run.unit.commit()
+        return value
+
+    first = _Thread(hold)
+    first.start()
+    assert started.wait(20)
+    return first, release
+
+
+def _second_behind_first(first: _Thread, release: threading.Event, target) -> _Thread:
+    """Start `target` on a second thread, let it block behind `first`, release `first`;
+    return the second once both ended."""
+    second = _Thread(target)
+    second.start()
+    _wait_until_blocked()
+    release.set()
+    first.join(20)
+    second.join(20)
+    return second
+
+
 def test_local_claim__concurrent_duplicate__writes_once(queue):
     """Run.local's claim after the writes: the second waits on ON CONFLICT and rolls back."""
     from payments.engine.handlers import Run, get_handler
@@ -269,34 +299,20 @@ def test_local_claim__concurrent_duplicate__writes_once(queue):
     op = fence.acquire_lease(_pending_checkout("loc-1").pk, owner=WORKER, seconds=30).operation
     spec = get_handler(op.kind)
     calls: list[str] = []
-    started, release = threading.Event(), threading.Event()
 
     def first_fn():
         calls.append("first")
         return {"n": 1}
 
-    def first_holds_its_open_transaction():
-        run = Run(op, "a/1", spec)
-        value = run.local("review_step", first_fn)  # the run's transaction stays open
-        started.set()
-        assert release.wait(20)
-        run.unit.commit()
-        return value
-
-    first = _Thread(first_holds_its_open_transaction)
-    first.start()
-    assert started.wait(20)
+    first, release = _first_run_holding(Run(op, "a/1", spec), "review_step", first_fn)
 
     def second_fn():
         calls.append("second")
         return {"n": 2}
 
-    second = _Thread(lambda: _local(Run(op, "b/2", spec), "review_step", second_fn))
-    second.start()
-    _wait_until_blocked()
-    release.set()
-    first.join(20)
-    second.join(20)
+    second = _second_behind_first(
+        first, release, lambda: _local(Run(op, "b/2", spec), "review_step", second_fn)
+    )
     assert first.error is None and second.error is None, (first.error, second.error)
     assert first.result == {"n": 1} and second.result == {"n": 1}
     assert StepClaim.objects.get(operation=op, step="review_step").claimed_by == "a/1"
@@ -315,7 +331,6 @@ def test_local_step_run_first__concurrent_duplicate__rolls_its_writes_back(queue
     leased = fence.acquire_lease(_pending_checkout("loc-2").pk, owner=WORKER, seconds=30)
     op, spec = leased.operation, get_handler(leased.operation.kind)
     assert leased.claimed_steps == frozenset()
-    started, release = threading.Event(), threading.Event()
 
     def write(who):
         def fn():
@@ -326,30 +341,39 @@ def test_local_step_run_first__concurrent_duplicate__rolls_its_writes_back(queue
 
         return fn
 
-    def first_holds_its_open_transaction():
-        run = Run(op, "a/1", spec, claimed_at_lease=leased.claimed_steps)
-        value = run.local("review_step", write("first"))
-        started.set()
-        assert release.wait(20)
-        run.unit.commit()
-        return value
-
-    first = _Thread(first_holds_its_open_transaction)
-    first.start()
-    assert started.wait(20)
+    first, release = _first_run_holding(
+        Run(op, "a/1", spec, claimed_at_lease=leased.claimed_steps), "review_step", write("first")
+    )
     second_run = Run(op, "b/2", spec, claimed_at_lease=leased.claimed_steps)
-    second = _Thread(lambda: second_run.local("review_step", write("second")))
-    second.start()
-    _wait_until_blocked()
-    release.set()
-    first.join(20)
-    second.join(20)
+    second = _second_behind_first(
+        first, release, lambda: second_run.local("review_step", write("second"))
+    )
     assert first.error is None and first.result == {"by": "first"}
     assert isinstance(second.error, StepDoneMeanwhile), second.error
     assert list(LedgerEntry.objects.values_list("provider_reference", flat=True)) == ["first"]
     claim = StepClaim.objects.get(operation=op, step="review_step")
     assert (claim.claimed_by, claim.result) == ("a/1", {"by": "first"})
     assert OperationEvent.objects.filter(operation=op, step="review_step").count() == 1
+
+
+def _ledger_follow_up(key: str, reference: str) -> Operation:
+    """A checkout's ledger follow-up operation, created as mark_paid creates it."""
+    from payments.checkout.names import RECORD_SALE
+
+    parent = _pending_checkout(key)
+    params = {"order_id": parent.params["order_id"], "amount": 5, "currency": "eur"}
+    with transaction.atomic():
+        op, _ = fence.create_operation_in_tx(
+            key=fence.follow_up_key(parent, RECORD_SALE),
+            kind=RECORD_SALE,
+            entity_type="order",
+            entity_id=parent.params["order_id"],
+            params={**params, "reference": reference},
+            actor="t",
+            parent=parent,
+            scope="derived",
+        )
+    return op
 
 
 def test_deliver_message__concurrent_duplicate_delivery__runs_the_handler_once(queue, monkeypatch):
@@ -361,19 +385,7 @@ def test_deliver_message__concurrent_duplicate_delivery__runs_the_handler_once(q
     from payments.engine.dispatch import message_id_for
     from payments.models import LedgerEntry
 
-    parent = _pending_checkout("msg-1")
-    params = {"order_id": parent.params["order_id"], "amount": 5, "currency": "eur"}
-    with transaction.atomic():
-        op, _ = fence.create_operation_in_tx(
-            key=fence.follow_up_key(parent, RECORD_SALE),
-            kind=RECORD_SALE,
-            entity_type="order",
-            entity_id=parent.params["order_id"],
-            params={**params, "reference": "pi_1"},
-            actor="t",
-            parent=parent,
-            scope="derived",
-        )
+    op = _ledger_follow_up("msg-1", "pi_1")
     message = (LEDGER_CONSUMER, message_id_for(op.key, op.scope))
     monkeypatch.setattr(handlers, "current_message", lambda consumer: message)
     started, release = threading.Event(), threading.Event()
@@ -389,12 +401,7 @@ def test_deliver_message__concurrent_duplicate_delivery__runs_the_handler_once(q
     first = _Thread(lambda: deliver(op.pk, "a/1"))
     first.start()
     assert started.wait(20)
-    second = _Thread(lambda: deliver(op.pk, "b/2"))
-    second.start()
-    _wait_until_blocked()
-    release.set()
-    first.join(20)
-    second.join(20)
+    second = _second_behind_first(first, release, lambda: deliver(op.pk, "b/2"))
 
     assert (first.error, second.error) == (None, None)
     assert (first.result, second.result) == ("delivered", None)
@@ -418,23 +425,7 @@ def test_deliver_message__an_operation_that_may_not_succeed__rolls_back_its_inbo
     from payments.exceptions import IllegalTransition
     from payments.models import LedgerEntry
 
-    parent = _pending_checkout("msg-2")
-    with transaction.atomic():
-        op, _ = fence.create_operation_in_tx(
-            key=fence.follow_up_key(parent, RECORD_SALE),
-            kind=RECORD_SALE,
-            entity_type="order",
-            entity_id=parent.params["order_id"],
-            params={
-                "order_id": parent.params["order_id"],
-                "amount": 5,
-                "currency": "eur",
-                "reference": "pi_2",
-            },
-            actor="t",
-            parent=parent,
-            scope="derived",
-        )
+    op = _ledger_follow_up("msg-2", "pi_2")
     monkeypatch.setattr(handlers, "current_message", lambda consumer: (LEDGER_CONSUMER, "m-2"))
     deliver = handlers.get_handler(RECORD_SALE).func
     assert deliver(op.pk, "a/1") == "delivered"
@@ -488,12 +479,7 @@ def test_a_lease_taken_over_from_a_worker_still_running__claims_its_local_steps_
     op = _pending_checkout("over-1")
     started, release = threading.Event(), threading.Event()
     first = _a_worker_holding_the_invoice(op, started, release)
-    second = _Thread(lambda: runtime.execute(op.pk, worker_id="b/2"))
-    second.start()
-    _wait_until_blocked()
-    release.set()
-    first.join(20)
-    second.join(20)
+    second = _second_behind_first(first, release, lambda: runtime.execute(op.pk, worker_id="b/2"))
 
     assert (first.error, second.error, second.result) == (None, None, "succeeded")
     op.refresh_from_db()
@@ -519,12 +505,7 @@ def test_a_local_step_done_meanwhile_by_a_worker_still_running__runs_again_uncou
         fence.release_in_tx(
             locked, OperationState.RETRYING, actor="reconciler", reason="claims settled"
         )
-    second = _Thread(lambda: runtime.execute(op.pk, worker_id="b/2"))
-    second.start()
-    _wait_until_blocked()
-    release.set()
-    first.join(20)
-    second.join(20)
+    second = _second_behind_first(first, release, lambda: runtime.execute(op.pk, worker_id="b/2"))
 
     assert (first.error, second.error, second.result) == (None, None, "deferred")
     op.refresh_from_db()

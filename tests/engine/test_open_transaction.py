@@ -401,6 +401,16 @@ def failures_seen() -> int:
     return value if called else 0
 
 
+def paid_once_after_one_failed_attempt(op: Operation, mailoutbox) -> None:
+    """The trigger struck, one attempt failed, the retry invoiced and sent once."""
+    assert failures_seen() >= 1
+    op.refresh_from_db()
+    assert op.state == OperationState.SUCCEEDED and op.attempts == 1
+    assert Invoice.objects.filter(order_id=op.params["order_id"]).count() == 1
+    email = StepClaim.objects.get(operation=op, step=CONFIRMATION_EMAIL)
+    assert (email.result["sent"], email.result["resent"], len(mailoutbox)) == (True, False, 1)
+
+
 def test_the_emails_claim_failing_with_its_commit__commits_nothing__and_the_retry_sends_once(
     provider, queue, fail_once_in_sql, mailoutbox
 ):
@@ -411,12 +421,7 @@ def test_the_emails_claim_failing_with_its_commit__commits_nothing__and_the_retr
     op = checkout("unit-pipe-1")
     run_worker(queue)
 
-    assert failures_seen() >= 1
-    op.refresh_from_db()
-    assert op.state == OperationState.SUCCEEDED and op.attempts == 1
-    assert Invoice.objects.filter(order_id=op.params["order_id"]).count() == 1
-    email = StepClaim.objects.get(operation=op, step=CONFIRMATION_EMAIL)
-    assert (email.result["sent"], email.result["resent"], len(mailoutbox)) == (True, False, 1)
+    paid_once_after_one_failed_attempt(op, mailoutbox)
 
 
 def test_a_commit_that_fails_after_the_emails_claim__is_not_taken_for_a_commit(
@@ -429,12 +434,7 @@ def test_a_commit_that_fails_after_the_emails_claim__is_not_taken_for_a_commit(
     op = checkout("unit-pipe-2")
     run_worker(queue)
 
-    assert failures_seen() >= 1
-    op.refresh_from_db()
-    assert op.state == OperationState.SUCCEEDED and op.attempts == 1
-    assert Invoice.objects.filter(order_id=op.params["order_id"]).count() == 1
-    email = StepClaim.objects.get(operation=op, step=CONFIRMATION_EMAIL)
-    assert (email.result["sent"], email.result["resent"], len(mailoutbox)) == (True, False, 1)
+    paid_once_after_one_failed_attempt(op, mailoutbox)
 
 
 def test_the_jobs_timeout_while_the_emails_claim_and_commit_are_answered__is_what_is_raised(
