@@ -62,7 +62,8 @@ def inbox_guard(
     ``record_message`` would, ``ON CONFLICT (consumer, message_id) DO
     NOTHING``, in the current transaction, and return whether it inserted it.
     """
-    check_identity(consumer, message_id)
+    if record is not None:
+        check_identity(consumer, message_id)  # record_message checks its own
     with transaction.atomic():
         handle = record() if record is not None else record_message(consumer, message_id)
         if handle:

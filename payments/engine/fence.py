@@ -234,7 +234,7 @@ def _execute(cursor: Any, sql: str, params: dict[str, Any]) -> None:
                     ending.execute("COMMIT")
         except psycopg.OperationalError as exc:
             interrupted = exc.__context__
-            if raw.pgconn.pipeline_status == pq.PipelineStatus.OFF or not _is_interruption(
+            if raw.pgconn.pipeline_status == pq.PipelineStatus.OFF or not is_interruption(
                 interrupted
             ):
                 raise
@@ -246,7 +246,7 @@ def _execute(cursor: Any, sql: str, params: dict[str, Any]) -> None:
     commit.committed = True
 
 
-def _is_interruption(exc: BaseException | None) -> bool:
+def is_interruption(exc: BaseException | None) -> bool:
     """Tell whether `exc` interrupts the worker from outside: the job's timeout, a signal.
 
     Not any exception that happened to be handled when a database error came.

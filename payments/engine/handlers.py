@@ -31,7 +31,6 @@ from typing import Any
 
 from django.db import DatabaseError
 from django.db.models import Q
-from rq.timeouts import BaseTimeoutException
 
 from inbox.handlers import current_message, inbox_guard, inbox_handler
 from payments.conf import payments_settings
@@ -194,8 +193,10 @@ def message_handler(kind: str, *, consumer: str) -> Callable[[EntityHook], Entit
                     actor=worker_id,
                     reason="delivered",
                 )
-                delivered.extend([op] if op is not None else [])
-                return op is not None
+                if op is None:
+                    return False
+                delivered.append(op)
+                return True
 
             with inbox_guard(name, message_id, record=record) as first:
                 return handle(delivered[0]) if first else None
@@ -313,7 +314,7 @@ class Run:
         `func` again. A concurrent duplicate waits on the claim's unique key;
         once the first commits it finds the step taken: it replays it, or,
         when its own `func` has run already, rolls its open transaction back
-        (UnitRolledBack: the attempt is retried and finds the step done). If
+        (StepDoneMeanwhile: the operation runs again, uncounted, and replays). If
         `func` raises, the open transaction rolls back: this step and the
         local steps since the last claim run again on the next attempt.
         """
@@ -355,8 +356,7 @@ class Run:
         except BaseException as exc:
             self.unit.roll_back(f"local step {step} failed ({type(exc).__name__})")
             # An interruption (the job's timeout) stays what it is, whatever else happened.
-            interrupted = isinstance(exc, BaseTimeoutException) or not isinstance(exc, Exception)
-            if not interrupted and self._claimed_elsewhere(step):
+            if not fence.is_interruption(exc) and self._claimed_elsewhere(step):
                 raise StepDoneMeanwhile(operation_key=self.operation.key, step=step) from exc
             raise
         if claim is None:

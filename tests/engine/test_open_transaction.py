@@ -280,6 +280,13 @@ def refused_with_the_handler(monkeypatch, op: Operation, handler) -> None:
         runtime.execute(op.pk, worker_id="worker-a/1")
 
 
+def send_an_email(run, sent: list[int]) -> None:
+    """A side effect whose sending appends to `sent`."""
+    run.side_effect(
+        "email", lambda: sent.append(1) or {"sent": True}, policy=DeliveryPolicy.AT_MOST_ONCE
+    )
+
+
 def test_a_side_effect_inside_the_handlers_own_atomic__is_refused_before_anything_is_sent(
     queue, monkeypatch
 ):
@@ -288,11 +295,7 @@ def test_a_side_effect_inside_the_handlers_own_atomic__is_refused_before_anythin
 
     def handler(run):
         with transaction.atomic():
-            run.side_effect(
-                "email",
-                lambda: sent.append(1) or {"sent": True},
-                policy=DeliveryPolicy.AT_MOST_ONCE,
-            )
+            send_an_email(run, sent)
 
     refused_with_the_handler(monkeypatch, op, handler)
 
@@ -330,11 +333,7 @@ def test_a_step_inside_an_atomic_opened_after_a_local_step__is_refused(queue, mo
     def handler(run):
         run.local("first_local", lambda: {"n": 1})
         with transaction.atomic():
-            run.side_effect(
-                "email",
-                lambda: sent.append(1) or {"sent": True},
-                policy=DeliveryPolicy.AT_MOST_ONCE,
-            )
+            send_an_email(run, sent)
 
     refused_with_the_handler(monkeypatch, op, handler)
 

@@ -36,26 +36,22 @@ def kept_connection(monkeypatch):
     connection.ensure_connection()
 
 
-def test_back_to_back_jobs__only_the_first_is_health_checked(queue, kept_connection, monkeypatch):
-    monkeypatch.setattr(worker_module, "HEALTH_CHECK_AFTER_IDLE", 60.0)
+def health_checks_of_three_jobs(queue, monkeypatch, window: float) -> int:
+    """Run three jobs back to back with the given idle window; count the health checks."""
+    monkeypatch.setattr(worker_module, "HEALTH_CHECK_AFTER_IDLE", window)
     for _ in range(3):
         queue.enqueue(read_orders)
-
     with counting() as counter:
         run_fence_worker(queue)
+    return counter.snapshot().health_checks
 
-    assert counter.snapshot().health_checks == 1
+
+def test_back_to_back_jobs__only_the_first_is_health_checked(queue, kept_connection, monkeypatch):
+    assert health_checks_of_three_jobs(queue, monkeypatch, window=60.0) == 1
 
 
 def test_after_an_idle_pause__every_job_is_health_checked(queue, kept_connection, monkeypatch):
-    monkeypatch.setattr(worker_module, "HEALTH_CHECK_AFTER_IDLE", 0.0)
-    for _ in range(3):
-        queue.enqueue(read_orders)
-
-    with counting() as counter:
-        run_fence_worker(queue)
-
-    assert counter.snapshot().health_checks == 3
+    assert health_checks_of_three_jobs(queue, monkeypatch, window=0.0) == 3
 
 
 def test_after_a_database_error__the_connection_is_checked_before_the_next_job(
