@@ -25,8 +25,8 @@ rest, so the counter adds what the wrapper cannot see, where it happens:
   its own the first time a connection runs it. `prepares` counts those (in
   `total`): psycopg's own list of the connection's prepared statements grows.
   On kept connections they are paid once, not per checkout.
-- Pipelines: the fence sends a statement together with the BEGIN it opens
-  or the COMMIT that ends it (psycopg's pipeline mode, payments.engine.fence
+- Pipelines: the fence sends a statement together with the COMMIT that
+  ends its transaction (psycopg's pipeline mode, payments.engine.fence
   `_execute`): they wait for one answer, at the pipeline's Sync. What goes in
   a pipeline is counted as usual (statement, COMMIT) and again in
   `pipelined`, which `total` subtracts; each pipeline adds one `syncs`. Its

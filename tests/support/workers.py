@@ -20,12 +20,14 @@ from tests.support.config import TEST_PAYMENTS, TEST_REDIS_URL
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def run_worker(queue: Queue, *, with_scheduler: bool = False) -> None:
+def run_worker(
+    queue: Queue, *, with_scheduler: bool = False, worker_class: type = SimpleWorker
+) -> None:
     """Run jobs until the queue is empty, in this process (and this DB connection)."""
     # work() installs its own SIGINT/SIGTERM handlers; give pytest its own back.
     saved = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        SimpleWorker([queue], connection=queue.connection).work(
+        worker_class([queue], connection=queue.connection).work(
             burst=True, with_scheduler=with_scheduler
         )
     finally:
@@ -37,12 +39,7 @@ def run_fence_worker(queue: Queue) -> None:
     """Run jobs until the queue is empty on the product's FenceWorker, in this process."""
     from payments.engine.worker import FenceWorker
 
-    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        FenceWorker([queue], connection=queue.connection).work(burst=True)
-    finally:
-        for sig, handler in saved.items():
-            signal.signal(sig, handler)
+    run_worker(queue, worker_class=FenceWorker)
 
 
 def database_url() -> str:
