@@ -54,13 +54,14 @@ class Stack:
     procs: list[Proc] = field(default_factory=list)
     worker_count: int = 0
 
-    def _spawn(self, name: str, args: list[str]) -> Proc:
+    def _spawn(self, name: str, args: list[str], env: dict[str, str] | None = None) -> Proc:
+        """Start `manage.py args` with the stack's environment, `env` on top of it."""
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log = open(self.log_dir / f"{name}.log", "ab")  # noqa: SIM115 (owned by the child)
         popen = subprocess.Popen(
             [sys.executable, "manage.py", *args],
             cwd=ROOT,
-            env=self.env,
+            env={**self.env, **(env or {})},
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
@@ -91,13 +92,16 @@ class Stack:
         wait_http(f"http://127.0.0.1:{port}/api/orders", what="API server", ok=(405, 401))
         return proc
 
-    def start_worker(self, worker_class: str | None = None) -> Proc:
+    def start_worker(
+        self, worker_class: str | None = None, env: dict[str, str] | None = None
+    ) -> Proc:
+        """Start an RQ worker on the payments queue; `env` on top of the stack's environment."""
         self.worker_count += 1
         name = f"worker-{os.getpid()}-{self.worker_count}"
         args = ["rqworker", "payments", "--with-scheduler", "--name", name]
         if worker_class:
             args += ["--worker-class", worker_class]
-        return self._spawn(name, args)
+        return self._spawn(name, args, env)
 
     def start_recovery(self, interval: float, name: str = "recovery") -> Proc:
         """Start a `run_recovery` loop (several may run: each owns the claims it takes)."""

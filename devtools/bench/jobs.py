@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import uuid
 
+from django.conf import settings
 from django.core.mail import send_mail
-from django.db import transaction
+from django.db import connection, transaction
 from django.db.models import F
 from django.utils import timezone
 
@@ -25,6 +26,11 @@ from payments.provider.client import ProviderClient
 
 def noop() -> None:
     """Do nothing: the queue's own ceiling."""
+
+
+def settings_probe() -> dict[str, bool]:
+    """What a worker runs with: DEBUG, and whether its queries are logged (DEBUG does that)."""
+    return {"debug": settings.DEBUG, "queries_logged": connection.queries_logged}
 
 
 def unfenced_checkout(order_id: int, payment_method: str) -> str:

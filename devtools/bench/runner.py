@@ -13,6 +13,7 @@ connections kept for 60 s (DB_CONN_MAX_AGE, as in production).
 from __future__ import annotations
 
 import os
+import secrets
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -50,6 +51,24 @@ TABLES = [
 ]  # fmt: skip
 
 
+def production_settings() -> dict[str, str]:
+    """What the bench's workers run with on top of the caller's environment: DEBUG off.
+
+    `make bench` runs from the development `.env`, DEBUG on. With DEBUG on,
+    Django logs every query with its values, and the fence does not prepare its
+    statements (payments.engine.fence._statement_cursor): each statement would
+    cost a worker what it never costs in production, the fenced side's more
+    than the twin's. DEBUG off needs secrets: this run's own, as the web tier's
+    gunicorn gets. DEVTOOLS keeps the app of the bench's job functions installed.
+    """
+    return {
+        "DEBUG": "0",
+        "DEVTOOLS": "1",
+        "SECRET_KEY": secrets.token_urlsafe(50),
+        "API_TOKEN": secrets.token_urlsafe(32),
+    }
+
+
 class Bench:
     """Runs batches of jobs on real worker processes against one fake provider."""
 
@@ -73,13 +92,16 @@ class Bench:
         if self.ca_file is not None:
             env["REQUESTS_CA_BUNDLE"] = str(self.ca_file)
         self.stack = Stack(env=env, log_dir=log_dir)
+        self.worker_env = production_settings()
         self.latency = latency
         self.queue = payments_queue()
         claim_scratch(self.queue.connection, "the bench")
         settings.PAYMENTS = {**settings.PAYMENTS, "PROVIDER_URL": env["PAYMENT_PROVIDER_URL"]}
         settings.EMAIL_BACKEND = env["EMAIL_BACKEND"]
-        # The API side is counted in this process: keep its connection as production does.
+        # The API side is counted in this process, and the reconciler runs in it: keep
+        # its connection as production does, and its settings (see production_settings).
         connection.settings_dict["CONN_MAX_AGE"] = int(env["DB_CONN_MAX_AGE"])
+        settings.DEBUG = False
         self._saved_ca_bundle: str | None = None
 
     def __enter__(self) -> Bench:
@@ -119,7 +141,7 @@ class Bench:
         self.reset()
         expected = prepare()
         path = WORKER_CLASSES.get(worker_class, worker_class)
-        procs = [self.stack.start_worker(path) for _ in range(workers)]
+        procs = [self.stack.start_worker(path, env=self.worker_env) for _ in range(workers)]
         finished = FinishedJobRegistry(queue=self.queue)
         failed = FailedJobRegistry(queue=self.queue)
         deadline = time.monotonic() + 600

@@ -1,0 +1,44 @@
+"""The bench measures production's settings, whatever the caller's environment says.
+
+`make bench` runs from the development `.env`, DEBUG on. A worker with DEBUG on
+logs every query with its values and runs the fence's statements unprepared:
+it would measure a cost no production worker pays. No timing is asserted.
+"""
+
+from __future__ import annotations
+
+import pytest
+from django.db import connection
+from rq.job import Job
+from rq.registry import FinishedJobRegistry
+
+from devtools.bench import jobs
+from devtools.bench.runner import Bench
+from tests.support.config import TEST_REDIS_URL
+from tests.support.workers import SIMPLE, database_url
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+def test_bench__its_workers_and_its_own_process_run_with_debug_off(tmp_path, monkeypatch, settings):
+    """A batch run by `Bench` from a DEBUG-on environment: the worker reports DEBUG off
+    and no query log, and the bench's process (the API side, the reconciler) too."""
+    monkeypatch.setenv("DEBUG", "1")  # the development .env, as `make bench` reads it
+    monkeypatch.setenv("DATABASE_URL", database_url())
+    monkeypatch.setenv("REDIS_URL", TEST_REDIS_URL)
+    monkeypatch.setitem(connection.settings_dict, "CONN_MAX_AGE", 0)
+    # What the bench assigns to settings lands in this override, undone after the test.
+    settings.DEBUG = True
+
+    with Bench(latency=0, log_dir=tmp_path, say=lambda line: None) as bench:
+
+        def one_probe() -> int:
+            bench.queue.enqueue(jobs.settings_probe)
+            return 1
+
+        bench.batch(one_probe, workers=1, worker_class=SIMPLE)
+        (job_id,) = FinishedJobRegistry(queue=bench.queue).get_job_ids()
+        probe = Job.fetch(job_id, connection=bench.queue.connection).return_value()
+
+        assert probe == {"debug": False, "queries_logged": False}
+        assert not connection.queries_logged
