@@ -23,7 +23,7 @@ from datetime import datetime, timedelta
 from typing import Any, NoReturn, cast
 
 import psycopg
-from django.db import connection, transaction
+from django.db import DEFAULT_DB_ALIAS, connection, connections, transaction
 from django.db.models.functions import Now
 from django.utils import timezone
 from psycopg import pq
@@ -148,7 +148,7 @@ AUDIT_INSERT = (
 )
 
 
-def _statement_cursor() -> Any:
+def _statement_cursor(db: Any) -> Any:
     """A cursor for the statements below: prepared once per connection, where that is safe.
 
     Each statement is parsed, analysed and planned once per connection
@@ -164,23 +164,24 @@ def _statement_cursor() -> Any:
     The statements name their columns (no `*`), so a column a migration adds
     cannot change a prepared statement's result. A rollback makes psycopg
     forget the connection's prepared statements; the next run prepares again.
+    `db` is this thread's connection (`_this_thread`).
     """
-    options = connection.settings_dict.get("OPTIONS", {})
+    options = db.settings_dict.get("OPTIONS", {})
     if (
         options.get("prepare_threshold", 0) is None
         or options.get("server_side_binding") is True
-        or connection.queries_logged
+        or db.queries_logged
     ):
-        return connection.cursor()
+        return db.cursor()
     # What connection.cursor() does first: replace a kept connection that broke.
-    connection.close_if_health_check_failed()
-    connection.ensure_connection()
-    raw = connection.connection
+    db.close_if_health_check_failed()
+    db.ensure_connection()
+    raw = db.connection
     # Only server-side-binding cursors prepare, and the ORM's use client-side
     # binding (checked above): 0 prepares each statement on its first run.
     raw.prepare_threshold = 0
     # Django wraps a DB-API cursor here (django-stubs type the argument as the wrapper).
-    return connection.make_cursor(cast(Any, psycopg.Cursor(raw)))
+    return db.make_cursor(cast(Any, psycopg.Cursor(raw)))
 
 
 class CommitWith:
@@ -212,7 +213,7 @@ def commit_with_next_statement() -> Iterator[CommitWith]:
         _COMMIT_WITH_NEXT.reset(token)
 
 
-def _execute(cursor: Any, sql: str, params: dict[str, Any]) -> None:
+def _execute(db: Any, cursor: Any, sql: str, params: dict[str, Any]) -> None:
     """Execute one fence statement; the COMMIT asked for (CommitWith) goes with it.
 
     In psycopg's pipeline mode the statement and the COMMIT wait for one
@@ -220,17 +221,17 @@ def _execute(cursor: Any, sql: str, params: dict[str, Any]) -> None:
     transaction, and the COMMIT after it is not run. (A BEGIN gains nothing
     there: psycopg waits for its answer before the statement, as outside.)
     """
-    raw = connection.connection
+    raw = db.connection
     commit = _COMMIT_WITH_NEXT.get()
     if commit is None or raw is None or raw.autocommit:
         cursor.execute(sql, params)
         return
-    with connection.wrap_database_errors:
+    with db.wrap_database_errors:
         try:
             with raw.pipeline():
                 cursor.execute(sql, params)
                 _COMMIT_WITH_NEXT.set(None)  # one statement commits; later ones run after it
-                with connection.cursor() as ending:
+                with db.cursor() as ending:
                     ending.execute("COMMIT")
         except psycopg.OperationalError as exc:
             interrupted = exc.__context__
@@ -241,7 +242,7 @@ def _execute(cursor: Any, sql: str, params: dict[str, Any]) -> None:
             # Interrupted while the answer was on its way (the job's timeout): psycopg
             # cannot leave pipeline mode and says so instead. The connection is unusable
             # and whether the COMMIT ran is unknown: close it, raise the interruption.
-            connection.close()
+            db.close()
             raise cast(BaseException, interrupted) from None
     commit.committed = True
 
@@ -256,6 +257,28 @@ def is_interruption(exc: BaseException | None) -> bool:
     )
 
 
+def _this_thread() -> Any:
+    """This thread's connection, looked up once per statement.
+
+    Each attribute read through `django.db.connection` looks the connection up
+    again (a few microseconds, about ten per statement on the worker's path).
+    """
+    return connections[DEFAULT_DB_ALIAS]
+
+
+#: Each statement's result columns, by its SQL: read from its first answer in this
+#: process (psycopg builds a description object per column on every read).
+_RESULT_NAMES: dict[str, tuple[str, ...]] = {}
+
+
+@functools.cache
+def _row_shape(model: type[Any]) -> tuple[tuple[tuple[str, Any], ...], list[str]]:
+    """The model's columns with their database converters (None: none), and its attnames."""
+    fields = model._meta.concrete_fields
+    columns = tuple((field.column, getattr(field, "from_db_value", None)) for field in fields)
+    return columns, [field.attname for field in fields]
+
+
 def _one(model: type[Any], sql: str, params: dict[str, Any]) -> Any:
     """Run one statement that returns at most one row of `model`; return it, or None.
 
@@ -263,22 +286,26 @@ def _one(model: type[Any], sql: str, params: dict[str, Any]) -> Any:
     decoded, `from_db`); columns that are not the model's (`from_state`,
     `db_now`) become attributes. A plain cursor, not `raw()`: the statements
     are on every worker's path and `raw()` maps the columns anew each time.
+    The statements name their columns, so one SQL text always has the same.
     """
-    with _statement_cursor() as cursor:
-        _execute(cursor, sql, params)
+    db = _this_thread()
+    with _statement_cursor(db) as cursor:
+        _execute(db, cursor, sql, params)
         row = cursor.fetchone()
         if row is None:
             return None
-        names = [column.name for column in cursor.description]
+        names = _RESULT_NAMES.get(sql)
+        if names is None:
+            names = _RESULT_NAMES[sql] = tuple(column.name for column in cursor.description)
     by_column = dict(zip(names, row, strict=True))
-    fields = model._meta.concrete_fields
+    columns, attnames = _row_shape(model)
     values = []
-    for field in fields:
-        value = by_column.pop(field.column)
-        if value is not None and hasattr(field, "from_db_value"):
-            value = field.from_db_value(value, None, connection)
+    for column, from_db_value in columns:
+        value = by_column.pop(column)
+        if value is not None and from_db_value is not None:
+            value = from_db_value(value, None, db)
         values.append(value)
-    instance = model.from_db(connection.alias, [f.attname for f in fields], values)
+    instance = model.from_db(db.alias, attnames, values)
     for name, value in by_column.items():
         setattr(instance, name, value)
     return instance
