@@ -21,7 +21,7 @@ from payments.checkout.names import (
     SALES_STATS_CONSUMER,
 )
 from payments.engine import fence
-from payments.engine.dispatch import create_and_dispatch_in_tx
+from payments.engine.dispatch import create_and_dispatch_all_in_tx
 from payments.engine.handlers import message_handler
 from payments.models import KeyScope, LedgerEntry, Operation, Order, SalesDay
 
@@ -34,6 +34,7 @@ def write_follow_ups_in_tx(order: Order, reference: str, *, parent: Operation, a
 
     Their keys are derived from the parent's id (scope DERIVED): whatever key a
     client chose, a follow-up's key fits and can never collide with a client's.
+    Their INSERTs go in one round trip, their jobs in one Redis pipeline.
     """
     params = {
         "order_id": order.pk,
@@ -41,17 +42,21 @@ def write_follow_ups_in_tx(order: Order, reference: str, *, parent: Operation, a
         "currency": order.currency,
         "reference": reference,
     }
-    for kind in FOLLOW_UPS:
-        op, created = create_and_dispatch_in_tx(
-            key=fence.follow_up_key(parent, kind),
-            scope=KeyScope.DERIVED,
-            parent=parent,
-            kind=kind,
-            entity_type="order",
-            entity_id=order.pk,
-            params=params,
-            actor=actor,
-        )
+    create_and_dispatch_all_in_tx(
+        [
+            fence.NewOperation(
+                key=fence.follow_up_key(parent, kind),
+                scope=KeyScope.DERIVED,
+                parent=parent,
+                kind=kind,
+                entity_type="order",
+                entity_id=order.pk,
+                params=params,
+                actor=actor,
+            )
+            for kind in FOLLOW_UPS
+        ]
+    )
 
 
 @message_handler(RECORD_SALE, consumer=LEDGER_CONSUMER)

@@ -14,7 +14,7 @@ import hashlib
 import logging
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime
 from typing import Any
 
@@ -209,13 +209,25 @@ def create_and_dispatch_in_tx(
     existing operation (same key) is returned as it is and nothing is enqueued.
     Runs inside the caller's transaction.
     """
-    func, job_id = _delivery_of(kind, key, scope)
-    op, created = fence.create_operation_in_tx(
-        key=key, kind=kind, scope=scope, job_id=job_id, **create
+    (created,) = create_and_dispatch_all_in_tx(
+        [fence.NewOperation(key=key, kind=kind, scope=scope, **create)]
     )
-    if created:
-        _enqueue_on_commit(_Delivery(op, func, job_id))
-    return op, created
+    return created
+
+
+def create_and_dispatch_all_in_tx(
+    new: list[fence.NewOperation],
+) -> list[tuple[Operation, bool]]:
+    """`create_and_dispatch_in_tx` for each of `new`: their INSERTs in one round trip
+    (fence.create_operations_in_tx), the new ones enqueued together after the commit."""
+    deliveries = [_delivery_of(one.kind, one.key, one.scope) for one in new]
+    results = fence.create_operations_in_tx(
+        [replace(one, job_id=job_id) for one, (_func, job_id) in zip(new, deliveries, strict=True)]
+    )
+    for (op, created), (func, job_id) in zip(results, deliveries, strict=True):
+        if created:
+            _enqueue_on_commit(_Delivery(op, func, job_id))
+    return results
 
 
 def _enqueue_on_commit(delivery: _Delivery) -> None:

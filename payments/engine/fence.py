@@ -213,26 +213,31 @@ def commit_with_next_statement() -> Iterator[CommitWith]:
         _COMMIT_WITH_NEXT.reset(token)
 
 
-def _execute(db: Any, cursor: Any, sql: str, params: dict[str, Any]) -> None:
-    """Execute one fence statement; the COMMIT asked for (CommitWith) goes with it.
+def _execute(db: Any, statements: list[tuple[Any, str, dict[str, Any]]]) -> None:
+    """Execute fence statements, each on its cursor; the COMMIT asked for (CommitWith) after them.
 
-    In psycopg's pipeline mode the statement and the COMMIT wait for one
-    answer. Nothing else changes: a statement that fails aborts the
-    transaction, and the COMMIT after it is not run. (A BEGIN gains nothing
+    More than one statement, or a COMMIT to send along, go in psycopg's
+    pipeline mode and wait for one answer. Nothing else changes: a statement
+    that fails aborts the transaction, and what the pipeline holds after it
+    (the next statements, the COMMIT) is not run. (A BEGIN gains nothing
     there: psycopg waits for its answer before the statement, as outside.)
+    Outside a transaction each statement is its own, one round trip each.
     """
     raw = db.connection
     commit = _COMMIT_WITH_NEXT.get()
-    if commit is None or raw is None or raw.autocommit:
-        cursor.execute(sql, params)
+    if raw is None or raw.autocommit or (commit is None and len(statements) == 1):
+        for cursor, sql, params in statements:
+            cursor.execute(sql, params)
         return
     with db.wrap_database_errors:
         try:
             with raw.pipeline():
-                cursor.execute(sql, params)
-                _COMMIT_WITH_NEXT.set(None)  # one statement commits; later ones run after it
-                with db.cursor() as ending:
-                    ending.execute("COMMIT")
+                for cursor, sql, params in statements:
+                    cursor.execute(sql, params)
+                if commit is not None:
+                    _COMMIT_WITH_NEXT.set(None)  # one batch commits; later ones run after it
+                    with db.cursor() as ending:
+                        ending.execute("COMMIT")
         except psycopg.OperationalError as exc:
             interrupted = exc.__context__
             if raw.pgconn.pipeline_status == pq.PipelineStatus.OFF or not is_interruption(
@@ -244,7 +249,8 @@ def _execute(db: Any, cursor: Any, sql: str, params: dict[str, Any]) -> None:
             # and whether the COMMIT ran is unknown: close it, raise the interruption.
             db.close()
             raise cast(BaseException, interrupted) from None
-    commit.committed = True
+    if commit is not None:
+        commit.committed = True
 
 
 def is_interruption(exc: BaseException | None) -> bool:
@@ -271,12 +277,18 @@ def _this_thread() -> Any:
 _RESULT_NAMES: dict[str, tuple[str, ...]] = {}
 
 
-@functools.cache
+#: Per model: its columns with their database converters (None: none), and its attnames.
+_ROW_SHAPES: dict[type[Any], tuple[tuple[tuple[str, Any], ...], list[str]]] = {}
+
+
 def _row_shape(model: type[Any]) -> tuple[tuple[tuple[str, Any], ...], list[str]]:
     """The model's columns with their database converters (None: none), and its attnames."""
-    fields = model._meta.concrete_fields
-    columns = tuple((field.column, getattr(field, "from_db_value", None)) for field in fields)
-    return columns, [field.attname for field in fields]
+    shape = _ROW_SHAPES.get(model)
+    if shape is None:
+        fields = model._meta.concrete_fields
+        columns = tuple((field.column, getattr(field, "from_db_value", None)) for field in fields)
+        shape = _ROW_SHAPES[model] = (columns, [field.attname for field in fields])
+    return shape
 
 
 def _one(model: type[Any], sql: str, params: dict[str, Any]) -> Any:
@@ -286,17 +298,44 @@ def _one(model: type[Any], sql: str, params: dict[str, Any]) -> Any:
     decoded, `from_db`); columns that are not the model's (`from_state`,
     `db_now`) become attributes. A plain cursor, not `raw()`: the statements
     are on every worker's path and `raw()` maps the columns anew each time.
-    The statements name their columns, so one SQL text always has the same.
+    """
+    return _rows(model, [(sql, params)])[0]
+
+
+def _rows(model: type[Any], statements: list[tuple[str, dict[str, Any]]]) -> list[Any]:
+    """Run statements that each return at most one row of `model`, in one round trip inside
+    a transaction (a pipeline: a failing one stops the rest); return each one's row or None.
     """
     db = _this_thread()
-    with _statement_cursor(db) as cursor:
-        _execute(db, cursor, sql, params)
-        row = cursor.fetchone()
-        if row is None:
-            return None
-        names = _RESULT_NAMES.get(sql)
-        if names is None:
-            names = _RESULT_NAMES[sql] = tuple(column.name for column in cursor.description)
+    cursors = [_statement_cursor(db) for _ in statements]
+    try:
+        _execute(
+            db,
+            [
+                (cursor, sql, params)
+                for cursor, (sql, params) in zip(cursors, statements, strict=True)
+            ],
+        )
+        return [
+            _instance(model, db, cursor, sql)
+            for cursor, (sql, _) in zip(cursors, statements, strict=True)
+        ]
+    finally:
+        for cursor in cursors:
+            cursor.close()
+
+
+def _instance(model: type[Any], db: Any, cursor: Any, sql: str) -> Any:
+    """The row `cursor` holds as an instance of `model`, or None.
+
+    The statements name their columns, so one SQL text always has the same.
+    """
+    row = cursor.fetchone()
+    if row is None:
+        return None
+    names = _RESULT_NAMES.get(sql)
+    if names is None:
+        names = _RESULT_NAMES[sql] = tuple(column.name for column in cursor.description)
     by_column = dict(zip(names, row, strict=True))
     columns, attnames = _row_shape(model)
     values = []
@@ -409,39 +448,97 @@ def create_operation_in_tx(
     the same statement. Returns (operation, created).
     Raises OperationConflict when the key exists with another fingerprint.
     """
+    (created,) = create_operations_in_tx(
+        [
+            NewOperation(
+                key=key,
+                kind=kind,
+                entity_type=entity_type,
+                entity_id=entity_id,
+                params=params,
+                actor=actor,
+                retry_of=retry_of,
+                parent=parent,
+                scope=scope,
+                client=client,
+                job_id=job_id,
+            )
+        ]
+    )
+    return created
+
+
+@dataclass(frozen=True)
+class NewOperation:
+    """What `create_operation_in_tx` takes, for creating several in one round trip."""
+
+    key: str
+    kind: str
+    entity_type: str
+    entity_id: str | int
+    params: dict[str, Any]
+    actor: str
+    retry_of: Operation | None = None
+    parent: Operation | None = None
+    scope: str = KeyScope.CLIENT
+    client: ApiClient | None = None
+    job_id: str = ""
+
+
+@fence_writer
+def create_operations_in_tx(new: list[NewOperation]) -> list[tuple[Operation, bool]]:
+    """`create_operation_in_tx` for each of `new`, their statements in one round trip.
+
+    The statements go in one pipeline, in order, each as it would go alone (a
+    failing one stops those after it and aborts the transaction, as it would
+    have one by one). A taken key is then looked up, as alone. Returns
+    (operation, created) for each, in order.
+    """
     if not transaction.get_connection().in_atomic_block:
         raise InvalidTransition("create_operation_in_tx must run inside transaction.atomic()")
-    entity_id = str(entity_id)
-    fp = fingerprint(kind, entity_type, entity_id, params)
-    op = _one(
+    fingerprints = [
+        fingerprint(one.kind, one.entity_type, str(one.entity_id), one.params) for one in new
+    ]
+    rows = _rows(
         Operation,
-        CREATE_OPERATION,
-        {
-            "key": key,
-            "scope": scope,
-            "client": client.pk if client is not None else None,
-            "parent": parent.pk if parent is not None else None,
-            "retry_of": retry_of.pk if retry_of is not None else None,
-            "kind": kind,
-            "entity_type": entity_type,
-            "entity_id": entity_id,
-            "params": _json(params),
-            "fingerprint": fp,
-            "job_id": job_id,
-            "actor": actor[:255],
-        },
+        [
+            (
+                CREATE_OPERATION,
+                {
+                    "key": one.key,
+                    "scope": one.scope,
+                    "client": one.client.pk if one.client is not None else None,
+                    "parent": one.parent.pk if one.parent is not None else None,
+                    "retry_of": one.retry_of.pk if one.retry_of is not None else None,
+                    "kind": one.kind,
+                    "entity_type": one.entity_type,
+                    "entity_id": str(one.entity_id),
+                    "params": _json(one.params),
+                    "fingerprint": fp,
+                    "job_id": one.job_id,
+                    "actor": one.actor[:255],
+                },
+            )
+            for one, fp in zip(new, fingerprints, strict=True)
+        ],
     )
-    if op is not None:
-        return op, True
-    # The key is taken (ON CONFLICT waited for a concurrent inserter to commit).
-    existing = Operation.objects.get(client=client, scope=scope, key=key)
+    return [
+        (op, True) if op is not None else (_existing(one, fp), False)
+        for one, fp, op in zip(new, fingerprints, rows, strict=True)
+    ]
+
+
+def _existing(new: NewOperation, fp: str) -> Operation:
+    """The operation holding `new`'s key (ON CONFLICT waited for a concurrent inserter to
+    commit); OperationConflict if it was created with other parameters."""
+    existing = Operation.objects.get(client=new.client, scope=new.scope, key=new.key)
     if existing.fingerprint != fp:
         raise OperationConflict(
-            key,
+            new.key,
             existing_kind=existing.kind,
             existing_entity=f"{existing.entity_type} {existing.entity_id}",
         )
-    return existing, False
+    return existing
 
 
 @fence_writer

@@ -215,10 +215,11 @@ def worker_trips_by_job(queue, key: str, monkeypatch) -> dict[str, int]:
 
 
 def test_fenced_checkout__round_trips_of_each_job(provider, queue, monkeypatch):
-    """The checkout job, 15: the lease (1), the order's read (1), the charge's claim
+    """The checkout job, 14: the lease (1), the order's read (1), the charge's claim
     and outcome (2); BEGIN, the invoice, its claim with its result, the e-mail's claim
-    with the COMMIT (4); BEGIN, the e-mail's outcome, the order's status, two
-    follow-ups, mark_paid's claim with its result, the release with the COMMIT (7).
+    with the COMMIT (4); BEGIN, the e-mail's outcome, the order's status, the two
+    follow-ups (one pipeline), mark_paid's claim with its result, the release with
+    the COMMIT (6).
     A local step costs one statement beside its writes: it runs first, then its claim
     goes in with its result. The statement a unit commits with sends the COMMIT in
     its own round trip (a pipeline).
@@ -228,4 +229,4 @@ def test_fenced_checkout__round_trips_of_each_job(provider, queue, monkeypatch):
     SalesDay.objects.create(day=timezone.now().date(), currency="eur")  # the day has sales
     by_job = worker_trips_by_job(queue, "trips-1", monkeypatch)
 
-    assert by_job == {"run_operation": 15, "deliver_message": 9}, by_job
+    assert by_job == {"run_operation": 14, "deliver_message": 9}, by_job
