@@ -492,7 +492,9 @@ def create_operations_in_tx(new: list[NewOperation]) -> list[tuple[Operation, bo
     The statements go in one pipeline, in order, each as it would go alone (a
     failing one stops those after it and aborts the transaction, as it would
     have one by one). A taken key is then looked up, as alone. Returns
-    (operation, created) for each, in order.
+    (operation, created) for each, in order. A key taken with other parameters
+    raises OperationConflict and, in a batch of several, marks the caller's
+    transaction for rollback: unlike one by one, the statements after it ran.
     """
     if not transaction.get_connection().in_atomic_block:
         raise InvalidTransition("create_operation_in_tx must run inside transaction.atomic()")
@@ -522,10 +524,18 @@ def create_operations_in_tx(new: list[NewOperation]) -> list[tuple[Operation, bo
             for one, fp in zip(new, fingerprints, strict=True)
         ],
     )
-    return [
-        (op, True) if op is not None else (_existing(one, fp), False)
-        for one, fp, op in zip(new, fingerprints, rows, strict=True)
-    ]
+    try:
+        return [
+            (op, True) if op is not None else (_existing(one, fp), False)
+            for one, fp, op in zip(new, fingerprints, rows, strict=True)
+        ]
+    except OperationConflict:
+        if len(new) > 1:
+            # The statements after the conflicting one ran too (one pipeline), which one
+            # by one they would not have: none of the batch may commit, even if the
+            # caller catches the conflict.
+            transaction.set_rollback(True)
+        raise
 
 
 def _existing(new: NewOperation, fp: str) -> Operation:

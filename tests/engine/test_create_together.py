@@ -115,3 +115,19 @@ def test_a_failing_statement_stops_the_pipeline__the_transaction_rolls_back(queu
 def test_outside_a_transaction__refused(queue):
     with pytest.raises(fence.InvalidTransition):
         fence.create_operations_in_tx([new("a")])
+
+
+def test_a_conflict_in_a_batch__the_callers_transaction_cannot_commit_any_of_it(queue):
+    """The statements after the conflicting one ran in the same pipeline (one by one they
+    would not have): the caller's transaction is marked for rollback, even if the caller
+    catches the conflict, so no row of the batch stays without its job."""
+    with transaction.atomic():
+        create_and_dispatch_all_in_tx([new("b", amount=1)])
+    queue.empty()
+
+    with transaction.atomic():
+        with pytest.raises(OperationConflict):
+            create_and_dispatch_all_in_tx([new("a"), new("b", amount=2), new("c")])
+
+    assert sorted(Operation.objects.values_list("key", flat=True)) == ["b"]
+    assert queue.count == 0
