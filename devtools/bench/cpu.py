@@ -75,6 +75,29 @@ class CpuMeter:
         return spent
 
 
+def processes_named(name: str) -> Callable[[], list[int]]:
+    """Every process whose command name is `name` (PostgreSQL's, Redis's), read from /proc."""
+
+    def pids() -> list[int]:
+        found = []
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                if (entry / "comm").read_text().strip() == name:
+                    found.append(int(entry.name))
+            except OSError:
+                continue  # the process ended while we looked
+        return found
+
+    return pids
+
+
+def tree_pids(roots: Callable[[], list[int]]) -> Callable[[], list[int]]:
+    """The processes `roots` lists and everything below them."""
+    return lambda: [pid for root in roots() for pid in (root, *descendants(root))]
+
+
 def gunicorn_pids(master: int) -> Callable[[], list[int]]:
     """The gunicorn master and its workers."""
     return lambda: [master, *descendants(master)]

@@ -16,6 +16,7 @@ import os
 import secrets
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -25,8 +26,10 @@ from django.conf import settings
 from django.db import DatabaseError, close_old_connections, connection
 from rq.job import Job
 from rq.registry import FailedJobRegistry, FinishedJobRegistry
+from rq.worker import Worker
 
 from devtools.bench import jobs
+from devtools.bench.cpu import CpuMeter, processes_named, tree_pids
 from devtools.bench.dbcount import RoundTrips, counting, recorded
 from devtools.scratch import claim_scratch, flush_scratch
 from devtools.stack import Stack, free_port
@@ -93,6 +96,8 @@ class Bench:
             env["REQUESTS_CA_BUNDLE"] = str(self.ca_file)
         self.stack = Stack(env=env, log_dir=log_dir)
         self.worker_env = production_settings()
+        #: The last batch's CPU (see `batch`); None if it ended before every worker started.
+        self.cpu: BatchCpu | None = None
         self.latency = latency
         self.queue = payments_queue()
         claim_scratch(self.queue.connection, "the bench")
@@ -137,18 +142,40 @@ class Bench:
         self.control("reset")
 
     def batch(self, prepare: Callable[[], int], *, workers: int, worker_class: str) -> float:
-        """Enqueue with `prepare` (returns how many jobs will run), run them; return seconds."""
+        """Enqueue with `prepare` (returns how many jobs will run), run them; return seconds.
+
+        Also reads the CPU the batch cost per process kind (`self.cpu`), from
+        the moment every worker has registered (started up) to the last job's end.
+        """
         self.reset()
         expected = prepare()
         path = WORKER_CLASSES.get(worker_class, worker_class)
         procs = [self.stack.start_worker(path, env=self.worker_env) for _ in range(workers)]
+        provider = [p for p in self.stack.procs if p.name == "provider"]
+        meter = CpuMeter(
+            {
+                "workers": tree_pids(lambda: [p.popen.pid for p in procs]),
+                "postgres": processes_named("postgres"),
+                "redis": processes_named("redis-server"),
+                "provider": tree_pids(lambda: [p.popen.pid for p in provider]),
+            }
+        )
         finished = FinishedJobRegistry(queue=self.queue)
         failed = FailedJobRegistry(queue=self.queue)
         deadline = time.monotonic() + 600
-        while finished.count + failed.count < expected:
+        metered_from: int | None = None  # jobs done when the meter started
+        while (done_count := finished.count + failed.count) < expected:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"batch did not finish: {finished.count}/{expected}")
+            if metered_from is None and Worker.count(queue=self.queue) >= workers:
+                meter.start()
+                metered_from = done_count
             time.sleep(0.05)
+        self.cpu = (
+            BatchCpu(meter.stop(), jobs=expected - metered_from)
+            if metered_from is not None
+            else None
+        )
         for proc in procs:
             self.stack.kill(proc)
         self.stack.procs = [p for p in self.stack.procs if p not in procs]
@@ -158,6 +185,23 @@ class Bench:
         start = min(j.started_at for j in done if j)
         end = max(j.ended_at for j in done if j)
         return (end - start).total_seconds()
+
+
+@dataclass(frozen=True)
+class BatchCpu:
+    """CPU seconds by process kind over the metered part of a batch, and its jobs."""
+
+    seconds: dict[str, float]
+    jobs: int
+
+    def ms_per(self, jobs_each: int) -> dict[str, float]:
+        """CPU milliseconds by process kind per unit of `jobs_each` jobs (3: a checkout)."""
+        units = self.jobs / jobs_each
+        return {
+            role: 1000 * seconds / units
+            for role, seconds in self.seconds.items()
+            if role != "load_generator"  # this process, polling
+        }
 
 
 def _orders(n: int) -> list[Order]:

@@ -13,13 +13,14 @@ from rq.job import Job
 from rq.registry import FinishedJobRegistry
 
 from devtools.bench import jobs
-from devtools.bench.runner import Bench
+from devtools.bench.runner import BatchCpu, Bench
 from tests.support.config import TEST_REDIS_URL
 from tests.support.workers import SIMPLE, database_url
 
-pytestmark = pytest.mark.django_db(transaction=True)
+PROBES = 30
 
 
+@pytest.mark.django_db(transaction=True)
 def test_bench__its_workers_and_its_own_process_run_with_debug_off(tmp_path, monkeypatch, settings):
     """A batch run by `Bench` from a DEBUG-on environment: the worker reports DEBUG off
     and no query log, and the bench's process (the API side, the reconciler) too."""
@@ -32,13 +33,23 @@ def test_bench__its_workers_and_its_own_process_run_with_debug_off(tmp_path, mon
 
     with Bench(latency=0, log_dir=tmp_path, say=lambda line: None) as bench:
 
-        def one_probe() -> int:
-            bench.queue.enqueue(jobs.settings_probe)
-            return 1
+        def probes() -> int:
+            for _ in range(PROBES):
+                bench.queue.enqueue(jobs.settings_probe)
+            return PROBES
 
-        bench.batch(one_probe, workers=1, worker_class=SIMPLE)
-        (job_id,) = FinishedJobRegistry(queue=bench.queue).get_job_ids()
-        probe = Job.fetch(job_id, connection=bench.queue.connection).return_value()
+        bench.batch(probes, workers=1, worker_class=SIMPLE)
+        job_ids = FinishedJobRegistry(queue=bench.queue).get_job_ids()
+        results = [j.return_value() for j in Job.fetch_many(job_ids, bench.queue.connection)]
 
-        assert probe == {"debug": False, "queries_logged": False}
+        assert results == [{"debug": False, "queries_logged": False}] * PROBES
         assert not connection.queries_logged
+        # The batch's CPU was metered from the worker's start-up on, by process kind.
+        assert bench.cpu is not None and 0 < bench.cpu.jobs <= PROBES
+        assert set(bench.cpu.ms_per(1)) == {"workers", "postgres", "redis", "provider"}
+
+
+def test_batch_cpu__milliseconds_per_checkout_by_process_kind_without_the_poller():
+    cpu = BatchCpu({"workers": 1.2, "postgres": 0.3, "load_generator": 9.0}, jobs=30)
+
+    assert cpu.ms_per(3) == pytest.approx({"workers": 120.0, "postgres": 30.0})

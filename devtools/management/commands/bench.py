@@ -137,9 +137,12 @@ class Command(BaseCommand):
                 say(f"{cls}: no-op ceiling, fenced and unfenced checkout (2 workers)...")
                 noop_s = bench.batch(noop(options["noops"]), workers=2, worker_class=cls)
                 rounds = []
+                cpu: dict[str, list[dict[str, float]]] = {"fenced": [], "unfenced": []}
                 for _ in range(2):  # alternate, take each side's best
                     f = bench.batch(fenced(n), workers=2, worker_class=cls)
+                    cpu["fenced"] += [bench.cpu.ms_per(3)] if bench.cpu else []
                     u = bench.batch(unfenced(n), workers=2, worker_class=cls)
+                    cpu["unfenced"] += [bench.cpu.ms_per(3)] if bench.cpu else []
                     rounds.append((f, u))
                 fenced_s = min(f for f, _ in rounds)
                 unfenced_s = min(u for _, u in rounds)
@@ -148,6 +151,7 @@ class Command(BaseCommand):
                     "fenced_checkouts_per_second": n / fenced_s,
                     "unfenced_checkouts_per_second": n / unfenced_s,
                     "fenced_jobs_per_second": 3 * n / fenced_s,
+                    "cpu_ms_per_checkout": {side: _mean(runs) for side, runs in cpu.items()},
                 }
                 per_class[cls]["fenced_to_unfenced"] = unfenced_s / fenced_s
                 per_class[cls]["fenced_jobs_to_noop_jobs"] = (
@@ -249,6 +253,24 @@ class Command(BaseCommand):
         self.stdout.write(f"\nSaved to {out}")
 
 
+#: The sides whose CPU per checkout the table shows, and the process kinds, in order.
+CPU_SIDES = ("fenced", "unfenced")
+CPU_ROLES = ("workers", "postgres", "redis", "provider")
+
+
+def _mean(runs: list[dict[str, float]]) -> dict[str, float]:
+    """Each process kind's mean over the runs (empty if no run was metered)."""
+    return {role: sum(run[role] for run in runs) / len(runs) for role in runs[0]} if runs else {}
+
+
+def _cpu_sum(ms: dict[str, float]) -> str:
+    """`a + b + c + d = total` in CPU_ROLES' order, or `n/a` for a batch never metered."""
+    if not ms:
+        return "n/a"
+    parts = [ms[role] for role in CPU_ROLES]
+    return " + ".join(f"{part:.1f}" for part in parts) + f" = {sum(parts):.1f}"
+
+
 def _cpus() -> int:
     import os
 
@@ -282,6 +304,11 @@ def _queue_rows(f: dict) -> list[tuple[str, str]]:
             (
                 f"{cls}: fenced jobs/s / no-op jobs/s (context)",
                 f"{v['fenced_jobs_to_noop_jobs']:.2f}",
+            ),
+            (
+                f"{cls}: CPU ms per checkout, fenced / unfenced: "
+                "workers + PostgreSQL + Redis + provider",
+                " / ".join(_cpu_sum(v["cpu_ms_per_checkout"][side]) for side in CPU_SIDES),
             ),
         ]
     rows.append(("faster worker class", f["faster_worker_class"]))
