@@ -117,13 +117,29 @@ def _secrets(name: str, value: Any) -> tuple[str, ...]:
     return tuple(value)
 
 
-def payments_settings() -> PaymentsSettings:
-    """Read ``settings.PAYMENTS`` afresh, apply the defaults and validate it.
+#: The last PAYMENTS dict read, and what it gave.
+_last: tuple[object, PaymentsSettings] | None = None
 
-    Read on every call (a small dict) so that ``override_settings`` works.
+
+def payments_settings() -> PaymentsSettings:
+    """Read ``settings.PAYMENTS``, apply the defaults and validate it.
+
+    Validated once per dict: a new one (``override_settings``, an assignment)
+    is read on the next call; the dict is not to be changed in place.
     Raises ImproperlyConfigured on an unknown key or a bad value.
     """
+    global _last
     raw = getattr(settings, "PAYMENTS", None) or {}
+    last = _last
+    if last is not None and last[0] is raw:
+        return last[1]
+    read = _read(raw)
+    _last = (raw, read)
+    return read
+
+
+def _read(raw: object) -> PaymentsSettings:
+    """PAYMENTS validated, with the defaults applied."""
     if not isinstance(raw, dict):
         raise ImproperlyConfigured("PAYMENTS must be a dict.")
     unknown = sorted(set(raw) - KNOWN_KEYS)

@@ -293,3 +293,15 @@ def test_e011__a_forking_worker_counts_twice():
     forking = checks.connections_needed(processes, "rq.worker.Worker")
     assert simple["gunicorn"] == 6 and simple["rqworker"] == 4
     assert forking["rqworker"] == 8
+
+
+def test_payments_settings__read_once_per_dict__a_new_dict_is_read_at_once(settings):
+    first = payments_settings()
+    assert payments_settings() is first  # the same dict: not validated again
+
+    settings.PAYMENTS = {**settings.PAYMENTS, "MAX_ATTEMPTS": 9}
+    assert payments_settings().max_attempts == 9
+
+    settings.PAYMENTS = {**settings.PAYMENTS, "MAX_ATTEMPTS": 0}
+    with pytest.raises(ImproperlyConfigured, match="MAX_ATTEMPTS"):
+        payments_settings()
