@@ -22,13 +22,14 @@ _TICKS = os.sysconf("SC_CLK_TCK")
 
 
 def process_cpu(pid: int) -> float:
-    """User + system CPU seconds of one process so far (0 if it is gone)."""
+    """User + system CPU seconds of one process so far, with its children that ended and
+    were waited for (the forking RQ worker's work horse, one per job); 0 if it is gone."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return 0.0
     fields = stat.rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / _TICKS  # utime, stime
+    return sum(int(field) for field in fields[11:15]) / _TICKS  # utime, stime, cutime, cstime
 
 
 def backend_pids(database: str) -> list[int]:
@@ -45,8 +46,10 @@ class CpuMeter:
     """CPU seconds per role between `start()` and `stop()`.
 
     Each role is a function that lists its pids now; a process that appears
-    during the run counts from zero, one that ends during the run is lost
-    (none should: gunicorn's workers and the kept connections outlive a run).
+    during the run counts from zero. One that ends during the run counts with
+    its parent once the parent has waited for it (the forking RQ worker's
+    horse, one per job); otherwise it is lost (gunicorn's workers and the
+    kept connections outlive a run).
     """
 
     def __init__(self, roles: dict[str, Callable[[], list[int]]]) -> None:

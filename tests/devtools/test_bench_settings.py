@@ -7,12 +7,17 @@ it would measure a cost no production worker pays. No timing is asserted.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 from django.db import connection
 from rq.job import Job
 from rq.registry import FinishedJobRegistry
 
 from devtools.bench import jobs
+from devtools.bench.cpu import process_cpu
 from devtools.bench.runner import BatchCpu, Bench
 from tests.support.config import TEST_REDIS_URL
 from tests.support.workers import SIMPLE, database_url
@@ -53,3 +58,18 @@ def test_batch_cpu__milliseconds_per_checkout_by_process_kind_without_the_poller
     cpu = BatchCpu({"workers": 1.2, "postgres": 0.3, "load_generator": 9.0}, jobs=30)
 
     assert cpu.ms_per(3) == pytest.approx({"workers": 120.0, "postgres": 30.0})
+
+
+def test_process_cpu__counts_a_child_that_ended__as_the_forking_workers_horse():
+    """The forking RQ worker runs each job in a child that ends with it: the child's CPU
+    must count with the worker, or the forking side would look nearly free."""
+    before = process_cpu(os.getpid())
+    subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import time\nend = time.process_time() + 0.3\nwhile time.process_time() < end: pass",
+        ],
+        check=True,
+    )
+    assert process_cpu(os.getpid()) - before >= 0.25
