@@ -117,6 +117,9 @@ def _secrets(name: str, value: Any) -> tuple[str, ...]:
     return tuple(value)
 
 
+#: PAYMENTS unset or empty: one dict, so that it is read once too.
+_NONE: dict[str, Any] = {}
+
 #: The last PAYMENTS dict read, and what it gave.
 _last: tuple[object, PaymentsSettings] | None = None
 
@@ -129,7 +132,7 @@ def payments_settings() -> PaymentsSettings:
     Raises ImproperlyConfigured on an unknown key or a bad value.
     """
     global _last
-    raw = getattr(settings, "PAYMENTS", None) or {}
+    raw = getattr(settings, "PAYMENTS", None) or _NONE
     last = _last
     if last is not None and last[0] is raw:
         return last[1]

@@ -493,8 +493,9 @@ def create_operations_in_tx(new: list[NewOperation]) -> list[tuple[Operation, bo
     failing one stops those after it and aborts the transaction, as it would
     have one by one). A taken key is then looked up, as alone. Returns
     (operation, created) for each, in order. A key taken with other parameters
-    raises OperationConflict and, in a batch of several, marks the caller's
-    transaction for rollback: unlike one by one, the statements after it ran.
+    raises OperationConflict and, in a batch of several, marks the innermost
+    atomic block around it (the caller's transaction, or its savepoint) for
+    rollback: unlike one by one, the statements after it ran.
     """
     if not transaction.get_connection().in_atomic_block:
         raise InvalidTransition("create_operation_in_tx must run inside transaction.atomic()")
@@ -533,7 +534,7 @@ def create_operations_in_tx(new: list[NewOperation]) -> list[tuple[Operation, bo
         if len(new) > 1:
             # The statements after the conflicting one ran too (one pipeline), which one
             # by one they would not have: none of the batch may commit, even if the
-            # caller catches the conflict.
+            # caller catches the conflict (the innermost atomic block rolls back).
             transaction.set_rollback(True)
         raise
 

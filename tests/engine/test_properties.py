@@ -39,6 +39,7 @@ from contextlib import contextmanager
 import hypothesis
 import pytest
 from django.apps import apps
+from django.conf import settings as django_settings
 from django.core.exceptions import PermissionDenied
 from django.db import OperationalError, connection
 from django.db.models import Q
@@ -60,6 +61,7 @@ from rq.registry import ScheduledJobRegistry
 from payments.checkout.handler import CheckoutNotAllowed, request_checkout
 from payments.checkout.names import CHARGE, CHECKOUT
 from payments.checkout.orders import create_order
+from payments.conf import payments_settings
 from payments.desk import services as desk
 from payments.desk.rules import DeskError
 from payments.engine import failpoints
@@ -147,13 +149,20 @@ class GuardLog(logging.Handler):
         self.messages.append(record.getMessage())
 
 
+def _provider_at(url: str) -> None:
+    """Point the app at `url`: a new PAYMENTS dict (payments_settings() reads each new one
+    once; a dict changed in place would not be read again). The test's `settings`
+    fixture has overridden the settings: this assignment is undone with it."""
+    django_settings.PAYMENTS = {**django_settings.PAYMENTS, "PROVIDER_URL": url}
+    assert payments_settings().provider_url == url  # what the provider client will use
+
+
 class FenceMachine(RuleBasedStateMachine):
     """One example: 1-2 orders checked out, then a random sequence of what can happen."""
 
     provider = None  # set by the test: the fixtures outlive the examples
     queue = None
     staff = None  # the operator at the desk
-    payments: dict = {}  # this test's PAYMENTS settings, changed in place
     dead_url = ""  # where no provider listens
     guard: GuardLog
 
@@ -161,7 +170,7 @@ class FenceMachine(RuleBasedStateMachine):
         super().__init__()
         self.queue.connection.flushdb()
         self.provider.state.reset()
-        self.payments["PROVIDER_URL"] = self.provider.url
+        _provider_at(self.provider.url)
         with connection.cursor() as cursor:
             cursor.execute(f"TRUNCATE {', '.join(_tables())} CASCADE")
         self.guard.messages.clear()
@@ -281,7 +290,7 @@ class FenceMachine(RuleBasedStateMachine):
     def provider_reachable(self, down: bool) -> None:
         """The provider goes down (connections refused) or comes back."""
         self.last = "provider_reachable"
-        self.payments["PROVIDER_URL"] = self.dead_url if down else self.provider.url
+        _provider_at(self.dead_url if down else self.provider.url)
 
     @precondition(lambda self: self.last != "recovery")
     @rule(
@@ -493,7 +502,7 @@ def test_random_sequences_keep_the_fence_invariants(provider, queue, settings):
     FenceMachine.provider, FenceMachine.queue, FenceMachine.guard = provider, queue, guard
     # A lease long enough that no real second runs it out: only `time_passes` does.
     settings.PAYMENTS = {**settings.PAYMENTS, "CLAIM_LEASE": LEASE}
-    FenceMachine.payments, FenceMachine.dead_url = settings.PAYMENTS, _dead_url()
+    FenceMachine.dead_url = _dead_url()
     provider.state.configure(slow_delay=1.5)  # past the client's 1 s read timeout, always
     FenceMachine.staff = make_user("prop-operator", RECONCILE, NEW_ATTEMPT)
     try:
