@@ -99,8 +99,3 @@ def processes_named(name: str) -> Callable[[], list[int]]:
 def tree_pids(roots: Callable[[], list[int]]) -> Callable[[], list[int]]:
     """The processes `roots` lists and everything below them."""
     return lambda: [pid for root in roots() for pid in (root, *descendants(root))]
-
-
-def gunicorn_pids(master: int) -> Callable[[], list[int]]:
-    """The gunicorn master and its workers."""
-    return lambda: [master, *descendants(master)]

@@ -36,7 +36,7 @@ import requests
 from django.db import connection
 from django.db.models import Count
 
-from devtools.bench.cpu import CpuMeter, backend_pids, gunicorn_pids
+from devtools.bench.cpu import CpuMeter, backend_pids, tree_pids
 from devtools.stack import ROOT, free_port
 from devtools.topology import PgBouncer, port_open, stop_process, wait_until
 from payments.checkout.orders import create_order
@@ -305,7 +305,7 @@ def measure(
             raise RuntimeError(f"the warm-up got {dict(statuses)}, not only 202: {tail}")
         calls = plan_checkouts(shape, run_id)
         database = str(connection.settings_dict["NAME"])
-        roles = {"gunicorn": gunicorn_pids(pid), "postgresql": lambda: backend_pids(database)}
+        roles = {"gunicorn": tree_pids(lambda: [pid]), "postgresql": lambda: backend_pids(database)}
         if pooler_pid is not None:
             roles["pgbouncer"] = lambda: [pooler_pid]
         meter = CpuMeter(roles)
