@@ -109,6 +109,10 @@ WSGI_APPLICATION = "project.wsgi.application"
 DATABASES = {
     "default": env.db("DATABASE_URL", default="postgres://postgres@127.0.0.1:5432/fence"),
 }
+# Django's PostgreSQL backend with one change: a transaction's BEGIN goes in the round
+# trip of its first statement, not in one of its own (project/postgresql/base.py).
+if DATABASES["default"]["ENGINE"] == "django.db.backends.postgresql":
+    DATABASES["default"]["ENGINE"] = "project.postgresql"
 # CONN_MAX_AGE keeps one connection per thread of each process open between
 # requests (gunicorn: workers x threads; see README, "Production", for the sum that
 # must stay below PostgreSQL's max_connections, checked by payments.E011). The

@@ -62,6 +62,7 @@ from redis import Redis
 _READ_SQL = re.compile(r"\s*(SELECT|SHOW)\b", re.IGNORECASE)
 _SAVEPOINT_SQL = re.compile(r"\s*(SAVEPOINT|RELEASE|ROLLBACK\s+TO)\b", re.IGNORECASE)
 _COMMIT_SQL = re.compile(r"\s*COMMIT\s*$", re.IGNORECASE)
+_BEGIN_SQL = re.compile(r"\s*BEGIN\b", re.IGNORECASE)
 
 #: Redis hash (one per job function) where counting workers add up their jobs' trips.
 KEY_PREFIX = "bench:db-round-trips:"
@@ -187,12 +188,26 @@ class RoundTripCounter:
         self._undo.append(undo)
 
     def _execute(self, execute: Any, sql: str, params: Any, many: bool, context: dict) -> Any:
-        raw = context["connection"].connection
+        db = context["connection"]
+        raw = db.connection
         piped = raw is not None and raw.pgconn.pipeline_status != pq.PipelineStatus.OFF
+        if _BEGIN_SQL.match(sql):  # queued in front of a pipeline (payments.engine.fence)
+            self.counts.begins += 1
+            self.counts.pipelined += piped
+            return execute(sql, params, many, context)
         if raw is not None and raw.info.transaction_status == pq.TransactionStatus.IDLE:
-            if not raw.autocommit:
-                # psycopg sends BEGIN first, in a round trip of its own (in a pipeline too:
-                # it syncs the BEGIN before it queues the statement).
+            if piped:
+                pass  # the pipeline's owner sent what the transaction needs first
+            elif getattr(db, "begin_owed", None) is not None and db.begin_owed():
+                # project.postgresql: the BEGIN goes with the statement, in a pipeline of
+                # their own (its sync counted as one round trip), unless the statement has
+                # no parameters: then the BEGIN goes alone first, a round trip of its own.
+                self.counts.begins += 1
+                if params and not many:
+                    self.counts.pipelined += 2
+            elif not db.get_autocommit():
+                # Django's stock backend: psycopg sends BEGIN first, in a round trip of its
+                # own (in a pipeline too: it syncs the BEGIN before it queues the statement).
                 self.counts.begins += 1
             elif not _READ_SQL.match(sql):
                 self.counts.autocommits += 1  # its own transaction, committed as it returns

@@ -219,19 +219,29 @@ def _execute(db: Any, statements: list[tuple[Any, str, dict[str, Any]]]) -> None
     More than one statement, or a COMMIT to send along, go in psycopg's
     pipeline mode and wait for one answer. Nothing else changes: a statement
     that fails aborts the transaction, and what the pipeline holds after it
-    (the next statements, the COMMIT) is not run. (A BEGIN gains nothing
-    there: psycopg waits for its answer before the statement, as outside.)
+    (the next statements, the COMMIT) is not run. A transaction's first
+    statement carries its BEGIN the same way (project.postgresql).
     Outside a transaction each statement is its own, one round trip each.
     """
     raw = db.connection
     commit = _COMMIT_WITH_NEXT.get()
-    if raw is None or raw.autocommit or (commit is None and len(statements) == 1):
+    # Django's transaction is open and PostgreSQL's not yet: the BEGIN goes first in the
+    # pipeline (project.postgresql; Django's stock backend lets psycopg send it alone).
+    begin = _begin_owed(db)
+    if (
+        raw is None
+        or db.get_autocommit()
+        or (commit is None and len(statements) == 1 and not begin)
+    ):
         for cursor, sql, params in statements:
             cursor.execute(sql, params)
         return
     with db.wrap_database_errors:
         try:
             with raw.pipeline():
+                if begin:
+                    with db.cursor() as opening:
+                        opening.execute(db.begin_statement())
                 for cursor, sql, params in statements:
                     cursor.execute(sql, params)
                 if commit is not None:
@@ -251,6 +261,12 @@ def _execute(db: Any, statements: list[tuple[Any, str, dict[str, Any]]]) -> None
             raise cast(BaseException, interrupted) from None
     if commit is not None:
         commit.committed = True
+
+
+def _begin_owed(db: Any) -> bool:
+    """Tell whether the next statement on `db` must send the transaction's BEGIN with it."""
+    owed = getattr(db, "begin_owed", None)  # project.postgresql's DatabaseWrapper
+    return owed is not None and bool(owed())
 
 
 def is_interruption(exc: BaseException | None) -> bool:

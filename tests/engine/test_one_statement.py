@@ -147,7 +147,7 @@ def test_release_held_lease__one_round_trip__and_none_once_the_lease_is_lost(que
     assert audit(op)[-1] == ("", OperationState.RUNNING, OperationState.SUCCEEDED, WORKER)
 
 
-def test_checkout_request__five_round_trips_one_transaction(queue):
+def test_checkout_request__four_round_trips_one_transaction(queue):
     order = create_order(amount=1500, currency="eur", email="api@example.com")
 
     with counting() as counter:
@@ -156,9 +156,9 @@ def test_checkout_request__five_round_trips_one_transaction(queue):
         )
 
     counted = trips(counter)
-    # BEGIN, the order with the key and earlier-charge checks, the operation with its
-    # audit row and job id, the order's status, COMMIT.
-    assert created and counted.total == 5 and counted.commits == 1
+    # BEGIN with the order's read (its key and earlier-charge checks), the operation with
+    # its audit row and job id, the order's status, COMMIT.
+    assert created and counted.total == 4 and counted.commits == 1
     op.refresh_from_db()
     assert op.job_id and op.dispatched_at is not None
     assert audit(op) == [("", "", OperationState.PENDING, "api")]
@@ -215,18 +215,19 @@ def worker_trips_by_job(queue, key: str, monkeypatch) -> dict[str, int]:
 
 
 def test_fenced_checkout__round_trips_of_each_job(provider, queue, monkeypatch):
-    """The checkout job, 14: the lease (1), the order's read (1), the charge's claim
-    and outcome (2); BEGIN, the invoice, its claim with its result, the e-mail's claim
-    with the COMMIT (4); BEGIN, the e-mail's outcome, the order's status, the two
-    follow-ups (one pipeline), mark_paid's claim with its result, the release with
-    the COMMIT (6).
+    """The checkout job, 12: the lease (1), the order's read (1), the charge's claim
+    and outcome (2); the invoice with the BEGIN, its claim with its result, the
+    e-mail's claim with the COMMIT (3); the e-mail's outcome with the BEGIN, the
+    order's status, the two follow-ups (one pipeline), mark_paid's claim with its
+    result, the release with the COMMIT (5).
     A local step costs one statement beside its writes: it runs first, then its claim
     goes in with its result. The statement a unit commits with sends the COMMIT in
-    its own round trip (a pipeline).
-    The follow-ups, 9: BEGIN, the inbox row with the `succeeded` (one statement),
-    COMMIT (3 each), and their writes: the ledger line (1), the day's counter read
-    and added to (2)."""
+    its own round trip (a pipeline); the first one sends the BEGIN in its own
+    (project.postgresql).
+    The follow-ups, 7: the inbox row with the `succeeded` (one statement) with the
+    BEGIN, COMMIT (2 each), and their writes: the ledger line (1), the day's counter
+    read and added to (2)."""
     SalesDay.objects.create(day=timezone.now().date(), currency="eur")  # the day has sales
     by_job = worker_trips_by_job(queue, "trips-1", monkeypatch)
 
-    assert by_job == {"run_operation": 14, "deliver_message": 9}, by_job
+    assert by_job == {"run_operation": 12, "deliver_message": 7}, by_job

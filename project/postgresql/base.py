@@ -1,0 +1,156 @@
+"""Django's PostgreSQL backend, with a transaction's BEGIN sent with its first statement.
+
+With Django's stock backend, psycopg 3 opens a transaction with a BEGIN in a
+round trip of its own: Django turns psycopg's autocommit off when an
+`atomic()` block starts, and psycopg then sends BEGIN and waits for its
+answer before the block's first statement (in pipeline mode too: it syncs
+after the BEGIN). Every transaction pays one more round trip than it needs.
+
+This backend keeps psycopg in autocommit and opens the transaction itself:
+when Django's autocommit is off and PostgreSQL has no transaction open, the
+next statement goes in one pipeline behind a BEGIN, and both wait for one
+answer. Nothing else changes:
+- the transaction starts at the same statement, so it sees the same snapshot
+  and takes the same locks;
+- a statement that fails leaves the transaction aborted, as after a BEGIN
+  sent alone; Django rolls it back as usual (psycopg's `commit()` and
+  `rollback()` send COMMIT and ROLLBACK whenever a transaction is open,
+  whatever its autocommit says);
+- an isolation level set in OPTIONS goes in the BEGIN, as psycopg would send it;
+- what cannot ride in a pipeline behind a BEGIN is preceded by a BEGIN sent
+  alone, as before: a statement without parameters (psycopg sends it as a
+  simple query, which may hold several commands: a migration's RunSQL),
+  `executemany`, COPY, a server-side cursor's DECLARE, a streamed result.
+  A statement with parameters must be one command (true of every statement
+  the ORM writes); several would fail in the pipeline with "cannot insert
+  multiple commands into a prepared statement".
+
+Code that sends its own pipeline inside a transaction (payments.engine.fence)
+asks `begin_owed()` and queues `begin_statement()` in front of it.
+ENGINE = "project.postgresql" (project/settings.py sets it for PostgreSQL URLs).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import psycopg
+from django.db.backends.postgresql import base
+from psycopg import pq
+
+#: The attribute of a psycopg connection that says Django has a transaction open on it
+#: (Django's autocommit is off): the next statement on an idle server sends BEGIN first.
+_TRANSACTION_WANTED = "django_transaction_wanted"
+
+
+def _owes_begin(raw: Any) -> bool:
+    """True when a statement sent now on `raw`, outside a pipeline, must send BEGIN first."""
+    return (
+        getattr(raw, _TRANSACTION_WANTED, False)
+        and raw.pgconn.transaction_status == pq.TransactionStatus.IDLE
+        and raw.pgconn.pipeline_status == pq.PipelineStatus.OFF
+    )
+
+
+def begin_statement(raw: Any) -> str:
+    """The BEGIN psycopg would send for `raw` (its isolation level, read only, deferrable)."""
+    parts = ["BEGIN"]
+    if raw.isolation_level is not None:
+        parts.append(f"ISOLATION LEVEL {raw.isolation_level.name.replace('_', ' ')}")
+    if raw.read_only is not None:
+        parts.append("READ ONLY" if raw.read_only else "READ WRITE")
+    if raw.deferrable is not None:
+        parts.append("DEFERRABLE" if raw.deferrable else "NOT DEFERRABLE")
+    return " ".join(parts)
+
+
+def _begin_alone(raw: Any) -> None:
+    """Send BEGIN in a round trip of its own (psycopg's way) if one is owed."""
+    if _owes_begin(raw):
+        psycopg.ClientCursor(raw).execute(begin_statement(raw))
+
+
+class _BeginsWithFirstStatement:
+    """Cursor methods that open Django's transaction with the statement they send."""
+
+    connection: Any
+
+    def execute(self, query: Any, params: Any = None, **kwargs: Any) -> Any:
+        raw = self.connection
+        if not _owes_begin(raw):
+            return super().execute(query, params, **kwargs)  # type: ignore[misc]
+        if not params:
+            # Without parameters psycopg sends the text as a simple query, which may hold
+            # several commands (a migration's RunSQL); a pipeline allows one.
+            _begin_alone(raw)
+            return super().execute(query, params, **kwargs)  # type: ignore[misc]
+        # One round trip: the BEGIN and the statement, answered at the pipeline's sync
+        # (the statement's rows are on this cursor after it; its error is raised here).
+        with raw.pipeline():
+            psycopg.ClientCursor(raw).execute(begin_statement(raw))
+            super().execute(query, params, **kwargs)  # type: ignore[misc]
+        return self
+
+    def executemany(self, query: Any, params_seq: Any, **kwargs: Any) -> Any:
+        _begin_alone(self.connection)
+        return super().executemany(query, params_seq, **kwargs)  # type: ignore[misc]
+
+    def copy(self, statement: Any, *args: Any, **kwargs: Any) -> Any:
+        _begin_alone(self.connection)
+        return super().copy(statement, *args, **kwargs)  # type: ignore[misc]
+
+    def stream(self, query: Any, params: Any = None, **kwargs: Any) -> Any:
+        _begin_alone(self.connection)
+        return super().stream(query, params, **kwargs)  # type: ignore[misc]
+
+
+class Cursor(_BeginsWithFirstStatement, base.Cursor):
+    """Django's client-side binding cursor (its default)."""
+
+
+class ServerBindingCursor(_BeginsWithFirstStatement, base.ServerBindingCursor):
+    """Django's server-side binding cursor (OPTIONS `server_side_binding`)."""
+
+
+class DatabaseWrapper(base.DatabaseWrapper):
+    """PostgreSQL, a transaction's BEGIN in the round trip of its first statement."""
+
+    def get_connection_params(self) -> dict[str, Any]:
+        params = super().get_connection_params()
+        server_side = params["cursor_factory"] is base.ServerBindingCursor
+        params["cursor_factory"] = ServerBindingCursor if server_side else Cursor
+        return params
+
+    def _set_autocommit(self, autocommit: bool) -> None:
+        raw = self.connection
+        with self.wrap_database_errors:
+            if not raw.autocommit:  # a new connection: psycopg opens it with autocommit off
+                raw.autocommit = True
+        setattr(raw, _TRANSACTION_WANTED, not autocommit)
+
+    def begin_owed(self) -> bool:
+        """Tell whether Django's transaction is open and PostgreSQL's not yet: the next
+        statement must carry BEGIN (in a pipeline of its own, or in front of the caller's)."""
+        return self.connection is not None and _owes_begin(self.connection)
+
+    def begin_statement(self) -> str:
+        """The BEGIN to queue in front of a pipeline when `begin_owed()`."""
+        return begin_statement(self.connection)
+
+    def create_cursor(self, name: str | None = None) -> Any:
+        if not name:
+            return super().create_cursor()
+        # A server-side cursor's DECLARE runs in the transaction (sent after a BEGIN of
+        # its own), and is holdable only outside one: Django's backend reads that from
+        # psycopg's autocommit, always on here, so this is its code with Django's.
+        raw = self.connection
+        _begin_alone(raw)
+        withhold = self.get_autocommit()
+        if self.settings_dict["OPTIONS"].get("server_side_binding") is not True:
+            cursor = base.ServerSideCursor(raw, name=name, scrollable=False, withhold=withhold)
+        else:
+            cursor = raw.cursor(name, scrollable=False, withhold=withhold)
+        tzloader = raw.adapters.get_loader(base.TIMESTAMPTZ_OID, base.Format.TEXT)
+        if self.timezone != tzloader.timezone:
+            base.register_tzloader(self.timezone, cursor)
+        return cursor

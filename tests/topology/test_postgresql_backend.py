@@ -1,0 +1,196 @@
+"""project.postgresql: a transaction's BEGIN in the round trip of its first statement.
+
+Round trips are counted from libpq's own protocol trace (ReadyForQuery
+messages), what the transaction does is checked from a second connection:
+the first statement's change stays invisible and its locks held until the
+COMMIT, a rollback undoes it, a failing first statement leaves nothing.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import psycopg
+import pytest
+from django.db import DEFAULT_DB_ALIAS, IntegrityError, connection, connections, transaction
+from django.db.backends.postgresql.psycopg_any import IsolationLevel
+from psycopg import pq
+
+from payments.models import Invoice, Order, OrderStatus
+from project.postgresql.base import DatabaseWrapper
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+_READY = re.compile(r"^B\t\d+\tReadyForQuery\b", re.MULTILINE)
+
+
+def order() -> Order:
+    return Order.objects.create(amount=100, currency="eur", customer_email="b@example.com")
+
+
+@pytest.fixture
+def other() -> Iterator[psycopg.Connection]:
+    """A second connection to the test database, autocommit: what others see."""
+    settings = connection.settings_dict
+    conn = psycopg.connect(
+        dbname=settings["NAME"], user=settings["USER"], host=settings["HOST"] or None,
+        port=settings["PORT"] or None, autocommit=True,
+    )  # fmt: skip
+    yield conn
+    conn.close()
+
+
+def amount_seen_by(other: psycopg.Connection, pk: int) -> int:
+    row = other.execute("SELECT amount FROM payments_order WHERE id = %s", [pk]).fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+class Trace:
+    """Count this connection's round trips (ReadyForQuery) while armed."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __enter__(self) -> Trace:
+        connection.ensure_connection()
+        self.handle = self.path.open("w")
+        connection.connection.pgconn.trace(self.handle.fileno())
+        connection.connection.pgconn.set_trace_flags(
+            pq.Trace.SUPPRESS_TIMESTAMPS | pq.Trace.REGRESS_MODE
+        )
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        connection.connection.pgconn.untrace()
+        self.handle.close()
+        self.text = self.path.read_text()
+        self.round_trips = len(_READY.findall(self.text))
+
+
+def test_engine__is_this_backend():
+    assert isinstance(connections[DEFAULT_DB_ALIAS], DatabaseWrapper)
+
+
+def test_atomic_block__begin_rides_with_the_first_statement__its_change_stays_in_the_transaction(
+    tmp_path, other
+):
+    o = order()
+    with Trace(tmp_path / "t") as trace, transaction.atomic():
+        Order.objects.filter(pk=o.pk).update(amount=101)
+        assert connection.connection.info.transaction_status == pq.TransactionStatus.INTRANS
+        assert amount_seen_by(other, o.pk) == 100  # not committed yet
+        Order.objects.filter(pk=o.pk).update(amount=102)
+    # BEGIN with the first UPDATE, the second UPDATE, COMMIT (Django's stock backend: 4).
+    assert trace.round_trips == 3
+    sent = [line for line in trace.text.splitlines() if line.startswith("F")]
+    assert sum('"BEGIN"' in line for line in sent) == 1
+    assert amount_seen_by(other, o.pk) == 102
+
+
+def test_first_statement_locks__held_until_the_commit(other):
+    o = order()
+    with transaction.atomic():
+        Order.objects.select_for_update().get(pk=o.pk)
+        with pytest.raises(psycopg.errors.LockNotAvailable):
+            other.execute("SELECT 1 FROM payments_order WHERE id = %s FOR UPDATE NOWAIT", [o.pk])
+    other.execute("SELECT 1 FROM payments_order WHERE id = %s FOR UPDATE NOWAIT", [o.pk])
+
+
+def test_rollback__undoes_the_first_statement(other):
+    o = order()
+    with pytest.raises(RuntimeError), transaction.atomic():
+        Order.objects.filter(pk=o.pk).update(amount=101)
+        raise RuntimeError("roll back")
+    assert amount_seen_by(other, o.pk) == 100
+    assert connection.connection.info.transaction_status == pq.TransactionStatus.IDLE
+
+
+def test_failing_first_statement__raised_as_django_error__nothing_kept__connection_usable(other):
+    o = order()
+    Invoice.objects.create(order=o, number="INV-1", amount=1, currency="eur")
+    with pytest.raises(IntegrityError), transaction.atomic():
+        Invoice.objects.create(order=o, number="INV-1", amount=1, currency="eur")
+    with transaction.atomic():
+        Order.objects.filter(pk=o.pk).update(status=OrderStatus.PAID)
+    assert Invoice.objects.filter(order=o).count() == 1
+    o.refresh_from_db()
+    assert o.status == OrderStatus.PAID
+
+
+def test_statement_without_parameters__several_commands__in_the_transaction(tmp_path, other):
+    o = order()
+    with Trace(tmp_path / "t") as trace:
+        with pytest.raises(RuntimeError), transaction.atomic():
+            with connection.cursor() as cursor:
+                cursor.execute(
+                    f"UPDATE payments_order SET amount = 101 WHERE id = {o.pk}; "
+                    f"UPDATE payments_order SET amount = 102 WHERE id = {o.pk}"
+                )
+            assert amount_seen_by(other, o.pk) == 100
+            raise RuntimeError("roll back")
+    # BEGIN alone (a simple query may hold several commands), the two UPDATEs, ROLLBACK.
+    assert trace.round_trips == 3
+    assert amount_seen_by(other, o.pk) == 100
+
+
+def test_executemany__in_the_transaction(other):
+    o = order()
+    with pytest.raises(RuntimeError), transaction.atomic():
+        with connection.cursor() as cursor:
+            cursor.executemany(
+                "UPDATE payments_order SET amount = %s WHERE id = %s", [(101, o.pk), (102, o.pk)]
+            )
+        assert amount_seen_by(other, o.pk) == 100
+        raise RuntimeError("roll back")
+    assert amount_seen_by(other, o.pk) == 100
+
+
+def test_server_side_cursor__declared_in_the_transaction_and_not_holdable(settings):
+    o = order()
+    with transaction.atomic():
+        rows = Order.objects.filter(pk__gte=o.pk).iterator(chunk_size=1)
+        assert next(rows).pk == o.pk
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT is_holdable FROM pg_cursors WHERE name LIKE '_django_curs%%'")
+            assert cursor.fetchall() == [(False,)]
+        rows.close()
+    rows = Order.objects.filter(pk__gte=o.pk).iterator(chunk_size=1)
+    assert next(rows).pk == o.pk  # outside a transaction: WITH HOLD, as Django declares it
+    rows.close()
+
+
+def test_isolation_level_from_options__in_the_begin():
+    db = DatabaseWrapper(
+        {
+            **connection.settings_dict,
+            "OPTIONS": {
+                **connection.settings_dict["OPTIONS"],
+                "isolation_level": IsolationLevel.SERIALIZABLE,
+            },
+        },
+        alias="serializable",
+    )
+    try:
+        with _atomic(db):
+            with db.cursor() as cursor:
+                cursor.execute("SELECT current_setting(%s)", ["transaction_isolation"])
+                assert cursor.fetchone() == ("serializable",)
+    finally:
+        db.close()
+
+
+class _atomic:
+    """transaction.atomic() for a wrapper that is not in django.db.connections."""
+
+    def __init__(self, db: DatabaseWrapper) -> None:
+        self.db = db
+
+    def __enter__(self) -> None:
+        self.db.set_autocommit(False)
+
+    def __exit__(self, *exc: object) -> None:
+        self.db.rollback()
+        self.db.set_autocommit(True)
