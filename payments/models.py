@@ -69,6 +69,7 @@ class FenceModel(models.Model):
 
 
 CLAIM_UNIQUE_CONSTRAINT = "payments_stepclaim_operation_step_uniq"
+SALES_DAY_UNIQUE_CONSTRAINT = "payments_salesday_uniq"
 
 
 class OrderStatus(models.TextChoices):
@@ -324,9 +325,11 @@ class SalesDay(models.Model):
     orders = models.PositiveIntegerField(default=0)
     total = models.BigIntegerField(default=0)
 
+    UNIQUE_CONSTRAINT = SALES_DAY_UNIQUE_CONSTRAINT
+
     class Meta:
         constraints = [
-            models.UniqueConstraint(fields=["day", "currency"], name="payments_salesday_uniq"),
+            models.UniqueConstraint(fields=["day", "currency"], name=SALES_DAY_UNIQUE_CONSTRAINT),
         ]
 
     def __str__(self) -> str:

@@ -15,12 +15,12 @@ import uuid
 from django.conf import settings
 from django.core.mail import send_mail
 from django.db import connection, transaction
-from django.db.models import F
 from django.utils import timezone
 
 from inbox.handlers import inbox_handler
+from payments.checkout.followups import add_to_sales_day
 from payments.engine.queues import payments_queue
-from payments.models import Invoice, LedgerEntry, Order, OrderStatus, SalesDay
+from payments.models import Invoice, LedgerEntry, Order, OrderStatus
 from payments.provider.client import ProviderClient
 
 
@@ -79,10 +79,7 @@ def unfenced_record_sale(order_id: int, reference: str) -> None:
 def unfenced_count_sale(order_id: int) -> None:
     order = Order.objects.get(pk=order_id)
     with transaction.atomic():
-        day, _ = SalesDay.objects.get_or_create(day=timezone.now().date(), currency=order.currency)
-        SalesDay.objects.filter(pk=day.pk).update(
-            orders=F("orders") + 1, total=F("total") + order.amount
-        )
+        add_to_sales_day(timezone.now().date(), order.currency, order.amount)
 
 
 def _write_ledger_line(order_id: int) -> None:

@@ -13,6 +13,7 @@ from django.db import connection
 
 from inbox.handlers import inbox_guard
 from inbox.models import InboxEntry
+from payments.checkout import followups
 from payments.checkout import handler as checkout_module
 from payments.checkout.handler import request_checkout
 from payments.checkout.names import COUNT_SALE, RECORD_SALE
@@ -85,15 +86,15 @@ def test_redelivered_message_after_commit__is_skipped(provider, queue, caplog):
 
 def test_crash_before_commit__message_runs_again_and_counts_once(provider, queue, monkeypatch):
     calls = {"n": 0}
-    real_update = SalesDay.objects.filter
+    real_add = followups.add_to_sales_day
 
     def failing_once(*args, **kwargs):
+        real_add(*args, **kwargs)  # the counter is added to, then the handler dies
         calls["n"] += 1
         if calls["n"] == 1:
             raise ConnectionError("database went away mid-handler")
-        return real_update(*args, **kwargs)
 
-    monkeypatch.setattr(SalesDay.objects, "filter", failing_once)
+    monkeypatch.setattr(followups, "add_to_sales_day", failing_once)
     order, op = paid_order(provider, queue)
 
     run_worker(queue)  # first delivery rolls back; RQ's retry delivers it again
