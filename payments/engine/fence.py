@@ -23,7 +23,7 @@ from datetime import datetime, timedelta
 from typing import Any, NoReturn, cast
 
 import psycopg
-from django.db import DEFAULT_DB_ALIAS, connection, connections, transaction
+from django.db import DEFAULT_DB_ALIAS, IntegrityError, connection, connections, transaction
 from django.db.models.functions import Now
 from django.utils import timezone
 from psycopg import pq
@@ -35,7 +35,12 @@ from payments.engine import transitions
 from payments.engine.effects import EffectResult
 from payments.engine.failpoints import BEFORE_RECORD_COMMIT, failpoint
 from payments.engine.writes import fence_writer
-from payments.exceptions import InvalidTransition, NotClaimOwner, OperationConflict
+from payments.exceptions import (
+    InvalidTransition,
+    NotClaimOwner,
+    OperationConflict,
+    StepDoneMeanwhile,
+)
 from payments.models import (
     RUNNABLE_OPERATION_STATES,
     ApiClient,
@@ -213,6 +218,37 @@ def commit_with_next_statement() -> Iterator[CommitWith]:
         _COMMIT_WITH_NEXT.reset(token)
 
 
+@dataclass(frozen=True)
+class QueuedClaim:
+    """A run-first local step's claim, sent in front of the transaction's next fence statement."""
+
+    operation_key: str
+    step: str
+    sql: str
+    params: dict[str, Any]
+
+
+#: The claims queued for the open transaction (queue_local_claim_in_tx), in order.
+_QUEUED: ContextVar[tuple[QueuedClaim, ...]] = ContextVar("fence_queued", default=())
+
+
+def has_queued() -> bool:
+    """Tell whether claims are queued for the open transaction (payments.engine.unit)."""
+    return bool(_QUEUED.get())
+
+
+def discard_queued() -> None:
+    """Forget the queued claims: their transaction rolled back (payments.engine.unit)."""
+    _QUEUED.set(())
+
+
+@fence_writer
+def send_queued_in_tx() -> None:
+    """Send the queued claims now (with the COMMIT asked for, `commit_with_next_statement`)."""
+    if has_queued() or _COMMIT_WITH_NEXT.get() is not None:
+        _execute(_this_thread(), [])
+
+
 def _execute(db: Any, statements: list[tuple[Any, str, dict[str, Any]]]) -> None:
     """Execute fence statements, each on its cursor; the COMMIT asked for (CommitWith) after them.
 
@@ -220,47 +256,83 @@ def _execute(db: Any, statements: list[tuple[Any, str, dict[str, Any]]]) -> None
     pipeline mode and wait for one answer. Nothing else changes: a statement
     that fails aborts the transaction, and what the pipeline holds after it
     (the next statements, the COMMIT) is not run. A transaction's first
-    statement carries its BEGIN the same way (project.postgresql).
+    statement carries its BEGIN the same way (project.postgresql), and the
+    claims queued for the transaction (queue_local_claim_in_tx) go in front
+    of the statements: one found taken raises StepDoneMeanwhile.
     Outside a transaction each statement is its own, one round trip each.
     """
     raw = db.connection
     commit = _COMMIT_WITH_NEXT.get()
+    queued = _QUEUED.get()
+    if queued:
+        _QUEUED.set(())  # sent now, in front of these statements
     # Django's transaction is open and PostgreSQL's not yet: the BEGIN goes first in the
     # pipeline (project.postgresql; Django's stock backend lets psycopg send it alone).
     begin = _begin_owed(db)
     if (
         raw is None
         or db.get_autocommit()
-        or (commit is None and len(statements) == 1 and not begin)
+        or (commit is None and len(statements) == 1 and not begin and not queued)
     ):
+        if queued:
+            raise InvalidTransition("a queued local claim outlived its transaction")
         for cursor, sql, params in statements:
             cursor.execute(sql, params)
         return
-    with db.wrap_database_errors:
-        try:
-            with raw.pipeline():
-                if begin:
-                    with db.cursor() as opening:
-                        opening.execute(db.begin_statement())
-                for cursor, sql, params in statements:
-                    cursor.execute(sql, params)
-                if commit is not None:
-                    _COMMIT_WITH_NEXT.set(None)  # one batch commits; later ones run after it
-                    with db.cursor() as ending:
-                        ending.execute("COMMIT")
-        except psycopg.OperationalError as exc:
-            interrupted = exc.__context__
-            if raw.pgconn.pipeline_status == pq.PipelineStatus.OFF or not is_interruption(
-                interrupted
-            ):
-                raise
-            # Interrupted while the answer was on its way (the job's timeout): psycopg
-            # cannot leave pipeline mode and says so instead. The connection is unusable
-            # and whether the COMMIT ran is unknown: close it, raise the interruption.
-            db.close()
-            raise cast(BaseException, interrupted) from None
+    queued_cursors = [_statement_cursor(db) for _ in queued]
+    try:
+        with db.wrap_database_errors:
+            try:
+                with raw.pipeline():
+                    if begin:
+                        with db.cursor() as opening:
+                            opening.execute(db.begin_statement())
+                    for cursor, claim in zip(queued_cursors, queued, strict=True):
+                        cursor.execute(claim.sql, claim.params)
+                    for cursor, sql, params in statements:
+                        cursor.execute(sql, params)
+                    if commit is not None:
+                        _COMMIT_WITH_NEXT.set(None)  # one batch commits; later ones after it
+                        with db.cursor() as ending:
+                            ending.execute("COMMIT")
+            except psycopg.OperationalError as exc:
+                interrupted = exc.__context__
+                if raw.pgconn.pipeline_status == pq.PipelineStatus.OFF or not is_interruption(
+                    interrupted
+                ):
+                    raise
+                # Interrupted while the answer was on its way (the job's timeout): psycopg
+                # cannot leave pipeline mode and says so instead. The connection is unusable
+                # and whether the COMMIT ran is unknown: close it, raise the interruption.
+                db.close()
+                raise cast(BaseException, interrupted) from None
+    except IntegrityError as exc:
+        if queued and _is_claim_taken(exc):
+            # Only a queued claim inserts without ON CONFLICT: another run committed the
+            # step while this one ran it. Nothing after it ran, the COMMIT included.
+            step = _taken_step(exc, [claim.step for claim in queued])
+            raise StepDoneMeanwhile(operation_key=queued[0].operation_key, step=step) from exc
+        raise
+    finally:
+        for cursor in queued_cursors:
+            cursor.close()
     if commit is not None:
         commit.committed = True
+
+
+def _is_claim_taken(exc: IntegrityError) -> bool:
+    """Tell whether `exc` is a unique violation of the step claims (the step is claimed)."""
+    diag = getattr(exc.__cause__, "diag", None)
+    return diag is not None and diag.constraint_name == StepClaim.UNIQUE_CONSTRAINT
+
+
+def _taken_step(exc: IntegrityError, steps: list[str]) -> str:
+    """Which of `steps` the unique violation `exc` names (its detail), else the first."""
+    # "Key (operation_id, step)=(12, invoice) already exists."
+    detail = getattr(exc.__cause__, "diag", None)
+    text = (detail.message_detail if detail is not None else None) or ""
+    named = text[text.find("=(") + 2 : text.rfind(")")].partition(", ")[2]
+    return named if named in steps else steps[0]
 
 
 def _begin_owed(db: Any) -> bool:
@@ -930,6 +1002,7 @@ class ClaimResult:
 
 
 #: Insert a claim (none -> claimed, or done for a local step), audited; a taken step: nothing.
+#: Claim a step (none -> claimed | done), audited; a step already claimed returns nothing.
 INSERT_CLAIM = f"""
 WITH inserted AS (
     INSERT INTO payments_stepclaim (
@@ -953,6 +1026,39 @@ WITH inserted AS (
 SELECT {CLAIM_COLUMNS} FROM inserted
 """
 
+#: The same, for a claim sent ahead of its answer (queue_local_claim_in_tx): a step
+#: already claimed fails the statement (a unique violation), so that nothing queued
+#: behind it in its pipeline runs, its transaction's COMMIT included.
+INSERT_CLAIM_OR_FAIL = INSERT_CLAIM.replace(
+    f"ON CONFLICT ON CONSTRAINT {StepClaim.UNIQUE_CONSTRAINT} DO NOTHING\n", ""
+)
+assert INSERT_CLAIM_OR_FAIL != INSERT_CLAIM
+
+
+def _claim_params(
+    operation: Operation,
+    step: str,
+    *,
+    state: ClaimState,
+    owner: str,
+    reason: str,
+    lease_seconds: int | None = None,
+    idempotency_key: str = "",
+    request: dict[str, Any] | None = None,
+    result: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    return {
+        "operation": operation.pk,
+        "step": step,
+        "state": state,
+        "idempotency_key": idempotency_key,
+        "request": _json(request),
+        "result": _json(result),
+        "owner": owner[:255],
+        "lease_seconds": lease_seconds,
+        "reason": reason,
+    }
+
 
 def _insert_claim(
     operation: Operation,
@@ -970,17 +1076,17 @@ def _insert_claim(
     claim = _one(
         StepClaim,
         INSERT_CLAIM,
-        {
-            "operation": operation.pk,
-            "step": step,
-            "state": state,
-            "idempotency_key": idempotency_key,
-            "request": _json(request),
-            "result": _json(result),
-            "owner": owner[:255],
-            "lease_seconds": lease_seconds,
-            "reason": reason,
-        },
+        _claim_params(
+            operation,
+            step,
+            state=state,
+            owner=owner,
+            reason=reason,
+            lease_seconds=lease_seconds,
+            idempotency_key=idempotency_key,
+            request=request,
+            result=result,
+        ),
     )
     if claim is not None:
         claim.operation = operation
@@ -1063,6 +1169,31 @@ def insert_local_claim_in_tx(
     return _insert_claim(
         operation, step, state=ClaimState.DONE, owner=owner, reason="", result=result
     )
+
+
+@fence_writer
+def queue_local_claim_in_tx(
+    operation: Operation, step: str, *, owner: str, result: dict[str, Any]
+) -> None:
+    """Queue the `done` claim of a local step whose writes ran, with their `result`.
+
+    For a step that had no claim when the run's lease was taken (its
+    function ran first): no answer is needed before the run goes on, so
+    the claim goes in the pipeline of the transaction's next fence statement
+    (a claim before a call, the release), or with its COMMIT
+    (`send_queued_in_tx`): no round trip of its own. The claim commits with
+    the writes or not at all. If another run committed the step meanwhile
+    (a lease taken over), the claim fails there, nothing behind it runs, and
+    that statement raises StepDoneMeanwhile. Runs inside the caller's
+    transaction; its rollback must `discard_queued()`.
+    """
+    if not transaction.get_connection().in_atomic_block:
+        raise InvalidTransition("queue_local_claim_in_tx must run inside transaction.atomic()")
+    params = _claim_params(
+        operation, step, state=ClaimState.DONE, owner=owner, reason="", result=result
+    )
+    claim = QueuedClaim(operation.key, step, INSERT_CLAIM_OR_FAIL, params)
+    _QUEUED.set((*_QUEUED.get(), claim))
 
 
 @fence_writer

@@ -308,8 +308,9 @@ class Run:
 
         They go in the run's open transaction (payments.engine.unit), which
         commits with the next claim or when the handler returns. A step the
-        lease found unclaimed runs `func` first, then inserts its claim with
-        its result: one statement beside the writes. Any other step inserts
+        lease found unclaimed runs `func` first; its claim, with its result,
+        goes in front of the unit's next fence statement (no round trip of its
+        own). Any other step inserts
         its claim first, so a step done before is replayed without running
         `func` again. A concurrent duplicate waits on the claim's unique key;
         once the first commits it finds the step taken: it replays it, or,
@@ -342,26 +343,26 @@ class Run:
     ) -> dict[str, Any]:
         """Run a local step no claim existed for at the lease: `func`, then claim and result.
 
-        A run whose lease was taken over while it still ran may commit the
-        step meanwhile: then this run's claim finds it taken, or `func` fails
-        on the rows the other wrote (a unique invoice number). Either way this
-        run's writes roll back and StepDoneMeanwhile makes the operation run
-        again at once, without counting an attempt, to replay the step.
+        The claim is queued (fence.queue_local_claim_in_tx): it goes in the
+        pipeline of the unit's next fence statement, or with its COMMIT. A run
+        whose lease was taken over while it still ran may commit the step
+        meanwhile: then this run's claim finds it taken (that later statement
+        raises), or `func` fails on the rows the other wrote (a unique invoice
+        number). Either way this run's writes roll back and StepDoneMeanwhile
+        makes the operation run again at once, without counting an attempt, to
+        replay the step.
         """
         try:
             result = func() or {}
-            claim = fence.insert_local_claim_in_tx(
-                self.operation, step, owner=self.worker_id, result=result
-            )
+            # Its claim goes with the unit's next fence statement (or its COMMIT), which
+            # raises StepDoneMeanwhile if another run committed the step meanwhile.
+            fence.queue_local_claim_in_tx(self.operation, step, owner=self.worker_id, result=result)
         except BaseException as exc:
             self.unit.roll_back(f"local step {step} failed ({type(exc).__name__})")
             # An interruption (the job's timeout) stays what it is, whatever else happened.
             if not fence.is_interruption(exc) and self._claimed_elsewhere(step):
                 raise StepDoneMeanwhile(operation_key=self.operation.key, step=step) from exc
             raise
-        if claim is None:
-            self.unit.roll_back(f"local step {step} was done meanwhile by another run")
-            raise StepDoneMeanwhile(operation_key=self.operation.key, step=step)
         return result
 
     def _claimed_elsewhere(self, step: str) -> bool:

@@ -46,6 +46,9 @@ def execute(operation_id: int, *, worker_id: str, job: Any = None) -> str:
     Raises RetryLater (RQ retries the job after its backoff) or
     RetriesExhausted (the job goes to the failed registry).
     """
+    if fence.has_queued():  # a claim queued by an earlier run that never ended its unit
+        logger.error("local claims queued by an earlier run were left; discarded")
+        fence.discard_queued()
     leased = fence.acquire_lease(
         operation_id, owner=worker_id, seconds=payments_settings().claim_lease
     )
@@ -93,6 +96,9 @@ def execute(operation_id: int, *, worker_id: str, job: Any = None) -> str:
         run.unit.commit_with(
             lambda: _finish(op, OperationState.SUCCEEDED, worker_id, "all steps done")
         )
+    except StepBusy as exc:  # a local step's claim, sent with the release, was taken meanwhile
+        _finish(op, OperationState.RETRYING, worker_id, str(exc), next_attempt_at=exc.until)
+        return "deferred"
     except BaseException as exc:  # a database error, the job's timeout: nothing stays open
         run.unit.roll_back(f"leaving the lease failed ({type(exc).__name__})")
         raise

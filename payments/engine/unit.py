@@ -19,6 +19,12 @@ Rules (the runtime and `Run` keep them; a handler never sees the unit):
 - An outcome already known outside (an e-mail sent) is written in the unit
   with `record()`; if the unit then rolls back, the outcome is written again
   on its own, so a later step's failure never loses it.
+- A local step that had no claim at the lease runs first; its claim, with
+  its result, is queued (fence.queue_local_claim_in_tx) and goes in the
+  pipeline of the unit's next fence statement or with its COMMIT: it
+  commits with the writes, in no round trip of its own. If another run did
+  the step meanwhile, that statement fails before anything behind it runs
+  (StepDoneMeanwhile) and the unit rolls back.
 - A local step whose function raises rolls the unit back (`roll_back()`):
   its partial writes go, and with them the local steps done since the last
   commit, claims included, so they run again on the next attempt exactly as
@@ -129,6 +135,10 @@ class WorkUnit:
         atomic = self._atomic
         if atomic is None:
             return
+        if fence.has_queued():
+            # Local claims wait for the next fence statement: they go with the COMMIT.
+            self.commit_with(fence.send_queued_in_tx)
+            return
         if connection.atomic_blocks != [atomic]:
             raise InvalidTransition(NESTED)  # its COMMIT would only release a savepoint
         if _aborted():
@@ -189,6 +199,7 @@ class WorkUnit:
         included) is gone; they run again on the next attempt.
         """
         atomic, self._atomic = self._atomic, None
+        fence.discard_queued()  # the local claims waiting for the next statement go with it
         if atomic is None:
             return
         self._lost = f"{why}; the steps written since the last claim were rolled back"

@@ -36,7 +36,9 @@ from typing import Any
 
 import psycopg
 from django.db.backends.postgresql import base
+from django.db.backends.postgresql.psycopg_any import register_tzloader
 from psycopg import pq
+from psycopg.pq import Format
 
 #: The attribute of a psycopg connection that says Django has a transaction open on it
 #: (Django's autocommit is off): the next statement on an idle server sends BEGIN first.
@@ -147,10 +149,12 @@ class DatabaseWrapper(base.DatabaseWrapper):
         _begin_alone(raw)
         withhold = self.get_autocommit()
         if self.settings_dict["OPTIONS"].get("server_side_binding") is not True:
-            cursor = base.ServerSideCursor(raw, name=name, scrollable=False, withhold=withhold)
+            # django-stubs type Django's psycopg 2 classes here.
+            server_side: Any = base.ServerSideCursor
+            cursor = server_side(raw, name=name, scrollable=False, withhold=withhold)
         else:
             cursor = raw.cursor(name, scrollable=False, withhold=withhold)
-        tzloader = raw.adapters.get_loader(base.TIMESTAMPTZ_OID, base.Format.TEXT)
+        tzloader = raw.adapters.get_loader(base.TIMESTAMPTZ_OID, Format.TEXT)
         if self.timezone != tzloader.timezone:
-            base.register_tzloader(self.timezone, cursor)
+            register_tzloader(self.timezone, cursor)
         return cursor

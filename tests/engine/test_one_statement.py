@@ -213,18 +213,18 @@ def worker_trips_by_job(queue, key: str, monkeypatch) -> dict[str, int]:
 
 
 def test_fenced_checkout__round_trips_of_each_job(provider, queue, monkeypatch):
-    """The checkout job, 12: the lease (1), the order's read (1), the charge's claim
-    and outcome (2); the invoice with the BEGIN, its claim with its result, the
-    e-mail's claim with the COMMIT (3); the e-mail's outcome with the BEGIN, the
+    """The checkout job, 10: the lease (1), the order's read (1), the charge's claim
+    and outcome (2); the invoice with the BEGIN, its claim with its result and the
+    e-mail's claim with the COMMIT (2); the e-mail's outcome with the BEGIN, the
     order's status, the two follow-ups (one pipeline), mark_paid's claim with its
-    result, the release with the COMMIT (5).
-    A local step costs one statement beside its writes: it runs first, then its claim
-    goes in with its result. The statement a unit commits with sends the COMMIT in
-    its own round trip (a pipeline); the first one sends the BEGIN in its own
-    (project.postgresql).
+    result and the release with the COMMIT (4).
+    A local step costs no round trip beside its writes: it runs first, then its claim
+    with its result goes in front of the unit's next fence statement. The statement
+    a unit commits with sends the COMMIT in its own round trip (a pipeline); the first
+    one sends the BEGIN in its own (project.postgresql).
     The follow-ups, 6: the inbox row with the `succeeded` (one statement) with the
     BEGIN, COMMIT (2 each), and their writes: the ledger line (1), the day's counter
     made or added to (1)."""
     by_job = worker_trips_by_job(queue, "trips-1", monkeypatch)
 
-    assert by_job == {"run_operation": 12, "deliver_message": 6}, by_job
+    assert by_job == {"run_operation": 10, "deliver_message": 6}, by_job

@@ -27,7 +27,7 @@ from payments.checkout.handler import CheckoutNotAllowed, request_checkout
 from payments.checkout.orders import create_order
 from payments.engine import fence
 from payments.engine.writes import fence_writes
-from payments.exceptions import NotClaimOwner
+from payments.exceptions import NotClaimOwner, RetryLater
 from payments.models import ClaimState, Operation, OperationEvent, OperationState, StepClaim
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -269,6 +269,7 @@ def _first_run_holding(run, step: str, fn) -> tuple[_Thread, threading.Event]:
 
     def hold():
         value = run.local(step, fn)
+        fence.send_queued_in_tx()  # a run-first step's claim: sent, not committed
         started.set()
         assert release.wait(20)
         run.unit.commit()
@@ -321,9 +322,10 @@ def test_local_claim__concurrent_duplicate__writes_once(queue):
 
 def test_local_step_run_first__concurrent_duplicate__rolls_its_writes_back(queue):
     """Two runs whose leases both found the step unclaimed (an operation the reconciler
-    moved on while its first owner still ran) both run the function; the second's claim
-    waits on the first's and, once the first commits, finds it taken: its writes roll
-    back and StepDoneMeanwhile runs the operation again. The step's writes exist once."""
+    moved on while its first owner still ran) both run the function; the second's claim,
+    sent with its COMMIT, waits on the first's and, once the first commits, finds it
+    taken: nothing behind it runs, its writes roll back and StepDoneMeanwhile runs the
+    operation again. The step's writes exist once."""
     from payments.engine.handlers import Run, get_handler
     from payments.exceptions import StepDoneMeanwhile
     from payments.models import LedgerEntry
@@ -345,9 +347,12 @@ def test_local_step_run_first__concurrent_duplicate__rolls_its_writes_back(queue
         Run(op, "a/1", spec, claimed_at_lease=leased.claimed_steps), "review_step", write("first")
     )
     second_run = Run(op, "b/2", spec, claimed_at_lease=leased.claimed_steps)
-    second = _second_behind_first(
-        first, release, lambda: second_run.local("review_step", write("second"))
-    )
+
+    def second_local_and_commit():
+        second_run.local("review_step", write("second"))
+        second_run.unit.commit()  # its claim goes with the COMMIT, and waits on the first's
+
+    second = _second_behind_first(first, release, second_local_and_commit)
     assert first.error is None and first.result == {"by": "first"}
     assert isinstance(second.error, StepDoneMeanwhile), second.error
     assert list(LedgerEntry.objects.values_list("provider_reference", flat=True)) == ["first"]
@@ -439,8 +444,11 @@ def test_deliver_message__an_operation_that_may_not_succeed__rolls_back_its_inbo
     assert OperationEvent.objects.filter(operation=op, to_state="succeeded").count() == 1
 
 
-def _a_worker_holding_the_invoice(op: Operation, started, release) -> _Thread:
-    """Worker a/1 leases the checkout, writes its invoice step, keeps its transaction open."""
+def _a_worker_holding_the_invoice(
+    op: Operation, started, release, *, claim_sent: bool = True
+) -> _Thread:
+    """Worker a/1 leases the checkout, writes its invoice step, keeps its transaction open
+    (the invoice's claim sent with it, or still queued for a/1's next fence statement)."""
     from payments.checkout.handler import issue_invoice
     from payments.checkout.names import INVOICE
     from payments.engine.handlers import Run, get_handler
@@ -452,6 +460,8 @@ def _a_worker_holding_the_invoice(op: Operation, started, release) -> _Thread:
     def hold():
         run = Run(leased.operation, "a/1", get_handler(op.kind), claimed_at_lease=frozenset())
         run.local(INVOICE, lambda: issue_invoice(order, "pi_of_a"))
+        if claim_sent:
+            fence.send_queued_in_tx()
         started.set()
         assert release.wait(20)
         run.unit.commit()
@@ -590,3 +600,34 @@ def test_a_done_local_step__is_replayed_without_running_its_function_again(queue
     except RuntimeError as exc:
         error = exc
     assert (ran, error, result) == ([], None, {"n": 1})
+
+
+def test_a_lease_taken_over_while_the_old_run_still_queues_its_local_claim__invoice_once(
+    provider, queue
+):
+    """a/1 ran its invoice step first; its claim waits for a/1's next fence statement
+    (queued, not sent) when b/2 takes the lease over. b/2 claims the invoice first, then
+    its invoice insert waits on a/1's invoice; a/1's commit sends its claim, which waits
+    on b/2's: PostgreSQL ends the deadlock by failing b/2, a counted attempt retried
+    later. The invoice exists once and the retry replays it. (Before claims were queued,
+    the same stall between a/1's invoice and its claim statement deadlocked the same way;
+    the window is now until a/1's next fence statement.)"""
+    from payments.engine import runtime
+    from payments.models import Invoice
+
+    op = _pending_checkout("over-3")
+    started, release = threading.Event(), threading.Event()
+    first = _a_worker_holding_the_invoice(op, started, release, claim_sent=False)
+    second = _second_behind_first(first, release, lambda: runtime.execute(op.pk, worker_id="b/2"))
+
+    # b/2 waited first, so its deadlock check runs first: it is the victim, a failed
+    # attempt (transient, retried); a/1 commits its invoice with its claim.
+    assert first.error is None and isinstance(second.error, RetryLater), second.error
+    assert "deadlock detected" in str(second.error)
+    assert Invoice.objects.count() == 1
+    op.refresh_from_db()
+    assert (op.state, op.attempts) == (OperationState.RETRYING, 1)
+    assert runtime.execute(op.pk, worker_id="c/3") == "succeeded"  # RQ's retry: it replays
+    op.refresh_from_db()
+    assert op.state == OperationState.SUCCEEDED, (op.state, first.error, second.result)
+    assert list(Invoice.objects.values_list("provider_reference", flat=True)) == ["pi_of_a"]

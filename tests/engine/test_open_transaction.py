@@ -182,16 +182,16 @@ def test_a_database_error_on_a_claim_in_the_unit__keeps_the_emails_outcome(
 ):
     """An aborted transaction is not "committed" (PostgreSQL would roll it back in
     silence): the unit rolls back and writes the e-mail's outcome again."""
-    insert = fence.insert_local_claim_in_tx
+    queue_claim = fence.queue_local_claim_in_tx
     hits = []
 
-    def cancelled_once(operation, step, *, owner, result=None):
+    def cancelled_once(operation, step, *, owner, result):
         if step == MARK_PAID and not hits:
             hits.append(step)
             cancel_this_statement()
-        return insert(operation, step, owner=owner, result=result)
+        return queue_claim(operation, step, owner=owner, result=result)
 
-    monkeypatch.setattr(fence, "insert_local_claim_in_tx", cancelled_once)
+    monkeypatch.setattr(fence, "queue_local_claim_in_tx", cancelled_once)
     op = checkout("unit-6")
     run_worker(queue)
 
