@@ -226,6 +226,9 @@ class QueuedClaim:
     step: str
     sql: str
     params: dict[str, Any]
+    #: The atomic block it was queued in (the run's unit): it is sent only there, not
+    #: inside a savepoint of it (which could roll it back alone), never in another one.
+    block: Any = None
 
 
 #: The claims queued for the open transaction (queue_local_claim_in_tx), in order.
@@ -263,9 +266,7 @@ def _execute(db: Any, statements: list[tuple[Any, str, dict[str, Any]]]) -> None
     """
     raw = db.connection
     commit = _COMMIT_WITH_NEXT.get()
-    queued = _QUEUED.get()
-    if queued:
-        _QUEUED.set(())  # sent now, in front of these statements
+    queued = _take_queued(db)
     # Django's transaction is open and PostgreSQL's not yet: the BEGIN goes first in the
     # pipeline (project.postgresql; Django's stock backend lets psycopg send it alone).
     begin = _begin_owed(db)
@@ -318,6 +319,32 @@ def _execute(db: Any, statements: list[tuple[Any, str, dict[str, Any]]]) -> None
             cursor.close()
     if commit is not None:
         commit.committed = True
+
+
+def _take_queued(db: Any) -> tuple[QueuedClaim, ...]:
+    """The queued claims to send with the statement about to run on `db` (none: keep them).
+
+    Sent only in the atomic block they were queued in: inside a savepoint of it
+    they stay queued (a savepoint rolled back would take them alone, and the
+    step's writes would commit unclaimed). Queued in a transaction that is gone
+    (a job that left it open): discarded, loudly, never sent in another one.
+    """
+    queued = _QUEUED.get()
+    if not queued:
+        return ()
+    blocks = db.atomic_blocks
+    block = queued[0].block
+    if not any(open_block is block for open_block in blocks):
+        logger.error(
+            "local claims of %s queued in a transaction that ended without them; discarded",
+            queued[0].operation_key,
+        )
+        _QUEUED.set(())
+        return ()
+    if blocks[-1] is not block:
+        return ()  # inside a savepoint: they go with the unit's own next statement
+    _QUEUED.set(())
+    return queued
 
 
 def _is_claim_taken(exc: IntegrityError) -> bool:
@@ -1187,12 +1214,13 @@ def queue_local_claim_in_tx(
     that statement raises StepDoneMeanwhile. Runs inside the caller's
     transaction; its rollback must `discard_queued()`.
     """
-    if not transaction.get_connection().in_atomic_block:
+    db = transaction.get_connection()
+    if not db.in_atomic_block:
         raise InvalidTransition("queue_local_claim_in_tx must run inside transaction.atomic()")
     params = _claim_params(
         operation, step, state=ClaimState.DONE, owner=owner, reason="", result=result
     )
-    claim = QueuedClaim(operation.key, step, INSERT_CLAIM_OR_FAIL, params)
+    claim = QueuedClaim(operation.key, step, INSERT_CLAIM_OR_FAIL, params, db.atomic_blocks[-1])
     _QUEUED.set((*_QUEUED.get(), claim))
 
 

@@ -324,7 +324,11 @@ class Run:
         self._local_steps.add(step)
         if first_go and self.claimed_at_lease is not None and step not in self.claimed_at_lease:
             return self._local_then_claim(step, func)
-        claim = fence.insert_local_claim_in_tx(self.operation, step, owner=self.worker_id)
+        try:
+            claim = fence.insert_local_claim_in_tx(self.operation, step, owner=self.worker_id)
+        except BaseException as exc:  # a queued claim sent with it was taken meanwhile, ...
+            self.unit.roll_back(f"local step {step} could not claim ({type(exc).__name__})")
+            raise
         if claim is None:
             existing = StepClaim.objects.get(operation=self.operation, step=step)
             telemetry.note(outcome=telemetry.SKIPPED, transaction=telemetry.NONE)

@@ -16,6 +16,7 @@ from typing import Any, cast
 from django.db import InterfaceError, OperationalError, close_old_connections, connection
 from rq.worker import SimpleWorker
 
+from payments.engine import fence
 from payments.engine.handlers import unknown_recorded_names
 
 logger = logging.getLogger("payments.engine.worker")
@@ -82,6 +83,7 @@ def abandon_open_transaction(job: Any) -> None:
     server; Django's bookkeeping of the atomic blocks is reset, or it would
     refuse to reconnect ("the connection is closed") for every later job.
     """
+    fence.discard_queued()  # local claims queued for that transaction go with it
     if not connection.in_atomic_block:
         return
     logger.error("job %s left a transaction open; rolled back, connection closed", job.id)

@@ -88,9 +88,20 @@ class _BeginsWithFirstStatement:
             return super().execute(query, params, **kwargs)  # type: ignore[misc]
         # One round trip: the BEGIN and the statement, answered at the pipeline's sync
         # (the statement's rows are on this cursor after it; its error is raised here).
-        with raw.pipeline():
-            psycopg.ClientCursor(raw).execute(begin_statement(raw))
-            super().execute(query, params, **kwargs)  # type: ignore[misc]
+        try:
+            with raw.pipeline():
+                psycopg.ClientCursor(raw).execute(begin_statement(raw))
+                super().execute(query, params, **kwargs)  # type: ignore[misc]
+        except psycopg.OperationalError as exc:
+            interrupted = exc.__context__
+            if raw.pgconn.pipeline_status == pq.PipelineStatus.OFF or interrupted is None:
+                raise
+            # Interrupted while the answer was on its way (a signal: the job's timeout):
+            # psycopg cannot leave pipeline mode and says so instead. The connection is
+            # unusable: close it (the server rolls the transaction back) and raise what
+            # interrupted, as it would have been raised outside a pipeline.
+            raw.close()
+            raise interrupted from None
         return self
 
     def executemany(self, query: Any, params_seq: Any, **kwargs: Any) -> Any:
@@ -128,6 +139,15 @@ class DatabaseWrapper(base.DatabaseWrapper):
         with self.wrap_database_errors:
             if not raw.autocommit:  # a new connection: psycopg opens it with autocommit off
                 raw.autocommit = True
+            status = raw.pgconn.transaction_status
+            if autocommit and status != pq.TransactionStatus.IDLE:
+                # What psycopg refuses when its own autocommit is set with a transaction
+                # open (a COMMIT interrupted on its way, a manual transaction not ended):
+                # later "autocommit" statements would run inside it, never committed.
+                raise psycopg.ProgrammingError(
+                    "can't change 'autocommit' now: connection in transaction status "
+                    f"{pq.TransactionStatus(status).name}"
+                )
         setattr(raw, _TRANSACTION_WANTED, not autocommit)
 
     def begin_owed(self) -> bool:

@@ -16,13 +16,20 @@ import pytest
 from django.db import connections, transaction
 
 from payments.checkout.handler import request_checkout
-from payments.checkout.names import CONFIRMATION_EMAIL, INVOICE, MARK_PAID
+from payments.checkout.names import CONFIRMATION_EMAIL, COUNT_SALE, INVOICE, MARK_PAID
 from payments.checkout.orders import create_order
 from payments.engine import fence, runtime
 from payments.engine.effects import DeliveryPolicy
 from payments.engine.handlers import Run, get_handler
-from payments.exceptions import InvalidTransition, StepDoneMeanwhile
-from payments.models import LedgerEntry, Operation, OperationEvent, OperationState, StepClaim
+from payments.exceptions import InvalidTransition, OperationConflict, StepDoneMeanwhile
+from payments.models import (
+    KeyScope,
+    LedgerEntry,
+    Operation,
+    OperationEvent,
+    OperationState,
+    StepClaim,
+)
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -154,3 +161,78 @@ def test_queue_outside_a_transaction__refused():
     with pytest.raises(InvalidTransition):
         fence.queue_local_claim_in_tx(op, INVOICE, owner="a/1", result={})
     assert not fence.has_queued()
+
+
+def test_a_fence_statement_in_a_savepoint__the_queue_waits_for_the_unit(mailoutbox):
+    """A step whose function sends a fence statement inside its own atomic() (a savepoint)
+    that then rolls back: the claim queued before must not ride in the savepoint (it would
+    roll back alone and the step's writes commit unclaimed); it goes with the unit's."""
+    run = run_first("q-6")
+    op = run.operation
+    with transaction.atomic():  # the follow-up's key, taken with other parameters
+        fence.create_operations_in_tx([follow_up(op, {"x": 1})])
+    run.local(INVOICE, ledger_line("a", op))
+
+    def tolerates_a_conflict() -> dict[str, str]:
+        try:
+            with transaction.atomic():
+                fence.create_operations_in_tx([follow_up(op, {"x": 2})])
+        except OperationConflict:
+            pass
+        return {}
+
+    run.local(MARK_PAID, tolerates_a_conflict)
+    run.unit.commit()
+
+    assert LedgerEntry.objects.count() == 1
+    claimed = set(StepClaim.objects.filter(operation=op).values_list("step", flat=True))
+    assert claimed == {INVOICE, MARK_PAID}
+
+
+def test_a_queue_left_by_an_abandoned_transaction__never_sent_in_another(caplog):
+    """A job that left its unit open (the worker's last line rolls it back): its queued
+    claim is dropped with it, not committed by the next job's first fence statement."""
+    from types import SimpleNamespace
+
+    from payments.engine.worker import abandon_open_transaction
+
+    run = run_first("q-7")
+    run.local(INVOICE, ledger_line("a", run.operation))
+    abandon_open_transaction(SimpleNamespace(id="job-1"))
+
+    other = pending_checkout("q-8")
+    with transaction.atomic():
+        fence.create_operations_in_tx([follow_up(other, {"x": 1})])
+
+    assert not StepClaim.objects.filter(operation=run.operation).exists()
+    assert LedgerEntry.objects.count() == 0
+
+
+def test_a_queue_whose_transaction_ended_unseen__discarded_loudly(caplog):
+    """Even without the worker's last line: a queued claim whose transaction is gone is
+    discarded at the next fence statement, with an error in the log."""
+    run = run_first("q-9")
+    run.local(INVOICE, ledger_line("a", run.operation))
+    run.unit._atomic.__exit__(None, None, None)  # a bug ends the unit past the fence
+    run.unit._atomic = None
+
+    other = pending_checkout("q-10")
+    with transaction.atomic():
+        fence.create_operations_in_tx([follow_up(other, {"x": 1})])
+
+    assert not StepClaim.objects.filter(operation=run.operation).exists()
+    assert not fence.has_queued()
+    assert "queued in a transaction that ended without them" in caplog.text
+
+
+def follow_up(parent: Operation, params: dict[str, int]) -> fence.NewOperation:
+    return fence.NewOperation(
+        key=f"{parent.pk}:optional",
+        kind=COUNT_SALE,
+        scope=KeyScope.DERIVED,
+        parent=parent,
+        entity_type="order",
+        entity_id=parent.params["order_id"],
+        params=params,
+        actor="t",
+    )

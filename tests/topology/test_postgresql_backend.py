@@ -9,12 +9,20 @@ COMMIT, a rollback undoes it, a failing first statement leaves nothing.
 from __future__ import annotations
 
 import re
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 
 import psycopg
 import pytest
-from django.db import DEFAULT_DB_ALIAS, IntegrityError, connection, connections, transaction
+from django.db import (
+    DEFAULT_DB_ALIAS,
+    IntegrityError,
+    ProgrammingError,
+    connection,
+    connections,
+    transaction,
+)
 from django.db.backends.postgresql.psycopg_any import IsolationLevel
 from psycopg import pq
 
@@ -194,3 +202,50 @@ class _atomic:
     def __exit__(self, *exc: object) -> None:
         self.db.rollback()
         self.db.set_autocommit(True)
+
+
+def test_autocommit_back_on_with_the_transaction_still_open__refused_as_psycopg_does(other):
+    """Django's manual transactions: turning autocommit back on before ending the
+    transaction is refused (psycopg refuses it with its own autocommit); otherwise the
+    "autocommit" statements after it would run inside it, never committed."""
+    o = order()
+    transaction.set_autocommit(False)
+    try:
+        Order.objects.filter(pk=o.pk).update(amount=101)
+        with pytest.raises(ProgrammingError, match="can't change 'autocommit' now"):
+            transaction.set_autocommit(True)
+        transaction.rollback()
+    finally:
+        transaction.set_autocommit(True)
+    assert amount_seen_by(other, o.pk) == 100
+    Order.objects.filter(pk=o.pk).update(amount=102)
+    assert amount_seen_by(other, o.pk) == 102
+
+
+class JobTimeout(Exception):
+    """What RQ's death penalty raises from its SIGALRM handler."""
+
+
+def test_the_jobs_timeout_during_a_transactions_first_statement__raised_as_itself(other):
+    """The BEGIN and the first statement wait for one answer in a pipeline; a signal
+    that interrupts that wait (RQ's job timeout) is raised as itself, the connection
+    closed (the server rolls back), and the next use reconnects."""
+    o = order()
+
+    def fire(*_: object) -> None:
+        raise JobTimeout("the job's time is up")
+
+    previous = signal.signal(signal.SIGALRM, fire)
+    signal.setitimer(signal.ITIMER_REAL, 0.2)
+    try:
+        with pytest.raises(JobTimeout), transaction.atomic(), connection.cursor() as cursor:
+            cursor.execute(
+                "UPDATE payments_order SET amount = %s WHERE id = %s RETURNING pg_sleep(1.0)",
+                [777, o.pk],
+            )
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    assert amount_seen_by(other, o.pk) == 100
+    Order.objects.filter(pk=o.pk).update(amount=101)  # a new connection
+    assert amount_seen_by(other, o.pk) == 101
