@@ -6,10 +6,15 @@ ROLLBACK, a health check. Django's `execute_wrappers` see only what goes
 through a Django cursor (statements, SAVEPOINT and RELEASE included), not the
 rest, so the counter adds what the wrapper cannot see, where it happens:
 
-- BEGIN: psycopg 3 sends it on its own, in a round trip of its own, before
-  the first statement after Django turned autocommit off. The wrapper counts
-  one when a statement is about to run on a connection with autocommit off
-  and no transaction open (psycopg's `transaction_status` IDLE).
+- BEGIN: the project's backend (project.postgresql) sends it in one
+  pipeline with the transaction's first statement (alone first for a
+  statement without parameters); the fence queues it in front of its own
+  pipelines, as a statement the wrapper sees. The wrapper counts one when a
+  statement is about to run while the backend owes a BEGIN
+  (`begin_owed()`), and counts both in `pipelined` when they share a
+  pipeline. With Django's stock backend psycopg 3 sends it alone, a round
+  trip of its own, when a statement is about to run with autocommit off and
+  no transaction open (psycopg's `transaction_status` IDLE): counted so too.
 - COMMIT and ROLLBACK: Django calls the psycopg connection's `commit()` and
   `rollback()` from `DatabaseWrapper._commit` / `_rollback`; psycopg sends
   nothing when no transaction is open, so they count only when one is.
@@ -26,12 +31,14 @@ rest, so the counter adds what the wrapper cannot see, where it happens:
   `total`): psycopg's own list of the connection's prepared statements grows.
   On kept connections they are paid once, not per checkout.
 - Pipelines: the fence sends a statement together with the COMMIT that
-  ends its transaction (psycopg's pipeline mode, payments.engine.fence
-  `_execute`): they wait for one answer, at the pipeline's Sync. What goes in
-  a pipeline is counted as usual (statement, COMMIT) and again in
-  `pipelined`, which `total` subtracts; each pipeline adds one `syncs`. Its
-  Parse goes with it too: no `prepares`. A BEGIN psycopg sends in a pipeline
-  is synced on its own first: a round trip, as outside one.
+  ends its transaction, the claims queued before it, the BEGIN it owes, or
+  (outside a transaction) the lease with its entity's read (psycopg's
+  pipeline mode, payments.engine.fence `_execute`): they wait for one
+  answer, at the pipeline's Sync. What goes in a pipeline is counted as
+  usual (statement, BEGIN, COMMIT) and again in `pipelined`, which `total`
+  subtracts; each pipeline adds one `syncs`. Its Parse goes with it too: no
+  `prepares`. A data-modifying statement in a pipeline outside a
+  transaction is its own transaction (`autocommits`).
 - Connects are counted apart (`connects`) and not in `total`: opening a
   connection is several round trips (startup, authentication, SET TIME ZONE)
   paid once per connection, not per checkout (the bench keeps connections
@@ -195,10 +202,14 @@ class RoundTripCounter:
             self.counts.begins += 1
             self.counts.pipelined += piped
             return execute(sql, params, many, context)
-        if raw is not None and raw.info.transaction_status == pq.TransactionStatus.IDLE:
-            if piped:
-                pass  # the pipeline's owner sent what the transaction needs first
-            elif getattr(db, "begin_owed", None) is not None and db.begin_owed():
+        if piped:
+            # The pipeline's owner sent what a transaction needs first; outside one, each
+            # data-modifying statement in it is its own transaction (the lease, payments.
+            # engine.fence.acquire_lease, with the entity's read).
+            if db.get_autocommit() and not _READ_SQL.match(sql):
+                self.counts.autocommits += 1
+        elif raw is not None and raw.info.transaction_status == pq.TransactionStatus.IDLE:
+            if getattr(db, "begin_owed", None) is not None and db.begin_owed():
                 # project.postgresql: the BEGIN goes with the statement, in a pipeline of
                 # their own (its sync counted as one round trip), unless the statement has
                 # no parameters: then the BEGIN goes alone first, a round trip of its own.

@@ -242,6 +242,7 @@ def describe_charge(operation: Operation) -> str:
     on_resume=reopen_order,
     effects={CHARGE: PaymentIntentCharge},
     steps={INVOICE, CONFIRMATION_EMAIL, MARK_PAID},
+    entity=Order,
     desk=DeskHooks(
         lock_entity=lock_order,
         describe=describe_charge,
@@ -252,8 +253,8 @@ def describe_charge(operation: Operation) -> str:
 )
 def checkout(run: Run) -> None:
     """Charge the order once, invoice it, confirm by e-mail, mark it paid."""
-    # Read once: what the steps use of it (amount, currency, e-mail) never changes.
-    order = Order.objects.get(pk=int(run.params["order_id"]))
+    # Read with the lease: what the steps use of it (amount, currency, e-mail) never changes.
+    order: Order = run.entity
     charge = run.external(CHARGE)
     reference = charge["reference"]
     run.local(INVOICE, lambda: issue_invoice(order, reference))

@@ -18,7 +18,7 @@ import socket
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any, NoReturn, cast
 
@@ -258,11 +258,13 @@ def _execute(db: Any, statements: list[tuple[Any, str, dict[str, Any]]]) -> None
     More than one statement, or a COMMIT to send along, go in psycopg's
     pipeline mode and wait for one answer. Nothing else changes: a statement
     that fails aborts the transaction, and what the pipeline holds after it
-    (the next statements, the COMMIT) is not run. A transaction's first
+    (the next statements, the COMMIT) is not run. Outside a transaction the
+    statements of a pipeline form one implicit transaction, committed at its
+    end: one that fails rolls back those before it and stops those after it.
+    A transaction's first
     statement carries its BEGIN the same way (project.postgresql), and the
     claims queued for the transaction (queue_local_claim_in_tx) go in front
     of the statements: one found taken raises StepDoneMeanwhile.
-    Outside a transaction each statement is its own, one round trip each.
     """
     raw = db.connection
     commit = _COMMIT_WITH_NEXT.get()
@@ -270,16 +272,14 @@ def _execute(db: Any, statements: list[tuple[Any, str, dict[str, Any]]]) -> None
     # Django's transaction is open and PostgreSQL's not yet: the BEGIN goes first in the
     # pipeline (project.postgresql; Django's stock backend lets psycopg send it alone).
     begin = _begin_owed(db)
-    if (
-        raw is None
-        or db.get_autocommit()
-        or (commit is None and len(statements) == 1 and not begin and not queued)
-    ):
-        if queued:
-            raise InvalidTransition("a queued local claim outlived its transaction")
-        for cursor, sql, params in statements:
-            cursor.execute(sql, params)
+    autocommit = db.get_autocommit()
+    if queued and autocommit:
+        raise InvalidTransition("a queued local claim outlived its transaction")
+    if len(statements) == 1 and commit is None and not begin and not queued:
+        statements[0][0].execute(statements[0][1], statements[0][2])
         return
+    if raw is None or (autocommit and commit is not None):
+        raise InvalidTransition("a COMMIT asked for outside a transaction")
     queued_cursors = [_statement_cursor(db) for _ in queued]
     try:
         with db.wrap_database_errors:
@@ -418,9 +418,13 @@ def _one(model: type[Any], sql: str, params: dict[str, Any]) -> Any:
 
 
 def _rows(model: type[Any], statements: list[tuple[str, dict[str, Any]]]) -> list[Any]:
-    """Run statements that each return at most one row of `model`, in one round trip inside
-    a transaction (a pipeline: a failing one stops the rest); return each one's row or None.
-    """
+    """Run statements that each return at most one row of `model`, in one round trip (a
+    pipeline: a failing one stops the rest); return each one's row or None."""
+    return _rows_of([(model, sql, params) for sql, params in statements])
+
+
+def _rows_of(statements: list[tuple[type[Any], str, dict[str, Any]]]) -> list[Any]:
+    """`_rows` for statements that each return at most one row of their own model."""
     db = _this_thread()
     cursors = [_statement_cursor(db) for _ in statements]
     try:
@@ -428,12 +432,12 @@ def _rows(model: type[Any], statements: list[tuple[str, dict[str, Any]]]) -> lis
             db,
             [
                 (cursor, sql, params)
-                for cursor, (sql, params) in zip(cursors, statements, strict=True)
+                for cursor, (_, sql, params) in zip(cursors, statements, strict=True)
             ],
         )
         return [
             _instance(model, db, cursor, sql)
-            for cursor, (sql, _) in zip(cursors, statements, strict=True)
+            for cursor, (model, sql, _) in zip(cursors, statements, strict=True)
         ]
     finally:
         for cursor in cursors:
@@ -728,6 +732,28 @@ class LeaseResult:
     #: function first (payments.engine.handlers.Run.local). None when the lease was not
     #: taken, or was taken over from a worker that may still be running.
     claimed_steps: frozenset[str] | None = None
+    #: The rows read with the lease (`entities`), by model: the operation's entity when it
+    #: is of that model, else None. Empty when the lease was not taken.
+    entities: dict[type[Any], Any] = field(default_factory=dict)
+
+
+#: Per model: the statement that reads the operation's entity when it is one of the
+#: model's rows (entity_type is the model's name, entity_id its integer key), else nothing.
+_READ_ENTITY: dict[type[Any], str] = {}
+
+
+def _read_entity_sql(model: type[Any]) -> str:
+    sql = _READ_ENTITY.get(model)
+    if sql is None:
+        sql = _READ_ENTITY[model] = f"""
+SELECT {_columns(model)} FROM {model._meta.db_table}
+WHERE "{model._meta.pk.column}" = (
+    SELECT CASE WHEN entity_type = %(entity_type)s::text AND entity_id ~ '^[0-9]{{1,18}}$'
+                THEN entity_id::bigint END
+    FROM payments_operation WHERE id = %(id)s
+)
+"""
+    return sql
 
 
 #: pending | retrying | running (its lease run out, or this owner's) -> running, audited.
@@ -760,11 +786,17 @@ FROM leased
 
 
 @fence_writer
-def acquire_lease(operation_id: int, *, owner: str, seconds: int) -> LeaseResult:
+def acquire_lease(
+    operation_id: int, *, owner: str, seconds: int, entities: tuple[type[Any], ...] = ()
+) -> LeaseResult:
     """Take the operation's lease if it is runnable and no live lease is held.
 
     One statement (ACQUIRE_LEASE) in the happy path; when it takes nothing,
     one read tells the caller why (state, or another worker's live lease).
+    `entities` (models with an integer key) are read in the same round trip,
+    after the lease in the same implicit transaction (it sees the lease): the
+    operation's entity, if it is a row of one of them
+    (payments.engine.handlers: `@handler(entity=...)`).
     Raises Operation.DoesNotExist for an unknown id.
     """
     runnable = [
@@ -772,17 +804,36 @@ def acquire_lease(operation_id: int, *, owner: str, seconds: int) -> LeaseResult
         for state in transitions.operation_sources(OperationState.RUNNING)
         if state in RUNNABLE_OPERATION_STATES
     ]
-    op = _one(
-        Operation,
-        ACQUIRE_LEASE,
-        {"id": operation_id, "owner": owner[:255], "seconds": seconds, "from_states": runnable},
+    op, *rows = _rows_of(
+        [
+            (
+                Operation,
+                ACQUIRE_LEASE,
+                {
+                    "id": operation_id,
+                    "owner": owner[:255],
+                    "seconds": seconds,
+                    "from_states": runnable,
+                },
+            ),
+            *(
+                (model, _read_entity_sql(model), {"id": operation_id, "entity_type": name})
+                for model in entities
+                for name in [model._meta.model_name]
+            ),
+        ]
     )
     if op is not None:
         claimed = frozenset(op.__dict__.pop("claimed_steps"))
         # Taken over from a worker whose lease ran out: it may still be running,
         # so this run's local steps claim first (payments.engine.handlers.Run.local).
         taken_over = op.from_state == OperationState.RUNNING
-        return LeaseResult(op, acquired=True, claimed_steps=None if taken_over else claimed)
+        return LeaseResult(
+            op,
+            acquired=True,
+            claimed_steps=None if taken_over else claimed,
+            entities=dict(zip(entities, rows, strict=True)),
+        )
     return LeaseResult(
         Operation.objects.annotate(db_now=Now()).get(pk=operation_id), acquired=False
     )

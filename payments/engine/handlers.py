@@ -29,8 +29,8 @@ from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
 
-from django.db import DatabaseError
-from django.db.models import Q
+from django.db import DatabaseError, models
+from django.db.models import Model, Q
 
 from inbox.handlers import current_message, inbox_guard, inbox_handler
 from payments.conf import payments_settings
@@ -96,6 +96,9 @@ class HandlerSpec:
     steps: frozenset[str] = frozenset()
     consumer: str | None = None
     desk: DeskHooks | None = None
+    #: The model of the operations' entity (entity_type its model name, entity_id its
+    #: integer key), read in the lease's round trip: `Run.entity`.
+    entity: type[Model] | None = None
 
     def effect(self, step: str, operation: Operation) -> ExternalEffect:
         """Build the effect of `step` for `operation`."""
@@ -131,6 +134,7 @@ def handler(
     effects: dict[str, EffectFactory] | None = None,
     steps: frozenset[str] | set[str] = frozenset(),
     desk: DeskHooks | None = None,
+    entity: type[Model] | None = None,
 ) -> Callable[[Callable[[Run], object]], Callable[[Run], object]]:
     """Register the decorated function as the fenced handler of operations of `kind`.
 
@@ -138,7 +142,18 @@ def handler(
     `effects`): a step name recorded on an unfinished operation that no handler
     declares is reported by the `payments.E010` check, so a rename cannot
     silently derive a new idempotency key for a step that already ran.
+    `entity` is the model of the operations' entity (their entity_type is its
+    model name, their entity_id its integer primary key): the worker reads the
+    row in the lease's round trip, and the handler gets it as `run.entity`
+    (read as it was right after the lease; lock it again where a step needs it
+    locked).
     """
+    if entity is not None and not isinstance(
+        entity._meta.pk, models.AutoField | models.BigAutoField | models.IntegerField
+    ):
+        raise ConfigurationError(
+            f"handler {kind!r}: entity {entity.__name__} needs an integer primary key"
+        )
 
     def register(func: Callable[[Run], object]) -> Callable[[Run], object]:
         _register(
@@ -150,6 +165,7 @@ def handler(
                 effects=dict(effects or {}),
                 steps=frozenset(steps),
                 desk=desk,
+                entity=entity,
             )
         )
         return func
@@ -237,6 +253,12 @@ def get_handler(kind: str) -> HandlerSpec:
         raise ConfigurationError(f"no handler registered for operation kind {kind!r}") from None
 
 
+def entity_models() -> tuple[type[Model], ...]:
+    """The models handlers declare as their entity (`@handler(entity=...)`), each once."""
+    found = {spec.entity for spec in _HANDLERS.values() if spec.entity is not None}
+    return tuple(sorted(found, key=lambda model: model._meta.label))
+
+
 def registered_handlers() -> dict[str, HandlerSpec]:
     """Return a copy of the registry: kind -> spec."""
     return dict(_HANDLERS)
@@ -289,12 +311,35 @@ class Run:
     #: The steps claimed when this run's lease was taken (the runtime passes them; None:
     #: unknown, every local step inserts its claim first).
     claimed_at_lease: frozenset[str] | None = None
+    #: The handler's entity as read with the lease (None: not read, `entity` reads it).
+    prefetched_entity: Any = None
     #: The local steps this run has gone through (a second call with a name replays).
     _local_steps: set[str] = field(default_factory=set, init=False, repr=False)
 
     @property
     def params(self) -> dict[str, Any]:
         return self.operation.params
+
+    @property
+    def entity(self) -> Any:
+        """The operation's entity, a row of the handler's `entity` model.
+
+        Read in the lease's round trip (as it was then, not locked); read here
+        if it was not. Raises ConfigurationError if the handler declares no
+        entity or the operation's entity_type is not the model's name, and the
+        model's DoesNotExist if the row is missing.
+        """
+        model = self.spec.entity
+        if model is None:
+            raise ConfigurationError(f"handler {self.spec.kind!r} declares no entity")
+        if self.operation.entity_type != model._meta.model_name:
+            raise ConfigurationError(
+                f"operation {self.operation.key}'s entity is a {self.operation.entity_type!r}, "
+                f"not a {model._meta.model_name!r} (handler {self.spec.kind!r})"
+            )
+        if self.prefetched_entity is None:
+            self.prefetched_entity = model._default_manager.get(pk=self.operation.entity_id)
+        return self.prefetched_entity
 
     def external(self, step: str) -> dict[str, Any]:
         """Run an external step (claim committed before the call); return its result."""

@@ -17,7 +17,7 @@ from django.db import transaction
 from payments.conf import payments_settings
 from payments.engine import fence
 from payments.engine.failpoints import BEFORE_GIVE_UP, failpoint
-from payments.engine.handlers import HandlerSpec, Run, get_handler
+from payments.engine.handlers import HandlerSpec, Run, entity_models, get_handler
 from payments.exceptions import (
     ConfigurationError,
     RetriesExhausted,
@@ -50,7 +50,10 @@ def execute(operation_id: int, *, worker_id: str, job: Any = None) -> str:
         logger.error("local claims queued by an earlier run were left; discarded")
         fence.discard_queued()
     leased = fence.acquire_lease(
-        operation_id, owner=worker_id, seconds=payments_settings().claim_lease
+        operation_id,
+        owner=worker_id,
+        seconds=payments_settings().claim_lease,
+        entities=entity_models(),
     )
     op = leased.operation
     if not leased.acquired:
@@ -64,7 +67,13 @@ def execute(operation_id: int, *, worker_id: str, job: Any = None) -> str:
         _finish(op, OperationState.NEEDS_REVIEW, worker_id, str(exc))
         alerts.error("operation %s cannot run: %s", op.key, exc)
         return "needs_review"
-    run = Run(op, worker_id, spec, claimed_at_lease=leased.claimed_steps)
+    run = Run(
+        op,
+        worker_id,
+        spec,
+        claimed_at_lease=leased.claimed_steps,
+        prefetched_entity=leased.entities.get(spec.entity) if spec.entity else None,
+    )
     try:
         _run_handler(spec, run)
     except StepBusy as exc:

@@ -213,7 +213,7 @@ def worker_trips_by_job(queue, key: str, monkeypatch) -> dict[str, int]:
 
 
 def test_fenced_checkout__round_trips_of_each_job(provider, queue, monkeypatch):
-    """The checkout job, 10: the lease (1), the order's read (1), the charge's claim
+    """The checkout job, 9: the lease with the order's read (1), the charge's claim
     and outcome (2); the invoice with the BEGIN, its claim with its result and the
     e-mail's claim with the COMMIT (2); the e-mail's outcome with the BEGIN, the
     order's status, the two follow-ups (one pipeline), mark_paid's claim with its
@@ -227,4 +227,4 @@ def test_fenced_checkout__round_trips_of_each_job(provider, queue, monkeypatch):
     made or added to (1)."""
     by_job = worker_trips_by_job(queue, "trips-1", monkeypatch)
 
-    assert by_job == {"run_operation": 10, "deliver_message": 6}, by_job
+    assert by_job == {"run_operation": 9, "deliver_message": 6}, by_job

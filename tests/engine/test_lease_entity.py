@@ -1,0 +1,117 @@
+"""A handler's entity (`@handler(entity=Model)`) is read in the lease's round trip.
+
+The worker's lease statement and the entity's read go in one pipeline, each its own
+transaction (the lease commits first); the handler gets the row as `run.entity`.
+"""
+
+from __future__ import annotations
+
+import pytest
+from django.db import models, transaction
+
+from devtools.bench.dbcount import counting
+from payments.checkout.handler import request_checkout
+from payments.checkout.names import CHECKOUT
+from payments.checkout.orders import create_order
+from payments.engine import fence
+from payments.engine.handlers import Run, entity_models, get_handler, handler
+from payments.exceptions import ConfigurationError
+from payments.models import ApiClient, Operation, OperationState, Order
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+def pending_checkout(key: str) -> Operation:
+    order = create_order(amount=1200, currency="eur", email="e@example.com")
+    op, _ = request_checkout(order_id=order.pk, key=key, payment_method="pm_card_visa", actor="t")
+    return op
+
+
+def test_the_checkout_declares_its_order__read_with_the_lease_in_one_round_trip():
+    op = pending_checkout("ent-1")
+    assert get_handler(op.kind).entity is Order and Order in entity_models()
+
+    with counting() as counter:
+        leased = fence.acquire_lease(op.pk, owner="w/1", seconds=30, entities=(Order,))
+    counted = counter.snapshot()
+
+    assert leased.acquired
+    assert counted.total - counted.prepares == 1 and counted.syncs == 1
+    order = leased.entities[Order]
+    assert isinstance(order, Order) and order.pk == op.params["order_id"]
+    assert order.customer_email == "e@example.com" and order.amount == 1200
+    op.refresh_from_db()
+    assert (op.state, op.lease_owner) == (OperationState.RUNNING, "w/1")
+
+
+def test_run_entity__the_row_read_with_the_lease__no_further_query(django_assert_num_queries):
+    op = pending_checkout("ent-2")
+    leased = fence.acquire_lease(op.pk, owner="w/1", seconds=30, entities=(Order,))
+    run = Run(
+        leased.operation, "w/1", get_handler(op.kind), prefetched_entity=leased.entities[Order]
+    )
+    with django_assert_num_queries(0):
+        assert run.entity is leased.entities[Order]
+
+
+def test_run_entity__not_read_with_the_lease__read_on_first_use():
+    op = pending_checkout("ent-3")
+    run = Run(op, "w/1", get_handler(op.kind))
+    assert run.entity.pk == op.params["order_id"]
+
+
+def checkout_of(key: str, entity_type: str, entity_id: str) -> Operation:
+    """A checkout operation written with another entity than its order (a caller's bug)."""
+    with transaction.atomic():
+        op, _ = fence.create_operation_in_tx(
+            key=key,
+            kind=CHECKOUT,
+            entity_type=entity_type,
+            entity_id=entity_id,
+            params={"order_id": 1},
+            actor="t",
+        )
+    return op
+
+
+def test_an_operation_whose_entity_is_of_another_type__nothing_read__refused():
+    client = ApiClient.objects.create(name="ent-client")
+    op = checkout_of("ent-4", "apiclient", str(client.pk))
+    leased = fence.acquire_lease(op.pk, owner="w/1", seconds=30, entities=(Order,))
+    assert leased.acquired and leased.entities == {Order: None}
+    run = Run(leased.operation, "w/1", get_handler(op.kind))
+    with pytest.raises(ConfigurationError, match="not a 'order'"):
+        _ = run.entity
+
+
+def test_a_non_numeric_entity_id__nothing_read__the_lease_taken():
+    op = checkout_of("ent-5", "order", "not-a-number")
+    leased = fence.acquire_lease(op.pk, owner="w/1", seconds=30, entities=(Order,))
+    assert leased.acquired and leased.entities == {Order: None}
+
+
+def test_a_lease_not_taken__no_entity():
+    op = pending_checkout("ent-6")
+    fence.acquire_lease(op.pk, owner="w/1", seconds=30)
+    other = fence.acquire_lease(op.pk, owner="w/2", seconds=30, entities=(Order,))
+    assert not other.acquired and other.entities == {}
+
+
+def test_a_handler_without_entity__run_entity_refused():
+    op = pending_checkout("ent-7")
+    spec = get_handler(op.kind)
+    run = Run(op, "w/1", type(spec)(kind=spec.kind, func=spec.func))
+    with pytest.raises(ConfigurationError, match="declares no entity"):
+        _ = run.entity
+
+
+def test_an_entity_without_an_integer_key__refused_at_registration():
+    class Coded(models.Model):  # noqa: DJ008
+        code = models.CharField(max_length=8, primary_key=True)
+
+        class Meta:
+            app_label = "payments"
+            managed = False
+
+    with pytest.raises(ConfigurationError, match="integer primary key"):
+        handler("coded-thing", entity=Coded)
