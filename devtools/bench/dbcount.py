@@ -37,8 +37,8 @@ rest, so the counter adds what the wrapper cannot see, where it happens:
   answer, at the pipeline's Sync. What goes in a pipeline is counted as
   usual (statement, BEGIN, COMMIT) and again in `pipelined`, which `total`
   subtracts; each pipeline adds one `syncs`. Its Parse goes with it too: no
-  `prepares`. A data-modifying statement in a pipeline outside a
-  transaction is its own transaction (`autocommits`).
+  `prepares`. Outside a transaction a pipeline is one implicit transaction,
+  committed at its end: one of `autocommits` if it writes.
 - Connects are counted apart (`connects`) and not in `total`: opening a
   connection is several round trips (startup, authentication, SET TIME ZONE)
   paid once per connection, not per checkout (the bench keeps connections
@@ -148,6 +148,8 @@ class RoundTripCounter:
         self.alias = alias
         self.counts = RoundTrips()
         self._undo: list[Callable[[], None]] = []
+        #: Whether the pipeline being sent holds a write (one implicit transaction).
+        self._pipeline_wrote = False
 
     def snapshot(self) -> RoundTrips:
         return RoundTrips(**asdict(self.counts))
@@ -181,6 +183,8 @@ class RoundTripCounter:
         @contextmanager
         def pipeline(conn: Any) -> Iterator[Any]:
             ours = conn is db.connection
+            if ours:
+                self._pipeline_wrote = False
             try:
                 with original(conn) as pipe:
                     yield pipe
@@ -203,11 +207,12 @@ class RoundTripCounter:
             self.counts.pipelined += piped
             return execute(sql, params, many, context)
         if piped:
-            # The pipeline's owner sent what a transaction needs first; outside one, each
-            # data-modifying statement in it is its own transaction (the lease, payments.
-            # engine.fence.acquire_lease, with the entity's read).
-            if db.get_autocommit() and not _READ_SQL.match(sql):
+            # The pipeline's owner sent what a transaction needs first; outside one, the
+            # pipeline is one implicit transaction, committed at its end, if it writes
+            # (the lease with its entity's read, payments.engine.fence.acquire_lease).
+            if db.get_autocommit() and not _READ_SQL.match(sql) and not self._pipeline_wrote:
                 self.counts.autocommits += 1
+                self._pipeline_wrote = True
         elif raw is not None and raw.info.transaction_status == pq.TransactionStatus.IDLE:
             if getattr(db, "begin_owed", None) is not None and db.begin_owed():
                 # project.postgresql: the BEGIN goes with the statement, in a pipeline of

@@ -23,7 +23,14 @@ from datetime import datetime, timedelta
 from typing import Any, NoReturn, cast
 
 import psycopg
-from django.db import DEFAULT_DB_ALIAS, IntegrityError, connection, connections, transaction
+from django.db import (
+    DEFAULT_DB_ALIAS,
+    DatabaseError,
+    IntegrityError,
+    connection,
+    connections,
+    transaction,
+)
 from django.db.models.functions import Now
 from django.utils import timezone
 from psycopg import pq
@@ -127,8 +134,9 @@ def db_now() -> datetime:
 # A transition on a worker's path (take the lease, claim, settle, leave the lease,
 # create) is ONE data-modifying statement: the row lock, the compare-and-set, the
 # change and its audit row travel together. Outside a transaction it is its own
-# transaction (one round trip, committed when it returns); inside the caller's it
-# joins it. Each statement's WHERE clause accepts exactly the from-states the
+# transaction (one round trip, committed when it returns; the lease shares its
+# implicit transaction with the reads of its entity, `acquire_lease`); inside the
+# caller's it joins it. Each statement's WHERE clause accepts exactly the from-states the
 # transition table allows (transitions.operation_sources / claim_sources); when it
 # changes nothing, the Python check on a fresh read raises with both states.
 # String parameters are cast (`::text`): a prepared statement (see
@@ -278,7 +286,7 @@ def _execute(db: Any, statements: list[tuple[Any, str, dict[str, Any]]]) -> None
     if len(statements) == 1 and commit is None and not begin and not queued:
         statements[0][0].execute(statements[0][1], statements[0][2])
         return
-    if raw is None or (autocommit and commit is not None):
+    if autocommit and commit is not None:
         raise InvalidTransition("a COMMIT asked for outside a transaction")
     queued_cursors = [_statement_cursor(db) for _ in queued]
     try:
@@ -745,9 +753,10 @@ _READ_ENTITY: dict[type[Any], str] = {}
 def _read_entity_sql(model: type[Any]) -> str:
     sql = _READ_ENTITY.get(model)
     if sql is None:
+        quote = _this_thread().ops.quote_name
         sql = _READ_ENTITY[model] = f"""
-SELECT {_columns(model)} FROM {model._meta.db_table}
-WHERE "{model._meta.pk.column}" = (
+SELECT {_columns(model)} FROM {quote(model._meta.db_table)}
+WHERE {quote(model._meta.pk.column)} = (
     SELECT CASE WHEN entity_type = %(entity_type)s::text AND entity_id ~ '^[0-9]{{1,18}}$'
                 THEN entity_id::bigint END
     FROM payments_operation WHERE id = %(id)s
@@ -785,26 +794,15 @@ FROM leased
 """
 
 
-@fence_writer
-def acquire_lease(
-    operation_id: int, *, owner: str, seconds: int, entities: tuple[type[Any], ...] = ()
-) -> LeaseResult:
-    """Take the operation's lease if it is runnable and no live lease is held.
-
-    One statement (ACQUIRE_LEASE) in the happy path; when it takes nothing,
-    one read tells the caller why (state, or another worker's live lease).
-    `entities` (models with an integer key) are read in the same round trip,
-    after the lease in the same implicit transaction (it sees the lease): the
-    operation's entity, if it is a row of one of them
-    (payments.engine.handlers: `@handler(entity=...)`).
-    Raises Operation.DoesNotExist for an unknown id.
-    """
-    runnable = [
-        state
-        for state in transitions.operation_sources(OperationState.RUNNING)
-        if state in RUNNABLE_OPERATION_STATES
-    ]
-    op, *rows = _rows_of(
+def _lease_with(
+    operation_id: int,
+    owner: str,
+    seconds: int,
+    runnable: list[str],
+    entities: tuple[type[Any], ...],
+) -> list[Any]:
+    """ACQUIRE_LEASE and the reads of `entities`, in one pipeline: each one's row or None."""
+    return _rows_of(
         [
             (
                 Operation,
@@ -823,6 +821,39 @@ def acquire_lease(
             ),
         ]
     )
+
+
+@fence_writer
+def acquire_lease(
+    operation_id: int, *, owner: str, seconds: int, entities: tuple[type[Any], ...] = ()
+) -> LeaseResult:
+    """Take the operation's lease if it is runnable and no live lease is held.
+
+    One statement (ACQUIRE_LEASE) in the happy path; when it takes nothing,
+    one read tells the caller why (state, or another worker's live lease).
+    `entities` (models with an integer key) are read in the same round trip,
+    after the lease in the same implicit transaction (it sees the lease): the
+    operation's entity, if it is a row of one of them
+    (payments.engine.handlers: `@handler(entity=...)`). If a read fails, the
+    lease is taken alone (logged): no entity's read stops a lease.
+    Raises Operation.DoesNotExist for an unknown id.
+    """
+    runnable = [
+        state
+        for state in transitions.operation_sources(OperationState.RUNNING)
+        if state in RUNNABLE_OPERATION_STATES
+    ]
+    try:
+        op, *rows = _lease_with(operation_id, owner, seconds, runnable, entities)
+    except DatabaseError:
+        if not entities:
+            raise
+        # A read failed (a migration not run yet, a table locked past a timeout): it
+        # rolled the lease back with it. Every kind's lease carries every declared
+        # entity's read, so none may stop the others: take the lease alone, and the
+        # handler reads its entity itself (Run.entity).
+        logger.exception("reading %s with the lease failed; taking the lease alone", entities)
+        return acquire_lease(operation_id, owner=owner, seconds=seconds)
     if op is not None:
         claimed = frozenset(op.__dict__.pop("claimed_steps"))
         # Taken over from a worker whose lease ran out: it may still be running,

@@ -27,7 +27,7 @@ import pkgutil
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import ModuleType
-from typing import Any
+from typing import Any, cast
 
 from django.db import DatabaseError, models
 from django.db.models import Model, Q
@@ -110,6 +110,14 @@ class HandlerSpec:
             ) from None
         return factory(operation)
 
+    def check_entity(self, operation: Operation) -> None:
+        """Raise ConfigurationError if `operation`'s entity is not of this handler's model."""
+        if self.entity is not None and operation.entity_type != self.entity._meta.model_name:
+            raise ConfigurationError(
+                f"operation {operation.key}'s entity is a {operation.entity_type!r}, not a "
+                f"{self.entity._meta.model_name!r} (handler {self.kind!r})"
+            )
+
     @property
     def known_steps(self) -> frozenset[str]:
         """Every step name this handler may record (external effects included)."""
@@ -148,8 +156,11 @@ def handler(
     (read as it was right after the lease; lock it again where a step needs it
     locked).
     """
+    key = entity._meta.pk if entity is not None else None
+    while key is not None and key.is_relation:  # a parent's key (multi-table inheritance)
+        key = cast(Any, key).target_field
     if entity is not None and not isinstance(
-        entity._meta.pk, models.AutoField | models.BigAutoField | models.IntegerField
+        key, models.AutoField | models.BigAutoField | models.IntegerField
     ):
         raise ConfigurationError(
             f"handler {kind!r}: entity {entity.__name__} needs an integer primary key"
@@ -298,6 +309,9 @@ def unknown_recorded_names() -> list[str]:
 
 # --- what a fenced handler gets -------------------------------------------------------
 
+#: `Run.prefetched_entity` when the lease did not read the entity.
+NOT_READ: Any = object()
+
 
 @dataclass
 class Run:
@@ -311,8 +325,9 @@ class Run:
     #: The steps claimed when this run's lease was taken (the runtime passes them; None:
     #: unknown, every local step inserts its claim first).
     claimed_at_lease: frozenset[str] | None = None
-    #: The handler's entity as read with the lease (None: not read, `entity` reads it).
-    prefetched_entity: Any = None
+    #: The handler's entity as read with the lease (None: its row was not there);
+    #: NOT_READ: `entity` reads it.
+    prefetched_entity: Any = NOT_READ
     #: The local steps this run has gone through (a second call with a name replays).
     _local_steps: set[str] = field(default_factory=set, init=False, repr=False)
 
@@ -329,16 +344,20 @@ class Run:
         entity or the operation's entity_type is not the model's name, and the
         model's DoesNotExist if the row is missing.
         """
-        model = self.spec.entity
+        model: Any = self.spec.entity
         if model is None:
             raise ConfigurationError(f"handler {self.spec.kind!r} declares no entity")
-        if self.operation.entity_type != model._meta.model_name:
-            raise ConfigurationError(
-                f"operation {self.operation.key}'s entity is a {self.operation.entity_type!r}, "
-                f"not a {model._meta.model_name!r} (handler {self.spec.kind!r})"
-            )
+        self.spec.check_entity(self.operation)
+        if self.prefetched_entity is NOT_READ:
+            try:  # the table's rows, as the lease's read sees them (no manager's filter)
+                self.prefetched_entity = model._base_manager.get(pk=self.operation.entity_id)
+            except (ValueError, TypeError, model.DoesNotExist):  # not a key: no such row
+                self.prefetched_entity = None
         if self.prefetched_entity is None:
-            self.prefetched_entity = model._default_manager.get(pk=self.operation.entity_id)
+            raise model.DoesNotExist(
+                f"{model._meta.model_name} {self.operation.entity_id} "
+                f"(the entity of operation {self.operation.key}) does not exist"
+            )
         return self.prefetched_entity
 
     def external(self, step: str) -> dict[str, Any]:

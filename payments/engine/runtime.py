@@ -17,7 +17,7 @@ from django.db import transaction
 from payments.conf import payments_settings
 from payments.engine import fence
 from payments.engine.failpoints import BEFORE_GIVE_UP, failpoint
-from payments.engine.handlers import HandlerSpec, Run, entity_models, get_handler
+from payments.engine.handlers import NOT_READ, HandlerSpec, Run, entity_models, get_handler
 from payments.exceptions import (
     ConfigurationError,
     RetriesExhausted,
@@ -63,6 +63,7 @@ def execute(operation_id: int, *, worker_id: str, job: Any = None) -> str:
         return f"skipped:{op.state}"
     try:
         spec = get_handler(op.kind)
+        spec.check_entity(op)  # an entity of another type than the handler's: its caller's bug
     except ConfigurationError as exc:  # e.g. a kind renamed by a deploy: a person decides
         _finish(op, OperationState.NEEDS_REVIEW, worker_id, str(exc))
         alerts.error("operation %s cannot run: %s", op.key, exc)
@@ -72,7 +73,9 @@ def execute(operation_id: int, *, worker_id: str, job: Any = None) -> str:
         worker_id,
         spec,
         claimed_at_lease=leased.claimed_steps,
-        prefetched_entity=leased.entities.get(spec.entity) if spec.entity else None,
+        prefetched_entity=(
+            NOT_READ if spec.entity is None else leased.entities.get(spec.entity, NOT_READ)
+        ),
     )
     try:
         _run_handler(spec, run)

@@ -1,22 +1,23 @@
 """A handler's entity (`@handler(entity=Model)`) is read in the lease's round trip.
 
-The worker's lease statement and the entity's read go in one pipeline, each its own
-transaction (the lease commits first); the handler gets the row as `run.entity`.
+The worker's lease statement and the entity's read go in one pipeline, one implicit
+transaction (the read sees the lease); the handler gets the row as `run.entity`. A read
+that fails never stops a lease: the lease is taken alone and the handler reads its entity.
 """
 
 from __future__ import annotations
 
 import pytest
-from django.db import models, transaction
+from django.db import connection, models, transaction
 
 from devtools.bench.dbcount import counting
 from payments.checkout.handler import request_checkout
 from payments.checkout.names import CHECKOUT
 from payments.checkout.orders import create_order
-from payments.engine import fence
+from payments.engine import fence, runtime
 from payments.engine.handlers import Run, entity_models, get_handler, handler
 from payments.exceptions import ConfigurationError
-from payments.models import ApiClient, Operation, OperationState, Order
+from payments.models import ApiClient, Operation, OperationState, Order, StepClaim
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -115,3 +116,66 @@ def test_an_entity_without_an_integer_key__refused_at_registration():
 
     with pytest.raises(ConfigurationError, match="integer primary key"):
         handler("coded-thing", entity=Coded)
+
+
+class Missing(models.Model):  # noqa: DJ008
+    """An entity model whose table is not there (a deploy ahead of its migration)."""
+
+    class Meta:
+        app_label = "payments"
+        managed = False
+        db_table = "payments_not_migrated_yet"
+
+
+class Reserved(models.Model):  # noqa: DJ008
+    """An entity model whose table name is a reserved word."""
+
+    class Meta:
+        app_label = "payments"
+        managed = False
+        db_table = "order"
+
+
+def test_a_read_that_fails__the_lease_taken_alone__logged(caplog):
+    op = pending_checkout("ent-8")
+    leased = fence.acquire_lease(op.pk, owner="w/1", seconds=30, entities=(Missing, Order))
+    assert leased.acquired and leased.entities == {}
+    assert "taking the lease alone" in caplog.text
+    op.refresh_from_db()
+    assert (op.state, op.lease_owner) == (OperationState.RUNNING, "w/1")
+    run = Run(leased.operation, "w/1", get_handler(op.kind))
+    assert run.entity.pk == op.params["order_id"]  # read by the run itself
+
+
+def test_table_and_key_names_quoted():
+    with connection.cursor() as cursor:
+        cursor.execute('CREATE TABLE "order" (id bigint PRIMARY KEY)')
+    try:
+        with connection.cursor() as cursor:
+            cursor.execute('INSERT INTO "order" (id) VALUES (%s)', [7])
+        op = checkout_of("ent-9", "reserved", "7")
+        leased = fence.acquire_lease(op.pk, owner="w/1", seconds=30, entities=(Reserved,))
+        assert leased.entities[Reserved].pk == 7
+    finally:
+        with connection.cursor() as cursor:
+            cursor.execute('DROP TABLE "order"')
+
+
+def test_an_operation_whose_entity_is_not_the_handlers__needs_review_not_run(provider):
+    client = ApiClient.objects.create(name="ent-client-2")
+    op = checkout_of("ent-10", "apiclient", str(client.pk))
+    assert runtime.execute(op.pk, worker_id="w/1") == "needs_review"
+    op.refresh_from_db()
+    assert op.state == OperationState.NEEDS_REVIEW and "not a 'order'" in op.last_error
+    assert not StepClaim.objects.filter(operation=op).exists()  # nothing charged
+
+
+def test_run_entity__no_such_row_or_not_a_key__does_not_exist():
+    op = checkout_of("ent-11", "order", "999999")
+    with pytest.raises(Order.DoesNotExist):
+        _ = Run(op, "w/1", get_handler(op.kind)).entity
+    with pytest.raises(Order.DoesNotExist):
+        _ = Run(op, "w/1", get_handler(op.kind), prefetched_entity=None).entity
+    odd = checkout_of("ent-12", "order", "not-a-number")
+    with pytest.raises(Order.DoesNotExist):
+        _ = Run(odd, "w/1", get_handler(odd.kind)).entity
