@@ -1141,7 +1141,8 @@ SELECT {CLAIM_COLUMNS} FROM inserted
 INSERT_CLAIM_OR_FAIL = INSERT_CLAIM.replace(
     f"ON CONFLICT ON CONSTRAINT {StepClaim.UNIQUE_CONSTRAINT} DO NOTHING\n", ""
 )
-assert INSERT_CLAIM_OR_FAIL != INSERT_CLAIM
+if INSERT_CLAIM_OR_FAIL == INSERT_CLAIM:  # the ON CONFLICT clause above was reworded
+    raise RuntimeError("INSERT_CLAIM_OR_FAIL must be INSERT_CLAIM without its ON CONFLICT")
 
 
 def _claim_params(
@@ -1156,6 +1157,7 @@ def _claim_params(
     request: dict[str, Any] | None = None,
     result: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
+    """The parameters of INSERT_CLAIM and INSERT_CLAIM_OR_FAIL for one claim."""
     return {
         "operation": operation.pk,
         "step": step,
@@ -1169,34 +1171,10 @@ def _claim_params(
     }
 
 
-def _insert_claim(
-    operation: Operation,
-    step: str,
-    *,
-    state: ClaimState,
-    owner: str,
-    reason: str,
-    lease_seconds: int | None = None,
-    idempotency_key: str = "",
-    request: dict[str, Any] | None = None,
-    result: dict[str, Any] | None = None,
-) -> StepClaim | None:
-    """Run INSERT_CLAIM; return the new claim (its operation attached), or None if taken."""
-    claim = _one(
-        StepClaim,
-        INSERT_CLAIM,
-        _claim_params(
-            operation,
-            step,
-            state=state,
-            owner=owner,
-            reason=reason,
-            lease_seconds=lease_seconds,
-            idempotency_key=idempotency_key,
-            request=request,
-            result=result,
-        ),
-    )
+def _insert_claim(operation: Operation, params: dict[str, Any]) -> StepClaim | None:
+    """Run INSERT_CLAIM with `_claim_params`; return the new claim (its operation attached),
+    or None if taken."""
+    claim = _one(StepClaim, INSERT_CLAIM, params)
     if claim is not None:
         claim.operation = operation
     return claim
@@ -1247,16 +1225,19 @@ def claim_step_in_tx(
     """
     claim = _insert_claim(
         operation,
-        step,
-        state=ClaimState.CLAIMED,
-        owner=owner,
-        reason="claimed",
-        # the claimant acts at once (attempts 1); each take-over adds one
-        lease_seconds=lease_seconds,
-        idempotency_key=derive_idempotency_key(operation.key, step, operation.scope)
-        if provider_call
-        else "",
-        request=request,
+        _claim_params(
+            operation,
+            step,
+            state=ClaimState.CLAIMED,
+            owner=owner,
+            reason="claimed",
+            # the claimant acts at once (attempts 1); each take-over adds one
+            lease_seconds=lease_seconds,
+            idempotency_key=derive_idempotency_key(operation.key, step, operation.scope)
+            if provider_call
+            else "",
+            request=request,
+        ),
     )
     if claim is not None:
         return ClaimResult(claim, created=True)
@@ -1276,7 +1257,10 @@ def insert_local_claim_in_tx(
     them), or after them with their `result` in the same statement.
     """
     return _insert_claim(
-        operation, step, state=ClaimState.DONE, owner=owner, reason="", result=result
+        operation,
+        _claim_params(
+            operation, step, state=ClaimState.DONE, owner=owner, reason="", result=result
+        ),
     )
 
 
