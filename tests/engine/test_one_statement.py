@@ -202,14 +202,13 @@ def test_fenced_checkout__at_most_seven_transactions_on_the_worker_side(provider
     assert counted.transactions <= 7, counted
 
 
-def worker_trips_by_job(queue, key: str, monkeypatch) -> dict[str, int]:
+def worker_trips_by_job(queue, key: str, monkeypatch) -> tuple[dict[str, int], dict]:
     """One fenced checkout's round trips by job function, without what a kept
-    connection pays once (the Parse of a prepared statement, the health check)."""
+    connection pays once (the Parse of a prepared statement, the health check); and
+    every count by job function (jobs run included), for the assertion's message."""
     monkeypatch.setattr("payments.engine.worker.HEALTH_CHECK_AFTER_IDLE", 60.0)
-    return {
-        name: t.total - t.prepares - t.health_checks
-        for name, t in trips_by_job_of_one_checkout(queue, key).items()
-    }
+    by_job = trips_by_job_of_one_checkout(queue, key)
+    return {name: t.total - t.prepares - t.health_checks for name, t in by_job.items()}, by_job
 
 
 def test_fenced_checkout__round_trips_of_each_job(provider, queue, monkeypatch):
@@ -225,6 +224,6 @@ def test_fenced_checkout__round_trips_of_each_job(provider, queue, monkeypatch):
     The follow-ups, 6: the inbox row with the `succeeded` (one statement) with the
     BEGIN, COMMIT (2 each), and their writes: the ledger line (1), the day's counter
     made or added to (1)."""
-    by_job = worker_trips_by_job(queue, "trips-1", monkeypatch)
+    by_job, counted = worker_trips_by_job(queue, "trips-1", monkeypatch)
 
-    assert by_job == {"run_operation": 9, "deliver_message": 6}, by_job
+    assert by_job == {"run_operation": 9, "deliver_message": 6}, counted
