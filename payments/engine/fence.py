@@ -236,7 +236,7 @@ class QueuedClaim:
     params: dict[str, Any]
     #: The atomic block it was queued in (the run's unit): it is sent only there, not
     #: inside a savepoint of it (which could roll it back alone), never in another one.
-    block: Any = None
+    block: Any
 
 
 #: The claims queued for the open transaction (queue_local_claim_in_tx), in order.
@@ -280,13 +280,10 @@ def _execute(db: Any, statements: list[tuple[Any, str, dict[str, Any]]]) -> None
     # Django's transaction is open and PostgreSQL's not yet: the BEGIN goes first in the
     # pipeline (project.postgresql; Django's stock backend lets psycopg send it alone).
     begin = _begin_owed(db)
-    autocommit = db.get_autocommit()
-    if queued and autocommit:
-        raise InvalidTransition("a queued local claim outlived its transaction")
     if len(statements) == 1 and commit is None and not begin and not queued:
         statements[0][0].execute(statements[0][1], statements[0][2])
         return
-    if autocommit and commit is not None:
+    if commit is not None and db.get_autocommit():
         raise InvalidTransition("a COMMIT asked for outside a transaction")
     queued_cursors = [_statement_cursor(db) for _ in queued]
     try:

@@ -46,9 +46,6 @@ def execute(operation_id: int, *, worker_id: str, job: Any = None) -> str:
     Raises RetryLater (RQ retries the job after its backoff) or
     RetriesExhausted (the job goes to the failed registry).
     """
-    if fence.has_queued():  # a claim queued by an earlier run that never ended its unit
-        logger.error("local claims queued by an earlier run were left; discarded")
-        fence.discard_queued()
     leased = fence.acquire_lease(
         operation_id,
         owner=worker_id,
