@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 import signal
 from collections.abc import Iterator
+from datetime import datetime
 from pathlib import Path
 
 import psycopg
@@ -249,3 +250,67 @@ def test_the_jobs_timeout_during_a_transactions_first_statement__raised_as_itsel
     assert amount_seen_by(other, o.pk) == 100
     Order.objects.filter(pk=o.pk).update(amount=101)  # a new connection
     assert amount_seen_by(other, o.pk) == 101
+
+
+# --- timestamptz: Django's loader, psycopg's optimised parsing --------------------------
+
+_TIMESTAMPS = [
+    "2026-12-01 10:00:00.123456+00",
+    "2026-01-02 03:04:05.5+05:30",
+    "1999-12-31 23:59:59-08",
+    "1900-01-01 00:00:00+00:19:32",
+    "0001-01-01 00:00:00+00",
+    "9999-12-31 23:59:59.999999+00",
+    "infinity",
+    "-infinity",
+    "2000-01-01 00:00:00+00 BC",
+]
+
+
+def _load(cursor: object, value: str) -> object:
+    """What a cursor gives for `value`::timestamptz: the datetime and its tzinfo, or the error."""
+    try:
+        cursor.execute("SELECT %s::timestamptz", [value])  # type: ignore[attr-defined]
+        loaded = cursor.fetchone()[0]  # type: ignore[attr-defined]
+    except Exception as exc:  # noqa: BLE001 (the error is what is compared)
+        return (type(exc).__name__, str(exc))
+    return (loaded, loaded.tzinfo)
+
+
+@pytest.mark.skipif(pq.__impl__ == "python", reason="psycopg has no optimised build here")
+def test_timestamptz__read_by_the_orm__parsed_without_psycopgs_python_loader(monkeypatch):
+    """Django's own timestamptz loader derives from psycopg's pure-Python one (a regular
+    expression per value, Django ticket #36960): the backend's parses in C."""
+    from psycopg.types.datetime import TimestamptzLoader
+
+    parsed_in_python: list[bytes] = []
+    python_parse = TimestamptzLoader._load_iso
+
+    def counting(self: object, data: bytes) -> object:
+        parsed_in_python.append(bytes(data))
+        return python_parse(self, data)
+
+    monkeypatch.setattr(TimestamptzLoader, "_load_iso", staticmethod(counting))
+    connection.close()  # a new connection, and loaders made after the patch
+    o = order()
+    read = Order.objects.get(pk=o.pk)
+    assert read.created_at == o.created_at
+    assert parsed_in_python == []
+
+
+@pytest.mark.parametrize("zone", ["UTC", "Asia/Kolkata", "America/St_Johns"])
+def test_timestamptz__same_values_and_errors_as_djangos_own_loader(zone):
+    """Whatever the session's TimeZone, every value (and every out-of-range error) is what
+    Django's loader gives: the same instant (as Django reads it), tzinfo Django's zone."""
+    from django.db.backends.postgresql.psycopg_any import register_tzloader
+
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT set_config('TimeZone', %s, false)", [zone])
+        ours = [_load(cursor, value) for value in _TIMESTAMPS]
+    with connection.cursor() as cursor:
+        register_tzloader(connection.timezone, cursor)  # Django's own loader, this cursor only
+        djangos = [_load(cursor, value) for value in _TIMESTAMPS]
+    connection.close()  # the session's TimeZone back to Django's on the next connection
+    assert ours == djangos
+    loaded = [tzinfo for value, tzinfo in ours if isinstance(value, datetime)]
+    assert len(loaded) >= 4 and all(tzinfo is connection.timezone for tzinfo in loaded)
