@@ -161,8 +161,8 @@ AUDIT_INSERT = (
 )
 
 
-def _statement_cursor(db: Any) -> Any:
-    """A cursor for the statements below: prepared once per connection, where that is safe.
+def _statement_cursors(db: Any, count: int) -> list[Any]:
+    """`count` cursors for the statements below: prepared once per connection, where safe.
 
     Each statement is parsed, analysed and planned once per connection
     instead of on every call (about half a fence statement's cost on
@@ -177,7 +177,8 @@ def _statement_cursor(db: Any) -> Any:
     The statements name their columns (no `*`), so a column a migration adds
     cannot change a prepared statement's result. A rollback makes psycopg
     forget the connection's prepared statements; the next run prepares again.
-    `db` is this thread's connection (`_this_thread`).
+    `db` is this thread's connection (`_this_thread`). Each cursor is Django's
+    wrapper (execute wrappers, error translation) around a psycopg cursor.
     """
     options = db.settings_dict.get("OPTIONS", {})
     if (
@@ -185,7 +186,7 @@ def _statement_cursor(db: Any) -> Any:
         or options.get("server_side_binding") is True
         or db.queries_logged
     ):
-        return db.cursor()
+        return [db.cursor() for _ in range(count)]
     # What connection.cursor() does first: replace a kept connection that broke.
     db.close_if_health_check_failed()
     db.ensure_connection()
@@ -194,7 +195,7 @@ def _statement_cursor(db: Any) -> Any:
     # binding (checked above): 0 prepares each statement on its first run.
     raw.prepare_threshold = 0
     # Django wraps a DB-API cursor here (django-stubs type the argument as the wrapper).
-    return db.make_cursor(cast(Any, psycopg.Cursor(raw)))
+    return [db.make_cursor(cast(Any, psycopg.Cursor(raw))) for _ in range(count)]
 
 
 class CommitWith:
@@ -285,7 +286,7 @@ def _execute(db: Any, statements: list[tuple[Any, str, dict[str, Any]]]) -> None
         return
     if commit is not None and db.get_autocommit():
         raise InvalidTransition("a COMMIT asked for outside a transaction")
-    queued_cursors = [_statement_cursor(db) for _ in queued]
+    queued_cursors = _statement_cursors(db, len(queued)) if queued else []
     try:
         with db.wrap_database_errors:
             try:
@@ -431,7 +432,7 @@ def _rows(model: type[Any], statements: list[tuple[str, dict[str, Any]]]) -> lis
 def _rows_of(statements: list[tuple[type[Any], str, dict[str, Any]]]) -> list[Any]:
     """`_rows` for statements that each return at most one row of their own model."""
     db = _this_thread()
-    cursors = [_statement_cursor(db) for _ in statements]
+    cursors = _statement_cursors(db, len(statements))
     try:
         _execute(
             db,
@@ -440,17 +441,19 @@ def _rows_of(statements: list[tuple[type[Any], str, dict[str, Any]]]) -> list[An
                 for cursor, (_, sql, params) in zip(cursors, statements, strict=True)
             ],
         )
-        return [
-            _instance(model, db, cursor, sql)
-            for cursor, (model, sql, _) in zip(cursors, statements, strict=True)
-        ]
+        with db.wrap_database_errors:
+            return [
+                _instance(model, db, cursor.cursor, sql)
+                for cursor, (model, sql, _) in zip(cursors, statements, strict=True)
+            ]
     finally:
         for cursor in cursors:
             cursor.close()
 
 
 def _instance(model: type[Any], db: Any, cursor: Any, sql: str) -> Any:
-    """The row `cursor` holds as an instance of `model`, or None.
+    """The row `cursor` (psycopg's, under Django's wrapper) holds as an instance of `model`,
+    or None.
 
     The statements name their columns, so one SQL text always has the same.
     """
