@@ -54,6 +54,7 @@ from django.db.backends.postgresql.psycopg_any import (
 )
 from psycopg import adapt, pq
 from psycopg.pq import Format
+from psycopg.types.datetime import TimestamptzLoader
 
 #: The attribute of a psycopg connection that says Django has a transaction open on it
 #: (Django's autocommit is off): the next statement on an idle server sends BEGIN first.
@@ -140,9 +141,11 @@ class ServerBindingCursor(_BeginsWithFirstStatement, base.ServerBindingCursor):
     """Django's server-side binding cursor (OPTIONS `server_side_binding`)."""
 
 
-#: psycopg's own text loader of timestamptz: its C implementation when psycopg's binary or
-#: C build is installed (the global adapters map holds the optimised class), else Python's.
-_PSYCOPG_TZ_LOADER = psycopg.adapters.get_loader(base.TIMESTAMPTZ_OID, Format.TEXT)
+#: psycopg's optimised text loader of timestamptz (C, from its binary or C build); None
+#: where only the pure-Python one is installed: Django's loader is then used as it is.
+_OPTIMISED_TZ_LOADER = psycopg.adapters.get_loader(base.TIMESTAMPTZ_OID, Format.TEXT)
+if _OPTIMISED_TZ_LOADER is None or issubclass(_OPTIMISED_TZ_LOADER, TimestamptzLoader):
+    _OPTIMISED_TZ_LOADER = None
 
 
 class TzLoader(BaseTzLoader):
@@ -151,17 +154,18 @@ class TzLoader(BaseTzLoader):
 
     def __init__(self, oid: int, context: Any = None) -> None:
         super().__init__(oid, context)
-        self._parse = _PSYCOPG_TZ_LOADER(oid, context).load if _PSYCOPG_TZ_LOADER else None
+        assert _OPTIMISED_TZ_LOADER is not None  # registered only then (adapters_template)
+        self._parse = _OPTIMISED_TZ_LOADER(oid, context).load
 
     def load(self, data: Any) -> Any:
-        if self._parse is None:
-            return super().load(data)
         return self._parse(data).replace(tzinfo=self.timezone)
 
 
 @lru_cache
 def adapters_template(use_tz: bool, timezone: Any) -> adapt.AdaptersMap:
     """Django's adapters for a new connection, with `TzLoader` for timestamptz."""
+    if _OPTIMISED_TZ_LOADER is None:
+        return get_adapters_template(use_tz, timezone)
     context = adapt.AdaptersMap(get_adapters_template(use_tz, timezone))
     loader = type("SpecificTzLoader", (TzLoader,), {"timezone": timezone, "__module__": __name__})
     context.register_loader("timestamptz", loader)
