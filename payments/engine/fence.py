@@ -31,9 +31,11 @@ from django.db import (
     connections,
     transaction,
 )
+from django.db.backends.postgresql.psycopg_any import register_tzloader
 from django.db.models.functions import Now
 from django.utils import timezone
 from psycopg import pq
+from psycopg.postgres import types as pg_types
 from rq.timeouts import BaseTimeoutException
 
 from inbox.models import InboxEntry
@@ -161,6 +163,10 @@ AUDIT_INSERT = (
 )
 
 
+#: PostgreSQL's type oid of timestamptz (Django's loader for it is per time zone).
+TIMESTAMPTZ_OID = pg_types["timestamptz"].oid
+
+
 def _statement_cursors(db: Any, count: int) -> list[Any]:
     """`count` cursors for the statements below: prepared once per connection, where safe.
 
@@ -194,8 +200,14 @@ def _statement_cursors(db: Any, count: int) -> list[Any]:
     # Only server-side-binding cursors prepare, and the ORM's use client-side
     # binding (checked above): 0 prepares each statement on its first run.
     raw.prepare_threshold = 0
+    cursors = [psycopg.Cursor(raw) for _ in range(count)]
+    if db.timezone != raw.adapters.get_loader(TIMESTAMPTZ_OID, pq.Format.TEXT).timezone:
+        # What Django's own cursors do when its time zone changed on an open connection
+        # (settings overridden): read timestamps in the new one.
+        for cursor in cursors:
+            register_tzloader(db.timezone, cursor)
     # Django wraps a DB-API cursor here (django-stubs type the argument as the wrapper).
-    return [db.make_cursor(cast(Any, psycopg.Cursor(raw))) for _ in range(count)]
+    return [db.make_cursor(cast(Any, cursor)) for cursor in cursors]
 
 
 class CommitWith:

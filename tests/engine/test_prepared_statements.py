@@ -142,3 +142,20 @@ def test_with_queries_logged__the_fence_statements_are_logged_with_their_values(
 
     assert len(logged) == 2
     assert "'worker-a/1'" in logged[0] and "make_interval(secs => 30)" in logged[0]
+
+
+def test_prepared_statements_rows__read_in_djangos_time_zone_as_the_orms_are(queue, settings):
+    """Django switches a cursor's timestamptz loader when its time zone changes on an
+    open connection (USE_TZ, TIME_ZONE overridden); the fence's own cursors do the same:
+    a lease read back says the same instant as the ORM."""
+    op = checkout("prep-tz")
+    connection.ensure_connection()  # open before the change, as in a test run
+    settings.USE_TZ = False
+    settings.TIME_ZONE = "Asia/Kolkata"
+    try:
+        leased = fence.acquire_lease(op.pk, owner=WORKER, seconds=30).operation
+        by_the_orm = Operation.objects.get(pk=op.pk)
+        assert leased.updated_at == by_the_orm.updated_at
+        assert leased.updated_at.tzinfo is None
+    finally:
+        connection.close()  # the next test's connection in the default time zone
