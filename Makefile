@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PG_URL ?= postgres://postgres@127.0.0.1:5432/fence
 
-.PHONY: install env db migrate demo test lint format bench run clean browser topology
+.PHONY: install env db migrate demo test lint format bench run clean browser topology valgrind
 
 $(VENV)/.installed: requirements.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -57,7 +57,14 @@ topology:
 	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-sentinel) || \
 	  (echo "install Debian's redis-sentinel (apt-get install redis-sentinel) for tests/topology"; exit 1)
 
-test: db browser topology
+# Debian's valgrind: make bench counts a worker's instructions per checkout with callgrind
+# (tests/devtools/test_bench_instructions.py; under make test a missing one fails it).
+valgrind:
+	@command -v valgrind >/dev/null && command -v callgrind_control >/dev/null || \
+	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq valgrind) || \
+	  (echo "install Debian's valgrind (apt-get install valgrind) for make bench's instruction count"; exit 1)
+
+test: db browser topology valgrind
 	REQUIRE_TOPOLOGY_BINARIES=1 $(PY) -m pytest
 
 # Style, the layers (import-linter contracts in pyproject.toml) and the types (mypy).
@@ -75,7 +82,7 @@ format: install
 # Its web tier runs gunicorn through a PgBouncer (`manage.py bench --only web` alone).
 BENCH_ENV := DATABASE_URL=postgres://postgres@127.0.0.1:5432/fence_bench REDIS_URL=redis://127.0.0.1:6379/2
 
-bench: install env topology
+bench: install env topology valgrind
 	$(BENCH_ENV) $(PY) -m devtools.ensure_database
 	$(BENCH_ENV) $(PY) manage.py migrate --noinput -v 0
 	$(BENCH_ENV) $(PY) manage.py bench

@@ -13,6 +13,7 @@ from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.db import connection
 
+from devtools.bench import instructions
 from devtools.bench.runner import (
     WORKER_CLASSES,
     Bench,
@@ -32,7 +33,8 @@ from devtools.topology import MissingBinary, binary
 class Command(BaseCommand):
     help = (
         "Benchmark, in one run: fenced vs unfenced checkout throughput, RQ no-op ceiling per "
-        "worker class, database round trips per checkout, scaling over 1/2/4 workers, the same "
+        "worker class, database round trips and worker instructions (callgrind) per checkout, "
+        "scaling over 1/2/4 workers, the same "
         "over TLS with the per-charge saving of session reuse, inbox cost, reconciler rate, "
         "inbox purge rate, and the web tier under load (gunicorn on direct connections vs "
         "through PgBouncer; --only web runs that alone). Needs a database of its own (its "
@@ -56,6 +58,12 @@ class Command(BaseCommand):
         )
         parser.add_argument(
             "--count-orders", type=int, default=50, help="Checkouts whose round trips are counted."
+        )
+        parser.add_argument(
+            "--instruction-orders",
+            default="10,50",
+            help="Checkouts of the two callgrind runs per side (small,large): their "
+            "difference gives the instructions of one more checkout.",
         )
         parser.add_argument(
             "--session-charges",
@@ -176,6 +184,7 @@ class Command(BaseCommand):
             figures["faster_worker_class"] = best
             say("database round trips per checkout, fenced and unfenced (2 workers)...")
             figures["db_round_trips"] = db_round_trips(bench, options["count_orders"], workers=2)
+            figures["instructions_per_checkout"] = self._instructions(bench, options, say)
             say("provider session reuse over plain HTTP...")
             bench.set_latency(0)
             figures["session_reuse_http"] = session_reuse(bench, options["session_charges"])
@@ -213,6 +222,24 @@ class Command(BaseCommand):
             }
             bench.reset()
         self._report(figures, out)
+
+    def _instructions(
+        self, bench: Bench, options: dict[str, Any], say: Callable[[str], None]
+    ) -> dict[str, float] | None:
+        """Worker instructions per checkout under callgrind, fenced and unfenced (None:
+        valgrind is not installed)."""
+        if not instructions.available():
+            say("worker instructions per checkout: skipped, valgrind is not installed")
+            return None
+        small, large = (int(n) for n in options["instruction_orders"].split(","))
+        say(f"worker instructions per checkout under callgrind ({small} then {large})...")
+        bench.set_latency(0)  # the count does not depend on it; the run is shorter
+        counted = {
+            side: instructions.per_checkout(bench, prepare, small=small, large=large)
+            for side, prepare in (("fenced", fenced), ("unfenced", unfenced))
+        }
+        bench.set_latency(options["latency"])
+        return counted
 
     def _web_tier(self, bench: Bench, options: dict[str, Any], log_dir: Path) -> dict[str, Any]:
         """gunicorn on direct connections vs through PgBouncer under the same checkout load."""
@@ -269,6 +296,18 @@ def _cpu_sum(ms: dict[str, float]) -> str:
         return "n/a"
     parts = [ms[role] for role in CPU_ROLES]
     return " + ".join(f"{part:.1f}" for part in parts) + f" = {sum(parts):.1f}"
+
+
+def _instr(f: dict) -> str:
+    """Fenced and unfenced instructions per checkout, and what the fence adds."""
+    counted = f.get("instructions_per_checkout")
+    if not counted:
+        return "n/a (valgrind is not installed)"
+    fenced, unfenced = counted["fenced"] / 1e6, counted["unfenced"] / 1e6
+    return (
+        f"{fenced:.1f} M / {unfenced:.1f} M (the fence: {fenced - unfenced:+.1f} M, "
+        f"{fenced / unfenced:.2f}x)"
+    )
 
 
 def _cpus() -> int:
@@ -341,6 +380,7 @@ def _queue_rows(f: dict) -> list[tuple[str, str]]:
                 ),
             )
         )
+    rows.append(("worker instructions per checkout (callgrind), fenced / unfenced", _instr(f)))
     a = d["fenced"]["api_per_checkout"]
     rows.append(
         (
