@@ -405,23 +405,25 @@ def _this_thread() -> Any:
     return connections[DEFAULT_DB_ALIAS]
 
 
-#: Each statement's result columns, by its SQL: read from its first answer in this
-#: process (psycopg builds a description object per column on every read).
-_RESULT_NAMES: dict[str, tuple[str, ...]] = {}
+#: Per statement and model: where each of the model's fields is in the statement's row
+#: (with its database converter, None: none), the fields' attnames, and the other columns
+#: (name, place). Read from the statement's first answer in this process (psycopg builds a
+#: description object per column on every read).
+_ROW_PLANS: dict[tuple[str, type[Any]], tuple[Any, list[str], Any]] = {}
 
 
-#: Per model: its columns with their database converters (None: none), and its attnames.
-_ROW_SHAPES: dict[type[Any], tuple[tuple[tuple[str, Any], ...], list[str]]] = {}
-
-
-def _row_shape(model: type[Any]) -> tuple[tuple[tuple[str, Any], ...], list[str]]:
-    """The model's columns with their database converters (None: none), and its attnames."""
-    shape = _ROW_SHAPES.get(model)
-    if shape is None:
+def _row_plan(model: type[Any], sql: str, cursor: Any) -> tuple[Any, list[str], Any]:
+    """How a row of `sql` becomes an instance of `model` (see _ROW_PLANS)."""
+    plan = _ROW_PLANS.get((sql, model))
+    if plan is None:
+        names = [column.name for column in cursor.description]
+        place = {name: i for i, name in enumerate(names)}
         fields = model._meta.concrete_fields
-        columns = tuple((field.column, getattr(field, "from_db_value", None)) for field in fields)
-        shape = _ROW_SHAPES[model] = (columns, [field.attname for field in fields])
-    return shape
+        fields_at = tuple((place[f.column], getattr(f, "from_db_value", None)) for f in fields)
+        taken = {i for i, _ in fields_at}
+        others = tuple((name, i) for i, name in enumerate(names) if i not in taken)
+        plan = _ROW_PLANS[(sql, model)] = (fields_at, [f.attname for f in fields], others)
+    return plan
 
 
 def _one(model: type[Any], sql: str, params: dict[str, Any]) -> Any:
@@ -472,20 +474,14 @@ def _instance(model: type[Any], db: Any, cursor: Any, sql: str) -> Any:
     row = cursor.fetchone()
     if row is None:
         return None
-    names = _RESULT_NAMES.get(sql)
-    if names is None:
-        names = _RESULT_NAMES[sql] = tuple(column.name for column in cursor.description)
-    by_column = dict(zip(names, row, strict=True))
-    columns, attnames = _row_shape(model)
-    values = []
-    for column, from_db_value in columns:
-        value = by_column.pop(column)
-        if value is not None and from_db_value is not None:
-            value = from_db_value(value, None, db)
-        values.append(value)
+    fields_at, attnames, others = _row_plan(model, sql, cursor)
+    values = [
+        row[i] if convert is None or row[i] is None else convert(row[i], None, db)
+        for i, convert in fields_at
+    ]
     instance = model.from_db(db.alias, attnames, values)
-    for name, value in by_column.items():
-        setattr(instance, name, value)
+    for name, i in others:
+        setattr(instance, name, row[i])
     return instance
 
 
