@@ -114,7 +114,7 @@ def step_attempt(
     nested = outer is not None and outer.operation.pk == operation.pk and outer.step == step
     attempt = StepAttempt(operation, step, step_kind, worker_id, call=call)
     attempt.root = outer.root if nested and outer is not None else attempt
-    if not nested:
+    if not nested and logger.isEnabledFor(logging.INFO):
         logger.info(
             "step %s/%s started",
             operation.key,
@@ -164,10 +164,12 @@ def _settle_from_exception(attempt: StepAttempt, exc: BaseException) -> None:
 
 
 def _log_end(attempt: StepAttempt) -> None:
-    ended = datetime.now(UTC)
     level = logging.INFO
     if attempt.outcome in (Outcome.UNCERTAIN, Outcome.CONFLICT):
         level = logging.WARNING
+    if not logger.isEnabledFor(level):
+        return
+    ended = datetime.now(UTC)
     logger.log(
         level,
         "step %s/%s ended: %s",
@@ -197,11 +199,13 @@ def traced(step_kind: str, *, call: bool = False) -> Callable[[F], F]:
     """
 
     def decorate(func: F) -> F:
-        signature = inspect.signature(func)
+        # The parameters by position, to name the arguments of each call (what
+        # inspect.Signature.bind would say, without its checks: the call itself checks).
+        names = list(inspect.signature(func).parameters)
 
         @functools.wraps(func)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
-            bound = signature.bind(*args, **kwargs).arguments
+            bound = {**dict(zip(names, args, strict=False)), **kwargs}  # fewer args: kwargs
             operation, step, worker = _locate(bound)
             with step_attempt(
                 operation, step, step_kind=step_kind, worker_id=worker, call=call
