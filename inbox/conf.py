@@ -105,13 +105,29 @@ def _duration(label: str, value: Any) -> timedelta:
     return duration
 
 
-def inbox_settings() -> InboxSettings:
-    """Read ``settings.INBOX`` afresh, apply defaults and validate it.
+#: The last ``settings.INBOX`` read and what it gave (see inbox_settings).
+_read: tuple[object, InboxSettings] | None = None
 
-    Read on every call (it is a small dict) so ``override_settings`` works.
-    Raise ``ImproperlyConfigured`` on a bad value; ``inbox.E001`` reports it
-    at start-up.
+
+def inbox_settings() -> InboxSettings:
+    """Read ``settings.INBOX``, apply defaults and validate it.
+
+    Read again whenever ``settings.INBOX`` is another object than at the last
+    read (``override_settings`` and the tests' ``settings`` fixture assign a
+    new dict), else the last result: every delivered message asks, and reading
+    it costs more than the lookup. Raise ``ImproperlyConfigured`` on a bad
+    value; ``inbox.E001`` reports it at start-up.
     """
+    global _read
+    raw = getattr(settings, "INBOX", None)
+    if _read is not None and _read[0] is raw:
+        return _read[1]
+    conf = _read_inbox_settings()
+    _read = (raw, conf)
+    return conf
+
+
+def _read_inbox_settings() -> InboxSettings:
     raw = getattr(settings, "INBOX", {}) or {}
     if not isinstance(raw, dict):
         raise ImproperlyConfigured("INBOX must be a dict.")
