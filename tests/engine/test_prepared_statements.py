@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 
+import psycopg
 import pytest
 from django.db import close_old_connections, connection
 
@@ -159,3 +160,26 @@ def test_prepared_statements_rows__read_in_djangos_time_zone_as_the_orms_are(que
         assert leased.updated_at.tzinfo is None
     finally:
         connection.close()  # the next test's connection in the default time zone
+
+
+def test_transitions__reuse_their_connections_psycopg_cursors(queue, monkeypatch):
+    """A new psycopg cursor looks up its loaders and dumpers again: the fence keeps its
+    cursors on the connection, as many as one round trip needs, and reads every row
+    before the next statement."""
+    op = checkout("prep-reuse")
+    connection.close()
+    made: list[object] = []
+    original = psycopg.Cursor.__init__
+
+    def counting(self: psycopg.Cursor, *args: object, **kwargs: object) -> None:
+        if type(self) is psycopg.Cursor:  # the fence's (Django's own are its subclasses)
+            made.append(self)
+        original(self, *args, **kwargs)
+
+    monkeypatch.setattr(psycopg.Cursor, "__init__", counting)
+    for _ in range(5):
+        lease_and_back(op)
+    leased = fence.acquire_lease(op.pk, owner=WORKER, seconds=30).operation
+
+    assert len(made) == 1  # ten transitions, one statement at a time, one cursor
+    assert leased.state == OperationState.RUNNING and leased.lease_owner == WORKER
