@@ -13,14 +13,14 @@ from __future__ import annotations
 import uuid
 
 from django.conf import settings
-from django.core.mail import send_mail
 from django.db import connection, transaction
 from django.utils import timezone
 
 from inbox.handlers import inbox_handler
 from payments.checkout.followups import add_to_sales_day
+from payments.checkout.handler import issue_invoice, send_confirmation
 from payments.engine.queues import payments_queue
-from payments.models import Invoice, LedgerEntry, Order, OrderStatus
+from payments.models import LedgerEntry, Order, OrderStatus
 from payments.provider.client import ProviderClient
 
 
@@ -46,17 +46,13 @@ def unfenced_checkout(order_id: int, payment_method: str) -> str:
         },
         idempotency_key=uuid.uuid4().hex,
     )
+    # The fenced handler's own business functions: the same invoice and the same e-mail
+    # (its amount formatted for the customer); the same order update.
     with transaction.atomic():
-        Invoice.objects.create(
-            order=order,
-            number=f"INV-{order.pk:08d}",
-            amount=order.amount,
-            currency=order.currency,
-            provider_reference=intent.id,
-        )
-    send_mail(f"Order {order.pk} is paid", f"Reference {intent.id}.", None, [order.customer_email])
+        issue_invoice(order, intent.id)
+    send_confirmation(order, intent.id)
     with transaction.atomic():
-        Order.objects.filter(pk=order_id).update(status=OrderStatus.PAID)
+        Order.objects.filter(pk=order_id).update(status=OrderStatus.PAID, updated_at=timezone.now())
     queue = payments_queue()
     follow_ups = [
         queue.prepare_data(unfenced_record_sale, (order_id, intent.id)),
