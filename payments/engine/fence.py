@@ -166,6 +166,8 @@ AUDIT_INSERT = (
 #: The attribute of a psycopg connection that keeps the fence's psycopg cursors for the
 #: next statements (`_statement_cursors`): Django's time zone they read in, the cursors.
 _KEPT_CURSORS = "fence_kept_cursors"
+#: At most this many are kept (the engine's widest round trip sends four statements).
+KEEP_CURSORS = 8
 
 #: PostgreSQL's type oid of timestamptz (Django's loader for it is per time zone).
 TIMESTAMPTZ_OID = pg_types["timestamptz"].oid
@@ -215,16 +217,25 @@ def _statement_cursors(db: Any, count: int, first: int = 0) -> tuple[list[Any], 
     if kept is None or kept[0] != db.timezone:
         kept = (db.timezone, [])
         setattr(raw, _KEPT_CURSORS, kept)
+    if first + count > KEEP_CURSORS:
+        # A round trip wider than any of the engine's: cursors of its own, closed after.
+        wide = [_psycopg_cursor(db, raw) for _ in range(count)]
+        return [db.make_cursor(cast(Any, cursor)) for cursor in wide], False
     cursors = kept[1]
     while len(cursors) < first + count:
-        cursor = psycopg.Cursor(raw)
-        if db.timezone != raw.adapters.get_loader(TIMESTAMPTZ_OID, pq.Format.TEXT).timezone:
-            # What Django's own cursors do when its time zone changed on an open
-            # connection (settings overridden): read timestamps in the new one.
-            register_tzloader(db.timezone, cursor)
-        cursors.append(cursor)
+        cursors.append(_psycopg_cursor(db, raw))
     # Django wraps a DB-API cursor here (django-stubs type the argument as the wrapper).
     return [db.make_cursor(cast(Any, cursor)) for cursor in cursors[first : first + count]], True
+
+
+def _psycopg_cursor(db: Any, raw: Any) -> Any:
+    """A psycopg cursor on `raw` that reads timestamps in Django's time zone (`db`'s)."""
+    cursor = psycopg.Cursor(raw)
+    if db.timezone != raw.adapters.get_loader(TIMESTAMPTZ_OID, pq.Format.TEXT).timezone:
+        # What Django's own cursors do when its time zone changed on an open connection
+        # (settings overridden): read timestamps in the new one.
+        register_tzloader(db.timezone, cursor)
+    return cursor
 
 
 class CommitWith:
@@ -476,26 +487,25 @@ def _rows_of(statements: list[tuple[type[Any], str, dict[str, Any]]]) -> list[An
             ],
         )
         with db.wrap_database_errors:
-            return [
-                _instance(model, db, cursor.cursor, sql)
+            # Every row read before any becomes an instance: making one runs the model's
+            # pre_init/post_init receivers, which may run fence statements of their own
+            # (on the kept cursors, whose rows must be read by then).
+            rows = [
+                (model, cursor.cursor.fetchone(), _row_plan(model, sql, cursor.cursor))
                 for cursor, (model, sql, _) in zip(cursors, statements, strict=True)
             ]
+        return [_instance(model, db, row, plan) for model, row, plan in rows]
     finally:
         if not kept:
             for cursor in cursors:
                 cursor.close()
 
 
-def _instance(model: type[Any], db: Any, cursor: Any, sql: str) -> Any:
-    """The row `cursor` (psycopg's, under Django's wrapper) holds as an instance of `model`,
-    or None.
-
-    The statements name their columns, so one SQL text always has the same.
-    """
-    row = cursor.fetchone()
+def _instance(model: type[Any], db: Any, row: tuple[Any, ...] | None, plan: Any) -> Any:
+    """`row` (a statement's, read with its `_row_plan`) as an instance of `model`, or None."""
     if row is None:
         return None
-    fields_at, attnames, others = _row_plan(model, sql, cursor)
+    fields_at, attnames, others = plan
     values = [
         row[i] if convert is None or row[i] is None else convert(row[i], None, db)
         for i, convert in fields_at

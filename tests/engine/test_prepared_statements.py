@@ -183,3 +183,60 @@ def test_transitions__reuse_their_connections_psycopg_cursors(queue, monkeypatch
 
     assert len(made) == 1  # ten transitions, one statement at a time, one cursor
     assert leased.state == OperationState.RUNNING and leased.lease_owner == WORKER
+
+
+OPERATION_BY_ID = f"SELECT {fence.OPERATION_COLUMNS} FROM payments_operation WHERE id = %(id)s"
+ORDER_BY_ID = (
+    "SELECT id, amount, currency, status, customer_email, refunded_amount, created_at, "
+    "updated_at FROM payments_order WHERE id = %(id)s"
+)
+
+
+def test_a_receiver_running_fence_statements_while_rows_become_instances__reads_right(queue):
+    """Making an instance runs the model's post_init receivers; one that runs fence
+    statements of its own (on the kept cursors) finds every row of the outer call read:
+    the lease still comes with its order."""
+    from django.db.models.signals import post_init
+
+    from payments.models import Order
+
+    op = checkout("prep-nested")
+    other = checkout("prep-nested-other")
+    nested: list[object] = []
+
+    def read_another(sender: type, instance: Operation, **kwargs: object) -> None:
+        if nested:
+            return
+        nested.append(instance)
+        fence._rows_of(  # two statements: the kept cursors 0 and 1
+            [
+                (Operation, OPERATION_BY_ID, {"id": other.pk}),
+                (Order, ORDER_BY_ID, {"id": -1}),
+            ]
+        )
+
+    post_init.connect(read_another, sender=Operation)
+    try:
+        leased = fence.acquire_lease(op.pk, owner=WORKER, seconds=30, entities=(Order,))
+    finally:
+        post_init.disconnect(read_another, sender=Operation)
+
+    assert nested
+    assert leased.acquired
+    assert leased.entities[Order] is not None
+    assert leased.entities[Order].pk == int(op.entity_id)
+
+
+def test_a_round_trip_wider_than_the_kept_cursors__gets_cursors_of_its_own(queue):
+    op = checkout("prep-wide")
+    fence.acquire_lease(op.pk, owner=WORKER, seconds=30)  # a kept cursor or more
+    wide = fence.KEEP_CURSORS + 3
+
+    rows = fence._rows(
+        Operation,
+        [(OPERATION_BY_ID, {"id": op.pk})] * wide,
+    )
+
+    assert [row.pk for row in rows] == [op.pk] * wide
+    kept = getattr(connection.connection, fence._KEPT_CURSORS)[1]
+    assert len(kept) <= fence.KEEP_CURSORS
