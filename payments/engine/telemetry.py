@@ -199,14 +199,25 @@ def traced(step_kind: str, *, call: bool = False) -> Callable[[F], F]:
     """
 
     def decorate(func: F) -> F:
-        # The parameters by position, to name the arguments of each call (what
-        # inspect.Signature.bind would say, without its checks: the call itself checks).
-        names = list(inspect.signature(func).parameters)
+        signature = inspect.signature(func)
+        # The parameters an argument may be passed to by position, to name each call's
+        # arguments as Signature.bind would, at a fraction of its cost.
+        positional = [
+            p.name
+            for p in signature.parameters.values()
+            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+        ]
 
         @functools.wraps(func)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
-            bound = {**dict(zip(names, args, strict=False)), **kwargs}  # fewer args: kwargs
-            operation, step, worker = _locate(bound)
+            try:
+                if len(args) > len(positional):
+                    raise TypeError("too many positional arguments")
+                bound = {**dict(zip(positional, args, strict=False)), **kwargs}
+                operation, step, worker = _locate(bound)
+            except (TypeError, KeyError):
+                signature.bind(*args, **kwargs)  # a wrong call: its TypeError, nothing logged
+                raise
             with step_attempt(
                 operation, step, step_kind=step_kind, worker_id=worker, call=call
             ) as attempt:

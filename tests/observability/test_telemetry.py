@@ -183,3 +183,19 @@ def test_step_records__outcome_classes_are_the_documented_ones():
         "skipped",
         "busy",
     }
+
+
+def test_step_records__a_wrong_call_raises_its_type_error_before_anything_is_logged(
+    provider, queue, json_log
+):
+    """traced() names a call's arguments by position; a call the step refuses (an argument
+    passed by position where the step takes it by keyword only) raises before any record,
+    and counts no provider call."""
+    _, op = order_and_checkout()
+    spec = get_handler(op.kind)
+
+    with pytest.raises(TypeError):
+        run_external_step(op, "charge", spec.effect("charge", op), "test-worker")  # type: ignore[misc]
+
+    assert json_log.steps() == []
+    assert provider.state.stats()["create_requests"] == 0
