@@ -115,8 +115,10 @@ def inbox_settings() -> InboxSettings:
     Read again whenever ``settings.INBOX`` is another object than at the last
     read (``override_settings`` and the tests' ``settings`` fixture assign a
     new dict), else the last result: every delivered message asks, and reading
-    it costs more than the lookup. Raise ``ImproperlyConfigured`` on a bad
-    value; ``inbox.E001`` reports it at start-up.
+    it costs more than the lookup. A change made inside the same dict at run
+    time is not seen (Django's settings are not to be changed at run time;
+    assign a new dict). Raise ``ImproperlyConfigured`` on a bad value;
+    ``inbox.E001`` reports it at start-up.
     """
     global _read
     raw = getattr(settings, "INBOX", None)
