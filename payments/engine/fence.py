@@ -491,10 +491,17 @@ def _rows_of(statements: list[tuple[type[Any], str, dict[str, Any]]]) -> list[An
             # pre_init/post_init receivers, which may run fence statements of their own
             # (on the kept cursors, whose rows must be read by then).
             rows = [
-                (model, cursor.cursor.fetchone(), _row_plan(model, sql, cursor.cursor))
+                (model, sql, cursor.cursor, cursor.cursor.fetchone())
                 for cursor, (model, sql, _) in zip(cursors, statements, strict=True)
             ]
-        return [_instance(model, db, row, plan) for model, row, plan in rows]
+            plans = [
+                None if row is None else _row_plan(model, sql, raw_cursor)
+                for model, sql, raw_cursor, row in rows
+            ]
+        return [
+            _instance(model, db, row, plan)
+            for (model, _, _, row), plan in zip(rows, plans, strict=True)
+        ]
     finally:
         if not kept:
             for cursor in cursors:
