@@ -171,8 +171,16 @@ class Command(BaseCommand):
             slow = options["realistic_latency"]
             say(f"fenced vs unfenced with {best}, 4 workers, at {slow * 1000:.0f} ms per charge...")
             bench.set_latency(slow)
-            f = bench.batch(fenced(n // 2), workers=4, worker_class=best)
-            u = bench.batch(unfenced(n // 2), workers=4, worker_class=best)
+            slow_rounds = []
+            for _ in range(2):  # alternate, take each side's best (as at 20 ms)
+                slow_rounds.append(
+                    (
+                        bench.batch(fenced(n // 2), workers=4, worker_class=best),
+                        bench.batch(unfenced(n // 2), workers=4, worker_class=best),
+                    )
+                )
+            f = min(f for f, _ in slow_rounds)
+            u = min(u for _, u in slow_rounds)
             bench.set_latency(options["latency"])
             figures["realistic_latency"] = {
                 "latency_seconds": slow,
