@@ -144,16 +144,7 @@ class Command(BaseCommand):
             for cls in WORKER_CLASSES:
                 say(f"{cls}: no-op ceiling, fenced and unfenced checkout (2 workers)...")
                 noop_s = bench.batch(noop(options["noops"]), workers=2, worker_class=cls)
-                rounds = []
-                cpu: dict[str, list[dict[str, float]]] = {"fenced": [], "unfenced": []}
-                for _ in range(2):  # alternate, take each side's best
-                    f = bench.batch(fenced(n), workers=2, worker_class=cls)
-                    cpu["fenced"] += [bench.cpu.ms_per(3)] if bench.cpu else []
-                    u = bench.batch(unfenced(n), workers=2, worker_class=cls)
-                    cpu["unfenced"] += [bench.cpu.ms_per(3)] if bench.cpu else []
-                    rounds.append((f, u))
-                fenced_s = min(f for f, _ in rounds)
-                unfenced_s = min(u for _, u in rounds)
+                fenced_s, unfenced_s, cpu = _side_by_side(bench, n, workers=2, worker_class=cls)
                 per_class[cls] = {
                     "noop_jobs_per_second": options["noops"] / noop_s,
                     "fenced_checkouts_per_second": n / fenced_s,
@@ -171,16 +162,7 @@ class Command(BaseCommand):
             slow = options["realistic_latency"]
             say(f"fenced vs unfenced with {best}, 4 workers, at {slow * 1000:.0f} ms per charge...")
             bench.set_latency(slow)
-            slow_rounds = []
-            for _ in range(2):  # alternate, take each side's best (as at 20 ms)
-                slow_rounds.append(
-                    (
-                        bench.batch(fenced(n // 2), workers=4, worker_class=best),
-                        bench.batch(unfenced(n // 2), workers=4, worker_class=best),
-                    )
-                )
-            f = min(f for f, _ in slow_rounds)
-            u = min(u for _, u in slow_rounds)
+            f, u, _ = _side_by_side(bench, n // 2, workers=4, worker_class=best)
             bench.set_latency(options["latency"])
             figures["realistic_latency"] = {
                 "latency_seconds": slow,
@@ -215,12 +197,7 @@ class Command(BaseCommand):
             figures["web_tier"] = self._web_tier(bench, options, log_dir)
         with Bench(latency=options["latency"], log_dir=log_dir, say=say, tls=True) as bench:
             say(f"over TLS: fenced vs unfenced with {best}, 2 workers, session reuse...")
-            rounds = []
-            for _ in range(2):
-                f = bench.batch(fenced(n), workers=2, worker_class=best)
-                u = bench.batch(unfenced(n), workers=2, worker_class=best)
-                rounds.append((f, u))
-            fenced_s, unfenced_s = min(f for f, _ in rounds), min(u for _, u in rounds)
+            fenced_s, unfenced_s, _ = _side_by_side(bench, n, workers=2, worker_class=best)
             bench.set_latency(0)
             figures["tls"] = {
                 "fenced_checkouts_per_second": n / fenced_s,
@@ -286,6 +263,22 @@ class Command(BaseCommand):
             for line, ok in _web_verdict(figures["web_tier"]):
                 self.stdout.write(self.style.SUCCESS(line) if ok else self.style.ERROR(line))
         self.stdout.write(f"\nSaved to {out}")
+
+
+def _side_by_side(
+    bench: Bench, n: int, *, workers: int, worker_class: str, rounds: int = 2
+) -> tuple[float, float, dict[str, list[dict[str, float]]]]:
+    """Alternate fenced and unfenced batches of n checkouts `rounds` times: each side's best
+    seconds (the machine is shared), and each metered batch's CPU per checkout by side."""
+    seconds: dict[str, list[float]] = {"fenced": [], "unfenced": []}
+    cpu: dict[str, list[dict[str, float]]] = {"fenced": [], "unfenced": []}
+    for _ in range(rounds):
+        for side, prepare in (("fenced", fenced), ("unfenced", unfenced)):
+            seconds[side].append(
+                bench.batch(prepare(n), workers=workers, worker_class=worker_class)
+            )
+            cpu[side] += [bench.cpu.ms_per(3)] if bench.cpu else []
+    return min(seconds["fenced"]), min(seconds["unfenced"]), cpu
 
 
 #: The sides whose CPU per checkout the table shows, and the process kinds, in order.
