@@ -124,13 +124,12 @@ def inbox_settings() -> InboxSettings:
     raw = getattr(settings, "INBOX", None)
     if _read is not None and _read[0] is raw:
         return _read[1]
-    conf = _read_inbox_settings()
+    conf = _read_inbox_settings(raw or {})
     _read = (raw, conf)
     return conf
 
 
-def _read_inbox_settings() -> InboxSettings:
-    raw = getattr(settings, "INBOX", {}) or {}
+def _read_inbox_settings(raw: object) -> InboxSettings:
     if not isinstance(raw, dict):
         raise ImproperlyConfigured("INBOX must be a dict.")
     unknown = sorted(set(raw) - KNOWN_KEYS)

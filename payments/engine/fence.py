@@ -31,11 +31,11 @@ from django.db import (
     connections,
     transaction,
 )
+from django.db.backends.postgresql.base import TIMESTAMPTZ_OID
 from django.db.backends.postgresql.psycopg_any import register_tzloader
 from django.db.models.functions import Now
 from django.utils import timezone
 from psycopg import pq
-from psycopg.postgres import types as pg_types
 from rq.timeouts import BaseTimeoutException
 
 from inbox.models import InboxEntry
@@ -168,9 +168,6 @@ AUDIT_INSERT = (
 _KEPT_CURSORS = "fence_kept_cursors"
 #: At most this many are kept (the engine's widest round trip sends four statements).
 KEEP_CURSORS = 8
-
-#: PostgreSQL's type oid of timestamptz (Django's loader for it is per time zone).
-TIMESTAMPTZ_OID = pg_types["timestamptz"].oid
 
 
 def _statement_cursors(db: Any, count: int, first: int = 0) -> tuple[list[Any], bool]:
