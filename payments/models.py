@@ -194,7 +194,12 @@ class Operation(FenceModel):
     #: The API client that asked for it: its idempotency keys are scoped to it (None: the
     #: system or a tool asked).
     client = models.ForeignKey(
-        ApiClient, null=True, blank=True, on_delete=models.PROTECT, related_name="operations"
+        ApiClient,
+        null=True,
+        blank=True,
+        on_delete=models.PROTECT,
+        related_name="operations",
+        db_index=False,  # the key's unique index leads with client_id
     )
     kind = models.CharField(max_length=64)
     entity_type = models.CharField(max_length=64)
@@ -211,11 +216,21 @@ class Operation(FenceModel):
     dispatched_at = models.DateTimeField(null=True, blank=True)
     result = models.JSONField(null=True, blank=True)
     retry_of = models.ForeignKey(
-        "self", null=True, blank=True, on_delete=models.PROTECT, related_name="retries"
+        "self",
+        null=True,
+        blank=True,
+        on_delete=models.PROTECT,
+        related_name="retries",
+        db_index=False,  # Meta.indexes: only the rows that have one
     )
     #: The operation whose step wrote this one (a follow-up); None for a client's intent.
     parent = models.ForeignKey(
-        "self", null=True, blank=True, on_delete=models.PROTECT, related_name="follow_ups"
+        "self",
+        null=True,
+        blank=True,
+        on_delete=models.PROTECT,
+        related_name="follow_ups",
+        db_index=False,  # Meta.indexes: only the rows that have one
     )
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
@@ -228,9 +243,20 @@ class Operation(FenceModel):
                 nulls_distinct=False,  # no client (the system's own) is one namespace too
             ),
         ]
+        # Every index is written on each insert and on each state change (an update of
+        # an indexed column writes a new entry in all of them): only what a query needs.
         indexes = [
             models.Index(fields=["state", "next_attempt_at"], name="payments_op_state_due"),
             models.Index(fields=["entity_type", "entity_id"], name="payments_op_entity"),
+            # A retry's first attempt, a follow-up's parent: most rows have none.
+            models.Index(
+                fields=["retry_of"],
+                name="payments_op_retry_of",
+                condition=Q(retry_of__isnull=False),
+            ),
+            models.Index(
+                fields=["parent"], name="payments_op_parent", condition=Q(parent__isnull=False)
+            ),
         ]
         permissions = [
             ("reconcile_operation", "Can reconcile operations (query provider, resume, settle)"),
@@ -253,11 +279,16 @@ class StepClaim(FenceModel):
 
     UNIQUE_CONSTRAINT = CLAIM_UNIQUE_CONSTRAINT
 
-    operation = models.ForeignKey(Operation, on_delete=models.PROTECT, related_name="claims")
+    operation = models.ForeignKey(
+        Operation,
+        on_delete=models.PROTECT,
+        related_name="claims",
+        db_index=False,  # the unique (operation, step) index leads with operation_id
+    )
     step = models.CharField(max_length=64)
     state = models.CharField(max_length=20, choices=ClaimState, default=ClaimState.CLAIMED)
     idempotency_key = models.CharField(max_length=255, blank=True)
-    provider_reference = models.CharField(max_length=255, blank=True, db_index=True)
+    provider_reference = models.CharField(max_length=255, blank=True)  # Meta.indexes
     request = models.JSONField(null=True, blank=True)
     result = models.JSONField(null=True, blank=True)
     error = models.TextField(blank=True)
@@ -276,9 +307,18 @@ class StepClaim(FenceModel):
         constraints = [
             models.UniqueConstraint(fields=["operation", "step"], name=CLAIM_UNIQUE_CONSTRAINT),
         ]
+        # Written on each insert and each state change, as the operation's: no index on
+        # the idempotency key (nothing looks a claim up by it but the admin's search,
+        # which matches case-insensitively and could not use one).
         indexes = [
-            models.Index(fields=["idempotency_key"], name="payments_claim_idem_key"),
             models.Index(fields=["state", "claimed_at"], name="payments_claim_state_age"),
+            # One index for both lookups by reference: equality (webhooks, the desk) and
+            # prefix (`pi_`, `re_`: the audits), which a default-collation btree cannot serve.
+            models.Index(
+                fields=["provider_reference"],
+                name="payments_claim_reference",
+                opclasses=["varchar_pattern_ops"],
+            ),
         ]
 
     def __str__(self) -> str:
@@ -294,7 +334,8 @@ class OperationEvent(FenceModel):
     to_state = models.CharField(max_length=20)
     actor = models.CharField(max_length=255)
     reason = models.TextField(blank=True)
-    created_at = models.DateTimeField(auto_now_add=True, db_index=True)
+    #: Not indexed: every read of the audit is one operation's rows (its own index).
+    created_at = models.DateTimeField(auto_now_add=True)
 
     class Meta:
         ordering = ["created_at", "id"]

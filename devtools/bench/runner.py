@@ -98,6 +98,8 @@ class Bench:
         self.worker_env = production_settings()
         #: The last batch's CPU (see `batch`); None if it ended before every worker started.
         self.cpu: BatchCpu | None = None
+        #: WAL bytes PostgreSQL wrote while the last batch's workers ran (see `batch`).
+        self.wal_bytes = 0
         self.latency = latency
         self.queue = payments_queue()
         claim_scratch(self.queue.connection, "the bench")
@@ -145,10 +147,14 @@ class Bench:
         """Enqueue with `prepare` (returns how many jobs will run), run them; return seconds.
 
         Also reads the CPU the batch cost per process kind (`self.cpu`), from
-        the moment every worker has registered (started up) to the last job's end.
+        the moment every worker has registered (started up) to the last job's end,
+        and the WAL PostgreSQL wrote from the jobs' enqueueing to their end
+        (`self.wal_bytes`: what the workers wrote, the database's whole-cluster
+        log, so nothing else may write meanwhile).
         """
         self.reset()
         expected = prepare()
+        wal_from = wal_position()
         path = WORKER_CLASSES.get(worker_class, worker_class)
         procs = [self.stack.start_worker(path, env=self.worker_env) for _ in range(workers)]
         provider = [p for p in self.stack.procs if p.name == "provider"]
@@ -176,6 +182,7 @@ class Bench:
             if metered_from is not None
             else None
         )
+        self.wal_bytes = wal_bytes_since(wal_from)
         for proc in procs:
             self.stack.kill(proc)
         self.stack.procs = [p for p in self.stack.procs if p not in procs]
@@ -185,6 +192,20 @@ class Bench:
         start = min(j.started_at for j in done if j)
         end = max(j.ended_at for j in done if j)
         return (end - start).total_seconds()
+
+
+def wal_position() -> str:
+    """Where PostgreSQL's write-ahead log ends now (the whole cluster's)."""
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT pg_current_wal_insert_lsn()")
+        return str(cursor.fetchone()[0])
+
+
+def wal_bytes_since(position: str) -> int:
+    """Bytes of WAL written since `position` (every index entry and row version is in it)."""
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT pg_wal_lsn_diff(pg_current_wal_insert_lsn(), %s)", [position])
+        return int(cursor.fetchone()[0])
 
 
 @dataclass(frozen=True)
@@ -251,16 +272,20 @@ def db_round_trips(bench: Bench, n: int, workers: int) -> dict[str, dict[str, An
     """
     api = RoundTrips()
     bench.batch(fenced(n, api), workers=workers, worker_class=COUNTING_WORKER)
-    fenced_jobs = recorded(bench.queue.connection)
+    fenced_jobs, fenced_wal = recorded(bench.queue.connection), bench.wal_bytes
     bench.batch(unfenced(n), workers=workers, worker_class=COUNTING_WORKER)
-    unfenced_jobs = recorded(bench.queue.connection)
+    unfenced_jobs, unfenced_wal = recorded(bench.queue.connection), bench.wal_bytes
     result: dict[str, dict[str, Any]] = {}
-    for side, by_job in (("fenced", fenced_jobs), ("unfenced", unfenced_jobs)):
+    for side, by_job, wal in (
+        ("fenced", fenced_jobs, fenced_wal),
+        ("unfenced", unfenced_jobs, unfenced_wal),
+    ):
         worker = sum(by_job.values(), RoundTrips())
         result[side] = {
             "worker_per_checkout": worker.per(n),
             "jobs_per_checkout": worker.jobs / n,
             "by_job": {name: t.per(t.jobs or 1) for name, t in sorted(by_job.items())},
+            "wal_bytes_per_checkout": wal / n,
         }
     result["fenced"]["api_per_checkout"] = api.per(n)
     result["unfenced"]["api_per_checkout"] = RoundTrips().per(1)

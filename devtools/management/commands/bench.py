@@ -381,6 +381,14 @@ def _queue_rows(f: dict) -> list[tuple[str, str]]:
                 ),
             )
         )
+    rows.append(
+        (
+            "WAL bytes per checkout, worker side, fenced / unfenced",
+            f"{d['fenced']['wal_bytes_per_checkout']:,.0f} / "
+            f"{d['unfenced']['wal_bytes_per_checkout']:,.0f} (every row version and index "
+            "entry written)",
+        )
+    )
     rows.append(("worker instructions per checkout (callgrind), fenced / unfenced", _instr(f)))
     a = d["fenced"]["api_per_checkout"]
     rows.append(
