@@ -141,3 +141,9 @@ class NotClaimOwner(InvalidTransition):
     def __init__(self, *, name: str, owner: str, actor: str) -> None:
         self.name, self.owner, self.actor = name, owner, actor
         super().__init__(f"claim {name} is held by {owner or 'nobody'}, not {actor}")
+
+
+class OutcomeRefused(InvalidTransition):
+    """An outcome sent ahead of its answer (queued in a run's open transaction) changed
+    nothing: the claim was no longer this run's to settle (taken over, or settled by
+    someone else). Nothing queued behind it ran, the COMMIT included."""

@@ -48,6 +48,7 @@ from payments.exceptions import (
     InvalidTransition,
     NotClaimOwner,
     OperationConflict,
+    OutcomeRefused,
     StepDoneMeanwhile,
 )
 from payments.models import (
@@ -265,8 +266,9 @@ def commit_with_next_statement() -> Iterator[CommitWith]:
 
 
 @dataclass(frozen=True)
-class QueuedClaim:
-    """A run-first local step's claim, sent in front of the transaction's next fence statement."""
+class QueuedStatement:
+    """A statement sent in front of the transaction's next fence statement: a run-first
+    local step's claim (queue_local_claim_in_tx), a call's outcome (queue_outcome_in_tx)."""
 
     operation_key: str
     step: str
@@ -277,23 +279,23 @@ class QueuedClaim:
     block: Any
 
 
-#: The claims queued for the open transaction (queue_local_claim_in_tx), in order.
-_QUEUED: ContextVar[tuple[QueuedClaim, ...]] = ContextVar("fence_queued", default=())
+#: The statements queued for the open transaction, in order.
+_QUEUED: ContextVar[tuple[QueuedStatement, ...]] = ContextVar("fence_queued", default=())
 
 
 def has_queued() -> bool:
-    """Tell whether claims are queued for the open transaction (payments.engine.unit)."""
+    """Tell whether statements are queued for the open transaction (payments.engine.unit)."""
     return bool(_QUEUED.get())
 
 
 def discard_queued() -> None:
-    """Forget the queued claims: their transaction rolled back (payments.engine.unit)."""
+    """Forget the queued statements: their transaction rolled back (payments.engine.unit)."""
     _QUEUED.set(())
 
 
 @fence_writer
 def send_queued_in_tx() -> None:
-    """Send the queued claims now (with the COMMIT asked for, `commit_with_next_statement`)."""
+    """Send the queued statements now (with the COMMIT asked for, `commit_with_next_statement`)."""
     if has_queued() or _COMMIT_WITH_NEXT.get() is not None:
         _execute(_this_thread(), [])
 
@@ -309,8 +311,9 @@ def _execute(db: Any, statements: list[tuple[Any, str, dict[str, Any]]]) -> None
     end: one that fails rolls back those before it and stops those after it.
     A transaction's first
     statement carries its BEGIN the same way (project.postgresql), and the
-    claims queued for the transaction (queue_local_claim_in_tx) go in front
-    of the statements: one found taken raises StepDoneMeanwhile.
+    statements queued for the transaction go in front of the statements: a
+    claim found taken raises StepDoneMeanwhile (queue_local_claim_in_tx), an
+    outcome that settled nothing raises OutcomeRefused (queue_outcome_in_tx).
     """
     raw = db.connection
     commit = _COMMIT_WITH_NEXT.get()
@@ -359,6 +362,12 @@ def _execute(db: Any, statements: list[tuple[Any, str, dict[str, Any]]]) -> None
             step = _taken_step(exc, [claim.step for claim in queued])
             raise StepDoneMeanwhile(operation_key=queued[0].operation_key, step=step) from exc
         raise
+    except DatabaseError as exc:
+        if queued and _is_refusal(exc):
+            # A queued outcome settled nothing. Nothing after it ran, the COMMIT included.
+            diag = cast(Any, exc.__cause__).diag
+            raise OutcomeRefused(str(diag.message_primary)) from exc
+        raise
     finally:
         if not kept:
             for cursor in queued_cursors:
@@ -367,8 +376,8 @@ def _execute(db: Any, statements: list[tuple[Any, str, dict[str, Any]]]) -> None
         commit.committed = True
 
 
-def _take_queued(db: Any) -> tuple[QueuedClaim, ...]:
-    """The queued claims to send with the statement about to run on `db` (none: keep them).
+def _take_queued(db: Any) -> tuple[QueuedStatement, ...]:
+    """The queued statements to send with the statement about to run on `db` (none: keep them).
 
     Sent only in the atomic block they were queued in: inside a savepoint of it
     they stay queued (a savepoint rolled back would take them alone, and the
@@ -382,7 +391,7 @@ def _take_queued(db: Any) -> tuple[QueuedClaim, ...]:
     block = queued[0].block
     if not any(open_block is block for open_block in blocks):
         logger.error(
-            "local claims of %s queued in a transaction that ended without them; discarded",
+            "statements of %s queued in a transaction that ended without them; discarded",
             queued[0].operation_key,
         )
         _QUEUED.set(())
@@ -397,6 +406,11 @@ def _is_claim_taken(exc: IntegrityError) -> bool:
     """Tell whether `exc` is a unique violation of the step claims (the step is claimed)."""
     diag = getattr(exc.__cause__, "diag", None)
     return diag is not None and diag.constraint_name == StepClaim.UNIQUE_CONSTRAINT
+
+
+def _is_refusal(exc: DatabaseError) -> bool:
+    """Tell whether `exc` is payments_fence_refuse()'s error (migration payments 0010)."""
+    return getattr(exc.__cause__, "sqlstate", None) == REFUSAL_SQLSTATE
 
 
 def _taken_step(exc: IntegrityError, steps: list[str]) -> str:
@@ -1329,8 +1343,11 @@ def queue_local_claim_in_tx(
     params = _claim_params(
         operation, step, state=ClaimState.DONE, owner=owner, reason="", result=result
     )
-    claim = QueuedClaim(operation.key, step, INSERT_CLAIM_OR_FAIL, params, db.atomic_blocks[-1])
-    _QUEUED.set((*_QUEUED.get(), claim))
+    _queue(QueuedStatement(operation.key, step, INSERT_CLAIM_OR_FAIL, params, db.atomic_blocks[-1]))
+
+
+def _queue(statement: QueuedStatement) -> None:
+    _QUEUED.set((*_QUEUED.get(), statement))
 
 
 @fence_writer
@@ -1416,7 +1433,7 @@ def take_over_claim(
 
 
 #: claimed | uncertain (held by this actor) -> done | failed | uncertain, audited.
-SETTLE_CLAIM = f"""
+SETTLE_CLAIM_CHANGE = f"""
 WITH old AS (
     SELECT id, state FROM payments_stepclaim WHERE id = %(id)s FOR UPDATE
 ), settled AS (
@@ -1440,8 +1457,20 @@ WITH old AS (
            statement_timestamp()
     FROM settled
 )
-SELECT {CLAIM_COLUMNS}, from_state FROM settled
 """
+SETTLE_CLAIM = SETTLE_CLAIM_CHANGE + f"SELECT {CLAIM_COLUMNS}, from_state FROM settled\n"
+
+#: The same, for an outcome sent ahead of its answer (queue_outcome_in_tx): when it settles
+#: nothing (the claim is not the actor's, or not in a state it may leave), the statement
+#: fails (payments_fence_refuse, migration payments 0010), so that nothing queued behind
+#: it in its pipeline runs, its transaction's COMMIT included.
+SETTLE_CLAIM_OR_REFUSE = SETTLE_CLAIM_CHANGE + (
+    "SELECT settled.* FROM (SELECT 1) AS one LEFT JOIN settled ON true\n"
+    "WHERE CASE WHEN settled.id IS NOT NULL THEN true\n"
+    "           ELSE payments_fence_refuse(%(refusal)s) END"
+)
+#: The SQLSTATE payments_fence_refuse() raises.
+REFUSAL_SQLSTATE = "PF001"
 
 
 @fence_writer
@@ -1468,17 +1497,7 @@ def settle_claim(
     row = _one(
         StepClaim,
         SETTLE_CLAIM,
-        {
-            "id": claim.pk,
-            "to_state": state,
-            "from_states": transitions.claim_sources(state),
-            "actor": actor[:255],
-            "reference": reference or "",
-            "set_result": result is not None,
-            "result": _json(result),
-            "error": error[:2000],
-            "reason": reason or error[:500],
-        },
+        _settle_params(claim, state, actor, reason, reference, result, error),
     )
     if row is None:
         # Refused: say why, with the row as it is now (an illegal move, or another owner).
@@ -1488,6 +1507,98 @@ def settle_claim(
         raise NotClaimOwner(name=_name(current), owner=current.claimed_by, actor=actor)
     row.operation = claim.operation
     return row
+
+
+@fence_writer
+def settle_claim_again(
+    claim: StepClaim,
+    state: ClaimState,
+    *,
+    actor: str,
+    reason: str = "",
+    reference: str | None = None,
+    result: dict[str, Any] | None = None,
+) -> StepClaim | None:
+    """settle_claim for an outcome queued in a transaction that rolled back: written on
+    its own now, or, when the claim is no longer the actor's to settle (taken over,
+    settled meanwhile), nothing: None, with a warning (its owner settles it)."""
+    row = _one(
+        StepClaim,
+        SETTLE_CLAIM,
+        _settle_params(claim, state, actor, reason, reference, result, ""),
+    )
+    if row is None:
+        logger.warning(
+            "outcome of %s:%s not written again after a rollback: the claim is no longer "
+            "%s's to settle",
+            claim.operation.key,
+            claim.step,
+            actor,
+        )
+    return row
+
+
+def _settle_params(
+    claim: StepClaim,
+    state: ClaimState,
+    actor: str,
+    reason: str,
+    reference: str | None,
+    result: dict[str, Any] | None,
+    error: str,
+) -> dict[str, Any]:
+    return {
+        "id": claim.pk,
+        "to_state": state,
+        "from_states": transitions.claim_sources(state),
+        "actor": actor[:255],
+        "reference": reference or "",
+        "set_result": result is not None,
+        "result": _json(result),
+        "error": error[:2000],
+        "reason": reason or error[:500],
+    }
+
+
+def queue_outcome_in_tx(
+    claim: StepClaim,
+    state: ClaimState,
+    *,
+    actor: str,
+    reason: str = "",
+    reference: str | None = None,
+    result: dict[str, Any] | None = None,
+) -> None:
+    """Queue a claim's outcome, known outside (a call answered, an e-mail sent), in the
+    open transaction: settle_claim's change, sent ahead of its answer.
+
+    Nothing waits for it: it goes in the pipeline of the transaction's next
+    fence statement (the next claim before a call, the release), or with its
+    COMMIT (`send_queued_in_tx`), in no round trip of its own, and commits
+    with the transaction. If it settles nothing there (the claim was taken
+    over, or settled by someone else meanwhile), that statement raises
+    OutcomeRefused and nothing queued behind it runs, the COMMIT included.
+    The caller writes the outcome again on its own (settle_claim) if the
+    transaction rolls back (payments.engine.unit `record_later`). Runs inside
+    the caller's transaction; its rollback must `discard_queued()`.
+    """
+    db = transaction.get_connection()
+    if not db.in_atomic_block:
+        raise InvalidTransition("queue_outcome_in_tx must run inside transaction.atomic()")
+    if state == ClaimState.DONE:
+        # Killed here, the outcome is not recorded: what a crash before the commit leaves.
+        failpoint(BEFORE_RECORD_COMMIT)
+    name = f"{claim.operation.key}:{claim.step}"
+    params = _settle_params(claim, state, actor, reason, reference, result, "")
+    params["refusal"] = (
+        f"claim {name} was not settled {state} by {actor[:255]}: "
+        "taken over, or settled by someone else meanwhile"
+    )
+    _queue(
+        QueuedStatement(
+            claim.operation.key, claim.step, SETTLE_CLAIM_OR_REFUSE, params, db.atomic_blocks[-1]
+        )
+    )
 
 
 @fence_writer

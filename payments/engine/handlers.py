@@ -361,10 +361,17 @@ class Run:
         return self.prefetched_entity
 
     def external(self, step: str) -> dict[str, Any]:
-        """Run an external step (claim committed before the call); return its result."""
+        """Run an external step (claim committed before the call); return its result.
+
+        A success's outcome goes in the run's open transaction (queued in front of
+        its next fence statement, payments.engine.unit): it commits with the
+        handler's next writes, before the next call.
+        """
         self.unit.commit()  # what the handler wrote before the call is durable before it
         effect = self.spec.effect(step, self.operation)
-        return run_external_step(self.operation, step, effect, owner=self.worker_id)
+        return run_external_step(
+            self.operation, step, effect, owner=self.worker_id, outcomes=self.unit
+        )
 
     @telemetry.traced("local")
     def local(self, step: str, func: Callable[[], dict[str, Any] | None]) -> dict[str, Any]:
@@ -504,8 +511,11 @@ class Run:
 
     def _settle_done(self, claim: StepClaim, result: dict[str, Any], *, reason: str = "") -> None:
         """Write a side effect's outcome in the open transaction (again alone if it rolls back)."""
-        self.unit.record(
-            lambda: fence.settle_claim(
+        self.unit.record_later(
+            lambda: fence.queue_outcome_in_tx(
                 claim, ClaimState.DONE, actor=self.worker_id, result=result, reason=reason
-            )
+            ),
+            lambda: fence.settle_claim_again(
+                claim, ClaimState.DONE, actor=self.worker_id, result=result, reason=reason
+            ),
         )

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rq.timeouts import BaseTimeoutException
 
@@ -30,6 +30,9 @@ from payments.exceptions import (
     StepUncertain,
 )
 from payments.models import ClaimState, Operation, StepClaim
+
+if TYPE_CHECKING:
+    from payments.engine.unit import WorkUnit
 
 logger = logging.getLogger("payments.engine.steps")
 alerts = logging.getLogger("payments.alerts")
@@ -64,10 +67,17 @@ def past_grace(claim: StepClaim) -> bool:
 
 @telemetry.traced("external")
 def run_external_step(
-    operation: Operation, step: str, effect: ExternalEffect, *, owner: str
+    operation: Operation,
+    step: str,
+    effect: ExternalEffect,
+    *,
+    owner: str,
+    outcomes: WorkUnit | None = None,
 ) -> dict[str, Any]:
     """Run one external step under its claim and return its recorded result.
 
+    With `outcomes` (a handler's run), a first call's success is recorded in
+    that open transaction (`WorkUnit.record_later`), not in one of its own.
     Raises StepBusy when another worker holds the claim, and a StepError
     subclass when the step did not complete.
     """
@@ -77,7 +87,7 @@ def run_external_step(
     )
     claim = claimed.claim
     if claimed.created:
-        return call_effect(claim, effect, actor=owner)
+        return call_effect(claim, effect, actor=owner, outcomes=outcomes)
     if claim.state == ClaimState.DONE:
         telemetry.note(outcome=telemetry.SKIPPED, transaction=telemetry.NONE)
         logger.info("step %s/%s already done; replaying its result", operation.key, step)
@@ -127,8 +137,11 @@ def reconcile_step(
 
 
 @telemetry.traced("external", call=True)
-def call_effect(claim: StepClaim, effect: ExternalEffect, *, actor: str) -> dict[str, Any]:
-    """Call the provider with the claim's stored request and key; record what came back."""
+def call_effect(
+    claim: StepClaim, effect: ExternalEffect, *, actor: str, outcomes: WorkUnit | None = None
+) -> dict[str, Any]:
+    """Call the provider with the claim's stored request and key; record what came back
+    (a success in `outcomes`, when given: see run_external_step)."""
     op_key, step = claim.operation.key, claim.step
     failpoint(AFTER_CLAIM_COMMIT)
     try:
@@ -156,16 +169,27 @@ def call_effect(claim: StepClaim, effect: ExternalEffect, *, actor: str) -> dict
         fence.settle_claim(claim, ClaimState.UNCERTAIN, actor=actor, error=reason)
         raise StepUncertain(reason, operation_key=op_key, step=step, provider_code=code) from exc
     failpoint(AFTER_PROVIDER_ACCEPT)
-    return _record(claim, answer, actor=actor)
+    return _record(claim, answer, actor=actor, outcomes=outcomes)
 
 
-def _record(claim: StepClaim, answer: EffectResult, *, actor: str) -> dict[str, Any]:
+def _record(
+    claim: StepClaim, answer: EffectResult, *, actor: str, outcomes: WorkUnit | None = None
+) -> dict[str, Any]:
     result = answer.as_result()
     telemetry.note(reference=answer.reference)
     if answer.outcome == Outcome.SUCCESS:
-        fence.settle_claim(
-            claim, ClaimState.DONE, actor=actor, reference=answer.reference, result=result
-        )
+        settled: dict[str, Any] = {
+            "actor": actor,
+            "reference": answer.reference,
+            "result": result,
+        }
+        if outcomes is None:
+            fence.settle_claim(claim, ClaimState.DONE, **settled)
+        else:
+            outcomes.record_later(
+                lambda: fence.queue_outcome_in_tx(claim, ClaimState.DONE, **settled),
+                lambda: fence.settle_claim_again(claim, ClaimState.DONE, **settled),
+            )
         return result
     code = str(answer.data.get("code", ""))
     fence.settle_claim(

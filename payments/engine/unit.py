@@ -7,18 +7,25 @@ So a handler's writes between two calls go in one transaction, the unit:
 
     lease                                    its own statement        (commit 1)
     claim the charge                         its own statement        (commit 2)  -> call
-    charge's outcome                         its own statement        (commit 3)
-    invoice, the e-mail's claim              the unit                 (commit 4)  -> send
-    e-mail's outcome, mark_paid, release     the unit                 (commit 5)
+    charge's outcome, invoice, e-mail claim  the unit                 (commit 3)  -> send
+    e-mail's outcome, mark_paid, release     the unit                 (commit 4)
 
 Rules (the runtime and `Run` keep them; a handler never sees the unit):
 
 - The claim that fences a call commits before the call, with the unit
   (`commit_with()`: the claim's statement and the COMMIT in one round trip):
   the guarantee "claimed before called" is unchanged.
-- An outcome already known outside (an e-mail sent) is written in the unit
-  with `record()`; if the unit then rolls back, the outcome is written again
-  on its own, so a later step's failure never loses it.
+- An outcome already known outside (a call's answer, an e-mail sent) is
+  queued in the unit with `record_later()`: it goes in the pipeline of the
+  unit's next fence statement or with its COMMIT, in no round trip of its
+  own. If the unit then rolls back, the outcome is written again on its own,
+  so a later step's failure never loses it. A crash before the unit commits
+  loses it, as a crash between the answer and its own commit did: the claim
+  stays claimed, and the step is settled from the provider (its lookup, or
+  the same-key replay) like any claim whose answer was lost. If it settles
+  nothing when sent (the claim was taken over meanwhile), nothing queued
+  behind it runs, the COMMIT included (OutcomeRefused), and the unit rolls
+  back.
 - A local step that had no claim at the lease runs first; its claim, with
   its result, is queued (fence.queue_local_claim_in_tx) and goes in the
   pipeline of the unit's next fence statement or with its COMMIT: it
@@ -116,12 +123,12 @@ class WorkUnit:
         elif connection.atomic_blocks[-1] is not self._atomic:
             raise InvalidTransition(NESTED)
 
-    def record(self, write: Callable[[], T]) -> T:
-        """Write an outcome known outside in the unit; write it again alone if the unit rolls back."""
+    def record_later(self, queue: Callable[[], None], write: Callable[[], object]) -> None:
+        """Queue an outcome known outside in the unit (`queue`, e.g.
+        fence.queue_outcome_in_tx); `write` it alone if the unit rolls back."""
         self.join()
-        result = write()
+        queue()
         self._redo.append(write)
-        return result
 
     def commit(self) -> None:
         """Commit what the unit holds (nothing to do when it is not open).

@@ -20,7 +20,15 @@ from payments.desk import services as desk
 from payments.engine import fence, handlers
 from payments.engine.dispatch import dispatch
 from payments.engine.recovery import reconcile
-from payments.models import ClaimState, KeyScope, Operation, OperationState, Order, OrderStatus
+from payments.models import (
+    ClaimState,
+    Invoice,
+    KeyScope,
+    Operation,
+    OperationState,
+    Order,
+    OrderStatus,
+)
 from tests.support.users import NEW_ATTEMPT, RECONCILE, VIEW, make_user
 from tests.support.workers import run_worker
 
@@ -197,14 +205,15 @@ def test_worker_back_after_its_lease_ran_out__changes_nothing_and_the_order_is_c
 ):
     """Worker A got the provider's 200 and stalled (GC, VM pause) past its leases; worker B
     took the operation and the claim over (uncertain), replayed the same key and finished.
-    A's late record is refused by the transition table / owner check and rolls nothing."""
+    A's late outcome, queued in its open transaction, is refused by the owner check: A's
+    next step finds the work done by B, A's transaction rolls back and nothing of A's
+    commits after its charge's claim (payments.engine.unit)."""
     import threading
 
     from django.db import connection
 
     from payments.engine import failpoints
     from payments.engine.runtime import execute
-    from payments.exceptions import RetryLater
 
     order, op = checkout("late-worker")
     queue.empty()
@@ -237,10 +246,15 @@ def test_worker_back_after_its_lease_ran_out__changes_nothing_and_the_order_is_c
     order.refresh_from_db()
     charge = op.claims.get(step=CHARGE)
     assert outcome["b"] == "succeeded"
-    assert isinstance(outcome["a"], RetryLater)  # "lease lost": RQ retries, then skips it
+    # "deferred": its invoice was done meanwhile (StepDoneMeanwhile); RQ's next look at
+    # the operation finds it succeeded and skips it.
+    assert outcome["a"] == "deferred", outcome
     assert op.state == OperationState.SUCCEEDED and order.status == OrderStatus.PAID
     assert charge.state == ClaimState.DONE and charge.claimed_by == "worker-b/2"
     assert len(successes(provider, order)) == 1
+    assert Invoice.objects.filter(order=order).count() == 1
+    by_a = set(op.events.filter(actor="worker-a/1").values_list("step", "to_state"))
+    assert by_a == {("", "running"), (CHARGE, "claimed")}
 
 
 def test_job_timeout_during_the_provider_call__claim_uncertain_then_one_charge(

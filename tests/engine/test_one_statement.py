@@ -189,17 +189,17 @@ def worker_trips_of_one_checkout(queue, key: str) -> RoundTrips:
     return sum(trips_by_job_of_one_checkout(queue, key).values(), RoundTrips())
 
 
-def test_fenced_checkout__at_most_seven_transactions_on_the_worker_side(provider, queue):
+def test_fenced_checkout__at_most_six_transactions_on_the_worker_side(provider, queue):
     """Lease, charge claim, then one transaction per stretch between two calls, two follow-ups.
 
     The charge's outcome, the invoice and the e-mail's claim commit together
     (before the e-mail goes); the e-mail's outcome, mark_paid with its
     follow-ups and the lease's release commit together.
     """
-    counted = worker_trips_of_one_checkout(queue, "seven-1")
+    counted = worker_trips_of_one_checkout(queue, "six-1")
 
     assert counted.jobs == 3
-    assert counted.transactions <= 7, counted
+    assert counted.transactions <= 6, counted
 
 
 def worker_trips_by_job(queue, key: str, monkeypatch) -> tuple[dict[str, int], dict]:
@@ -212,18 +212,19 @@ def worker_trips_by_job(queue, key: str, monkeypatch) -> tuple[dict[str, int], d
 
 
 def test_fenced_checkout__round_trips_of_each_job(provider, queue, monkeypatch):
-    """The checkout job, 9: the lease with the order's read (1), the charge's claim
-    and outcome (2); the invoice with the BEGIN, its claim with its result and the
-    e-mail's claim with the COMMIT (2); the e-mail's outcome with the BEGIN, the
-    order's status, the two follow-ups (one pipeline), mark_paid's claim with its
-    result and the release with the COMMIT (4).
+    """The checkout job, 7: the lease with the order's read (1), the charge's claim
+    (1); the invoice with the BEGIN, then the charge's outcome, the invoice's claim
+    with its result and the e-mail's claim with the COMMIT (2); the order's status
+    with the BEGIN, the e-mail's outcome with the two follow-ups (one pipeline),
+    mark_paid's claim with its result and the release with the COMMIT (3).
     A local step costs no round trip beside its writes: it runs first, then its claim
-    with its result goes in front of the unit's next fence statement. The statement
-    a unit commits with sends the COMMIT in its own round trip (a pipeline); the first
-    one sends the BEGIN in its own (project.postgresql).
+    with its result goes in front of the unit's next fence statement; so does a call's
+    outcome. The statement a unit commits with sends the COMMIT in its own round trip
+    (a pipeline); a transaction's first statement sends the BEGIN with it
+    (project.postgresql).
     The follow-ups, 6: the inbox row with the `succeeded` (one statement) with the
     BEGIN, COMMIT (2 each), and their writes: the ledger line (1), the day's counter
     made or added to (1)."""
     by_job, counted = worker_trips_by_job(queue, "trips-1", monkeypatch)
 
-    assert by_job == {"run_operation": 9, "deliver_message": 6}, counted
+    assert by_job == {"run_operation": 7, "deliver_message": 6}, counted
