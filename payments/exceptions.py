@@ -104,6 +104,20 @@ class StepDoneMeanwhile(StepBusy):
         self.args = (f"{operation_key}/{step}: done meanwhile by another run; running again",)
 
 
+class OutcomeRefused(StepBusy):
+    """An outcome sent ahead of its answer (queued in a run's open transaction) changed
+    nothing: the claim was no longer this run's to settle (taken over from a run that
+    stalled past its leases, or settled by someone else). Nothing queued behind it ran,
+    the COMMIT included; the run's writes since its last claim rolled back. As for
+    StepDoneMeanwhile, the operation is looked at again, no attempt counted: the claim's
+    new owner settles it.
+    """
+
+    def __init__(self, *, operation_key: str, step: str, detail: str) -> None:
+        super().__init__(operation_key=operation_key, step=step, until=None)
+        self.args = (detail,)
+
+
 class RetryLater(PaymentsError):
     """Raised to RQ so that its Retry runs the job again after the backoff."""
 
@@ -141,9 +155,3 @@ class NotClaimOwner(InvalidTransition):
     def __init__(self, *, name: str, owner: str, actor: str) -> None:
         self.name, self.owner, self.actor = name, owner, actor
         super().__init__(f"claim {name} is held by {owner or 'nobody'}, not {actor}")
-
-
-class OutcomeRefused(InvalidTransition):
-    """An outcome sent ahead of its answer (queued in a run's open transaction) changed
-    nothing: the claim was no longer this run's to settle (taken over, or settled by
-    someone else). Nothing queued behind it ran, the COMMIT included."""

@@ -365,8 +365,13 @@ def _execute(db: Any, statements: list[tuple[Any, str, dict[str, Any]]]) -> None
     except DatabaseError as exc:
         if queued and _is_refusal(exc):
             # A queued outcome settled nothing. Nothing after it ran, the COMMIT included.
-            diag = cast(Any, exc.__cause__).diag
-            raise OutcomeRefused(str(diag.message_primary)) from exc
+            detail = str(cast(Any, exc.__cause__).diag.message_primary)
+            settles = [q for q in queued if q.sql is SETTLE_CLAIM_OR_REFUSE]
+            named = [q for q in settles if f" {q.operation_key}:{q.step} " in detail]
+            refused = (named or settles or list(queued))[0]
+            raise OutcomeRefused(
+                operation_key=refused.operation_key, step=refused.step, detail=detail
+            ) from exc
         raise
     finally:
         if not kept:
@@ -409,7 +414,7 @@ def _is_claim_taken(exc: IntegrityError) -> bool:
 
 
 def _is_refusal(exc: DatabaseError) -> bool:
-    """Tell whether `exc` is payments_fence_refuse()'s error (migration payments 0010)."""
+    """Tell whether `exc` is payments_fence_refuse()'s error (migration payments 0009)."""
     return getattr(exc.__cause__, "sqlstate", None) == REFUSAL_SQLSTATE
 
 
@@ -1462,7 +1467,7 @@ SETTLE_CLAIM = SETTLE_CLAIM_CHANGE + f"SELECT {CLAIM_COLUMNS}, from_state FROM s
 
 #: The same, for an outcome sent ahead of its answer (queue_outcome_in_tx): when it settles
 #: nothing (the claim is not the actor's, or not in a state it may leave), the statement
-#: fails (payments_fence_refuse, migration payments 0010), so that nothing queued behind
+#: fails (payments_fence_refuse, migration payments 0009), so that nothing queued behind
 #: it in its pipeline runs, its transaction's COMMIT included.
 SETTLE_CLAIM_OR_REFUSE = SETTLE_CLAIM_CHANGE + (
     "SELECT settled.* FROM (SELECT 1) AS one LEFT JOIN settled ON true\n"

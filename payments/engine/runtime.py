@@ -105,7 +105,7 @@ def execute(operation_id: int, *, worker_id: str, job: Any = None) -> str:
         run.unit.commit_with(
             lambda: _finish(op, OperationState.SUCCEEDED, worker_id, "all steps done")
         )
-    except StepBusy as exc:  # a local step's claim, sent with the release, was taken meanwhile
+    except StepBusy as exc:  # a queued claim or outcome, sent with the release, was refused
         _finish(op, OperationState.RETRYING, worker_id, str(exc), next_attempt_at=exc.until)
         return "deferred"
     except BaseException as exc:  # a database error, the job's timeout: nothing stays open

@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import Any, cast
 
 from django.db import InterfaceError, OperationalError, close_old_connections, connection
+from django.db.migrations.loader import MigrationLoader
 from rq.worker import SimpleWorker
 
 from payments.engine import fence
@@ -33,15 +35,25 @@ DATABASE_PATIENCE = 120.0
 class FenceWorker(SimpleWorker):
     """Run each job in-process; drop broken or expired DB connections around it.
 
-    Before it takes a job it checks that every kind and step name recorded on
-    unfinished operations is known to this deploy's handlers (payments.E010),
-    and refuses to start otherwise: a renamed step would derive a new
-    idempotency key for a step that already ran. A worker started while the
+    Before it takes a job it checks that every payments and inbox migration is
+    applied (this release's fence may need what they add) and that every kind
+    and step name recorded on unfinished operations is known to this deploy's
+    handlers (payments.E010), and refuses to start otherwise: a renamed step
+    would derive a new idempotency key for a step that already ran. A worker started while the
     database is away (a restart) waits for it instead of exiting: a supervisor
     that restarts it quickly would soon give up on it for good.
     """
 
     def work(self, *args: Any, **kwargs: Any) -> bool:
+        pending = pending_migrations()
+        if pending:
+            for name in pending:
+                logger.error("worker not started: migration %s is not applied", name)
+            raise SystemExit(
+                f"{len(pending)} payments/inbox migrations are not applied "
+                f"({', '.join(pending)}): run `manage.py migrate` first; this release's "
+                "workers need them (see README, Upgrading)"
+            )
         problems = recorded_name_problems()
         if problems:
             for problem in problems:
@@ -96,13 +108,42 @@ def abandon_open_transaction(job: Any) -> None:
     connection.close()
 
 
+#: The apps whose schema a worker relies on: it refuses to start until their migrations ran.
+WORKER_APPS = ("payments", "inbox")
+
+
+def pending_migrations(patience: float = DATABASE_PATIENCE) -> list[str]:
+    """The payments and inbox migrations not applied to the database yet, once it answers.
+
+    A worker of a new release may need what they add (payments 0009 adds the
+    function the fence's queued outcomes call): it must not take jobs before.
+    """
+    return _once_the_database_answers(patience, _pending_migrations)
+
+
+def _pending_migrations() -> list[str]:
+    loader = MigrationLoader(connection)
+    pending: list[str] = []
+    for leaf in loader.graph.leaf_nodes():
+        for node in loader.graph.forwards_plan(leaf) if leaf[0] in WORKER_APPS else ():
+            name = f"{node[0]}.{node[1]}"
+            if node[0] in WORKER_APPS and node not in loader.applied_migrations:
+                pending += [name] if name not in pending else []
+    return pending
+
+
 def recorded_name_problems(patience: float = DATABASE_PATIENCE) -> list[str]:
     """`unknown_recorded_names()`, once the database answers (up to `patience` seconds)."""
+    return _once_the_database_answers(patience, unknown_recorded_names)
+
+
+def _once_the_database_answers(patience: float, read: Callable[[], list[str]]) -> list[str]:
+    """`read()`, retried while the database does not answer (up to `patience` seconds)."""
     deadline = time.monotonic() + patience
     pause = 0.5
     while True:
         try:
-            return unknown_recorded_names()
+            return read()
         except (OperationalError, InterfaceError) as exc:
             connection.close()  # a new connection for the next attempt
             if time.monotonic() + pause > deadline:

@@ -298,3 +298,20 @@ def test_uncertain_with_the_provider_unreachable__goes_to_review_after_the_grace
     assert report.count("needs_review") == 1
     assert op.state == OperationState.NEEDS_REVIEW
     assert "grace period" in op.last_error  # the desk shows why
+
+
+def test_a_migration_not_applied__the_worker_refuses_to_start_naming_it(queue, caplog):
+    """This release's fence calls payments_fence_refuse() (payments 0009): a worker started
+    before `migrate` ran would fail every queued outcome, so it does not start."""
+    from django.db.migrations.recorder import MigrationRecorder
+
+    from payments.engine.worker import FenceWorker
+
+    applied = MigrationRecorder.Migration.objects.get(app="payments", name="0009_fence_refuse")
+    applied.delete()  # recorded as not applied: what the worker reads, as `migrate` would
+    try:
+        with pytest.raises(SystemExit, match=r"payments\.0009_fence_refuse.*manage.py migrate"):
+            FenceWorker([queue], connection=queue.connection).work(burst=True)
+    finally:
+        applied.save()
+    assert "migration payments.0009_fence_refuse is not applied" in caplog.text

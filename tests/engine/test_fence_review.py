@@ -205,8 +205,9 @@ def test_worker_back_after_its_lease_ran_out__changes_nothing_and_the_order_is_c
 ):
     """Worker A got the provider's 200 and stalled (GC, VM pause) past its leases; worker B
     took the operation and the claim over (uncertain), replayed the same key and finished.
-    A's late outcome, queued in its open transaction, is refused by the owner check: A's
-    next step finds the work done by B, A's transaction rolls back and nothing of A's
+    A's late outcome is queued in its open transaction, never sent: A's next step (its
+    invoice, whose number B already used) finds the work done by B, A's transaction rolls
+    back, its outcome's rewrite finds the claim B's and writes nothing, and nothing of A's
     commits after its charge's claim (payments.engine.unit)."""
     import threading
 

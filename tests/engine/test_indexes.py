@@ -1,4 +1,4 @@
-"""The fence's tables carry only the indexes its queries use (payments migration 0009).
+"""The fence's tables carry only the indexes its queries use (payments migration 0010).
 
 Every index gets an entry on each insert and on each update of an indexed
 column: each state change of an operation or a claim. What a fenced checkout
@@ -24,7 +24,7 @@ pytestmark = pytest.mark.django_db(transaction=True)
 FENCE_TABLES = ("payments_operation", "payments_stepclaim", "payments_operationevent")
 
 #: Index entries one fenced checkout writes (claims, operations, audit rows, inbox rows,
-#: the business rows), worker side, counted below: 136 before migration 0009.
+#: the business rows), worker side, counted below: 136 before migration 0010.
 MOST_INDEX_ENTRIES_PER_CHECKOUT = 92
 
 

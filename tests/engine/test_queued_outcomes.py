@@ -181,3 +181,46 @@ def test_queue_outcome_outside_a_transaction__refused(provider):
         fence.queue_outcome_in_tx(claimed.claim, ClaimState.DONE, actor="a/1", result={})
         fence.send_queued_in_tx()
     assert charge_claim(run.operation).state == ClaimState.DONE
+
+
+def test_refused_with_the_release__deferred_uncounted__the_claim_left_to_its_owner(
+    provider, monkeypatch
+):
+    """A handler returns right after its call: the outcome goes with the release and its
+    COMMIT. Refused (the claim was taken over meanwhile), neither runs: the operation is
+    looked at again, no attempt counted, and the new owner settles the claim."""
+    from payments.engine import runtime
+    from payments.models import OperationState
+
+    order = create_order(amount=1300, currency="eur", email="o@example.com")
+    op, _ = request_checkout(
+        order_id=order.pk, key="qo-6", payment_method="pm_card_visa", actor="t"
+    )
+    leased = fence.acquire_lease(op.pk, owner="a/1", seconds=30)
+    spec = get_handler(op.kind)
+
+    def handler(run: Run) -> None:
+        run.external(CHARGE)
+
+        def take_over() -> None:
+            with fence_writes():  # time, shortened: the claim's lease ran out
+                StepClaim.objects.filter(operation=op, step=CHARGE).update(
+                    lease_expires_at=timezone.now() - timedelta(seconds=1)
+                )
+            assert fence.take_over_claim(charge_claim(op), owner="b/2", lease_seconds=30)
+
+        in_another_connection(take_over)
+
+    monkeypatch.setattr(fence, "acquire_lease", lambda *a, **k: leased)
+    monkeypatch.setattr(
+        runtime,
+        "get_handler",
+        lambda kind: type(spec)(kind=spec.kind, func=handler, effects=spec.effects),
+    )
+    assert runtime.execute(op.pk, worker_id="a/1") == "deferred"
+
+    op.refresh_from_db()
+    assert (op.state, op.attempts) == (OperationState.RETRYING, 0)
+    claim = charge_claim(op)
+    assert (claim.state, claim.claimed_by) == (ClaimState.UNCERTAIN, "b/2")
+    assert not OperationEvent.objects.filter(operation=op, to_state="succeeded").exists()

@@ -6,6 +6,10 @@ changes nothing, or the statements behind it in the pipeline, the COMMIT
 included, would run as if it had. SQL has no way to raise an error; this
 function is it. `CASE WHEN <changed> THEN true ELSE payments_fence_refuse(...) END`
 in the statement's last SELECT raises it only then.
+
+Workers of this release need it: run `migrate` before starting them (they refuse
+to start while a payments or inbox migration is not applied). It comes before
+0010, whose index builds may take long on a large table.
 """
 
 from django.db import migrations
@@ -14,7 +18,7 @@ REFUSAL_SQLSTATE = "PF001"  # payments.engine.fence.REFUSAL_SQLSTATE
 
 
 class Migration(migrations.Migration):
-    dependencies = [("payments", "0009_fewer_fence_indexes")]
+    dependencies = [("payments", "0008_bootstrap_client_keys")]
 
     operations = [
         migrations.RunSQL(

@@ -18,31 +18,39 @@ of them went to indexes no query needed (tests/engine/test_indexes.py):
 Production-safe: no statement takes a lock that stops writes for longer than
 its catalogue change. New indexes are built CONCURRENTLY before the ones they
 replace are dropped CONCURRENTLY (so the migration runs outside a
-transaction: `atomic = False`; an interrupted run leaves an INVALID index that
-the next run drops and rebuilds). Reversible: the reverse builds the old ones again.
+transaction: `atomic = False`). Every step can run again: an interrupted run
+is finished by the next one, which drops (CONCURRENTLY) an index an interrupted
+build left INVALID and builds it again. Reversible, the same way: the reverse
+builds the old indexes again.
 """
 
 from django.db import migrations, models
 from django.db.models import Q
 
 
+def _drop_if_invalid(name: str):
+    """A RunPython function: drop index `name` (CONCURRENTLY) if an interrupted
+    CREATE INDEX CONCURRENTLY left it INVALID."""
+
+    def run(apps, schema_editor) -> None:
+        with schema_editor.connection.cursor() as cursor:
+            cursor.execute(
+                "SELECT NOT indisvalid FROM pg_index WHERE indexrelid = to_regclass(%s)", [name]
+            )
+            row = cursor.fetchone()
+            if row is not None and row[0]:
+                cursor.execute(f"DROP INDEX CONCURRENTLY {name}")
+
+    return run
+
+
 def create(
     name: str, table: str, definition: str, *, reverse: bool = True
-) -> list[migrations.RunSQL]:
+) -> list[migrations.operations.base.Operation]:
     """Build index `name` without blocking writes (again, if an interrupted build left it
     INVALID); the reverse drops it (with `reverse`)."""
     return [
-        migrations.RunSQL(
-            f"""
-            DO $$ BEGIN
-                IF EXISTS (SELECT 1 FROM pg_index JOIN pg_class ON pg_class.oid = indexrelid
-                           WHERE relname = '{name}' AND NOT indisvalid) THEN
-                    EXECUTE 'DROP INDEX {name}';
-                END IF;
-            END $$
-            """,
-            reverse_sql=migrations.RunSQL.noop,
-        ),
+        migrations.RunPython(_drop_if_invalid(name), migrations.RunPython.noop),
         migrations.RunSQL(
             f"CREATE INDEX CONCURRENTLY IF NOT EXISTS {name} ON {table} {definition}",
             reverse_sql=(
@@ -52,12 +60,17 @@ def create(
     ]
 
 
-def drop(name: str, table: str, definition: str) -> migrations.RunSQL:
-    """Drop index `name` without blocking writes; the reverse builds it again."""
-    return migrations.RunSQL(
-        f"DROP INDEX CONCURRENTLY IF EXISTS {name}",
-        reverse_sql=f"CREATE INDEX CONCURRENTLY IF NOT EXISTS {name} ON {table} {definition}",
-    )
+def drop(name: str, table: str, definition: str) -> list[migrations.operations.base.Operation]:
+    """Drop index `name` without blocking writes; the reverse builds it again (again, if
+    an interrupted reverse left it INVALID)."""
+    return [
+        migrations.RunSQL(
+            f"DROP INDEX CONCURRENTLY IF EXISTS {name}",
+            reverse_sql=f"CREATE INDEX CONCURRENTLY IF NOT EXISTS {name} ON {table} {definition}",
+        ),
+        # Reversed, this runs first: before the build above.
+        migrations.RunPython(migrations.RunPython.noop, _drop_if_invalid(name)),
+    ]
 
 
 def fk(to: str, related_name: str, *, null: bool) -> models.ForeignKey:
@@ -74,7 +87,7 @@ def fk(to: str, related_name: str, *, null: bool) -> models.ForeignKey:
 class Migration(migrations.Migration):
     atomic = False  # CREATE / DROP INDEX CONCURRENTLY cannot run in a transaction
 
-    dependencies = [("payments", "0008_bootstrap_client_keys")]
+    dependencies = [("payments", "0009_fence_refuse")]
 
     operations = [
         migrations.SeparateDatabaseAndState(
@@ -148,20 +161,20 @@ class Migration(migrations.Migration):
                     "payments_operation",
                     "(parent_id) WHERE parent_id IS NOT NULL",
                 ),
-                drop(
+                *drop(
                     "payments_operation_retry_of_id_f3aec5ea",
                     "payments_operation",
                     "(retry_of_id)",
                 ),
-                drop("payments_operation_parent_id_befe4438", "payments_operation", "(parent_id)"),
-                drop("payments_operation_client_id_22ca80a3", "payments_operation", "(client_id)"),
-                drop(
+                *drop("payments_operation_parent_id_befe4438", "payments_operation", "(parent_id)"),
+                *drop("payments_operation_client_id_22ca80a3", "payments_operation", "(client_id)"),
+                *drop(
                     "payments_stepclaim_operation_id_777da3cd",
                     "payments_stepclaim",
                     "(operation_id)",
                 ),
-                drop("payments_claim_idem_key", "payments_stepclaim", "(idempotency_key)"),
-                drop(
+                *drop("payments_claim_idem_key", "payments_stepclaim", "(idempotency_key)"),
+                *drop(
                     "payments_operationevent_created_at_315b3e80",
                     "payments_operationevent",
                     "(created_at)",
@@ -171,7 +184,7 @@ class Migration(migrations.Migration):
                 migrations.RunSQL(
                     "ALTER INDEX IF EXISTS payments_stepclaim_provider_reference_98bbd9af_like "
                     "RENAME TO payments_claim_reference",
-                    reverse_sql="ALTER INDEX payments_claim_reference "
+                    reverse_sql="ALTER INDEX IF EXISTS payments_claim_reference "
                     "RENAME TO payments_stepclaim_provider_reference_98bbd9af_like",
                 ),
                 *create(
@@ -180,7 +193,7 @@ class Migration(migrations.Migration):
                     "(provider_reference varchar_pattern_ops)",
                     reverse=False,  # the rename's reverse gives it its old name back
                 ),
-                drop(
+                *drop(
                     "payments_stepclaim_provider_reference_98bbd9af",
                     "payments_stepclaim",
                     "(provider_reference)",
