@@ -43,6 +43,14 @@ class Command(BaseCommand):
 
     def add_arguments(self, parser: CommandParser) -> None:
         parser.add_argument("--orders", type=int, default=200, help="Checkouts per batch.")
+        parser.add_argument(
+            "--rounds",
+            type=int,
+            default=4,
+            help="Alternating fenced and unfenced batches per side in each throughput "
+            "comparison; each side keeps its fastest (the machine is shared: two batches "
+            "in a row differ by several percent).",
+        )
         parser.add_argument("--noops", type=int, default=1000, help="No-op jobs per batch.")
         parser.add_argument(
             "--latency",
@@ -144,7 +152,9 @@ class Command(BaseCommand):
             for cls in WORKER_CLASSES:
                 say(f"{cls}: no-op ceiling, fenced and unfenced checkout (2 workers)...")
                 noop_s = bench.batch(noop(options["noops"]), workers=2, worker_class=cls)
-                fenced_s, unfenced_s, cpu = _side_by_side(bench, n, workers=2, worker_class=cls)
+                fenced_s, unfenced_s, cpu = _side_by_side(
+                    bench, n, workers=2, worker_class=cls, rounds=options["rounds"]
+                )
                 per_class[cls] = {
                     "noop_jobs_per_second": options["noops"] / noop_s,
                     "fenced_checkouts_per_second": n / fenced_s,
@@ -162,7 +172,9 @@ class Command(BaseCommand):
             slow = options["realistic_latency"]
             say(f"fenced vs unfenced with {best}, 4 workers, at {slow * 1000:.0f} ms per charge...")
             bench.set_latency(slow)
-            f, u, _ = _side_by_side(bench, n // 2, workers=4, worker_class=best)
+            f, u, _ = _side_by_side(
+                bench, n // 2, workers=4, worker_class=best, rounds=options["rounds"]
+            )
             bench.set_latency(options["latency"])
             figures["realistic_latency"] = {
                 "latency_seconds": slow,
@@ -197,7 +209,9 @@ class Command(BaseCommand):
             figures["web_tier"] = self._web_tier(bench, options, log_dir)
         with Bench(latency=options["latency"], log_dir=log_dir, say=say, tls=True) as bench:
             say(f"over TLS: fenced vs unfenced with {best}, 2 workers, session reuse...")
-            fenced_s, unfenced_s, _ = _side_by_side(bench, n, workers=2, worker_class=best)
+            fenced_s, unfenced_s, _ = _side_by_side(
+                bench, n, workers=2, worker_class=best, rounds=options["rounds"]
+            )
             bench.set_latency(0)
             figures["tls"] = {
                 "fenced_checkouts_per_second": n / fenced_s,
@@ -266,7 +280,7 @@ class Command(BaseCommand):
 
 
 def _side_by_side(
-    bench: Bench, n: int, *, workers: int, worker_class: str, rounds: int = 2
+    bench: Bench, n: int, *, workers: int, worker_class: str, rounds: int
 ) -> tuple[float, float, dict[str, list[dict[str, float]]]]:
     """Alternate fenced and unfenced batches of n checkouts `rounds` times: each side's best
     seconds (the machine is shared), and each metered batch's CPU per checkout by side."""
