@@ -10,10 +10,8 @@ uncounted; a rollback forgets the queue.
 
 from __future__ import annotations
 
-import threading
-
 import pytest
-from django.db import connections, transaction
+from django.db import transaction
 
 from payments.checkout.handler import request_checkout
 from payments.checkout.names import CONFIRMATION_EMAIL, COUNT_SALE, INVOICE, MARK_PAID
@@ -30,6 +28,7 @@ from payments.models import (
     OperationState,
     StepClaim,
 )
+from tests.support.concurrency import on_another_connection
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -61,21 +60,12 @@ def ledger_line(who: str, op: Operation):
 
 def committed_elsewhere(op: Operation, step: str) -> None:
     """Another run (its own connection) commits the step's claim now."""
-    errors: list[BaseException] = []
 
     def other() -> None:
-        try:
-            with transaction.atomic():
-                assert fence.insert_local_claim_in_tx(op, step, owner="b/2", result={"by": "b"})
-        except BaseException as exc:  # noqa: BLE001
-            errors.append(exc)
-        finally:
-            connections.close_all()
+        with transaction.atomic():
+            assert fence.insert_local_claim_in_tx(op, step, owner="b/2", result={"by": "b"})
 
-    thread = threading.Thread(target=other)
-    thread.start()
-    thread.join(20)
-    assert not errors, errors
+    on_another_connection(other)
 
 
 def test_the_claim_waits_for_the_next_fence_statement__and_commits_with_it():

@@ -11,11 +11,10 @@ meanwhile), nothing queued behind it runs, no COMMIT, no e-mail, and the unit ro
 from __future__ import annotations
 
 import logging
-import threading
 from datetime import timedelta
 
 import pytest
-from django.db import connections, transaction
+from django.db import transaction
 from django.utils import timezone
 
 from payments.checkout.handler import request_checkout
@@ -27,6 +26,7 @@ from payments.engine.handlers import Run, get_handler
 from payments.engine.writes import fence_writes
 from payments.exceptions import OutcomeRefused
 from payments.models import ClaimState, LedgerEntry, Operation, OperationEvent, StepClaim
+from tests.support.concurrency import on_another_connection
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -54,30 +54,13 @@ def charge_claim(op: Operation) -> StepClaim:
     return StepClaim.objects.get(operation=op, step=CHARGE)
 
 
-def in_another_connection(work) -> None:
-    errors: list[BaseException] = []
-
-    def other() -> None:
-        try:
-            work()
-        except BaseException as exc:  # noqa: BLE001
-            errors.append(exc)
-        finally:
-            connections.close_all()
-
-    thread = threading.Thread(target=other)
-    thread.start()
-    thread.join(20)
-    assert not thread.is_alive() and not errors, errors
-
-
 def test_the_charge_outcome_waits_for_the_next_fence_statement__and_commits_with_it(provider):
     run = leased_run("qo-1")
     result = run.external(CHARGE)
 
     assert result["reference"].startswith("pi_") and fence.has_queued()
     seen: list[str] = []
-    in_another_connection(lambda: seen.append(charge_claim(run.operation).state))
+    on_another_connection(lambda: seen.append(charge_claim(run.operation).state))
     assert seen == [ClaimState.CLAIMED]  # not committed yet: nothing was sent
 
     run.local(INVOICE, ledger_line(run.operation))
@@ -98,7 +81,7 @@ def test_the_charge_outcome_commits_with_the_email_claim__before_the_email(provi
     states_when_sent: list[tuple[str, str]] = []
 
     def send() -> dict[str, bool]:
-        in_another_connection(
+        on_another_connection(
             lambda: states_when_sent.extend(
                 StepClaim.objects.filter(operation=run.operation).values_list("step", "state")
             )
@@ -149,7 +132,7 @@ def test_a_refused_outcome__nothing_behind_it_runs__no_email_claim_no_email(
             )
         assert fence.take_over_claim(charge_claim(run.operation), owner="b/2", lease_seconds=30)
 
-    in_another_connection(take_over)
+    on_another_connection(take_over)
     run.local(INVOICE, ledger_line(run.operation))
     sent: list[str] = []
 
@@ -209,7 +192,7 @@ def test_refused_with_the_release__deferred_uncounted__the_claim_left_to_its_own
                 )
             assert fence.take_over_claim(charge_claim(op), owner="b/2", lease_seconds=30)
 
-        in_another_connection(take_over)
+        on_another_connection(take_over)
 
     monkeypatch.setattr(fence, "acquire_lease", lambda *a, **k: leased)
     monkeypatch.setattr(
