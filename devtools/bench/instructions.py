@@ -15,7 +15,8 @@ instrumentation off; it turns it on (`callgrind_control -i on`) just before it
 takes the first job and off when the queue is empty, so Python's start-up and
 Django's setup are not counted. Each side runs twice, with `small` and `large`
 checkouts queued: the difference divided by `large - small` is what one more
-checkout (its three jobs) costs, without the worker's own start and end.
+checkout (its three jobs) costs, without the worker's own start and end (its
+start-up checks, migrations and recorded names, run once per count and cancel out).
 """
 
 from __future__ import annotations

@@ -36,7 +36,7 @@ from typing import Any, TypeVar
 
 from payments.engine.outcomes import Outcome
 from payments.engine.signals import provider_call_finished
-from payments.exceptions import StepBusy, StepError
+from payments.exceptions import OutcomeRefused, StepBusy, StepDoneMeanwhile, StepError
 from payments.models import Operation
 
 logger = logging.getLogger("payments.engine.telemetry")
@@ -155,7 +155,9 @@ def _settle_from_exception(attempt: StepAttempt, exc: BaseException) -> None:
             # An unclassified error is retried as transient by the runtime.
             attempt.outcome = str(getattr(exc, "outcome", Outcome.TRANSIENT))
     if attempt.transaction is None:
-        if isinstance(exc, StepBusy):
+        if isinstance(exc, (StepDoneMeanwhile, OutcomeRefused)):
+            attempt.transaction = ROLLBACK  # taken over meanwhile: this run's unit rolled back
+        elif isinstance(exc, StepBusy):
             attempt.transaction = NONE
         elif isinstance(exc, StepError) and attempt.step_kind != "local":
             attempt.transaction = COMMIT  # the fence recorded the claim's new state

@@ -40,19 +40,21 @@ class FenceWorker(SimpleWorker):
     and step name recorded on unfinished operations is known to this deploy's
     handlers (payments.E010), and refuses to start otherwise: a renamed step
     would derive a new idempotency key for a step that already ran. A worker started while the
-    database is away (a restart) waits for it instead of exiting: a supervisor
-    that restarts it quickly would soon give up on it for good.
+    database is away (a restart) waits for it instead of exiting, and one
+    started before `migrate` has finished waits for it (up to
+    MIGRATIONS_PATIENCE): a supervisor that restarts it quickly would soon
+    give up on it for good.
     """
 
     def work(self, *args: Any, **kwargs: Any) -> bool:
-        pending = pending_migrations()
+        pending = wait_for_migrations()
         if pending:
             for name in pending:
                 logger.error("worker not started: migration %s is not applied", name)
             raise SystemExit(
                 f"{len(pending)} payments/inbox migrations are not applied "
-                f"({', '.join(pending)}): run `manage.py migrate` first; this release's "
-                "workers need them (see README, Upgrading)"
+                f"({', '.join(pending)}) after {MIGRATIONS_PATIENCE:.0f} s: run "
+                "`manage.py migrate`; this release's workers need them (see README, Upgrading)"
             )
         problems = recorded_name_problems()
         if problems:
@@ -108,8 +110,29 @@ def abandon_open_transaction(job: Any) -> None:
     connection.close()
 
 
-#: The apps whose schema a worker relies on: it refuses to start until their migrations ran.
+#: The apps whose schema a worker relies on: it takes no job until their migrations ran.
 WORKER_APPS = ("payments", "inbox")
+
+#: Seconds a starting worker waits for `migrate` to apply them (a deploy's index builds
+#: may take long), looking every MIGRATIONS_POLL seconds, before it exits.
+MIGRATIONS_PATIENCE = 3600.0
+MIGRATIONS_POLL = 5.0
+
+
+def wait_for_migrations() -> list[str]:
+    """Wait until every payments and inbox migration is applied; [] then, else (after
+    MIGRATIONS_PATIENCE seconds) the ones still missing. Says so once a minute."""
+    deadline = time.monotonic() + MIGRATIONS_PATIENCE
+    said = 0.0
+    while True:
+        pending = pending_migrations()
+        now = time.monotonic()
+        if not pending or now >= deadline:
+            return pending
+        if now - said >= 60.0:
+            said = now
+            logger.warning("worker waiting for `migrate`: %s not applied yet", ", ".join(pending))
+        time.sleep(min(MIGRATIONS_POLL, max(deadline - now, 0.0)))
 
 
 def pending_migrations(patience: float = DATABASE_PATIENCE) -> list[str]:

@@ -24,24 +24,26 @@ build left INVALID and builds it again. Reversible, the same way: the reverse
 builds the old indexes again.
 """
 
+import functools
+
 from django.db import migrations, models
 from django.db.models import Q
 
 
-def _drop_if_invalid(name: str):
-    """A RunPython function: drop index `name` (CONCURRENTLY) if an interrupted
-    CREATE INDEX CONCURRENTLY left it INVALID."""
+def drop_if_invalid(apps, schema_editor, *, name: str) -> None:
+    """Drop index `name` (CONCURRENTLY) if an interrupted CREATE INDEX CONCURRENTLY left it
+    INVALID. A RunPython function (functools.partial names the index)."""
+    with schema_editor.connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT NOT indisvalid FROM pg_index WHERE indexrelid = to_regclass(%s)", [name]
+        )
+        row = cursor.fetchone()
+        if row is not None and row[0]:
+            cursor.execute(f"DROP INDEX CONCURRENTLY {name}")
 
-    def run(apps, schema_editor) -> None:
-        with schema_editor.connection.cursor() as cursor:
-            cursor.execute(
-                "SELECT NOT indisvalid FROM pg_index WHERE indexrelid = to_regclass(%s)", [name]
-            )
-            row = cursor.fetchone()
-            if row is not None and row[0]:
-                cursor.execute(f"DROP INDEX CONCURRENTLY {name}")
 
-    return run
+def _drop_if_invalid(name: str) -> functools.partial[None]:
+    return functools.partial(drop_if_invalid, name=name)
 
 
 def create(
@@ -148,56 +150,57 @@ class Migration(migrations.Migration):
                     ),
                 ),
             ],
-            # Each step can run again: a run interrupted half-way is finished by the next.
-            database_operations=[
-                # The partial indexes first: lookups by retry_of / parent stay indexed.
-                *create(
-                    "payments_op_retry_of",
-                    "payments_operation",
-                    "(retry_of_id) WHERE retry_of_id IS NOT NULL",
-                ),
-                *create(
-                    "payments_op_parent",
-                    "payments_operation",
-                    "(parent_id) WHERE parent_id IS NOT NULL",
-                ),
-                *drop(
-                    "payments_operation_retry_of_id_f3aec5ea",
-                    "payments_operation",
-                    "(retry_of_id)",
-                ),
-                *drop("payments_operation_parent_id_befe4438", "payments_operation", "(parent_id)"),
-                *drop("payments_operation_client_id_22ca80a3", "payments_operation", "(client_id)"),
-                *drop(
-                    "payments_stepclaim_operation_id_777da3cd",
-                    "payments_stepclaim",
-                    "(operation_id)",
-                ),
-                *drop("payments_claim_idem_key", "payments_stepclaim", "(idempotency_key)"),
-                *drop(
-                    "payments_operationevent_created_at_315b3e80",
-                    "payments_operationevent",
-                    "(created_at)",
-                ),
-                # Django's `_like` index on provider_reference becomes the one index on it
-                # (a new one is built if it is gone: a database set up some other way).
-                migrations.RunSQL(
-                    "ALTER INDEX IF EXISTS payments_stepclaim_provider_reference_98bbd9af_like "
-                    "RENAME TO payments_claim_reference",
-                    reverse_sql="ALTER INDEX IF EXISTS payments_claim_reference "
-                    "RENAME TO payments_stepclaim_provider_reference_98bbd9af_like",
-                ),
-                *create(
-                    "payments_claim_reference",
-                    "payments_stepclaim",
-                    "(provider_reference varchar_pattern_ops)",
-                    reverse=False,  # the rename's reverse gives it its old name back
-                ),
-                *drop(
-                    "payments_stepclaim_provider_reference_98bbd9af",
-                    "payments_stepclaim",
-                    "(provider_reference)",
-                ),
-            ],
+            database_operations=[],
+        ),
+        # The database's side, outside SeparateDatabaseAndState: `sqlmigrate` prints the SQL
+        # and does not run the RunPython steps. Each step can run again: a run interrupted
+        # half-way is finished by the next.
+        # The partial indexes first: lookups by retry_of / parent stay indexed.
+        *create(
+            "payments_op_retry_of",
+            "payments_operation",
+            "(retry_of_id) WHERE retry_of_id IS NOT NULL",
+        ),
+        *create(
+            "payments_op_parent",
+            "payments_operation",
+            "(parent_id) WHERE parent_id IS NOT NULL",
+        ),
+        *drop(
+            "payments_operation_retry_of_id_f3aec5ea",
+            "payments_operation",
+            "(retry_of_id)",
+        ),
+        *drop("payments_operation_parent_id_befe4438", "payments_operation", "(parent_id)"),
+        *drop("payments_operation_client_id_22ca80a3", "payments_operation", "(client_id)"),
+        *drop(
+            "payments_stepclaim_operation_id_777da3cd",
+            "payments_stepclaim",
+            "(operation_id)",
+        ),
+        *drop("payments_claim_idem_key", "payments_stepclaim", "(idempotency_key)"),
+        *drop(
+            "payments_operationevent_created_at_315b3e80",
+            "payments_operationevent",
+            "(created_at)",
+        ),
+        # Django's `_like` index on provider_reference becomes the one index on it
+        # (a new one is built if it is gone: a database set up some other way).
+        migrations.RunSQL(
+            "ALTER INDEX IF EXISTS payments_stepclaim_provider_reference_98bbd9af_like "
+            "RENAME TO payments_claim_reference",
+            reverse_sql="ALTER INDEX IF EXISTS payments_claim_reference "
+            "RENAME TO payments_stepclaim_provider_reference_98bbd9af_like",
+        ),
+        *create(
+            "payments_claim_reference",
+            "payments_stepclaim",
+            "(provider_reference varchar_pattern_ops)",
+            reverse=False,  # the rename's reverse gives it its old name back
+        ),
+        *drop(
+            "payments_stepclaim_provider_reference_98bbd9af",
+            "payments_stepclaim",
+            "(provider_reference)",
         ),
     ]

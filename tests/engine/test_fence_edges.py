@@ -300,13 +300,19 @@ def test_uncertain_with_the_provider_unreachable__goes_to_review_after_the_grace
     assert "grace period" in op.last_error  # the desk shows why
 
 
-def test_a_migration_not_applied__the_worker_refuses_to_start_naming_it(queue, caplog):
+def test_a_migration_not_applied__the_worker_waits_for_it__then_gives_up_naming_it(
+    queue, caplog, monkeypatch
+):
     """This release's fence calls payments_fence_refuse() (payments 0009): a worker started
-    before `migrate` ran would fail every queued outcome, so it does not start."""
+    before `migrate` ran would fail every queued outcome, so it takes no job: it waits
+    for the migration (saying so), and exits naming it once its patience runs out."""
     from django.db.migrations.recorder import MigrationRecorder
 
+    from payments.engine import worker
     from payments.engine.worker import FenceWorker
 
+    monkeypatch.setattr(worker, "MIGRATIONS_PATIENCE", 0.3)
+    monkeypatch.setattr(worker, "MIGRATIONS_POLL", 0.1)
     applied = MigrationRecorder.Migration.objects.get(app="payments", name="0009_fence_refuse")
     applied.delete()  # recorded as not applied: what the worker reads, as `migrate` would
     try:
@@ -314,4 +320,31 @@ def test_a_migration_not_applied__the_worker_refuses_to_start_naming_it(queue, c
             FenceWorker([queue], connection=queue.connection).work(burst=True)
     finally:
         applied.save()
+    assert "worker waiting for `migrate`: payments.0009_fence_refuse" in caplog.text
     assert "migration payments.0009_fence_refuse is not applied" in caplog.text
+
+
+def test_a_migration_applied_while_the_worker_waits__it_starts(queue, monkeypatch):
+    from django.db.migrations.recorder import MigrationRecorder
+
+    from payments.engine import worker
+
+    monkeypatch.setattr(worker, "MIGRATIONS_POLL", 0.05)
+    applied = MigrationRecorder.Migration.objects.get(app="payments", name="0009_fence_refuse")
+    applied.delete()
+    looks = []
+    real = worker.pending_migrations
+
+    def pending_then_applied() -> list[str]:
+        looks.append(real())
+        if len(looks) == 2:
+            applied.save()  # `migrate` finishes while the worker waits
+        return looks[-1]
+
+    monkeypatch.setattr(worker, "pending_migrations", pending_then_applied)
+    try:
+        assert worker.wait_for_migrations() == []
+    finally:
+        if not MigrationRecorder.Migration.objects.filter(pk=applied.pk).exists():
+            applied.save()
+    assert looks[0] == ["payments.0009_fence_refuse"] and looks[-1] == []

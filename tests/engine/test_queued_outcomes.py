@@ -136,13 +136,14 @@ def test_a_refused_outcome__nothing_behind_it_runs__no_email_claim_no_email(
     run.local(INVOICE, ledger_line(run.operation))
     sent: list[str] = []
 
-    with caplog.at_level(logging.WARNING, logger="payments.engine.fence"):
-        with pytest.raises(OutcomeRefused, match="not settled"):
-            run.side_effect(
-                CONFIRMATION_EMAIL,
-                lambda: sent.append("mail") or {},
-                policy=DeliveryPolicy.AT_MOST_ONCE,
-            )
+    caplog.set_level(logging.WARNING, logger="payments.engine.fence")
+    caplog.set_level(logging.INFO, logger="payments.engine.telemetry")  # the handler: INFO
+    with pytest.raises(OutcomeRefused, match="not settled"):
+        run.side_effect(
+            CONFIRMATION_EMAIL,
+            lambda: sent.append("mail") or {},
+            policy=DeliveryPolicy.AT_MOST_ONCE,
+        )
 
     assert sent == [] and mailoutbox == []
     claim = charge_claim(run.operation)
@@ -152,6 +153,13 @@ def test_a_refused_outcome__nothing_behind_it_runs__no_email_claim_no_email(
     assert LedgerEntry.objects.count() == 0
     assert "not written again" in caplog.text
     assert not fence.has_queued() and not run.unit.is_open
+    (end,) = [
+        r
+        for r in caplog.records
+        if getattr(r, "event", None) == "step.end" and r.step == CONFIRMATION_EMAIL
+    ]
+    # Taken over meanwhile: busy, and this run's open transaction rolled back.
+    assert (end.outcome, end.transaction, end.error) == ("busy", "rollback", "OutcomeRefused")
 
 
 def test_queue_outcome_outside_a_transaction__refused(provider):
