@@ -92,7 +92,8 @@ class StepBusy(PaymentsError):
 
 
 class StepDoneMeanwhile(StepBusy):
-    """Another run of the operation did this local step while this one ran its function.
+    """Another run of the operation did this step (or took its claim over) while this one
+    ran it.
 
     This run's writes since its last claim rolled back; the operation runs
     again at once (no attempt counted) and replays the step. Comes from a
@@ -104,17 +105,16 @@ class StepDoneMeanwhile(StepBusy):
         self.args = (f"{operation_key}/{step}: done meanwhile by another run; running again",)
 
 
-class OutcomeRefused(StepBusy):
+class OutcomeRefused(StepDoneMeanwhile):
     """An outcome sent ahead of its answer (queued in a run's open transaction) changed
     nothing: the claim was no longer this run's to settle (taken over from a run that
     stalled past its leases, or settled by someone else). Nothing queued behind it ran,
-    the COMMIT included; the run's writes since its last claim rolled back. As for
-    StepDoneMeanwhile, the operation is looked at again, no attempt counted: the claim's
-    new owner settles it.
+    the COMMIT included; the run's writes since its last claim rolled back. The
+    operation is looked at again, no attempt counted: the claim's new owner settles it.
     """
 
     def __init__(self, *, operation_key: str, step: str, detail: str) -> None:
-        super().__init__(operation_key=operation_key, step=step, until=None)
+        super().__init__(operation_key=operation_key, step=step)
         self.args = (detail,)
 
 

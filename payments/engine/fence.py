@@ -363,12 +363,12 @@ def _execute(db: Any, statements: list[tuple[Any, str, dict[str, Any]]]) -> None
             raise StepDoneMeanwhile(operation_key=queued[0].operation_key, step=step) from exc
         raise
     except DatabaseError as exc:
-        if queued and _is_refusal(exc):
+        settles = [q for q in queued if q.sql is SETTLE_CLAIM_OR_REFUSE]
+        if settles and _is_refusal(exc):
             # A queued outcome settled nothing. Nothing after it ran, the COMMIT included.
             detail = str(cast(Any, exc.__cause__).diag.message_primary)
-            settles = [q for q in queued if q.sql is SETTLE_CLAIM_OR_REFUSE]
-            named = [q for q in settles if f" {q.operation_key}:{q.step} " in detail]
-            refused = (named or settles or list(queued))[0]
+            named = (q for q in settles if f" {q.operation_key}:{q.step} " in detail)
+            refused = next(named, settles[0])
             raise OutcomeRefused(
                 operation_key=refused.operation_key, step=refused.step, detail=detail
             ) from exc
@@ -1342,17 +1342,19 @@ def queue_local_claim_in_tx(
     that statement raises StepDoneMeanwhile. Runs inside the caller's
     transaction; its rollback must `discard_queued()`.
     """
-    db = transaction.get_connection()
-    if not db.in_atomic_block:
-        raise InvalidTransition("queue_local_claim_in_tx must run inside transaction.atomic()")
     params = _claim_params(
         operation, step, state=ClaimState.DONE, owner=owner, reason="", result=result
     )
-    _queue(QueuedStatement(operation.key, step, INSERT_CLAIM_OR_FAIL, params, db.atomic_blocks[-1]))
+    _queue("queue_local_claim_in_tx", operation.key, step, INSERT_CLAIM_OR_FAIL, params)
 
 
-def _queue(statement: QueuedStatement) -> None:
-    _QUEUED.set((*_QUEUED.get(), statement))
+def _queue(caller: str, operation_key: str, step: str, sql: str, params: dict[str, Any]) -> None:
+    """Queue `sql` for the open transaction's next fence statement (see QueuedStatement)."""
+    db = transaction.get_connection()
+    if not db.in_atomic_block:
+        raise InvalidTransition(f"{caller} must run inside transaction.atomic()")
+    queued = QueuedStatement(operation_key, step, sql, params, db.atomic_blocks[-1])
+    _QUEUED.set((*_QUEUED.get(), queued))
 
 
 @fence_writer
@@ -1499,18 +1501,13 @@ def settle_claim(
     if state == ClaimState.DONE:
         # Killed here, the outcome is not recorded: what a crash before the commit leaves.
         failpoint(BEFORE_RECORD_COMMIT)
-    row = _one(
-        StepClaim,
-        SETTLE_CLAIM,
-        _settle_params(claim, state, actor, reason, reference, result, error),
-    )
+    row = _settled(claim, _settle_params(claim, state, actor, reason, reference, result, error))
     if row is None:
         # Refused: say why, with the row as it is now (an illegal move, or another owner).
         current = StepClaim.objects.select_related("operation").get(pk=claim.pk)
         transitions.check_claim(_name(current), current.state, state)
         _require_owner(current, actor)
         raise NotClaimOwner(name=_name(current), owner=current.claimed_by, actor=actor)
-    row.operation = claim.operation
     return row
 
 
@@ -1527,11 +1524,7 @@ def settle_claim_again(
     """settle_claim for an outcome queued in a transaction that rolled back: written on
     its own now, or, when the claim is no longer the actor's to settle (taken over,
     settled meanwhile), nothing: None, with a warning (its owner settles it)."""
-    row = _one(
-        StepClaim,
-        SETTLE_CLAIM,
-        _settle_params(claim, state, actor, reason, reference, result, ""),
-    )
+    row = _settled(claim, _settle_params(claim, state, actor, reason, reference, result, ""))
     if row is None:
         logger.warning(
             "outcome of %s:%s not written again after a rollback: the claim is no longer "
@@ -1540,6 +1533,14 @@ def settle_claim_again(
             claim.step,
             actor,
         )
+    return row
+
+
+def _settled(claim: StepClaim, params: dict[str, Any]) -> StepClaim | None:
+    """SETTLE_CLAIM with `params` (_settle_params): the settled row, or None (refused)."""
+    row = _one(StepClaim, SETTLE_CLAIM, params)
+    if row is not None:
+        row.operation = claim.operation
     return row
 
 
@@ -1583,27 +1584,20 @@ def queue_outcome_in_tx(
     with the transaction. If it settles nothing there (the claim was taken
     over, or settled by someone else meanwhile), that statement raises
     OutcomeRefused and nothing queued behind it runs, the COMMIT included.
-    The caller writes the outcome again on its own (settle_claim) if the
-    transaction rolls back (payments.engine.unit `record_later`). Runs inside
+    The caller writes the outcome again on its own (settle_claim_again) if the
+    transaction rolls back (payments.engine.unit `record_outcome`). Runs inside
     the caller's transaction; its rollback must `discard_queued()`.
     """
-    db = transaction.get_connection()
-    if not db.in_atomic_block:
-        raise InvalidTransition("queue_outcome_in_tx must run inside transaction.atomic()")
     if state == ClaimState.DONE:
         # Killed here, the outcome is not recorded: what a crash before the commit leaves.
         failpoint(BEFORE_RECORD_COMMIT)
-    name = f"{claim.operation.key}:{claim.step}"
+    key, step = claim.operation.key, claim.step
     params = _settle_params(claim, state, actor, reason, reference, result, "")
     params["refusal"] = (
-        f"claim {name} was not settled {state} by {actor[:255]}: "
+        f"claim {key}:{step} was not settled {state} by {actor[:255]}: "
         "taken over, or settled by someone else meanwhile"
     )
-    _queue(
-        QueuedStatement(
-            claim.operation.key, claim.step, SETTLE_CLAIM_OR_REFUSE, params, db.atomic_blocks[-1]
-        )
-    )
+    _queue("queue_outcome_in_tx", key, step, SETTLE_CLAIM_OR_REFUSE, params)
 
 
 @fence_writer

@@ -511,11 +511,6 @@ class Run:
 
     def _settle_done(self, claim: StepClaim, result: dict[str, Any], *, reason: str = "") -> None:
         """Write a side effect's outcome in the open transaction (again alone if it rolls back)."""
-        self.unit.record_later(
-            lambda: fence.queue_outcome_in_tx(
-                claim, ClaimState.DONE, actor=self.worker_id, result=result, reason=reason
-            ),
-            lambda: fence.settle_claim_again(
-                claim, ClaimState.DONE, actor=self.worker_id, result=result, reason=reason
-            ),
+        self.unit.record_outcome(
+            claim, ClaimState.DONE, actor=self.worker_id, result=result, reason=reason
         )

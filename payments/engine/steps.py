@@ -77,7 +77,7 @@ def run_external_step(
     """Run one external step under its claim and return its recorded result.
 
     With `outcomes` (a handler's run), a first call's success is recorded in
-    that open transaction (`WorkUnit.record_later`), not in one of its own.
+    that open transaction (`WorkUnit.record_outcome`), not in one of its own.
     Raises StepBusy when another worker holds the claim, and a StepError
     subclass when the step did not complete.
     """
@@ -178,18 +178,8 @@ def _record(
     result = answer.as_result()
     telemetry.note(reference=answer.reference)
     if answer.outcome == Outcome.SUCCESS:
-        settled: dict[str, Any] = {
-            "actor": actor,
-            "reference": answer.reference,
-            "result": result,
-        }
-        if outcomes is None:
-            fence.settle_claim(claim, ClaimState.DONE, **settled)
-        else:
-            outcomes.record_later(
-                lambda: fence.queue_outcome_in_tx(claim, ClaimState.DONE, **settled),
-                lambda: fence.settle_claim_again(claim, ClaimState.DONE, **settled),
-            )
+        record = fence.settle_claim if outcomes is None else outcomes.record_outcome
+        record(claim, ClaimState.DONE, actor=actor, reference=answer.reference, result=result)
         return result
     code = str(answer.data.get("code", ""))
     fence.settle_claim(

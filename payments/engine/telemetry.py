@@ -36,7 +36,7 @@ from typing import Any, TypeVar
 
 from payments.engine.outcomes import Outcome
 from payments.engine.signals import provider_call_finished
-from payments.exceptions import OutcomeRefused, StepBusy, StepDoneMeanwhile, StepError
+from payments.exceptions import StepBusy, StepDoneMeanwhile, StepError
 from payments.models import Operation
 
 logger = logging.getLogger("payments.engine.telemetry")
@@ -155,7 +155,7 @@ def _settle_from_exception(attempt: StepAttempt, exc: BaseException) -> None:
             # An unclassified error is retried as transient by the runtime.
             attempt.outcome = str(getattr(exc, "outcome", Outcome.TRANSIENT))
     if attempt.transaction is None:
-        if isinstance(exc, (StepDoneMeanwhile, OutcomeRefused)):
+        if isinstance(exc, StepDoneMeanwhile):
             attempt.transaction = ROLLBACK  # taken over meanwhile: this run's unit rolled back
         elif isinstance(exc, StepBusy):
             attempt.transaction = NONE

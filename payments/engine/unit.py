@@ -16,7 +16,7 @@ Rules (the runtime and `Run` keep them; a handler never sees the unit):
   (`commit_with()`: the claim's statement and the COMMIT in one round trip):
   the guarantee "claimed before called" is unchanged.
 - An outcome already known outside (a call's answer, an e-mail sent) is
-  queued in the unit with `record_later()`: it goes in the pipeline of the
+  queued in the unit with `record_outcome()`: it goes in the pipeline of the
   unit's next fence statement or with its COMMIT, in no round trip of its
   own. If the unit then rolls back, the outcome is written again on its own,
   so a later step's failure never loses it. A crash before the unit commits
@@ -56,6 +56,7 @@ from psycopg import pq
 
 from payments.engine import fence
 from payments.exceptions import InvalidTransition
+from payments.models import ClaimState, StepClaim
 
 logger = logging.getLogger("payments.engine.unit")
 
@@ -123,12 +124,13 @@ class WorkUnit:
         elif connection.atomic_blocks[-1] is not self._atomic:
             raise InvalidTransition(NESTED)
 
-    def record_later(self, queue: Callable[[], None], write: Callable[[], object]) -> None:
-        """Queue an outcome known outside in the unit (`queue`, e.g.
-        fence.queue_outcome_in_tx); `write` it alone if the unit rolls back."""
+    def record_outcome(self, claim: StepClaim, state: ClaimState, **settled: Any) -> None:
+        """Queue a claim's outcome, known outside, in the unit (fence.queue_outcome_in_tx,
+        `settled` its arguments); write it alone if the unit rolls back
+        (fence.settle_claim_again)."""
         self.join()
-        queue()
-        self._redo.append(write)
+        fence.queue_outcome_in_tx(claim, state, **settled)
+        self._redo.append(lambda: fence.settle_claim_again(claim, state, **settled))
 
     def commit(self) -> None:
         """Commit what the unit holds (nothing to do when it is not open).

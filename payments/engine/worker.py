@@ -35,15 +35,14 @@ DATABASE_PATIENCE = 120.0
 class FenceWorker(SimpleWorker):
     """Run each job in-process; drop broken or expired DB connections around it.
 
-    Before it takes a job it checks that every payments and inbox migration is
-    applied (this release's fence may need what they add) and that every kind
-    and step name recorded on unfinished operations is known to this deploy's
-    handlers (payments.E010), and refuses to start otherwise: a renamed step
-    would derive a new idempotency key for a step that already ran. A worker started while the
-    database is away (a restart) waits for it instead of exiting, and one
-    started before `migrate` has finished waits for it (up to
-    MIGRATIONS_PATIENCE): a supervisor that restarts it quickly would soon
-    give up on it for good.
+    Before it takes a job it waits until every payments and inbox migration
+    is applied (this release's fence may need what they add; up to
+    MIGRATIONS_PATIENCE), and checks that every kind and step name recorded
+    on unfinished operations is known to this deploy's handlers
+    (payments.E010), refusing to start otherwise: a renamed step would derive
+    a new idempotency key for a step that already ran. A worker started while
+    the database is away (a restart) waits for it too, instead of exiting: a
+    supervisor that restarts it quickly would soon give up on it for good.
     """
 
     def work(self, *args: Any, **kwargs: Any) -> bool:
@@ -146,13 +145,19 @@ def pending_migrations(patience: float = DATABASE_PATIENCE) -> list[str]:
 
 def _pending_migrations() -> list[str]:
     loader = MigrationLoader(connection)
-    pending: list[str] = []
-    for leaf in loader.graph.leaf_nodes():
-        for node in loader.graph.forwards_plan(leaf) if leaf[0] in WORKER_APPS else ():
-            name = f"{node[0]}.{node[1]}"
-            if node[0] in WORKER_APPS and node not in loader.applied_migrations:
-                pending += [name] if name not in pending else []
-    return pending
+    graph = loader.graph
+    # Every migration the apps' leaves need, in the order `migrate` applies them, once.
+    plan = dict.fromkeys(
+        node
+        for leaf in graph.leaf_nodes()
+        if leaf[0] in WORKER_APPS
+        for node in graph.forwards_plan(leaf)
+    )
+    return [
+        f"{app}.{name}"
+        for app, name in plan
+        if app in WORKER_APPS and (app, name) not in loader.applied_migrations
+    ]
 
 
 def recorded_name_problems(patience: float = DATABASE_PATIENCE) -> list[str]:

@@ -1,6 +1,6 @@
 """A call's outcome, known outside, is queued in the run's open transaction: it goes in
 front of the unit's next fence statement or with its COMMIT, in no round trip and no
-commit of its own (payments.engine.fence.queue_outcome_in_tx, WorkUnit.record_later).
+commit of its own (payments.engine.fence.queue_outcome_in_tx, WorkUnit.record_outcome).
 
 What must hold: the charge's outcome commits with the handler's next writes, before the
 next call (the e-mail's claim is in the same COMMIT); a rollback of the unit never loses
