@@ -145,6 +145,10 @@ def db_now() -> datetime:
 # String parameters are cast (`::text`): a prepared statement (see
 # `_statement_cursor`) types each parameter once, and one used both as a column's
 # value and in a comparison would otherwise get two types.
+# An UPDATE joined to its locked row (`FROM old`) also names the row by its id
+# parameter: planned on a table without statistics (new, or emptied), the join alone
+# may become a scan of the whole table, kept by the prepared statement's plan as the
+# table grows (tests/engine/test_plans.py).
 
 
 def _columns(model: type[Any], alias: str = "") -> str:
@@ -837,7 +841,7 @@ WITH old AS (
         lease_expires_at = statement_timestamp() + make_interval(secs => %(seconds)s),
         next_attempt_at = NULL, updated_at = statement_timestamp()
     FROM old
-    WHERE op.id = old.id
+    WHERE op.id = %(id)s AND op.id = old.id
       AND old.state = ANY(%(from_states)s)
       AND NOT (old.state = 'running' AND op.lease_owner <> %(owner)s::text
                AND COALESCE(op.lease_expires_at > statement_timestamp(), false))
@@ -963,7 +967,8 @@ WITH old AS (
     SET state = %(to_state)s::text, lease_owner = '', lease_expires_at = NULL,
         updated_at = statement_timestamp(){{fields}}
     FROM old
-    WHERE op.id = old.id AND op.state = 'running' AND op.lease_owner = %(owner)s::text
+    WHERE op.id = %(id)s AND op.id = old.id
+      AND op.state = 'running' AND op.lease_owner = %(owner)s::text
     RETURNING {_columns(Operation, "op")}, old.state AS from_state
 ), audit AS (
     {AUDIT_INSERT}
@@ -1020,7 +1025,7 @@ SUCCEEDED_FROM_OLD = f"""succeeded AS (
     UPDATE payments_operation AS op
     SET state = 'succeeded', next_attempt_at = NULL, updated_at = statement_timestamp()
     FROM old
-    WHERE op.id = old.id AND old.state = ANY(%(from_states)s)
+    WHERE op.id = %(id)s AND op.id = old.id AND old.state = ANY(%(from_states)s)
     RETURNING {_columns(Operation, "op")}, old.state AS from_state
 ), audit AS (
     {AUDIT_INSERT}
@@ -1455,7 +1460,7 @@ WITH old AS (
                           ELSE claim.settled_at END,
         updated_at = statement_timestamp()
     FROM old
-    WHERE claim.id = old.id AND old.state = ANY(%(from_states)s)
+    WHERE claim.id = %(id)s AND claim.id = old.id AND old.state = ANY(%(from_states)s)
       AND claim.claimed_by = %(actor)s::text
     RETURNING {_columns(StepClaim, "claim")}, old.state AS from_state
 ), audit AS (
