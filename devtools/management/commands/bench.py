@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 import logging
 import platform
+import statistics
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -152,17 +154,17 @@ class Command(BaseCommand):
             for cls in WORKER_CLASSES:
                 say(f"{cls}: no-op ceiling, fenced and unfenced checkout (2 workers)...")
                 noop_s = bench.batch(noop(options["noops"]), workers=2, worker_class=cls)
-                fenced_s, unfenced_s, cpu = _side_by_side(
+                compared = _side_by_side(
                     bench, n, workers=2, worker_class=cls, rounds=options["rounds"]
                 )
                 per_class[cls] = {
                     "noop_jobs_per_second": options["noops"] / noop_s,
-                    "fenced_checkouts_per_second": n / fenced_s,
-                    "unfenced_checkouts_per_second": n / unfenced_s,
-                    "fenced_jobs_per_second": 3 * n / fenced_s,
-                    "cpu_ms_per_checkout": {side: _mean(runs) for side, runs in cpu.items()},
+                    **compared.figures(n),
+                    "fenced_jobs_per_second": 3 * n / compared.seconds["fenced"],
+                    "cpu_ms_per_checkout": {
+                        side: _mean(runs) for side, runs in compared.cpu.items()
+                    },
                 }
-                per_class[cls]["fenced_to_unfenced"] = unfenced_s / fenced_s
                 per_class[cls]["fenced_jobs_to_noop_jobs"] = (
                     per_class[cls]["fenced_jobs_per_second"]
                     / per_class[cls]["noop_jobs_per_second"]
@@ -172,17 +174,24 @@ class Command(BaseCommand):
             slow = options["realistic_latency"]
             say(f"fenced vs unfenced with {best}, 4 workers, at {slow * 1000:.0f} ms per charge...")
             bench.set_latency(slow)
-            f, u, _ = _side_by_side(
+            compared = _side_by_side(
                 bench, n // 2, workers=4, worker_class=best, rounds=options["rounds"]
             )
             bench.set_latency(options["latency"])
             figures["realistic_latency"] = {
                 "latency_seconds": slow,
                 "workers": 4,
-                "fenced_checkouts_per_second": (n // 2) / f,
-                "unfenced_checkouts_per_second": (n // 2) / u,
-                "fenced_to_unfenced": u / f,
+                **compared.figures(n // 2),
             }
+            say(f"noise floor: unfenced against unfenced with {best}, 2 workers...")
+            figures["noise_floor"] = _side_by_side(
+                bench,
+                n,
+                workers=2,
+                worker_class=best,
+                rounds=options["rounds"],
+                sides=(unfenced, unfenced),
+            ).figures(n)
             figures["faster_worker_class"] = best
             say("database round trips per checkout, fenced and unfenced (2 workers)...")
             figures["db_round_trips"] = db_round_trips(bench, options["count_orders"], workers=2)
@@ -209,14 +218,12 @@ class Command(BaseCommand):
             figures["web_tier"] = self._web_tier(bench, options, log_dir)
         with Bench(latency=options["latency"], log_dir=log_dir, say=say, tls=True) as bench:
             say(f"over TLS: fenced vs unfenced with {best}, 2 workers, session reuse...")
-            fenced_s, unfenced_s, _ = _side_by_side(
+            compared = _side_by_side(
                 bench, n, workers=2, worker_class=best, rounds=options["rounds"]
             )
             bench.set_latency(0)
             figures["tls"] = {
-                "fenced_checkouts_per_second": n / fenced_s,
-                "unfenced_checkouts_per_second": n / unfenced_s,
-                "fenced_to_unfenced": unfenced_s / fenced_s,
+                **compared.figures(n),
                 "session_reuse": session_reuse(bench, options["session_charges"]),
             }
             bench.reset()
@@ -279,20 +286,54 @@ class Command(BaseCommand):
         self.stdout.write(f"\nSaved to {out}")
 
 
+@dataclass
+class SideBySide:
+    """Alternating batches of two sides: each side's best seconds, the ratio of each round's
+    pair (run back to back, on the machine as it was then), each metered batch's CPU."""
+
+    seconds: dict[str, float]
+    round_ratios: list[float]
+    cpu: dict[str, list[dict[str, float]]]
+
+    def figures(self, n: int) -> dict[str, Any]:
+        """Checkouts per second of each side, their ratio (best against best) and the rounds'."""
+        fenced, unfenced = self.seconds["fenced"], self.seconds["unfenced"]
+        return {
+            "fenced_checkouts_per_second": n / fenced,
+            "unfenced_checkouts_per_second": n / unfenced,
+            "fenced_to_unfenced": unfenced / fenced,
+            "fenced_to_unfenced_by_round": self.round_ratios,
+        }
+
+
 def _side_by_side(
-    bench: Bench, n: int, *, workers: int, worker_class: str, rounds: int
-) -> tuple[float, float, dict[str, list[dict[str, float]]]]:
-    """Alternate fenced and unfenced batches of n checkouts `rounds` times: each side's best
-    seconds (the machine is shared), and each metered batch's CPU per checkout by side."""
+    bench: Bench,
+    n: int,
+    *,
+    workers: int,
+    worker_class: str,
+    rounds: int,
+    sides: tuple[Callable[[int], Callable[[], int]], Callable[[int], Callable[[], int]]] = (
+        fenced,
+        unfenced,
+    ),
+) -> SideBySide:
+    """Alternate batches of n checkouts of the two `sides` (called fenced and unfenced)
+    `rounds` times: each side's best seconds (the machine is shared), each round's
+    unfenced / fenced seconds, and each metered batch's CPU per checkout by side."""
     seconds: dict[str, list[float]] = {"fenced": [], "unfenced": []}
     cpu: dict[str, list[dict[str, float]]] = {"fenced": [], "unfenced": []}
     for _ in range(rounds):
-        for side, prepare in (("fenced", fenced), ("unfenced", unfenced)):
+        for side, prepare in zip(("fenced", "unfenced"), sides, strict=True):
             seconds[side].append(
                 bench.batch(prepare(n), workers=workers, worker_class=worker_class)
             )
             cpu[side] += [bench.cpu.ms_per(3)] if bench.cpu else []
-    return min(seconds["fenced"]), min(seconds["unfenced"]), cpu
+    return SideBySide(
+        seconds={side: min(runs) for side, runs in seconds.items()},
+        round_ratios=[u / f for f, u in zip(seconds["fenced"], seconds["unfenced"], strict=True)],
+        cpu=cpu,
+    )
 
 
 #: The sides whose CPU per checkout the table shows, and the process kinds, in order.
@@ -353,7 +394,7 @@ def _queue_rows(f: dict) -> list[tuple[str, str]]:
             (f"{cls}: unfenced checkouts/s", f"{v['unfenced_checkouts_per_second']:.1f}"),
             (
                 f"{cls}: fenced / unfenced, 2 workers (goal >= 0.95)",
-                f"{v['fenced_to_unfenced']:.2f}",
+                _ratio(v),
             ),
             (
                 f"{cls}: fenced jobs/s / no-op jobs/s (context)",
@@ -371,10 +412,17 @@ def _queue_rows(f: dict) -> list[tuple[str, str]]:
         (
             f"at {r['latency_seconds'] * 1000:.0f} ms per charge, {r['workers']} workers: "
             "fenced / unfenced (goal >= 0.97)",
-            f"{r['fenced_to_unfenced']:.2f} ({r['fenced_checkouts_per_second']:.1f} vs "
-            f"{r['unfenced_checkouts_per_second']:.1f} checkouts/s)",
+            f"{_ratio(r)}; {r['fenced_checkouts_per_second']:.1f} vs "
+            f"{r['unfenced_checkouts_per_second']:.1f} checkouts/s",
         )
     )
+    if "noise_floor" in f:
+        rows.append(
+            (
+                "noise floor, 2 workers: unfenced / unfenced (the same work on both sides)",
+                _ratio(f["noise_floor"]),
+            )
+        )
     d = f["db_round_trips"]
     for side, goal in (("fenced", " (goal <= 15, <= 7 commits)"), ("unfenced", "")):
         w = d[side]["worker_per_checkout"]
@@ -415,8 +463,8 @@ def _queue_rows(f: dict) -> list[tuple[str, str]]:
     rows.append(
         (
             "over TLS, 2 workers: fenced / unfenced",
-            f"{t['fenced_to_unfenced']:.2f} ({t['fenced_checkouts_per_second']:.1f} vs "
-            f"{t['unfenced_checkouts_per_second']:.1f} checkouts/s)",
+            f"{_ratio(t)}; {t['fenced_checkouts_per_second']:.1f} vs "
+            f"{t['unfenced_checkouts_per_second']:.1f} checkouts/s",
         )
     )
     for label, s in (("HTTP", f["session_reuse_http"]), ("TLS", t["session_reuse"])):
@@ -537,6 +585,18 @@ def _web_verdict(w: dict) -> list[tuple[str, bool]]:
                 )
             )
     return lines
+
+
+def _ratio(v: dict[str, Any]) -> str:
+    """A side-by-side's ratio (best batch against best batch), then its rounds' spread: how
+    far apart two batches run back to back land on this machine."""
+    rounds = v.get("fenced_to_unfenced_by_round") or []
+    spread = (
+        f" (rounds {min(rounds):.2f}-{max(rounds):.2f}, median {statistics.median(rounds):.2f})"
+        if rounds
+        else ""
+    )
+    return f"{v['fenced_to_unfenced']:.2f}{spread}"
 
 
 def _trips(t: dict[str, float]) -> str:
