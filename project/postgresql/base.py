@@ -21,9 +21,10 @@ answer. Nothing else changes:
   alone, as before: a statement without parameters (psycopg sends it as a
   simple query, which may hold several commands: a migration's RunSQL),
   `executemany`, COPY, a server-side cursor's DECLARE, a streamed result.
-  A statement with parameters must be one command (true of every statement
-  the ORM writes); several would fail in the pipeline with "cannot insert
-  multiple commands into a prepared statement".
+  A statement with parameters and several commands (Django's client-side
+  cursor sends it as a simple query; the pipeline's extended protocol refuses
+  it before running any) is sent again the same way: the BEGIN rolled back,
+  then sent alone, then the statement (three more round trips, only then).
 
 Code that sends its own pipeline inside a transaction (payments.engine.fence)
 asks `begin_owed()` and queues `begin_statement()` in front of it.
@@ -82,6 +83,15 @@ def begin_statement(raw: Any) -> str:
     return " ".join(parts)
 
 
+#: PostgreSQL's refusal of a statement with several commands in the extended protocol.
+_SEVERAL_COMMANDS = "cannot insert multiple commands into a prepared statement"
+
+
+def _several_commands(exc: psycopg.Error) -> bool:
+    """Tell whether `exc` is PostgreSQL refusing several commands in one statement."""
+    return exc.diag.message_primary == _SEVERAL_COMMANDS
+
+
 def _begin_alone(raw: Any) -> None:
     """Send BEGIN in a round trip of its own (psycopg's way) if one is owed."""
     if _owes_begin(raw):
@@ -108,6 +118,16 @@ class _BeginsWithFirstStatement:
             with raw.pipeline():
                 psycopg.ClientCursor(raw).execute(begin_statement(raw))
                 super().execute(query, params, **kwargs)  # type: ignore[misc]
+        except psycopg.errors.SyntaxError as exc:
+            if not (isinstance(self, psycopg.ClientCursor) and _several_commands(exc)):
+                raise
+            # Several commands: Django's client-side cursor sends them as one simple query,
+            # which the pipeline's extended protocol refuses before running any. Nothing
+            # ran but the BEGIN: roll it back, and send the BEGIN alone and the statement
+            # as Django's own backend does (the transaction starts at the same statement).
+            raw.rollback()
+            _begin_alone(raw)
+            return super().execute(query, params, **kwargs)  # type: ignore[misc]
         except psycopg.OperationalError as exc:
             interrupted = exc.__context__
             if raw.pgconn.pipeline_status == pq.PipelineStatus.OFF or interrupted is None:
