@@ -24,7 +24,9 @@ answer. Nothing else changes:
   A statement with parameters and several commands (Django's client-side
   cursor sends it as a simple query; the pipeline's extended protocol refuses
   it before running any) is sent again the same way: the BEGIN rolled back,
-  then sent alone, then the statement (three more round trips, only then).
+  then sent alone, then the statement (three more round trips, only then;
+  four when psycopg forgets the connection's prepared statements with the
+  rollback).
 
 Code that sends its own pipeline inside a transaction (payments.engine.fence)
 asks `begin_owed()` and queues `begin_statement()` in front of it.
@@ -83,15 +85,6 @@ def begin_statement(raw: Any) -> str:
     return " ".join(parts)
 
 
-#: PostgreSQL's refusal of a statement with several commands in the extended protocol.
-_SEVERAL_COMMANDS = "cannot insert multiple commands into a prepared statement"
-
-
-def _several_commands(exc: psycopg.Error) -> bool:
-    """Tell whether `exc` is PostgreSQL refusing several commands in one statement."""
-    return exc.diag.message_primary == _SEVERAL_COMMANDS
-
-
 def _begin_alone(raw: Any) -> None:
     """Send BEGIN in a round trip of its own (psycopg's way) if one is owed."""
     if _owes_begin(raw):
@@ -118,13 +111,16 @@ class _BeginsWithFirstStatement:
             with raw.pipeline():
                 psycopg.ClientCursor(raw).execute(begin_statement(raw))
                 super().execute(query, params, **kwargs)  # type: ignore[misc]
-        except psycopg.errors.SyntaxError as exc:
-            if not (isinstance(self, psycopg.ClientCursor) and _several_commands(exc)):
+        except psycopg.errors.SyntaxError:
+            if not isinstance(self, psycopg.ClientCursor):
                 raise
-            # Several commands: Django's client-side cursor sends them as one simple query,
-            # which the pipeline's extended protocol refuses before running any. Nothing
-            # ran but the BEGIN: roll it back, and send the BEGIN alone and the statement
-            # as Django's own backend does (the transaction starts at the same statement).
+            # Several commands ("cannot insert multiple commands into a prepared
+            # statement", in the server's language): Django's client-side cursor sends
+            # them as one simple query, which the pipeline's extended protocol refuses.
+            # A syntax error is found before anything runs: nothing ran but the BEGIN.
+            # Roll it back, and send the BEGIN alone and the statement as Django's own
+            # backend does (the transaction starts at the same statement). A statement
+            # that is wrong anyway fails the same way again, as it would have.
             raw.rollback()
             _begin_alone(raw)
             return super().execute(query, params, **kwargs)  # type: ignore[misc]
