@@ -35,7 +35,9 @@ _NAMED = re.compile(r"%\((\w+)\)s")
 
 def _reltuples() -> dict[str, float]:
     with connection.cursor() as cursor:
-        cursor.execute("SELECT relname, reltuples FROM pg_class WHERE relname = ANY(%s)", [list(TABLES)])
+        cursor.execute(
+            "SELECT relname, reltuples FROM pg_class WHERE relname = ANY(%s)", [list(TABLES)]
+        )
         return dict(cursor.fetchall())
 
 
