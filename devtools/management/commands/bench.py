@@ -185,21 +185,14 @@ class Command(BaseCommand):
                 **compared.figures(n // 2),
             }
             say(f"noise floor: unfenced against unfenced with {best}, 2 workers...")
-            same = _side_by_side(
+            figures["noise_floor"] = _side_by_side(
                 bench,
                 n,
                 workers=2,
                 worker_class=best,
                 rounds=options["rounds"],
                 sides=(unfenced, unfenced),
-            ).figures(n)
-            # Both sides are the unfenced twin: the keys say first and second, not fenced.
-            figures["noise_floor"] = {
-                "first_checkouts_per_second": same["fenced_checkouts_per_second"],
-                "second_checkouts_per_second": same["unfenced_checkouts_per_second"],
-                "ratio": same["fenced_to_unfenced"],
-                "ratio_by_round": same["fenced_to_unfenced_by_round"],
-            }
+            ).figures(n, names=("first", "second"))
             figures["faster_worker_class"] = best
             say("database round trips per checkout, fenced and unfenced (2 workers)...")
             figures["db_round_trips"] = db_round_trips(bench, options["count_orders"], workers=2)
@@ -303,14 +296,16 @@ class SideBySide:
     round_ratios: list[float]
     cpu: dict[str, list[dict[str, float]]]
 
-    def figures(self, n: int) -> dict[str, Any]:
-        """Checkouts per second of each side, their ratio (best against best) and the rounds'."""
-        fenced, unfenced = self.seconds["fenced"], self.seconds["unfenced"]
+    def figures(self, n: int, names: tuple[str, str] = ("fenced", "unfenced")) -> dict[str, Any]:
+        """Checkouts per second of each side, their ratio (best against best) and the rounds',
+        keyed by the sides' `names` (the noise floor's two sides are both the twin)."""
+        first, second = self.seconds["fenced"], self.seconds["unfenced"]
+        a, b = names
         return {
-            "fenced_checkouts_per_second": n / fenced,
-            "unfenced_checkouts_per_second": n / unfenced,
-            "fenced_to_unfenced": unfenced / fenced,
-            "fenced_to_unfenced_by_round": self.round_ratios,
+            f"{a}_checkouts_per_second": n / first,
+            f"{b}_checkouts_per_second": n / second,
+            f"{a}_to_{b}": second / first,
+            f"{a}_to_{b}_by_round": self.round_ratios,
         }
 
 
@@ -435,7 +430,7 @@ def _queue_rows(f: dict) -> list[tuple[str, str]]:
         rows.append(
             (
                 "noise floor, 2 workers: unfenced / unfenced (the same work on both sides)",
-                _ratio(f["noise_floor"], "ratio"),
+                _ratio(f["noise_floor"], "first_to_second"),
             )
         )
     d = f["db_round_trips"]
