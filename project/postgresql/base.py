@@ -26,7 +26,8 @@ answer. Nothing else changes:
   it before running any) is sent again the same way: the BEGIN rolled back,
   then sent alone, then the statement (three more round trips, only then;
   four when psycopg forgets the connection's prepared statements with the
-  rollback).
+  rollback). Any other syntax error, one a function raises while the
+  statement runs included, is raised as it comes: never sent again.
 
 Code that sends its own pipeline inside a transaction (payments.engine.fence)
 asks `begin_owed()` and queues `begin_statement()` in front of it.
@@ -85,6 +86,18 @@ def begin_statement(raw: Any) -> str:
     return " ".join(parts)
 
 
+#: The server function that refuses a statement at the extended protocol's Parse (several
+#: commands); a syntax error found in the text comes from the parser's, and one a function
+#: raises while the statement runs (its EXECUTE) after the statement ran.
+_PARSE_MESSAGE = "exec_parse_message"
+
+
+def _refused_at_parse(exc: psycopg.Error) -> bool:
+    """Tell whether PostgreSQL refused the statement at its Parse, before running any of it
+    (the error's source function: not translated, unlike its message)."""
+    return exc.diag.source_function == _PARSE_MESSAGE
+
+
 def _begin_alone(raw: Any) -> None:
     """Send BEGIN in a round trip of its own (psycopg's way) if one is owed."""
     if _owes_begin(raw):
@@ -111,16 +124,15 @@ class _BeginsWithFirstStatement:
             with raw.pipeline():
                 psycopg.ClientCursor(raw).execute(begin_statement(raw))
                 super().execute(query, params, **kwargs)  # type: ignore[misc]
-        except psycopg.errors.SyntaxError:
-            if not isinstance(self, psycopg.ClientCursor):
+        except psycopg.errors.SyntaxError as exc:
+            if not (isinstance(self, psycopg.ClientCursor) and _refused_at_parse(exc)):
                 raise
             # Several commands ("cannot insert multiple commands into a prepared
             # statement", in the server's language): Django's client-side cursor sends
-            # them as one simple query, which the pipeline's extended protocol refuses.
-            # A syntax error is found before anything runs: nothing ran but the BEGIN.
-            # Roll it back, and send the BEGIN alone and the statement as Django's own
-            # backend does (the transaction starts at the same statement). A statement
-            # that is wrong anyway fails the same way again, as it would have.
+            # them as one simple query, which the pipeline's extended protocol refuses at
+            # its Parse, before anything of it runs: nothing ran but the BEGIN. Roll it
+            # back, and send the BEGIN alone and the statement as Django's own backend
+            # does (the transaction starts at the same statement).
             raw.rollback()
             _begin_alone(raw)
             return super().execute(query, params, **kwargs)  # type: ignore[misc]

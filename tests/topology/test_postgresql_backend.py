@@ -172,6 +172,24 @@ def test_statement_with_parameters__several_commands__run_as_with_djangos_backen
     assert sent.count("UPDATE") == 2, trace.text
 
 
+def test_syntax_error_raised_while_the_first_statement_ran__not_run_again(other):
+    """A 42601 that a function raises at run time (its EXECUTE of bad SQL) comes after the
+    statement ran: it is raised as with Django's backend, the statement not sent again
+    (a sequence it advanced, which no rollback undoes, advanced once)."""
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "CREATE TEMPORARY SEQUENCE fence_test_runs; "
+            "CREATE FUNCTION pg_temp.fence_test_run(n int) RETURNS int LANGUAGE plpgsql AS "
+            "$$ BEGIN PERFORM nextval('fence_test_runs'); EXECUTE 'SELEC 1'; RETURN n; END $$"
+        )
+    with pytest.raises(ProgrammingError), transaction.atomic():
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT pg_temp.fence_test_run(%s)", [1])
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT last_value FROM fence_test_runs")
+        assert cursor.fetchone()[0] == 1
+
+
 def test_executemany__in_the_transaction(other):
     o = order()
     with pytest.raises(RuntimeError), transaction.atomic():
