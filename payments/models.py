@@ -299,6 +299,10 @@ class StepClaim(FenceModel):
     attempts = models.PositiveIntegerField(default=0)
     claimed_by = models.CharField(max_length=255)
     claimed_at = models.DateTimeField()
+    #: When the last request under the claim's idempotency key was sent (worker, reconciler
+    #: or desk), by the database's clock: "not found" counts only a grace after it.
+    #: NULL on claims older than the column, and on claims of steps without a provider call.
+    last_request_at = models.DateTimeField(null=True, blank=True)
     lease_expires_at = models.DateTimeField(null=True, blank=True)
     settled_at = models.DateTimeField(null=True, blank=True)
     updated_at = models.DateTimeField(auto_now=True)

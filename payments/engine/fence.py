@@ -1183,12 +1183,15 @@ INSERT_CLAIM = f"""
 WITH inserted AS (
     INSERT INTO payments_stepclaim (
         operation_id, step, state, idempotency_key, provider_reference, request, result,
-        error, attempts, claimed_by, claimed_at, lease_expires_at, settled_at, updated_at
+        error, attempts, claimed_by, claimed_at, last_request_at, lease_expires_at, settled_at,
+        updated_at
     )
     VALUES (
         %(operation)s, %(step)s::text, %(state)s::text, %(idempotency_key)s::text, '',
         %(request)s::jsonb,
         %(result)s::jsonb, '', 1, %(owner)s::text, statement_timestamp(),
+        -- the claimant sends its first request as this commits
+        CASE WHEN %(idempotency_key)s::text <> '' THEN statement_timestamp() END,
         statement_timestamp() + make_interval(secs => %(lease_seconds)s),
         CASE WHEN %(state)s::text = 'done' THEN statement_timestamp() END, statement_timestamp()
     )
