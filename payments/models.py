@@ -81,9 +81,34 @@ class OrderStatus(models.TextChoices):
     REFUNDED = "refunded", "Refunded"  # paid, all given back
 
 
-class Order(models.Model):
-    """A customer's order; amounts in minor units (cents)."""
+ORDER_KEY_CONSTRAINT = "payments_order_client_key_uniq"
 
+
+class Order(models.Model):
+    """A customer's order; amounts in minor units (cents).
+
+    It belongs to the API client that created it: the API finds it for that
+    client only. An order without a client (made before migration 0012, or by
+    the tools) is the bootstrap client's (`payments.api.base.owned_orders`).
+    """
+
+    KEY_CONSTRAINT = ORDER_KEY_CONSTRAINT
+
+    client = models.ForeignKey(
+        "ApiClient",
+        null=True,
+        blank=True,
+        on_delete=models.PROTECT,
+        related_name="orders",
+        db_index=False,  # the (client, idempotency_key) unique index leads with client_id
+    )
+    #: The Idempotency-Key of the POST that created it; NULL (not "") when sent without one,
+    #: as NULLs never collide in the unique index.
+    idempotency_key = models.CharField(max_length=255, null=True, blank=True)  # noqa: DJ001
+    #: What that POST asked for (sha256 of its fields): the same key with another body is 409.
+    #: A default in the database too: a previous release's INSERT, which does not name the
+    #: column, still works during the deploy.
+    request_fingerprint = models.CharField(max_length=64, blank=True, db_default="")
     amount = models.PositiveBigIntegerField()
     currency = models.CharField(max_length=3)
     status = models.CharField(max_length=20, choices=OrderStatus, default=OrderStatus.PENDING)
@@ -101,6 +126,10 @@ class Order(models.Model):
             models.CheckConstraint(
                 condition=Q(refunded_amount__lte=models.F("amount")),
                 name="payments_order_refunds_within_amount",
+            ),
+            # Built CONCURRENTLY by migration 0012 (a unique index; NULL keys never collide).
+            models.UniqueConstraint(
+                fields=["client", "idempotency_key"], name=ORDER_KEY_CONSTRAINT
             ),
         ]
 

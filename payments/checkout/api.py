@@ -10,7 +10,14 @@ from rest_framework.decorators import api_view
 from rest_framework.request import Request
 from rest_framework.response import Response
 
-from payments.api.base import ApiError, caller_client, idempotency_key, json_object, start_operation
+from payments.api.base import (
+    caller_client,
+    caller_order,
+    idempotency_key,
+    json_object,
+    order_not_found,
+    start_operation,
+)
 from payments.api.fields import ERRORS, StrictCharField, StrictIntegerField
 from payments.checkout.handler import CheckoutNotAllowed, request_checkout
 from payments.checkout.orders import CURRENCIES, create_order
@@ -83,19 +90,20 @@ def _valid(serializer_class: type[serializers.Serializer], request: Request) -> 
 def orders(request: Request) -> Response:
     """Create an order: {"amount": 1999, "currency": "eur", "email": "a@example.com"}."""
     data = _valid(OrderIn, request)
-    order = create_order(amount=data["amount"], currency=data["currency"], email=data["email"])
+    order = create_order(
+        amount=data["amount"],
+        currency=data["currency"],
+        email=data["email"],
+        client=caller_client(request),
+    )
     return Response(order_json(order), status=201)
 
 
 @extend_schema(responses={200: OrderOut, **ERRORS}, operation_id="get_order")
 @api_view(["GET"])
 def order_detail(request: Request, order_id: int) -> Response:
-    """Show one order."""
-    caller_client(request)
-    order = Order.objects.filter(pk=order_id).first()
-    if order is None:
-        raise ApiError(404, "order_not_found", f"Order {order_id} does not exist.")
-    return Response(order_json(order))
+    """Show one of your orders (another client's is 404, as an unknown one)."""
+    return Response(order_json(caller_order(request, order_id)))
 
 
 @extend_schema(
@@ -109,16 +117,17 @@ def checkout(request: Request, order_id: int) -> Response:
     """Ask for a checkout; 202 with the operation key. A worker charges the order."""
     idempotency_key(request)  # a missing key is the first thing to say, before the body
     data = _valid(CheckoutIn, request)
+    order = caller_order(request, order_id)  # another client's order: 404, nothing written
     return start_operation(
         request,
         lambda key, client: request_checkout(
-            order_id=order_id,
+            order_id=order.pk,
             key=key,
             payment_method=data["payment_method"],
             actor="api",
             client=client,
         ),
-        not_found=ApiError(404, "order_not_found", f"Order {order_id} does not exist."),
+        not_found=order_not_found(order_id),
         not_allowed=(CheckoutNotAllowed, "order_not_open"),
         order=order_id,
     )

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from payments.models import Order
+from payments.models import ApiClient, Order
 
 #: ISO 4217 codes accepted for orders (lower case, as the provider expects).
 CURRENCIES = frozenset(
@@ -11,6 +11,13 @@ CURRENCIES = frozenset(
 )
 
 
-def create_order(*, amount: int, currency: str, email: str) -> Order:
-    """Create a pending order; the caller has validated the values."""
-    return Order.objects.create(amount=amount, currency=currency.lower(), customer_email=email)
+def create_order(
+    *, amount: int, currency: str, email: str, client: ApiClient | None = None
+) -> Order:
+    """Create a pending order of `client`; the caller has validated the values.
+
+    Without a client (the tools, the tests) the order is the bootstrap client's.
+    """
+    return Order.objects.create(
+        amount=amount, currency=currency.lower(), customer_email=email, client=client
+    )

@@ -8,7 +8,13 @@ from rest_framework.decorators import api_view
 from rest_framework.request import Request
 from rest_framework.response import Response
 
-from payments.api.base import ApiError, idempotency_key, json_object, start_operation
+from payments.api.base import (
+    caller_order,
+    idempotency_key,
+    json_object,
+    order_not_found,
+    start_operation,
+)
 from payments.api.fields import ERRORS, StrictIntegerField
 from payments.refunds.handler import RefundNotAllowed, request_refund
 
@@ -41,12 +47,13 @@ def refunds(request: Request, order_id: int) -> Response:
     serializer = RefundIn(data=json_object(request))
     serializer.is_valid(raise_exception=True)
     amount = int(serializer.validated_data["amount"])
+    order = caller_order(request, order_id)  # another client's order: 404, nothing written
     return start_operation(
         request,
         lambda key, client: request_refund(
-            order_id=order_id, key=key, amount=amount, actor="api", client=client
+            order_id=order.pk, key=key, amount=amount, actor="api", client=client
         ),
-        not_found=ApiError(404, "order_not_found", f"Order {order_id} does not exist."),
+        not_found=order_not_found(order_id),
         not_allowed=(RefundNotAllowed, "refund_not_allowed"),
         order=order_id,
         amount=amount,

@@ -11,7 +11,7 @@ from django.test import Client
 
 from payments.engine.fence import fingerprint
 from payments.engine.writes import fence_writes
-from payments.models import Operation
+from payments.models import Operation, Order
 
 TOKEN = "upgrade-token-that-is-long-enough-0123456789"
 BEFORE = [("payments", "0007_provider_events")]
@@ -63,3 +63,24 @@ def test_upgrade__an_operation_from_before_api_clients_replays_for_the_bootstrap
     assert answer.status_code == 202, answer.content
     assert answer["Idempotent-Replayed"] == "true"
     assert Operation.objects.filter(key="before-upgrade").count() == 1
+
+
+@pytest.mark.django_db(transaction=True)  # migrations run outside the test's transaction
+def test_upgrade__orders_from_before_0012_belong_to_the_bootstrap_client(settings):
+    executor = MigrationExecutor(connection)
+    executor.migrate([("payments", "0011_claim_last_request")])
+    old = executor.loader.project_state([("payments", "0011_claim_last_request")]).apps
+    old_order = old.get_model("payments", "Order")
+    ids = [
+        old_order.objects.create(amount=100 + i, currency="eur", customer_email="u@example.com").pk
+        for i in range(3)
+    ]
+    executor = MigrationExecutor(connection)
+    executor.loader.build_graph()
+    executor.migrate(executor.loader.graph.leaf_nodes())
+
+    owners = set(Order.objects.filter(pk__in=ids).values_list("client__name", flat=True))
+    assert owners == {"bootstrap"}
+    settings.API_TOKEN = TOKEN
+    bootstrap = Client(headers={"Authorization": f"Bearer {TOKEN}"})
+    assert bootstrap.get(f"/api/orders/{ids[0]}").status_code == 200
