@@ -14,24 +14,39 @@ a `Request-Id` header on every answer):
   accepted and ignored. `Idempotency-Key` replays the stored answer with
   `Idempotent-Replayed: true`, answers 400 idempotency_error for other
   parameters and 409 while the first request is in flight.
+- `POST /v1/payment_intents/{id}/confirm`: `payment_method` (else the
+  intent's own). Charges as a confirmed create does: `succeeded`, or a 402
+  card_error that leaves the intent in `requires_payment_method` (the declined
+  method in `last_payment_error.payment_method`, none left on the intent). A
+  succeeded or canceled intent answers 400 `payment_intent_unexpected_state`
+  with the intent in `error.payment_intent`. Idempotency and faults as for
+  creates; a key belongs to one intent's confirm path.
+- `POST /v1/payment_intents/{id}/cancel`: `cancellation_reason` (`duplicate`,
+  `fraudulent`, `requested_by_customer`, `abandoned`); `canceled` with
+  `canceled_at`, or 400 `payment_intent_unexpected_state` (with the intent)
+  from `succeeded` or `canceled`. `Idempotency-Key` honoured; no faults.
 - `GET /v1/payment_intents/{id}`, `GET /v1/payment_intents/search?query=...`
   (`metadata['k']:'v'` and `status:'...'` clauses joined by AND; only intents
   older than `search_lag` seconds are found) and `GET /v1/payment_intents`
   (list, newest first: `limit`, `starting_after`, `ending_before`,
-  `created[gt|gte|lt|lte]`).
+  `created[gt|gte|lt|lte]` and `created=<t>`, all together).
 - `POST /v1/refunds`: `payment_intent`, `amount` (default: what is left),
   `reason` (`duplicate`, `fraudulent`, `requested_by_customer`),
   `metadata[...]`; the same idempotency and faults as intent creates (a key
   belongs to the endpoint it was first used on). Refusals are 400
   invalid_request_error: `amount_too_large` (more than is left),
   `charge_already_refunded` (nothing left), `payment_intent_unexpected_state`
-  (no successful charge), `resource_missing` (no such intent).
+  (no successful charge), `resource_missing` (no such intent). A new refund is
+  `succeeded`, or `pending` with `refund_status: "pending"` (it holds its
+  amount meanwhile); `failure_reason` and `failure_balance_transaction` are
+  null unless it failed.
 - `GET /v1/refunds/{id}` and `GET /v1/refunds` (list, newest first:
   `payment_intent`, `limit`, `starting_after`, `ending_before`).
 - `GET /v1/events` (list, newest first: `limit`, `starting_after`,
   `ending_before`, `created[gt|gte|lt|lte]`, `type`, `types[]`): every event
   the fake emitted: `payment_intent.succeeded`, `payment_intent.payment_failed`,
-  `refund.created`, `charge.refunded`.
+  `payment_intent.canceled`, `refund.created`, `refund.updated`,
+  `refund.failed`, `charge.refunded`.
 
 Webhooks: `FakeProviderServer(webhook_url=..., webhook_secret=...)` POSTs
 every event there, signed (`Stripe-Signature: t=...,v1=...`), retried with
@@ -43,18 +58,26 @@ faults for the next events, any other keys change its config.
 Control API (no auth; JSON in and out):
 
 - `POST /_fake/faults` `{"mode": "...", "count": N}` queues N faults for the
-  next create requests (intents and refunds alike). Modes: `drop_after_accept` (charge, store the answer
+  next create or confirm requests (intents, confirms and refunds alike). Modes: `drop_after_accept` (charge, store the answer
   for the key, close the socket without answering), `slow` (charge, wait
   `slow_delay` s before answering), `fail_before` (500 with
   `Stripe-Should-Retry: true`, nothing executed or stored), `fail_after`
   (charge, store and answer a 500), `rate_limit` (429, not stored).
 - `POST /_fake/config` sets `<mode>_rate` (random faults, seeded by `seed`),
-  `slow_delay`, `search_lag`, `key_retention`, `api_key`.
+  `slow_delay`, `search_lag`, `key_retention`, `api_key`, `refund_status`
+  (`succeeded` or `pending`: what new refunds start as) and
+  `refund_fail_after` (seconds; > 0: every refund fails that long after it
+  succeeded, as a refund at Stripe can fail after it was first reported).
+- `POST /_fake/refunds/{id}/succeed` moves a pending refund to `succeeded`
+  (`refund.updated`, `charge.refunded`); `POST /_fake/refunds/{id}/fail`
+  `{"reason": "lost_or_stolen_card"}` (optional) moves a pending or succeeded
+  one to `failed`, giving its amount back to the charge (`refund.updated`,
+  `refund.failed`). Both answer the refund; 404 unknown refund, 400 wrong status.
 - `POST /_fake/reset` forgets intents, refunds, keys, queued faults and counters.
 - `GET /_fake/stats` returns counters; `GET /_fake/health` returns `{"status": "ok"}`.
 - `GET /_fake/timeline` returns `{"data": [...]}`: every charge and refund that
   succeeded (`object`, `id`, `metadata`, `succeeded_at`: the fake's Unix time
-  to the microsecond; `created` is whole seconds), oldest first.
+  to the microsecond; `created` is whole seconds), in the order they succeeded.
 
 TLS: `FakeProviderServer(tls=True)` serves HTTPS with a throwaway certificate
 for its host from a throwaway CA (made with `trustme`, never written to the
@@ -79,6 +102,7 @@ from typing import Any
 from urllib.parse import parse_qsl, urlsplit
 
 from devtools.fake_provider.state import (
+    CANCELLATION_REASONS,
     DECLINING_CARDS,
     REFUND_REASONS,
     SUCCEEDING_CARDS,
@@ -95,6 +119,8 @@ logger = logging.getLogger(__name__)
 _PI_PATH = "/v1/payment_intents"
 _REFUNDS_PATH = "/v1/refunds"
 _EVENTS_PATH = "/v1/events"
+_INTENT_ACTION = re.compile(r"/v1/payment_intents/(?P<id>[^/]+)/(?P<action>confirm|cancel)")
+_REFUND_CONTROL = re.compile(r"/_fake/refunds/(?P<id>[^/]+)/(?P<action>succeed|fail)")
 
 _CLAUSE = re.compile(
     r"""\s*(?:metadata\[(?P<kq>['"])(?P<key>(?:\\.|(?!(?P=kq))[^\\])*)(?P=kq)\]"""
@@ -161,9 +187,8 @@ def parse_create(params: list[tuple[str, str]]) -> dict[str, Any] | Reply:
             param="payment_method",
             code="parameter_missing",
         )
-    if payment_method is not None and payment_method not in SUCCEEDING_CARDS | set(DECLINING_CARDS):
-        # The method id is not echoed: the fake keeps to the no-PII rule too.
-        return invalid("No such PaymentMethod.", param="payment_method", code="resource_missing")
+    if payment_method is not None and not _known_card(payment_method):
+        return _no_such_method()
     metadata = _metadata(params)
     if isinstance(metadata, Reply):
         return metadata
@@ -174,6 +199,35 @@ def parse_create(params: list[tuple[str, str]]) -> dict[str, Any] | Reply:
         "payment_method": payment_method,
         "metadata": metadata,
     }
+
+
+def _known_card(payment_method: str) -> bool:
+    return payment_method in SUCCEEDING_CARDS or payment_method in DECLINING_CARDS
+
+
+def _no_such_method() -> Reply:
+    # The method id is not echoed: the fake keeps to the no-PII rule too.
+    return invalid("No such PaymentMethod.", param="payment_method", code="resource_missing")
+
+
+def parse_confirm(params: list[tuple[str, str]]) -> dict[str, Any] | Reply:
+    """Validate confirm parameters (`payment_method`, optional); others are ignored."""
+    payment_method = dict(params).get("payment_method") or None
+    if payment_method is not None and not _known_card(payment_method):
+        return _no_such_method()
+    return {"payment_method": payment_method}
+
+
+def parse_cancel(params: list[tuple[str, str]]) -> dict[str, Any] | Reply:
+    """Validate cancel parameters (`cancellation_reason`, optional)."""
+    reason = dict(params).get("cancellation_reason") or None
+    if reason is not None and reason not in CANCELLATION_REASONS:
+        return invalid(
+            "Invalid cancellation_reason: must be one of duplicate, fraudulent, "
+            "requested_by_customer, or abandoned",
+            param="cancellation_reason",
+        )
+    return {"cancellation_reason": reason}
 
 
 def _metadata(params: list[tuple[str, str]]) -> dict[str, str] | Reply:
@@ -334,18 +388,24 @@ class _Handler(BaseHTTPRequestHandler):
             # The key is never echoed, not even masked.
             return error_reply(401, "invalid_request_error", "Invalid API Key provided.")
         args = parse_qsl(query, keep_blank_values=True)
-        if method == "POST" and path in (_PI_PATH, _REFUNDS_PATH):
+        action = _INTENT_ACTION.fullmatch(path)
+        if method == "POST" and (path in (_PI_PATH, _REFUNDS_PATH) or action is not None):
             params = parse_qsl(body.decode("utf-8", "replace"), keep_blank_values=True)
             key = self.headers.get("Idempotency-Key") or None
             if key is not None and len(key) > 255:
                 return invalid("Idempotency-Key is too long.", param="Idempotency-Key")
-            if path == _REFUNDS_PATH:
-                return state.create_refund(
-                    params, parse_refund(params), key, sleep=self.server.stopping.wait
+            wait = self.server.stopping.wait
+            if action is not None and action["action"] == "confirm":
+                return state.confirm_payment_intent(
+                    action["id"], params, parse_confirm(params), key, sleep=wait
                 )
-            return state.create_payment_intent(
-                params, parse_create(params), key, sleep=self.server.stopping.wait
-            )
+            if action is not None:
+                return state.cancel_payment_intent(
+                    action["id"], params, parse_cancel(params), key, sleep=wait
+                )
+            if path == _REFUNDS_PATH:
+                return state.create_refund(params, parse_refund(params), key, sleep=wait)
+            return state.create_payment_intent(params, parse_create(params), key, sleep=wait)
         if method != "GET":
             return _unrecognized(method, path)
         flat = dict(args)
@@ -431,6 +491,13 @@ class _Handler(BaseHTTPRequestHandler):
             if path == "/_fake/reset":
                 state.reset()
                 return Reply(200, {"reset": True})
+            refund = _REFUND_CONTROL.fullmatch(path)
+            if refund is not None and refund["action"] == "succeed":
+                return Reply(200, state.complete_refund(refund["id"]))
+            if refund is not None:
+                return Reply(200, state.fail_refund(refund["id"], **data))
+        except KeyError as exc:
+            return error_reply(404, "invalid_request_error", str(exc.args[0] if exc.args else exc))
         except (ValueError, TypeError) as exc:
             return invalid(f"Bad control request: {exc}")
         return _unrecognized(method, path)
@@ -542,6 +609,7 @@ class FakeProviderServer:
     def stop(self) -> None:
         """Stop serving, wake slow faults, close open connections and the socket."""
         self._stopping.set()
+        self.state.close()
         if self.webhooks is not None:
             self.webhooks.stop()
         if self._thread is not None:

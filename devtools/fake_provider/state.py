@@ -4,6 +4,11 @@ No HTTP here and no database: `devtools.fake_provider.server` serves this state 
 a real socket. Every public method takes the one lock, so handler threads,
 the control API and test assertions see a consistent picture. The clock is
 injectable so tests can age keys and intents without sleeping.
+
+An intent is created (confirmed at once or not), confirmed later
+(`confirm_payment_intent`) or canceled (`cancel_payment_intent`), with the
+statuses and refusals Stripe has. Refunds and their later states live in
+`devtools.fake_provider.refunds`.
 """
 
 from __future__ import annotations
@@ -15,9 +20,12 @@ import secrets
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields, replace
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
+
+from devtools.fake_provider.refunds import NEW_REFUND_STATUSES, RefundDesk, Refusal
+from devtools.fake_provider.refunds import REFUND_REASONS as REFUND_REASONS  # re-exported
 
 FAULT_MODES = ("drop_after_accept", "slow", "fail_before", "fail_after", "rate_limit")
 RATE_FIELDS = tuple(f"{mode}_rate" for mode in FAULT_MODES)
@@ -29,18 +37,20 @@ DECLINING_CARDS = {
 _API_ERROR = {"type": "api_error", "message": "An unknown error occurred on the fake provider."}
 PAYMENT_INTENTS_ENDPOINT = "/v1/payment_intents"
 REFUNDS_ENDPOINT = "/v1/refunds"
-REFUND_REASONS = ("duplicate", "fraudulent", "requested_by_customer")
-# Stripe's error codes for refusing a refund (https://docs.stripe.com/error-codes):
-# more than is left on the charge, nothing left at all, no successful charge.
-REFUND_TOO_LARGE = "amount_too_large"
-ALREADY_REFUNDED = "charge_already_refunded"
-NOT_REFUNDABLE = "payment_intent_unexpected_state"
 EVENTS_ENDPOINT = "/v1/events"
 #: The API version the fake's events claim (Stripe stamps every event with one).
 EVENT_API_VERSION = "2024-06-20"
-_ZERO_DECIMAL = frozenset({"bif", "clp", "djf", "gnf", "jpy", "kmf", "krw", "mga", "pyg", "rwf"})
-_ZERO_DECIMAL |= {"ugx", "vnd", "vuv", "xaf", "xof", "xpf"}
-_SYMBOLS = {"usd": "$", "eur": "€", "gbp": "£", "jpy": "¥"}
+#: Stripe's error code for an action the intent's status does not allow.
+UNEXPECTED_STATE = "payment_intent_unexpected_state"
+CONFIRMABLE = ("requires_payment_method", "requires_confirmation", "requires_action")
+CANCELABLE = (
+    "requires_payment_method",
+    "requires_capture",
+    "requires_confirmation",
+    "requires_action",
+    "processing",
+)
+CANCELLATION_REASONS = ("duplicate", "fraudulent", "requested_by_customer", "abandoned")
 
 
 @dataclass(frozen=True)
@@ -68,6 +78,8 @@ class FakeConfig:
     latency: float = 0.0  # seconds every create takes, as a real provider's does
     search_lag: float = 0.0
     key_retention: float = 86400.0
+    refund_status: str = "succeeded"  # what a new refund starts as: "succeeded" or "pending"
+    refund_fail_after: float = 0.0  # > 0: every refund fails this many seconds after it succeeded
 
     def validate(self) -> None:
         """Raise ValueError for rates outside 0..1, a rate sum above 1 or negative times."""
@@ -76,9 +88,11 @@ class FakeConfig:
                 raise ValueError(f"{name} must be between 0 and 1")
         if sum(float(getattr(self, name)) for name in RATE_FIELDS) > 1.0:
             raise ValueError("fault rates must add up to at most 1")
-        for name in ("slow_delay", "latency", "search_lag", "key_retention"):
+        for name in ("slow_delay", "latency", "search_lag", "key_retention", "refund_fail_after"):
             if float(getattr(self, name)) < 0:
                 raise ValueError(f"{name} must not be negative")
+        if self.refund_status not in NEW_REFUND_STATUSES:
+            raise ValueError(f"refund_status must be one of {NEW_REFUND_STATUSES}")
 
 
 def error_reply(status: int, error_type: str, message: str, **extra: Any) -> Reply:
@@ -90,16 +104,6 @@ def invalid(message: str, *, param: str | None = None, code: str | None = None) 
     """Build a 400 invalid_request_error."""
     extra = {k: v for k, v in {"param": param, "code": code}.items() if v is not None}
     return error_reply(400, "invalid_request_error", message, **extra)
-
-
-def _money(amount: int, currency: str) -> str:
-    """Format minor units the way Stripe's refund messages do: `$1.00`, `€15.00`, `¥500`."""
-    if currency in _ZERO_DECIMAL:
-        number = f"{amount}"
-    else:
-        number = f"{amount // 100}.{amount % 100:02d}"
-    symbol = _SYMBOLS.get(currency)
-    return f"{symbol}{number}" if symbol else f"{number} {currency.upper()}"
 
 
 @dataclass
@@ -116,14 +120,8 @@ class _Intent:
     created_at: float
     seq: int
     charge_id: str | None = None  # the successful charge, when the intent succeeded
-    refunded: int = 0  # sum of its succeeded refunds (Stripe keeps it on the charge)
-
-
-@dataclass
-class _Refund:
-    data: dict[str, Any]
-    created_at: float
-    seq: int
+    refunded: int = 0  # what its pending and succeeded refunds hold (Stripe keeps it on the charge)
+    succeeded: tuple[float, int] | None = None  # (fake clock time, order of successes)
 
 
 @dataclass
@@ -169,19 +167,24 @@ class FakeState:
         self._cond = threading.Condition()
         self._generation = 0
         self._sinks: list[EventSink] = []
+        self._closed = False
+        self._failer: threading.Thread | None = None  # fails refunds on time (refund_fail_after)
         self._clear()
 
     def _clear(self) -> None:
         self._intents: dict[str, _Intent] = {}
-        self._refunds: dict[str, _Refund] = {}
         self._events: dict[str, _Event] = {}
         self._keys: dict[str, _KeyRecord] = {}
         self._faults: deque[str] = deque()
         self._stats = _Stats()  # payment intent creates (the charges)
         self._refund_stats = _Stats()
+        self._confirm_stats = _Stats()
+        self._cancel_stats = _Stats()
         self._seq = 0
         self._in_flight = 0
         self._rng = random.Random(self.config.seed)
+        # A new desk: scheduled refund failures of the old world are forgotten with it.
+        self._desk = RefundDesk(self._intents, self._emit, self._next_seq)
 
     # --- control -------------------------------------------------------------
 
@@ -193,6 +196,15 @@ class FakeState:
             for sink in self._sinks:
                 sink.clear()
             self._cond.notify_all()
+
+    def close(self) -> None:
+        """Stop the thread that fails refunds on time; the state stays readable."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+            failer, self._failer = self._failer, None
+        if failer is not None:
+            failer.join(timeout=2)
 
     def add_event_sink(self, sink: EventSink) -> None:
         """Send every new event to `sink` too (the webhook sender)."""
@@ -214,7 +226,7 @@ class FakeState:
             return replace(candidate)
 
     def enqueue_faults(self, mode: str, count: int = 1) -> int:
-        """Queue `count` faults for the next creates (intents or refunds); return the queue length."""
+        """Queue `count` faults for the next creates and confirms; return the queue length."""
         if mode not in FAULT_MODES:
             raise ValueError(f"unknown fault mode {mode!r}; use one of {FAULT_MODES}")
         if count < 1:
@@ -229,6 +241,29 @@ class FakeState:
             return False
         expected = self.config.api_key
         return secrets.compare_digest(key, expected) if expected else key.startswith("sk_")
+
+    def complete_refund(self, refund_id: str) -> dict[str, Any]:
+        """Let a pending refund succeed (`refund.updated`, `charge.refunded`); return it.
+
+        Raise KeyError for an unknown refund, ValueError when it is not pending.
+        """
+        with self._cond:
+            self._fail_due_refunds()
+            refund = self._desk.complete(
+                refund_id, now=self.clock(), fail_after=self.config.refund_fail_after
+            )
+            self._wake_failer()
+            return refund
+
+    def fail_refund(self, refund_id: str, reason: str = "lost_or_stolen_card") -> dict[str, Any]:
+        """Fail a pending or succeeded refund; its amount goes back to the charge; return it.
+
+        Emits `refund.updated` and `refund.failed`. Raise KeyError for an unknown
+        refund, ValueError for another status or an unknown failure reason.
+        """
+        with self._cond:
+            self._fail_due_refunds()
+            return self._desk.fail(refund_id, reason=reason)
 
     # --- assertions for tests ------------------------------------------------
 
@@ -250,29 +285,38 @@ class FakeState:
         if payment_intent is not None:
             clauses.append(("payment_intent", payment_intent))
         with self._cond:
-            rows = sorted(self._refunds.values(), key=lambda r: r.seq)
+            self._fail_due_refunds()
+            rows = sorted(self._desk.records.values(), key=lambda r: r.seq)
             return [copy.deepcopy(r.data) for r in rows if _matches(r.data, clauses)]
 
     def events(self, *, type: str | None = None) -> list[dict[str, Any]]:  # noqa: A002
         """Return copies of all events, oldest first, optionally of one type."""
         with self._cond:
+            self._fail_due_refunds()
             rows = sorted(self._events.values(), key=lambda e: e.seq)
             return [copy.deepcopy(e.data) for e in rows if type in (None, e.data["type"])]
 
     def timeline(self) -> list[dict[str, Any]]:
-        """Return when each charge and refund succeeded, to the microsecond, oldest first.
+        """Return when each charge and refund succeeded, to the microsecond, in that order.
 
         An object's `created` is whole seconds, as at Stripe; this is the fake's
-        own clock at the moment it executed the charge or the refund (before any
-        fault delayed or dropped its answer), for the chaos run's latencies.
+        own clock at the moment the charge or the refund succeeded (at its
+        create, its confirm or when a pending refund completed; before any fault
+        delayed or dropped its answer), for the chaos run's latencies. A refund
+        that failed after it succeeded stays listed: it was reported succeeded.
         """
         with self._cond:
+            self._fail_due_refunds()
             rows = [
-                ("payment_intent", i.seq, i.created_at, i.data)
+                (i.succeeded, "payment_intent", i.data)
                 for i in self._intents.values()
-                if i.data["status"] == "succeeded"
-            ] + [("refund", r.seq, r.created_at, r.data) for r in self._refunds.values()]
-            rows.sort(key=lambda row: row[1])
+                if i.succeeded is not None
+            ] + [
+                (r.succeeded, "refund", r.data)
+                for r in self._desk.records.values()
+                if r.succeeded is not None
+            ]
+            rows.sort(key=lambda row: row[0][1])
             return [
                 {
                     "object": kind,
@@ -280,7 +324,7 @@ class FakeState:
                     "metadata": dict(data["metadata"]),
                     "succeeded_at": at,
                 }
-                for kind, _, at, data in rows
+                for (at, _), kind, data in rows
             ]
 
     def succeeded_count(self, *, metadata: Mapping[str, str] | None = None) -> int:
@@ -291,14 +335,20 @@ class FakeState:
         """Return counters as plain JSON-able data.
 
         The top-level request counters are about payment intent creates (the
-        charges); refund creates have their own under `refunds`. The fault
-        queue, `in_flight` and `idempotency_keys` are shared by both.
+        charges); confirms, cancels and refund creates have their own under
+        `confirm`, `cancel` and `refunds` (`confirm_requests`, `cancel_requests`
+        and `cancels`, the intents canceled, are repeated at the top). The
+        fault queue, `in_flight` and `idempotency_keys` are shared by all.
         """
         with self._cond:
+            self._fail_due_refunds()
             by_status = Counter(i.data["status"] for i in self._intents.values())
-            refund_stats = self._refund_stats
+            refunds = self._desk.records.values()
             return {
                 "create_requests": self._stats.create_requests,
+                "confirm_requests": self._confirm_stats.create_requests,
+                "cancel_requests": self._cancel_stats.create_requests,
+                "cancels": by_status["canceled"],
                 "intents": len(self._intents),
                 "intents_by_status": dict(by_status),
                 "replays": self._stats.replays,
@@ -309,14 +359,18 @@ class FakeState:
                 "in_flight": self._in_flight,
                 "idempotency_keys": len(self._keys),
                 "events": len(self._events),
+                "confirm": _stats_of(self._confirm_stats),
+                "cancel": _stats_of(self._cancel_stats),
                 "refunds": {
-                    "create_requests": refund_stats.create_requests,
-                    "count": len(self._refunds),
-                    "amount": sum(r.data["amount"] for r in self._refunds.values()),
-                    "replays": refund_stats.replays,
-                    "idempotency_conflicts": refund_stats.idempotency_conflicts,
-                    "in_flight_rejections": refund_stats.in_flight_rejections,
-                    "faults_injected": dict(refund_stats.faults),
+                    **_stats_of(self._refund_stats),
+                    "count": len(refunds),
+                    # What the charges give back or hold for pending refunds.
+                    "amount": sum(
+                        r.data["amount"]
+                        for r in refunds
+                        if r.data["status"] in ("pending", "succeeded")
+                    ),
+                    "by_status": dict(Counter(r.data["status"] for r in refunds)),
                 },
                 "config": asdict(self.config) | {"api_key": None},
             }
@@ -379,6 +433,56 @@ class FakeState:
             sleep,
         )
 
+    def confirm_payment_intent(
+        self,
+        pi_id: str,
+        params: list[tuple[str, str]],
+        parsed: dict[str, Any] | Reply,
+        idempotency_key: str | None,
+        sleep: Callable[[float], object] = time.sleep,
+    ) -> Reply:
+        """Handle `POST /v1/payment_intents/{id}/confirm`: charge with the payment method.
+
+        The same idempotency and faults as creates; the path is the key's
+        endpoint, so a key belongs to the confirm of one intent. A decline is a
+        402 that leaves the intent in `requires_payment_method`; a succeeded or
+        canceled intent refuses with a 400 `payment_intent_unexpected_state`
+        carrying the intent.
+        """
+        return self._create(
+            f"{PAYMENT_INTENTS_ENDPOINT}/{pi_id}/confirm",
+            self._confirm_stats,
+            lambda checked: self._execute_confirm(pi_id, checked),
+            params,
+            parsed,
+            idempotency_key,
+            sleep,
+        )
+
+    def cancel_payment_intent(
+        self,
+        pi_id: str,
+        params: list[tuple[str, str]],
+        parsed: dict[str, Any] | Reply,
+        idempotency_key: str | None,
+        sleep: Callable[[float], object] = time.sleep,
+    ) -> Reply:
+        """Handle `POST /v1/payment_intents/{id}/cancel` under an optional key; no faults.
+
+        Faults stay for the requests that charge or refund, so a queued fault
+        still hits the create it was queued for.
+        """
+        return self._create(
+            f"{PAYMENT_INTENTS_ENDPOINT}/{pi_id}/cancel",
+            self._cancel_stats,
+            lambda checked: self._execute_cancel(pi_id, checked),
+            params,
+            parsed,
+            idempotency_key,
+            sleep,
+            faults=False,
+        )
+
     def _create(
         self,
         endpoint: str,
@@ -388,9 +492,11 @@ class FakeState:
         parsed: dict[str, Any] | Reply,
         idempotency_key: str | None,
         sleep: Callable[[float], object],
+        *,
+        faults: bool = True,
     ) -> Reply:
         fingerprint = tuple(sorted(params))
-        if self.config.latency:
+        if self.config.latency and faults:
             sleep(self.config.latency)  # outside the lock: concurrent requests overlap
         with self._cond:
             stats.create_requests += 1
@@ -400,7 +506,7 @@ class FakeState:
                     return earlier
             if isinstance(parsed, Reply):
                 return parsed
-            fault = self._next_fault()
+            fault = self._next_fault() if faults else None
             if fault is not None:
                 stats.faults[fault] += 1
             if fault == "rate_limit":
@@ -478,38 +584,26 @@ class FakeState:
         starting_after: str | None = None,
         ending_before: str | None = None,
     ) -> Reply:
-        """Handle the list endpoint: newest first, cursor pagination, created filters."""
-        checks = {"gt": operator.gt, "gte": operator.ge, "lt": operator.lt, "lte": operator.le}
-        checks["eq"] = operator.eq
+        """Handle the list endpoint: newest first, cursor pagination, created filters.
+
+        `created` maps `gt`, `gte`, `lt`, `lte` and `eq` (a plain `created=`) to
+        Unix times; all of them apply together, within the cursor's pages.
+        """
         with self._cond:
-            rows = [
-                i
-                for i in self._newest_first()
-                if all(checks[op](i.data["created"], v) for op, v in created.items())
-            ]
-            ids = [i.data["id"] for i in rows]
+            rows = [i for i in self._newest_first() if _created_in(i.data, created)]
             cursor = starting_after or ending_before
             if cursor is not None and cursor not in self._intents:
                 param = "starting_after" if starting_after else "ending_before"
                 return invalid("No such payment_intent.", param=param, code="resource_missing")
-            if starting_after is not None:
-                start = ids.index(starting_after) + 1 if starting_after in ids else len(ids)
-                page, has_more = rows[start : start + limit], start + limit < len(rows)
-            elif ending_before is not None:
-                end = ids.index(ending_before) if ending_before in ids else 0
-                page, has_more = rows[max(0, end - limit) : end], end - limit > 0
-            else:
-                page, has_more = rows[:limit], limit < len(rows)
+            page, has_more = _page(rows, limit, starting_after, ending_before)
             data = [copy.deepcopy(i.data) for i in page]
-        return Reply(
-            200,
-            {"object": "list", "data": data, "has_more": has_more, "url": "/v1/payment_intents"},
-        )
+        return _list_reply(data, has_more, PAYMENT_INTENTS_ENDPOINT)
 
     def retrieve_refund(self, refund_id: str) -> Reply:
         """Handle `GET /v1/refunds/{id}`."""
         with self._cond:
-            refund = self._refunds.get(refund_id)
+            self._fail_due_refunds()
+            refund = self._desk.records.get(refund_id)
             if refund is None:
                 return error_reply(
                     404,
@@ -530,26 +624,15 @@ class FakeState:
     ) -> Reply:
         """Handle `GET /v1/refunds`: newest first, cursor pagination, by intent."""
         with self._cond:
-            rows = sorted(self._refunds.values(), key=lambda r: (r.created_at, r.seq), reverse=True)
-            if payment_intent is not None:
-                rows = [r for r in rows if r.data["payment_intent"] == payment_intent]
+            self._fail_due_refunds()
+            rows = self._desk.newest_first(payment_intent)
             cursor = starting_after or ending_before
-            if cursor is not None and cursor not in self._refunds:
+            if cursor is not None and cursor not in self._desk.records:
                 param = "starting_after" if starting_after else "ending_before"
                 return invalid(f"No such refund: '{cursor}'", param=param, code="resource_missing")
-            ids = [r.data["id"] for r in rows]
-            if starting_after is not None:
-                start = ids.index(starting_after) + 1 if starting_after in ids else len(ids)
-                page, has_more = rows[start : start + limit], start + limit < len(rows)
-            elif ending_before is not None:
-                end = ids.index(ending_before) if ending_before in ids else 0
-                page, has_more = rows[max(0, end - limit) : end], end - limit > 0
-            else:
-                page, has_more = rows[:limit], limit < len(rows)
+            page, has_more = _page(rows, limit, starting_after, ending_before)
             data = [copy.deepcopy(r.data) for r in page]
-        return Reply(
-            200, {"object": "list", "data": data, "has_more": has_more, "url": REFUNDS_ENDPOINT}
-        )
+        return _list_reply(data, has_more, REFUNDS_ENDPOINT)
 
     def list_events(
         self,
@@ -561,41 +644,30 @@ class FakeState:
         ending_before: str | None = None,
     ) -> Reply:
         """Handle `GET /v1/events`: newest first, cursor pagination, created and type filters."""
-        checks = {"gt": operator.gt, "gte": operator.ge, "lt": operator.lt, "lte": operator.le}
-        checks["eq"] = operator.eq
         wanted = set(types)
         with self._cond:
+            self._fail_due_refunds()
             newest_first = sorted(self._events.values(), key=lambda e: e.seq, reverse=True)
             rows = [
                 e
                 for e in newest_first
-                if all(checks[op](e.data["created"], v) for op, v in created.items())
-                and (not wanted or e.data["type"] in wanted)
+                if _created_in(e.data, created) and (not wanted or e.data["type"] in wanted)
             ]
             cursor = starting_after or ending_before
             if cursor is not None and cursor not in self._events:
                 param = "starting_after" if starting_after else "ending_before"
                 return invalid(f"No such event: '{cursor}'", param=param, code="resource_missing")
-            ids = [e.data["id"] for e in rows]
-            if starting_after is not None:
-                start = ids.index(starting_after) + 1 if starting_after in ids else len(ids)
-                page, has_more = rows[start : start + limit], start + limit < len(rows)
-            elif ending_before is not None:
-                end = ids.index(ending_before) if ending_before in ids else 0
-                page, has_more = rows[max(0, end - limit) : end], end - limit > 0
-            else:
-                page, has_more = rows[:limit], limit < len(rows)
+            page, has_more = _page(rows, limit, starting_after, ending_before)
             data = [copy.deepcopy(e.data) for e in page]
-        return Reply(
-            200, {"object": "list", "data": data, "has_more": has_more, "url": EVENTS_ENDPOINT}
-        )
+        return _list_reply(data, has_more, EVENTS_ENDPOINT)
 
     # --- internals (call with the lock held) -----------------------------------
 
     def _emit(self, event_type: str, obj: dict[str, Any]) -> None:
         """Record a Stripe-shaped event about `obj` and hand it to the sinks (lock held)."""
-        event = {
-            "id": "evt_" + secrets.token_hex(12),
+        event_id = "evt_" + secrets.token_hex(12)
+        event: dict[str, Any] = {
+            "id": event_id,
             "object": "event",
             "api_version": EVENT_API_VERSION,
             "created": int(self.clock()),
@@ -606,38 +678,9 @@ class FakeState:
             "type": event_type,
         }
         self._seq += 1
-        self._events[event["id"]] = _Event(event, self._seq)
+        self._events[event_id] = _Event(event, self._seq)
         for sink in self._sinks:
             sink.submit(copy.deepcopy(event))
-
-    def _charge_of(self, intent: _Intent) -> dict[str, Any]:
-        """The charge object of a succeeded intent, with its refunds (for `charge.refunded`)."""
-        data = intent.data
-        refunds = [
-            copy.deepcopy(r.data)
-            for r in sorted(self._refunds.values(), key=lambda r: r.seq, reverse=True)
-            if r.data["payment_intent"] == data["id"]
-        ]
-        return {
-            "id": intent.charge_id,
-            "object": "charge",
-            "amount": data["amount"],
-            "amount_captured": data["amount"],
-            "amount_refunded": intent.refunded,
-            "currency": data["currency"],
-            "created": data["created"],
-            "metadata": copy.deepcopy(data["metadata"]),
-            "paid": True,
-            "payment_intent": data["id"],
-            "refunded": intent.refunded >= data["amount"],
-            "status": "succeeded",
-            "refunds": {
-                "object": "list",
-                "data": refunds,
-                "has_more": False,
-                "url": f"/v1/charges/{intent.charge_id}/refunds",
-            },
-        }
 
     def _lookup_key(
         self,
@@ -712,34 +755,25 @@ class FakeState:
             draw -= rate
         return None
 
+    def _next_seq(self) -> int:
+        self._seq += 1
+        return self._seq
+
     def _newest_first(self) -> list[_Intent]:
         return sorted(self._intents.values(), key=lambda i: (i.created_at, i.seq), reverse=True)
 
     def _execute(self, parsed: dict[str, Any]) -> Reply:
-        """Create the intent (the charge, when confirmed) and return its answer."""
+        """Create the intent, and charge it when `confirm` is set; return its answer."""
         now = self.clock()
         pi_id = "pi_" + secrets.token_hex(12)
         method = parsed["payment_method"]
-        decline_code = DECLINING_CARDS.get(method) if parsed["confirm"] else None
-        if not parsed["confirm"]:
-            status = "requires_confirmation" if method else "requires_payment_method"
-        else:
-            status = "requires_payment_method" if decline_code else "succeeded"
-        last_error = None
-        if decline_code:
-            last_error = {
-                "type": "card_error",
-                "code": "card_declined",
-                "decline_code": decline_code,
-                "message": "Your card was declined.",
-            }
         data = {
             "id": pi_id,
             "object": "payment_intent",
             "amount": parsed["amount"],
-            "amount_received": parsed["amount"] if status == "succeeded" else 0,
+            "amount_received": 0,
             "currency": parsed["currency"],
-            "status": status,
+            "status": "requires_confirmation" if method else "requires_payment_method",
             "metadata": parsed["metadata"],
             "created": int(now),
             "payment_method": method,
@@ -747,72 +781,221 @@ class FakeState:
             "client_secret": f"{pi_id}_secret_{secrets.token_hex(12)}",
             "confirmation_method": "automatic",
             "capture_method": "automatic",
-            "last_payment_error": last_error,
+            "last_payment_error": None,
+            "latest_charge": None,
+            "canceled_at": None,
+            "cancellation_reason": None,
         }
-        self._seq += 1
-        charge_id = "ch_" + pi_id.removeprefix("pi_") if status == "succeeded" else None
-        self._intents[pi_id] = _Intent(data, now, self._seq, charge_id)
-        if status == "succeeded":
-            self._emit("payment_intent.succeeded", data)
-        elif decline_code:
+        intent = _Intent(data, now, self._next_seq())
+        self._intents[pi_id] = intent
+        if parsed["confirm"]:
+            return self._charge(intent, method)
+        return Reply(200, copy.deepcopy(data))
+
+    def _charge(self, intent: _Intent, method: str) -> Reply:
+        """Charge `method` for the intent: succeeded, or declined back to requires_payment_method."""
+        data = intent.data
+        decline_code = DECLINING_CARDS.get(method)
+        if decline_code is not None:
+            error = {
+                "type": "card_error",
+                "code": "card_declined",
+                "decline_code": decline_code,
+                "message": "Your card was declined.",
+                "payment_method": {"id": method, "object": "payment_method"},
+            }
+            # Stripe detaches the declined method: a new attempt needs one again.
+            data.update(status="requires_payment_method", payment_method=None)
+            data["last_payment_error"] = error
             self._emit("payment_intent.payment_failed", data)
-        if last_error is None:
-            return Reply(200, copy.deepcopy(data))
-        return Reply(402, {"error": {**last_error, "payment_intent": copy.deepcopy(data)}})
+            return Reply(
+                402, {"error": {**copy.deepcopy(error), "payment_intent": copy.deepcopy(data)}}
+            )
+        intent.charge_id = "ch_" + data["id"].removeprefix("pi_")
+        intent.succeeded = (self.clock(), self._next_seq())
+        data.update(
+            status="succeeded",
+            payment_method=method,
+            amount_received=data["amount"],
+            last_payment_error=None,
+            latest_charge=intent.charge_id,
+        )
+        self._emit("payment_intent.succeeded", data)
+        return Reply(200, copy.deepcopy(data))
+
+    def _execute_confirm(self, pi_id: str, parsed: dict[str, Any]) -> Reply:
+        """Confirm an intent as Stripe does, or refuse for its status."""
+        intent = self._intents.get(pi_id)
+        if intent is None:
+            return _no_such_intent(pi_id)
+        data = intent.data
+        status = data["status"]
+        given = parsed["payment_method"]
+        if status not in CONFIRMABLE:
+            if given is not None:
+                # Stripe first tries to attach the given method, and says so.
+                message = (
+                    "This PaymentIntent's payment_method could not be updated because it has a "
+                    f"status of {status}. You may only update the payment_method of a "
+                    "PaymentIntent with one of the following statuses: "
+                    + ", ".join(CONFIRMABLE)
+                    + "."
+                )
+            elif status == "succeeded":
+                message = (
+                    "You cannot confirm this PaymentIntent because it has already succeeded "
+                    "after being previously confirmed."
+                )
+            else:
+                message = (
+                    f"You cannot confirm this PaymentIntent because it has a status of {status}. "
+                    "Only a PaymentIntent with one of the following statuses may be confirmed: "
+                    + ", ".join(CONFIRMABLE)
+                    + "."
+                )
+            return _unexpected_state(message, data)
+        method = given or data["payment_method"]
+        if method is None:
+            return _unexpected_state(
+                "You cannot confirm this PaymentIntent because it's missing a payment method. "
+                "You can either update the PaymentIntent with a payment method and then confirm "
+                "it again, or confirm it again directly with a payment method.",
+                data,
+            )
+        return self._charge(intent, method)
+
+    def _execute_cancel(self, pi_id: str, parsed: dict[str, Any]) -> Reply:
+        """Cancel an intent that has not succeeded, or refuse for its status."""
+        intent = self._intents.get(pi_id)
+        if intent is None:
+            return _no_such_intent(pi_id)
+        data = intent.data
+        status = data["status"]
+        if status not in CANCELABLE:
+            return _unexpected_state(
+                f"You cannot cancel this PaymentIntent because it has a status of {status}. "
+                "Only a PaymentIntent with one of the following statuses may be canceled: "
+                + ", ".join(CANCELABLE)
+                + ".",
+                data,
+            )
+        data.update(
+            status="canceled",
+            canceled_at=int(self.clock()),
+            cancellation_reason=parsed["cancellation_reason"],
+        )
+        self._emit("payment_intent.canceled", data)
+        return Reply(200, copy.deepcopy(data))
 
     def _execute_refund(self, parsed: dict[str, Any]) -> Reply:
         """Refund (part of) an intent's charge, or refuse as Stripe does."""
-        pi_id = parsed["payment_intent"]
-        intent = self._intents.get(pi_id)
-        if intent is None:
-            return invalid(
-                f"No such payment_intent: '{pi_id}'",
-                param="payment_intent",
-                code="resource_missing",
+        self._fail_due_refunds()
+        try:
+            refund = self._desk.create(
+                parsed,
+                now=self.clock(),
+                status=self.config.refund_status,
+                fail_after=self.config.refund_fail_after,
             )
-        if intent.charge_id is None:
-            return invalid(
-                f"This PaymentIntent ({pi_id}) does not have a successful charge to refund.",
-                param="payment_intent",
-                code=NOT_REFUNDABLE,
+        except Refusal as refusal:
+            return invalid(refusal.message, param=refusal.param, code=refusal.code)
+        self._wake_failer()
+        return Reply(200, refund)
+
+    # --- refunds that fail on time (refund_fail_after) ------------------------------
+
+    def _fail_due_refunds(self) -> None:
+        """Fail the refunds that are due: every read checks, so a driven clock needs no thread."""
+        self._desk.fail_due(self.clock())
+
+    def _wake_failer(self) -> None:
+        """Start the failing thread when a failure is scheduled, or wake it for a new one."""
+        if self._desk.next_failure() is None or self._closed:
+            return
+        if self._failer is None:
+            self._failer = threading.Thread(
+                target=self._run_failer, name="fake-provider-refund-failures", daemon=True
             )
-        currency = intent.data["currency"]
-        charged = int(intent.data["amount"])
-        left = charged - intent.refunded
-        if left <= 0:
-            return invalid(
-                f"Charge {intent.charge_id} has already been refunded.", code=ALREADY_REFUNDED
-            )
-        amount = parsed["amount"] if parsed["amount"] is not None else left
-        if amount > left:
-            # Stripe names the charge amount until a first refund, then what is left.
-            limit = (
-                f"charge amount ({_money(charged, currency)})"
-                if intent.refunded == 0
-                else f"unrefunded amount on charge ({_money(left, currency)})"
-            )
-            return invalid(
-                f"Refund amount ({_money(amount, currency)}) is greater than {limit}",
-                param="amount",
-                code=REFUND_TOO_LARGE,
-            )
-        now = self.clock()
-        re_id = "re_" + secrets.token_hex(12)
-        data = {
-            "id": re_id,
-            "object": "refund",
-            "amount": amount,
-            "charge": intent.charge_id,
-            "created": int(now),
-            "currency": currency,
-            "metadata": parsed["metadata"],
-            "payment_intent": pi_id,
-            "reason": parsed["reason"],
-            "status": "succeeded",
-        }
-        intent.refunded += amount
-        self._seq += 1
-        self._refunds[re_id] = _Refund(data, now, self._seq)
-        self._emit("refund.created", data)
-        self._emit("charge.refunded", self._charge_of(intent))
-        return Reply(200, copy.deepcopy(data))
+            self._failer.start()
+        self._cond.notify_all()
+
+    def _run_failer(self) -> None:
+        with self._cond:
+            while not self._closed:
+                self._fail_due_refunds()
+                due = self._desk.next_failure()
+                # Short waits: an injected clock can jump without notifying anyone.
+                self._cond.wait(None if due is None else min(max(due - self.clock(), 0.0), 0.1))
+
+
+def _stats_of(stats: _Stats) -> dict[str, Any]:
+    return {
+        "create_requests": stats.create_requests,
+        "replays": stats.replays,
+        "idempotency_conflicts": stats.idempotency_conflicts,
+        "in_flight_rejections": stats.in_flight_rejections,
+        "faults_injected": dict(stats.faults),
+    }
+
+
+_CHECKS = {
+    "gt": operator.gt,
+    "gte": operator.ge,
+    "lt": operator.lt,
+    "lte": operator.le,
+    "eq": operator.eq,
+}
+
+
+class _Listed(Protocol):
+    data: dict[str, Any]
+
+
+_Row = TypeVar("_Row", bound=_Listed)
+
+
+def _created_in(data: Mapping[str, Any], created: Mapping[str, int]) -> bool:
+    """Whether `data["created"]` passes every `created[...]` filter."""
+    return all(_CHECKS[op](data["created"], value) for op, value in created.items())
+
+
+def _page(
+    rows: Sequence[_Row], limit: int, starting_after: str | None, ending_before: str | None
+) -> tuple[Sequence[_Row], bool]:
+    """Cut one page out of newest-first rows by cursor; return it and `has_more`.
+
+    A cursor that exists but is filtered out of `rows` gives an empty page.
+    """
+    ids = [row.data["id"] for row in rows]
+    if starting_after is not None:
+        start = ids.index(starting_after) + 1 if starting_after in ids else len(ids)
+        return rows[start : start + limit], start + limit < len(rows)
+    if ending_before is not None:
+        end = ids.index(ending_before) if ending_before in ids else 0
+        return rows[max(0, end - limit) : end], end - limit > 0
+    return rows[:limit], limit < len(rows)
+
+
+def _list_reply(data: list[dict[str, Any]], has_more: bool, url: str) -> Reply:
+    return Reply(200, {"object": "list", "data": data, "has_more": has_more, "url": url})
+
+
+def _no_such_intent(pi_id: str) -> Reply:
+    return error_reply(
+        404,
+        "invalid_request_error",
+        f"No such payment_intent: '{pi_id}'",
+        code="resource_missing",
+        param="intent",
+    )
+
+
+def _unexpected_state(message: str, intent: dict[str, Any]) -> Reply:
+    """A 400 payment_intent_unexpected_state carrying the intent, as Stripe's does."""
+    return error_reply(
+        400,
+        "invalid_request_error",
+        message,
+        code=UNEXPECTED_STATE,
+        payment_intent=copy.deepcopy(intent),
+    )

@@ -1,7 +1,8 @@
 """The fake provider's webhooks: every event POSTed, signed as Stripe signs them, retried.
 
 `WebhookSender` is an event sink of `FakeState`: each new event (a payment
-intent succeeded or declined, a refund made) is delivered to one endpoint as
+intent succeeded, declined or canceled, a refund made, completed or failed,
+also when a refund fails on its own timer) is delivered to one endpoint as
 `POST <url>` with the event's JSON as the body and the header
 
     Stripe-Signature: t=<unix time>,v1=<hex HMAC-SHA256(secret, "<t>.<body>")>

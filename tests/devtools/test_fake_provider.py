@@ -680,6 +680,7 @@ def test_refund__stats_count_refund_creates_and_reset_forgets_them(fake_provider
         "idempotency_conflicts": 0,
         "in_flight_rejections": 0,
         "faults_injected": None,
+        "by_status": {"succeeded": 1},
     }
     fake_provider.state.reset()
     assert fake_provider.state.refunds() == []
@@ -771,3 +772,445 @@ def test_timeline__every_success_to_the_microsecond_declines_left_out(clocked, c
     assert timeline[0]["metadata"] == {"step": "checkout:order:1:charge"}
     assert timeline[1]["succeeded_at"] - timeline[0]["succeeded_at"] == pytest.approx(0.5)
     assert timeline[0]["succeeded_at"] != int(timeline[0]["succeeded_at"])  # not whole seconds
+
+
+# --- confirm and cancel ------------------------------------------------------------------
+
+
+def act(
+    server: FakeProviderServer,
+    pi_id: str,
+    verb: str,
+    key: str | None = None,
+    timeout: float = 2,
+    **form: Any,
+) -> requests.Response:
+    """POST /v1/payment_intents/{id}/confirm or /cancel."""
+    headers = {**AUTH, **({"Idempotency-Key": key} if key else {})}
+    return requests.post(
+        f"{server.url}/v1/payment_intents/{pi_id}/{verb}",
+        data={k: v for k, v in form.items() if v is not None},
+        headers=headers,
+        timeout=timeout,
+    )
+
+
+def unexpected_state(response: requests.Response) -> dict[str, Any]:
+    """The error of a 400 payment_intent_unexpected_state (asserted)."""
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert (error["type"], error["code"]) == (
+        "invalid_request_error",
+        "payment_intent_unexpected_state",
+    )
+    return error
+
+
+def test_decline__last_payment_error_names_the_payment_method(fake_provider):
+    error = post(fake_provider, payment_method="pm_card_chargeDeclined").json()["error"]
+    assert error["payment_method"] == {"id": "pm_card_chargeDeclined", "object": "payment_method"}
+    intent = error["payment_intent"]
+    assert intent["last_payment_error"]["payment_method"]["id"] == "pm_card_chargeDeclined"
+    # Stripe detaches the declined method: the next attempt needs one.
+    assert intent["payment_method"] is None
+
+
+def test_confirm__after_decline_succeeds_with_a_good_card(fake_provider):
+    declined = charged(fake_provider, payment_method="pm_card_chargeDeclined")
+    confirmed = act(fake_provider, declined["id"], "confirm", "c-1", payment_method="pm_card_visa")
+    assert confirmed.status_code == 200
+    body = confirmed.json()
+    assert (body["id"], body["status"], body["amount_received"]) == (
+        declined["id"],
+        "succeeded",
+        1500,
+    )
+    assert body["payment_method"] == "pm_card_visa" and body["last_payment_error"] is None
+    assert body["latest_charge"].startswith("ch_")
+    assert fake_provider.state.succeeded_count() == 1
+    assert [e["type"] for e in fake_provider.state.events()] == [
+        "payment_intent.payment_failed",
+        "payment_intent.succeeded",
+    ]
+    # The charge is real: it can be refunded.
+    assert refund(fake_provider, payment_intent=declined["id"]).status_code == 200
+
+
+def test_confirm__declining_card_is_402_and_back_to_requires_payment_method(fake_provider):
+    pi = post(fake_provider, confirm=None, payment_method=None).json()
+    assert pi["status"] == "requires_payment_method"
+    declined = act(fake_provider, pi["id"], "confirm", payment_method="pm_card_chargeDeclined")
+    assert declined.status_code == 402
+    error = declined.json()["error"]
+    assert (error["type"], error["code"], error["decline_code"]) == (
+        "card_error",
+        "card_declined",
+        "generic_decline",
+    )
+    assert error["payment_intent"]["status"] == "requires_payment_method"
+    assert error["payment_intent"]["last_payment_error"]["payment_method"]["id"] == (
+        "pm_card_chargeDeclined"
+    )
+    assert [e["type"] for e in fake_provider.state.events()] == ["payment_intent.payment_failed"]
+    # Without a method of its own left, confirming needs one.
+    error = unexpected_state(act(fake_provider, pi["id"], "confirm"))
+    assert "missing a payment method" in error["message"]
+
+
+def test_confirm__requires_confirmation_intent_charges_its_own_method(fake_provider):
+    pi = post(fake_provider, confirm=None).json()
+    assert pi["status"] == "requires_confirmation"
+    confirmed = act(fake_provider, pi["id"], "confirm")
+    assert confirmed.status_code == 200 and confirmed.json()["status"] == "succeeded"
+
+
+def test_confirm__succeeded_intent_refuses_with_unexpected_state(fake_provider):
+    pi = charged(fake_provider)
+    error = unexpected_state(act(fake_provider, pi["id"], "confirm"))
+    assert error["message"] == (
+        "You cannot confirm this PaymentIntent because it has already succeeded after being "
+        "previously confirmed."
+    )
+    assert error["payment_intent"] == pi
+    with_method = unexpected_state(
+        act(fake_provider, pi["id"], "confirm", payment_method="pm_card_visa")
+    )
+    assert with_method["message"].startswith(
+        "This PaymentIntent's payment_method could not be updated because it has a status of "
+        "succeeded."
+    )
+    assert with_method["payment_intent"]["status"] == "succeeded"
+    assert fake_provider.state.succeeded_count() == 1
+    assert [e["type"] for e in fake_provider.state.events()] == ["payment_intent.succeeded"]
+
+
+def test_confirm__missing_intent_is_404_and_unknown_method_400(fake_provider):
+    missing = act(fake_provider, "pi_missing", "confirm", payment_method="pm_card_visa")
+    assert missing.status_code == 404
+    assert missing.json()["error"]["code"] == "resource_missing"
+    pi = post(fake_provider, confirm=None).json()
+    unknown = act(fake_provider, pi["id"], "confirm", payment_method="pm_card_unknown")
+    assert unknown.status_code == 400 and unknown.json()["error"]["param"] == "payment_method"
+
+
+def test_confirm__replays_by_key_and_keys_are_scoped_to_the_intents_confirm(fake_provider):
+    first = charged(fake_provider, key="c1", payment_method="pm_card_chargeDeclined")
+    second = charged(fake_provider, key="c2", payment_method="pm_card_chargeDeclined")
+    confirmed = act(
+        fake_provider, first["id"], "confirm", "confirm-1", payment_method="pm_card_visa"
+    )
+    again = act(fake_provider, first["id"], "confirm", "confirm-1", payment_method="pm_card_visa")
+    assert again.status_code == 200 and again.headers["Idempotent-Replayed"] == "true"
+    assert again.json() == confirmed.json()
+    other_params = act(
+        fake_provider, first["id"], "confirm", "confirm-1", payment_method="pm_card_mastercard"
+    )
+    assert other_params.status_code == 400
+    assert other_params.json()["error"]["type"] == "idempotency_error"
+    other_intent = act(
+        fake_provider, second["id"], "confirm", "confirm-1", payment_method="pm_card_visa"
+    )
+    assert other_intent.status_code == 400
+    error = other_intent.json()["error"]
+    assert error["type"] == "idempotency_error" and "same endpoint" in error["message"]
+    assert fake_provider.state.succeeded_count() == 1
+    stats = fake_provider.state.stats()
+    assert stats["confirm_requests"] == 4
+    assert stats["confirm"]["replays"] == 1 and stats["confirm"]["idempotency_conflicts"] == 2
+
+
+def test_confirm__in_flight_same_key_gets_409_then_replay(fake_provider):
+    pi = post(fake_provider, confirm=None).json()
+    fake_provider.state.configure(slow_delay=0.3)
+    fake_provider.state.enqueue_faults("slow")
+    answers: list[requests.Response] = []
+    worker = threading.Thread(
+        target=lambda: answers.append(act(fake_provider, pi["id"], "confirm", "slow-1"))
+    )
+    worker.start()
+    assert fake_provider.state.wait_for_in_flight(1, timeout=2)
+    concurrent = act(fake_provider, pi["id"], "confirm", "slow-1")
+    worker.join(timeout=3)
+    assert concurrent.status_code == 409
+    assert concurrent.json()["error"]["code"] == "idempotency_key_in_use"
+    assert answers[0].status_code == 200
+    assert (
+        act(fake_provider, pi["id"], "confirm", "slow-1").headers["Idempotent-Replayed"] == "true"
+    )
+
+
+@pytest.mark.parametrize(
+    ("mode", "status", "charges", "replayed_status"),
+    [
+        ("rate_limit", 429, 0, None),
+        ("fail_before", 500, 0, None),
+        ("fail_after", 500, 1, 500),
+    ],
+)
+def test_confirm_fault__like_creates(fake_provider, mode, status, charges, replayed_status):
+    pi = post(fake_provider, confirm=None).json()
+    fake_provider.state.enqueue_faults(mode)
+    failed = act(fake_provider, pi["id"], "confirm", "fault-1")
+    assert failed.status_code == status
+    assert fake_provider.state.succeeded_count() == charges
+    retried = act(fake_provider, pi["id"], "confirm", "fault-1")
+    if replayed_status is None:
+        assert retried.status_code == 200 and "Idempotent-Replayed" not in retried.headers
+    else:
+        assert retried.status_code == replayed_status
+        assert retried.headers["Idempotent-Replayed"] == "true"
+    assert fake_provider.state.succeeded_count() == 1
+    assert fake_provider.state.stats()["confirm"]["faults_injected"] == {mode: 1}
+
+
+def test_confirm_fault_drop_after_accept__charges_and_closes(fake_provider):
+    pi = post(fake_provider, confirm=None).json()
+    fake_provider.state.enqueue_faults("drop_after_accept")
+    with pytest.raises(requests.ConnectionError):
+        act(fake_provider, pi["id"], "confirm", "drop-1")
+    assert fake_provider.state.succeeded_count() == 1
+    replay = act(fake_provider, pi["id"], "confirm", "drop-1")
+    assert replay.status_code == 200 and replay.headers["Idempotent-Replayed"] == "true"
+
+
+def test_cancel__requires_payment_method_intent_is_canceled_with_event(clocked, clock):
+    pi = charged(clocked, payment_method="pm_card_chargeDeclined")
+    clock.advance(5)
+    canceled = act(clocked, pi["id"], "cancel", "cancel-1", cancellation_reason="abandoned")
+    assert canceled.status_code == 200
+    body = canceled.json()
+    assert (body["status"], body["cancellation_reason"]) == ("canceled", "abandoned")
+    assert body["canceled_at"] == int(clock.now)
+    [event] = clocked.state.events(type="payment_intent.canceled")
+    assert event["data"]["object"] == body
+    replay = act(clocked, pi["id"], "cancel", "cancel-1", cancellation_reason="abandoned")
+    assert replay.headers["Idempotent-Replayed"] == "true" and replay.json() == body
+    stats = clocked.state.stats()
+    assert (stats["cancel_requests"], stats["cancels"]) == (2, 1)
+    assert stats["intents_by_status"] == {"canceled": 1}
+
+
+def test_cancel__without_key_or_reason_and_from_requires_confirmation(fake_provider):
+    pi = post(fake_provider, confirm=None).json()
+    canceled = act(fake_provider, pi["id"], "cancel")
+    assert canceled.status_code == 200
+    assert (canceled.json()["status"], canceled.json()["cancellation_reason"]) == ("canceled", None)
+
+
+def test_cancel__succeeded_intent_refuses_with_unexpected_state(fake_provider):
+    pi = charged(fake_provider)
+    error = unexpected_state(act(fake_provider, pi["id"], "cancel"))
+    assert error["message"] == (
+        "You cannot cancel this PaymentIntent because it has a status of succeeded. Only a "
+        "PaymentIntent with one of the following statuses may be canceled: "
+        "requires_payment_method, requires_capture, requires_confirmation, requires_action, "
+        "processing."
+    )
+    assert error["payment_intent"] == pi
+    assert fake_provider.state.events(type="payment_intent.canceled") == []
+
+
+def test_cancel__canceled_intent_refuses_cancel_and_confirm(fake_provider):
+    pi = post(fake_provider, confirm=None).json()
+    assert act(fake_provider, pi["id"], "cancel").status_code == 200
+    again = unexpected_state(act(fake_provider, pi["id"], "cancel"))
+    assert "has a status of canceled" in again["message"]
+    confirm = unexpected_state(act(fake_provider, pi["id"], "confirm"))
+    assert confirm["message"].startswith(
+        "You cannot confirm this PaymentIntent because it has a status of canceled."
+    )
+    assert confirm["payment_intent"]["status"] == "canceled"
+    assert fake_provider.state.succeeded_count() == 0
+
+
+def test_cancel__bad_reason_is_400_and_missing_intent_404(fake_provider):
+    pi = post(fake_provider, confirm=None).json()
+    bad = act(fake_provider, pi["id"], "cancel", cancellation_reason="bored")
+    assert bad.status_code == 400
+    assert bad.json()["error"]["param"] == "cancellation_reason"
+    assert act(fake_provider, "pi_missing", "cancel").status_code == 404
+    assert get(fake_provider, f"/v1/payment_intents/{pi['id']}").json()["status"] == (
+        "requires_confirmation"
+    )
+
+
+def test_cancel__draws_no_faults(fake_provider):
+    pi = post(fake_provider, confirm=None).json()
+    fake_provider.state.enqueue_faults("fail_before")
+    assert act(fake_provider, pi["id"], "cancel").status_code == 200
+    assert fake_provider.state.stats()["faults_queued"] == ["fail_before"]
+
+
+def test_timeline__intent_that_succeeds_through_confirm_is_listed_when_it_succeeds(clocked, clock):
+    later = post(clocked, key="k-1", confirm=None).json()
+    clock.advance(1)
+    first = post(clocked, key="k-2").json()
+    clock.advance(2)
+    act(clocked, later["id"], "confirm")
+    timeline = clocked.state.timeline()
+    assert [row["id"] for row in timeline] == [first["id"], later["id"]]
+    assert timeline[1]["succeeded_at"] - timeline[0]["succeeded_at"] == pytest.approx(2)
+
+
+# --- list windows --------------------------------------------------------------------------
+
+
+def test_list__created_windows_combine_with_cursor_pages(clocked, clock):
+    start = int(clock.now)
+    ids = []
+    for n in range(6):
+        ids.append(post(clocked, key=f"w{n}").json()["id"])
+        clock.advance(10)
+    # Created at start, start+10, ... start+50; newest first.
+    window = {"created[gte]": start + 10, "created[lte]": start + 40}
+
+    def walk(**params: Any) -> list[str]:
+        page = get(clocked, "/v1/payment_intents", limit=2, **window, **params).json()
+        seen = [pi["id"] for pi in page["data"]]
+        while page["has_more"]:
+            page = get(
+                clocked, "/v1/payment_intents", limit=2, starting_after=seen[-1], **window
+            ).json()
+            seen += [pi["id"] for pi in page["data"]]
+        return seen
+
+    assert walk() == ids[1:5][::-1]
+    strict = {"created[gt]": start + 10, "created[lt]": start + 40}
+    assert [pi["id"] for pi in get(clocked, "/v1/payment_intents", **strict).json()["data"]] == [
+        ids[3],
+        ids[2],
+    ]
+    exact = get(clocked, "/v1/payment_intents", created=start + 20).json()
+    assert [pi["id"] for pi in exact["data"]] == [ids[2]]
+    back = get(clocked, "/v1/payment_intents", limit=2, ending_before=ids[2], **window).json()
+    assert ([pi["id"] for pi in back["data"]], back["has_more"]) == ([ids[4], ids[3]], False)
+    first_page = get(clocked, "/v1/payment_intents", limit=3, **window).json()
+    assert first_page["has_more"] is True and len(first_page["data"]) == 3
+    bad = get(clocked, "/v1/payment_intents", **{"created[gte]": "yesterday"})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "created[gte]"
+
+
+# --- refund states ---------------------------------------------------------------------------
+
+
+def control(server: FakeProviderServer, path: str, **body: Any) -> requests.Response:
+    return requests.post(f"{server.url}/_fake/{path}", json=body, timeout=2)
+
+
+def test_refund_pending__holds_its_amount_until_it_succeeds(fake_provider):
+    fake_provider.state.configure(refund_status="pending")
+    pi = charged(fake_provider)
+    pending = refund(fake_provider, payment_intent=pi["id"]).json()
+    assert (pending["status"], pending["failure_reason"]) == ("pending", None)
+    assert pending["failure_balance_transaction"] is None
+    # The whole charge is held by the pending refund: nothing is left to refund.
+    again = refund(fake_provider, key="refund-2", payment_intent=pi["id"], amount="1")
+    assert refund_error(again)[2] == "charge_already_refunded"
+    assert [e["type"] for e in fake_provider.state.events()][1:] == ["refund.created"]
+    succeeded = control(fake_provider, f"refunds/{pending['id']}/succeed")
+    assert succeeded.status_code == 200 and succeeded.json()["status"] == "succeeded"
+    assert get(fake_provider, f"/v1/refunds/{pending['id']}").json()["status"] == "succeeded"
+    assert [e["type"] for e in fake_provider.state.events()][2:] == [
+        "refund.updated",
+        "charge.refunded",
+    ]
+    assert control(fake_provider, f"refunds/{pending['id']}/succeed").status_code == 400
+
+
+def test_refund_fail__after_success_gives_the_amount_back_and_emits_refund_failed(fake_provider):
+    pi = charged(fake_provider)
+    made = refund(fake_provider, payment_intent=pi["id"], amount="1000").json()
+    assert made["status"] == "succeeded"
+    failed = fake_provider.state.fail_refund(made["id"])
+    assert (failed["status"], failed["failure_reason"]) == ("failed", "lost_or_stolen_card")
+    assert failed["failure_balance_transaction"].startswith("txn_")
+    assert get(fake_provider, f"/v1/refunds/{made['id']}").json() == failed
+    [updated, refund_failed] = [
+        e for e in fake_provider.state.events() if e["type"] in ("refund.updated", "refund.failed")
+    ]
+    assert (updated["type"], refund_failed["type"]) == ("refund.updated", "refund.failed")
+    assert refund_failed["data"]["object"] == failed
+    # The amount is back on the charge: the whole charge can be refunded again.
+    whole = refund(fake_provider, key="refund-again", payment_intent=pi["id"])
+    assert whole.status_code == 200 and whole.json()["amount"] == 1500
+    stats = fake_provider.state.stats()["refunds"]
+    assert (stats["amount"], stats["by_status"]) == (1500, {"failed": 1, "succeeded": 1})
+
+
+def test_refund_fail__pending_refund_fails_over_the_control_api(fake_provider):
+    fake_provider.state.configure(refund_status="pending")
+    pi = charged(fake_provider)
+    pending = refund(fake_provider, payment_intent=pi["id"], amount="500").json()
+    failed = control(
+        fake_provider, f"refunds/{pending['id']}/fail", reason="expired_or_canceled_card"
+    )
+    assert failed.status_code == 200
+    assert (failed.json()["status"], failed.json()["failure_reason"]) == (
+        "failed",
+        "expired_or_canceled_card",
+    )
+    assert fake_provider.state.events(type="charge.refunded") == []
+    assert len(fake_provider.state.events(type="refund.failed")) == 1
+    # A failed refund cannot fail or succeed again; unknown ones are 404.
+    assert control(fake_provider, f"refunds/{pending['id']}/fail").status_code == 400
+    assert control(fake_provider, f"refunds/{pending['id']}/succeed").status_code == 400
+    assert control(fake_provider, "refunds/re_missing/fail").status_code == 404
+    assert (
+        control(fake_provider, f"refunds/{pending['id']}/fail", reason="bored").status_code == 400
+    )
+    assert refund(fake_provider, key="r-2", payment_intent=pi["id"]).json()["amount"] == 1500
+    # Neither pending refund ever succeeded: the timeline has the charge alone.
+    assert [row["object"] for row in fake_provider.state.timeline()] == ["payment_intent"]
+
+
+def test_refund_config__rejects_unknown_start_status(fake_provider):
+    with pytest.raises(ValueError):
+        fake_provider.state.configure(refund_status="failed")
+    with pytest.raises(ValueError):
+        fake_provider.state.configure(refund_fail_after=-1)
+    assert control(fake_provider, "config", refund_status="requires_action").status_code == 400
+
+
+def test_refund_fail_after__fails_each_refund_that_long_after_it_succeeded(clocked, clock):
+    clocked.state.configure(refund_fail_after=60)
+    pi = charged(clocked)
+    made = refund(clocked, payment_intent=pi["id"], amount="100").json()
+    clock.advance(59)
+    assert get(clocked, f"/v1/refunds/{made['id']}").json()["status"] == "succeeded"
+    clock.advance(1)
+    failed = get(clocked, f"/v1/refunds/{made['id']}").json()
+    assert (failed["status"], failed["failure_reason"]) == ("failed", "lost_or_stolen_card")
+    assert [e["type"] for e in clocked.state.events()][-2:] == ["refund.updated", "refund.failed"]
+
+
+class Recorder:
+    """An event sink: what the fake hands its webhook sender, without any request."""
+
+    def __init__(self) -> None:
+        self.events: list[dict[str, Any]] = []
+        self.failed = threading.Event()
+
+    def submit(self, event: dict[str, Any]) -> None:
+        self.events.append(event)
+        if event["type"] == "refund.failed":
+            self.failed.set()
+
+    def clear(self) -> None:
+        self.events.clear()
+
+
+def test_refund_fail_after__a_thread_fails_them_and_tells_the_sinks():
+    sink = Recorder()
+    with FakeProviderServer(refund_fail_after=0.2) as server:
+        server.state.add_event_sink(sink)
+        pi = charged(server)
+        made = refund(server, payment_intent=pi["id"], amount="100").json()
+        assert sink.failed.wait(timeout=3)  # no request in between: the thread did it
+        assert [e["type"] for e in sink.events][-2:] == ["refund.updated", "refund.failed"]
+        assert sink.events[-1]["data"]["object"]["id"] == made["id"]
+        again = refund(server, key="refund-2", payment_intent=pi["id"], amount="100").json()
+        server.state.reset()  # forgets the scheduled failure with the refunds
+        time.sleep(0.3)
+        assert sink.events == []
+        assert server.state.refunds() == [] and again["status"] == "succeeded"
+    assert not [t for t in threading.enumerate() if t.name == "fake-provider-refund-failures"]
