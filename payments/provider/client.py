@@ -24,10 +24,22 @@ before the request is sent is replaced by a new connection (if that connect
 fails: TRANSIENT); a reset after the request went out is UNCERTAIN
 (tests/provider/test_client_session.py pins both on real sockets).
 
+Intents are created (and by default confirmed) by `create_payment_intent`;
+one left unconfirmed or declined is confirmed later by
+`confirm_payment_intent` (a decline is CardDeclined again) and given up by
+`cancel_payment_intent`. A confirm or cancel that the intent's status does not
+allow (confirming a succeeded or canceled intent, canceling a succeeded one)
+is an InvalidRequest with `code` `errors.PAYMENT_INTENT_UNEXPECTED_STATE` and
+the intent's status in `payment_intent_status`.
+
 Refunds (`create_refund`, `retrieve_refund`, `list_refunds`) go through the
 same table: a refused refund is an InvalidRequest (PERMANENT) whose `code`
 says why (`errors.REFUND_AMOUNT_TOO_LARGE`, `errors.CHARGE_ALREADY_REFUNDED`,
-`errors.PAYMENT_INTENT_NOT_REFUNDABLE`).
+`errors.PAYMENT_INTENT_NOT_REFUNDABLE`). A refund can be `pending` and can
+still fail after it succeeded (`failed` with `failure_reason`).
+
+The lists (`list_payment_intents`, `list_refunds`, `list_events`) follow
+`starting_after` pages lazily, one request per page.
 
 Logs carry method, path, status, request id, idempotency key, intent id and
 refund id only: never the API key, the payment method, metadata values or
@@ -40,10 +52,10 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 import requests
 from requests.adapters import HTTPAdapter
@@ -62,6 +74,7 @@ MAX_IDEMPOTENCY_KEY_LENGTH = 255
 PAYMENT_INTENTS_PATH = "/v1/payment_intents"
 REFUNDS_PATH = "/v1/refunds"
 REFUND_REASONS = frozenset({"duplicate", "fraudulent", "requested_by_customer"})
+CANCELLATION_REASONS = frozenset({"duplicate", "fraudulent", "requested_by_customer", "abandoned"})
 
 #: Kept-alive connections one process keeps to the provider. A worker sends one
 #: request at a time (one connection); threads beyond this open extra
@@ -183,6 +196,11 @@ class PaymentIntent:
     created: int = 0
     last_error_code: str | None = None
     replayed: bool = False
+    # Ids of payment methods stay out of reprs, as out of logs.
+    #: The intent's payment method id (None after a decline: Stripe detaches it).
+    payment_method: str | None = field(default=None, repr=False)
+    #: The payment method the last failed attempt used (`last_payment_error.payment_method`).
+    last_error_payment_method: str | None = field(default=None, repr=False)
 
     @classmethod
     def from_json(cls, data: Any, *, replayed: bool = False) -> PaymentIntent:
@@ -190,6 +208,8 @@ class PaymentIntent:
         if not isinstance(data, dict) or not isinstance(data.get("id"), str):
             raise ValueError("not a payment_intent object")
         last_error = data.get("last_payment_error")
+        if not isinstance(last_error, dict):
+            last_error = {}
         try:
             return cls(
                 id=data["id"],
@@ -198,8 +218,10 @@ class PaymentIntent:
                 currency=str(data["currency"]),
                 metadata={str(k): str(v) for k, v in (data.get("metadata") or {}).items()},
                 created=int(data.get("created") or 0),
-                last_error_code=last_error.get("code") if isinstance(last_error, dict) else None,
+                last_error_code=last_error.get("code"),
                 replayed=replayed,
+                payment_method=_id_of(data.get("payment_method")),
+                last_error_payment_method=_id_of(last_error.get("payment_method")),
             )
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise ValueError("malformed payment_intent object") from exc
@@ -218,6 +240,8 @@ class Refund:
     metadata: Mapping[str, str] = field(default_factory=dict, hash=False)
     created: int = 0
     replayed: bool = False
+    #: Why a `failed` refund failed (`lost_or_stolen_card`, ...); None otherwise.
+    failure_reason: str | None = None
 
     @classmethod
     def from_json(cls, data: Any, *, replayed: bool = False) -> Refund:
@@ -229,7 +253,7 @@ class Refund:
             intent = intent.get("id")
         if not isinstance(intent, str):
             raise ValueError("refund without a payment_intent")
-        reason = data.get("reason")
+        reason, failure = data.get("reason"), data.get("failure_reason")
         try:
             return cls(
                 id=data["id"],
@@ -241,9 +265,17 @@ class Refund:
                 metadata={str(k): str(v) for k, v in (data.get("metadata") or {}).items()},
                 created=int(data.get("created") or 0),
                 replayed=replayed,
+                failure_reason=str(failure) if failure is not None else None,
             )
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise ValueError("malformed refund object") from exc
+
+
+def _id_of(value: Any) -> str | None:
+    """The id of an expandable field: the string itself, or the expanded object's `id`."""
+    if isinstance(value, dict):
+        value = value.get("id")
+    return value if isinstance(value, str) and value else None
 
 
 def encode_form(params: Mapping[str, Any], prefix: str = "") -> list[tuple[str, str]]:
@@ -278,6 +310,16 @@ def build_metadata_query(metadata: Mapping[str, str]) -> str:
         f"metadata[{_quote_search_value(str(k))}]:{_quote_search_value(str(v))}"
         for k, v in metadata.items()
     )
+
+
+class _Listed(Protocol):
+    """What a listed object needs for the next page's cursor."""
+
+    @property
+    def id(self) -> str: ...
+
+
+_Item = TypeVar("_Item", bound=_Listed)
 
 
 class ProviderClient:
@@ -384,10 +426,49 @@ class ProviderClient:
         )
         return _intent(answer.body, answer)
 
+    def confirm_payment_intent(
+        self, pi_id: str, *, payment_method: str, idempotency_key: str
+    ) -> PaymentIntent:
+        """Confirm (charge) an intent with `payment_method` under an idempotency key.
+
+        A decline raises CardDeclined (with `payment_intent_id`); a succeeded or
+        canceled intent raises InvalidRequest with `code`
+        PAYMENT_INTENT_UNEXPECTED_STATE and its `payment_intent_status`.
+        """
+        _check_intent_id(pi_id)
+        _check_idempotency_key(idempotency_key)
+        if not isinstance(payment_method, str) or not payment_method:
+            raise ValueError("payment_method must be a non-empty string")
+        form = encode_form({"payment_method": payment_method})
+        path = f"{PAYMENT_INTENTS_PATH}/{pi_id}/confirm"
+        answer = self._request("POST", path, form=form, idempotency_key=idempotency_key)
+        return _intent(answer.body, answer)
+
+    def cancel_payment_intent(
+        self,
+        pi_id: str,
+        *,
+        idempotency_key: str | None = None,
+        cancellation_reason: str | None = None,
+    ) -> PaymentIntent:
+        """Cancel an intent that has not succeeded; return it `canceled`.
+
+        A succeeded (or already canceled) intent raises InvalidRequest with
+        `code` PAYMENT_INTENT_UNEXPECTED_STATE and its `payment_intent_status`.
+        """
+        _check_intent_id(pi_id)
+        if idempotency_key is not None:
+            _check_idempotency_key(idempotency_key)
+        if cancellation_reason is not None and cancellation_reason not in CANCELLATION_REASONS:
+            raise ValueError(f"cancellation_reason must be one of {sorted(CANCELLATION_REASONS)}")
+        form = encode_form({"cancellation_reason": cancellation_reason})
+        path = f"{PAYMENT_INTENTS_PATH}/{pi_id}/cancel"
+        answer = self._request("POST", path, form=form, idempotency_key=idempotency_key)
+        return _intent(answer.body, answer)
+
     def retrieve_payment_intent(self, pi_id: str) -> PaymentIntent:
         """Fetch one intent by id; a missing one raises ResourceMissing."""
-        if not pi_id or "/" in pi_id:
-            raise ValueError("invalid payment intent id")
+        _check_intent_id(pi_id)
         path = f"{PAYMENT_INTENTS_PATH}/{pi_id}"
         answer = self._request("GET", path)
         return _intent(answer.body, answer)
@@ -406,21 +487,19 @@ class ProviderClient:
             query = {**query, "page": str(next_page)}
 
     def list_payment_intents(
-        self, *, created_gte: int | None = None, limit: int = 100
+        self,
+        *,
+        created_gte: int | None = None,
+        created_lte: int | None = None,
+        limit: int = 100,
     ) -> Iterator[PaymentIntent]:
-        """Yield all intents (newest first), following `starting_after` pages."""
-        if not 1 <= limit <= 100:
-            raise ValueError("limit must be between 1 and 100")
-        query: dict[str, str] = {"limit": str(limit)}
+        """Yield the intents created in [created_gte, created_lte] (either open), newest first."""
+        query = {"limit": _page_size(limit)}
         if created_gte is not None:
             query["created[gte]"] = str(int(created_gte))
-        while True:
-            answer = self._request("GET", PAYMENT_INTENTS_PATH, query=query)
-            items = [_intent(item, answer) for item in _data(answer)]
-            yield from items
-            if not answer.body.get("has_more") or not items:
-                return
-            query = {**query, "starting_after": items[-1].id}
+        if created_lte is not None:
+            query["created[lte]"] = str(int(created_lte))
+        return self._pages(PAYMENT_INTENTS_PATH, query, _intent)
 
     def create_refund(
         self,
@@ -465,16 +544,8 @@ class ProviderClient:
         """Yield the refunds of one intent (newest first), following `starting_after` pages."""
         if not payment_intent:
             raise ValueError("payment_intent must be a non-empty string")
-        if not 1 <= limit <= 100:
-            raise ValueError("limit must be between 1 and 100")
-        query: dict[str, str] = {"payment_intent": payment_intent, "limit": str(limit)}
-        while True:
-            answer = self._request("GET", REFUNDS_PATH, query=query)
-            items = [_refund(item, answer) for item in _data(answer)]
-            yield from items
-            if not answer.body.get("has_more") or not items:
-                return
-            query = {**query, "starting_after": items[-1].id}
+        query = {"payment_intent": payment_intent, "limit": _page_size(limit)}
+        return self._pages(REFUNDS_PATH, query, _refund)
 
     def list_events(self, *, created_gte: int | None = None, limit: int = 100) -> Iterator[Event]:
         """Yield the provider's events (newest first), following `starting_after` pages.
@@ -483,18 +554,30 @@ class ProviderClient:
         listed events are the ones the provider pushes, unsigned (the API key
         authenticates this answer).
         """
-        if not 1 <= limit <= 100:
-            raise ValueError("limit must be between 1 and 100")
-        query: dict[str, str] = {"limit": str(limit)}
+        query = {"limit": _page_size(limit)}
         if created_gte is not None:
             query["created[gte]"] = str(int(created_gte))
+        return self._pages(EVENTS_PATH, query, _event)
+
+    def _pages(
+        self,
+        path: str,
+        query: Mapping[str, str],
+        parse: Callable[[Any, _Answer], _Item],
+    ) -> Iterator[_Item]:
+        """Yield the items of a list, newest first, one request per `starting_after` page.
+
+        Arguments are checked by the callers before this generator starts, so a
+        bad one raises at the call, not at the first `next()`.
+        """
+        page = dict(query)
         while True:
-            answer = self._request("GET", EVENTS_PATH, query=query)
-            items = [_event(item, answer) for item in _data(answer)]
+            answer = self._request("GET", path, query=page)
+            items = [parse(item, answer) for item in _data(answer)]
             yield from items
             if not answer.body.get("has_more") or not items:
                 return
-            query = {**query, "starting_after": items[-1].id}
+            page["starting_after"] = items[-1].id
 
     # --- transport and classification --------------------------------------
 
@@ -631,6 +714,19 @@ def _data(answer: _Answer) -> list[Any]:
     if not isinstance(body, dict) or not isinstance(body.get("data"), list):
         raise answer.not_understood("a list")
     return body["data"]
+
+
+def _page_size(limit: int) -> str:
+    """Check a list's page size (Stripe allows 1 to 100) and return it as sent."""
+    if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= 100:
+        raise ValueError("limit must be between 1 and 100")
+    return str(limit)
+
+
+def _check_intent_id(pi_id: str) -> None:
+    """Refuse ids that would change the request's path."""
+    if not isinstance(pi_id, str) or not pi_id or "/" in pi_id or "?" in pi_id:
+        raise ValueError("invalid payment intent id")
 
 
 def _check_idempotency_key(key: str) -> None:

@@ -26,8 +26,12 @@ from payments.engine.outcomes import Outcome
 REFUND_AMOUNT_TOO_LARGE = "amount_too_large"
 #: nothing is left: the charge is already fully refunded.
 CHARGE_ALREADY_REFUNDED = "charge_already_refunded"
-#: the PaymentIntent has no successful charge (declined, never confirmed).
-PAYMENT_INTENT_NOT_REFUNDABLE = "payment_intent_unexpected_state"
+#: the PaymentIntent's status does not allow the request: a refund of an intent
+#: without a successful charge, a confirm of a succeeded or canceled intent, a
+#: cancel of a succeeded one. The error carries the intent (`payment_intent_status`).
+PAYMENT_INTENT_UNEXPECTED_STATE = "payment_intent_unexpected_state"
+#: the refund's name for it: the PaymentIntent has no successful charge.
+PAYMENT_INTENT_NOT_REFUNDABLE = PAYMENT_INTENT_UNEXPECTED_STATE
 
 
 class ProviderError(Exception):
@@ -47,6 +51,7 @@ class ProviderError(Exception):
         param: str | None = None,
         request_id: str | None = None,
         payment_intent_id: str | None = None,
+        payment_intent_status: str | None = None,
         replayed: bool = False,
     ) -> None:
         super().__init__(message)
@@ -59,6 +64,8 @@ class ProviderError(Exception):
         self.param = param
         self.request_id = request_id
         self.payment_intent_id = payment_intent_id
+        #: The intent's status as the error reported it (a decline, an unexpected state).
+        self.payment_intent_status = payment_intent_status
         self.replayed = replayed
 
     def as_dict(self) -> dict[str, object]:
@@ -74,6 +81,7 @@ class ProviderError(Exception):
             "param": self.param,
             "request_id": self.request_id,
             "payment_intent_id": self.payment_intent_id,
+            "payment_intent_status": self.payment_intent_status,
             "replayed": self.replayed,
         }
 
@@ -176,6 +184,8 @@ def classify_response(
     error = body.get("error") if isinstance(body, dict) else None
     error = error if isinstance(error, dict) else {}
     pi = error.get("payment_intent")
+    pi = pi if isinstance(pi, dict) else {}
+    pi_id, pi_status = pi.get("id"), pi.get("status")
     attrs: dict[str, Any] = {
         "http_status": status,
         "error_type": error.get("type"),
@@ -183,7 +193,8 @@ def classify_response(
         "decline_code": error.get("decline_code"),
         "param": error.get("param"),
         "request_id": headers.get("Request-Id"),
-        "payment_intent_id": pi.get("id") if isinstance(pi, dict) else None,
+        "payment_intent_id": pi_id if isinstance(pi_id, str) else None,
+        "payment_intent_status": pi_status if isinstance(pi_status, str) else None,
         "replayed": headers.get("Idempotent-Replayed", "").lower() == "true",
     }
     label = "/".join(str(part) for part in (attrs["error_type"], attrs["code"]) if part)

@@ -41,6 +41,7 @@ from payments.provider.client import (
 from payments.provider.errors import (
     CHARGE_ALREADY_REFUNDED,
     PAYMENT_INTENT_NOT_REFUNDABLE,
+    PAYMENT_INTENT_UNEXPECTED_STATE,
     REFUND_AMOUNT_TOO_LARGE,
     CardDeclined,
     IdempotencyConflict,
@@ -850,3 +851,252 @@ def test_logs__never_carry_key_payment_method_or_bodies(fake_provider, caplog):
     assert "op:log:charge" in text and "status=402" in text
     for secret in (TEST_API_KEY, "pm_card", "someone@example.com", "client_secret"):
         assert secret not in text
+
+
+# --- confirm and cancel --------------------------------------------------------------
+
+
+def declined(client: ProviderClient, key: str = "op:1:charge") -> str:
+    """Create an intent whose first attempt was declined; return its id."""
+    with pytest.raises(CardDeclined) as info:
+        create(client, key=key, payment_method="pm_card_chargeDeclined")
+    assert info.value.payment_intent_id is not None
+    return info.value.payment_intent_id
+
+
+def test_confirm__declined_intent_succeeds_with_a_good_card_and_replays(fake_provider):
+    client = make_client(fake_provider)
+    pi_id = declined(client)
+    before = client.retrieve_payment_intent(pi_id)
+    assert (before.status, before.payment_method) == ("requires_payment_method", None)
+    assert before.last_error_payment_method == "pm_card_chargeDeclined"
+    confirmed = client.confirm_payment_intent(
+        pi_id, payment_method="pm_card_visa", idempotency_key="op:1:confirm"
+    )
+    assert (confirmed.id, confirmed.status, confirmed.replayed) == (pi_id, "succeeded", False)
+    assert (confirmed.payment_method, confirmed.last_error_code) == ("pm_card_visa", None)
+    again = client.confirm_payment_intent(
+        pi_id, payment_method="pm_card_visa", idempotency_key="op:1:confirm"
+    )
+    assert again.replayed is True and again.status == "succeeded"
+    assert fake_provider.state.succeeded_count() == 1
+
+
+def test_confirm__decline_is_card_declined_with_intent_id_and_status(fake_provider):
+    client = make_client(fake_provider)
+    pi_id = declined(client)
+    with pytest.raises(CardDeclined) as info:
+        client.confirm_payment_intent(
+            pi_id, payment_method="pm_card_chargeDeclinedInsufficientFunds", idempotency_key="c"
+        )
+    error = info.value
+    assert (error.outcome, error.http_status, error.decline_code) == (
+        Outcome.PERMANENT,
+        402,
+        "insufficient_funds",
+    )
+    assert (error.payment_intent_id, error.payment_intent_status) == (
+        pi_id,
+        "requires_payment_method",
+    )
+    assert error.as_dict()["payment_intent_status"] == "requires_payment_method"
+
+
+def test_confirm__succeeded_intent_is_invalid_request_with_unexpected_state(fake_provider):
+    client = make_client(fake_provider)
+    pi = create(client)
+    with pytest.raises(InvalidRequest) as info:
+        client.confirm_payment_intent(
+            pi.id, payment_method="pm_card_visa", idempotency_key="op:1:confirm"
+        )
+    error = info.value
+    assert type(error) is InvalidRequest and error.outcome is Outcome.PERMANENT
+    assert (error.http_status, error.code) == (400, PAYMENT_INTENT_UNEXPECTED_STATE)
+    assert (error.payment_intent_id, error.payment_intent_status) == (pi.id, "succeeded")
+    assert error.as_dict()["payment_intent_status"] == "succeeded"
+    assert PAYMENT_INTENT_NOT_REFUNDABLE == PAYMENT_INTENT_UNEXPECTED_STATE
+
+
+def test_confirm__unknown_intent_is_resource_missing(fake_provider):
+    with pytest.raises(ResourceMissing):
+        make_client(fake_provider).confirm_payment_intent(
+            "pi_missing", payment_method="pm_card_visa", idempotency_key="k"
+        )
+
+
+def test_confirm_fault__fail_before_is_transient_then_the_same_key_charges_once(fake_provider):
+    client = make_client(fake_provider)
+    pi_id = declined(client)
+    fake_provider.state.enqueue_faults("fail_before")
+    with pytest.raises(TransientProviderError):
+        client.confirm_payment_intent(pi_id, payment_method="pm_card_visa", idempotency_key="k")
+    confirmed = client.confirm_payment_intent(
+        pi_id, payment_method="pm_card_visa", idempotency_key="k"
+    )
+    assert confirmed.status == "succeeded" and fake_provider.state.succeeded_count() == 1
+
+
+def test_cancel__declined_intent_is_canceled_then_refuses_cancel_and_confirm(fake_provider):
+    client = make_client(fake_provider)
+    pi_id = declined(client)
+    canceled = client.cancel_payment_intent(
+        pi_id, idempotency_key="op:1:cancel", cancellation_reason="abandoned"
+    )
+    assert (canceled.id, canceled.status) == (pi_id, "canceled")
+    with pytest.raises(InvalidRequest) as again:
+        client.cancel_payment_intent(pi_id)
+    assert (again.value.code, again.value.payment_intent_status) == (
+        PAYMENT_INTENT_UNEXPECTED_STATE,
+        "canceled",
+    )
+    with pytest.raises(InvalidRequest) as confirm:
+        client.confirm_payment_intent(pi_id, payment_method="pm_card_visa", idempotency_key="k")
+    assert confirm.value.payment_intent_status == "canceled"
+    assert fake_provider.state.succeeded_count() == 0
+
+
+def test_cancel__succeeded_intent_is_invalid_request_with_its_status(fake_provider):
+    client = make_client(fake_provider)
+    pi = create(client)
+    with pytest.raises(InvalidRequest) as info:
+        client.cancel_payment_intent(pi.id, idempotency_key="op:1:cancel")
+    assert (info.value.code, info.value.payment_intent_id, info.value.payment_intent_status) == (
+        PAYMENT_INTENT_UNEXPECTED_STATE,
+        pi.id,
+        "succeeded",
+    )
+
+
+def test_confirm_and_cancel_requests__paths_forms_and_keys(scripted):
+    server = scripted(
+        respond(200, INTENT_JSON), respond(200, INTENT_JSON), respond(200, INTENT_JSON)
+    )
+    client = scripted_client(server)
+    client.confirm_payment_intent(
+        "pi_scripted", payment_method="pm_card_visa", idempotency_key="op:7:confirm"
+    )
+    client.cancel_payment_intent(
+        "pi_scripted", idempotency_key="op:7:cancel", cancellation_reason="duplicate"
+    )
+    client.cancel_payment_intent("pi_scripted")
+    sent = [request.partition(b"\r\n\r\n") for request in server.requests]
+    heads = [head.decode().split("\r\n") for head, _, _ in sent]
+    bodies = [body.decode() for _, _, body in sent]
+    assert heads[0][0] == "POST /v1/payment_intents/pi_scripted/confirm HTTP/1.1"
+    assert "Idempotency-Key: op:7:confirm" in heads[0]
+    assert bodies[0] == "payment_method=pm_card_visa"
+    assert heads[1][0] == "POST /v1/payment_intents/pi_scripted/cancel HTTP/1.1"
+    assert "Idempotency-Key: op:7:cancel" in heads[1]
+    assert bodies[1] == "cancellation_reason=duplicate"
+    assert not any(line.startswith("Idempotency-Key") for line in heads[2]) and bodies[2] == ""
+
+
+def test_confirm_and_cancel_arguments__checked_before_sending():
+    client = ProviderClient("http://127.0.0.1:9", TEST_API_KEY, connect_timeout=1, read_timeout=1)
+    for bad_id in ("", "pi_a/../b", "pi_a?x=1"):
+        with pytest.raises(ValueError):
+            client.confirm_payment_intent(
+                bad_id, payment_method="pm_card_visa", idempotency_key="k"
+            )
+        with pytest.raises(ValueError):
+            client.cancel_payment_intent(bad_id)
+    with pytest.raises(ValueError):
+        client.confirm_payment_intent("pi_x", payment_method="", idempotency_key="k")
+    with pytest.raises(ValueError):
+        client.confirm_payment_intent("pi_x", payment_method="pm_card_visa", idempotency_key="")
+    with pytest.raises(ValueError):
+        client.cancel_payment_intent("pi_x", cancellation_reason="bored")
+    with pytest.raises(ValueError):
+        client.cancel_payment_intent("pi_x", idempotency_key="k" * 256)
+
+
+def test_intent_from_json__expanded_payment_methods_give_their_ids():
+    intent = PaymentIntent.from_json(
+        {
+            **INTENT_JSON,
+            "payment_method": {"id": "pm_expanded", "object": "payment_method"},
+            "last_payment_error": {"code": "card_declined", "payment_method": "pm_declined"},
+        }
+    )
+    assert (intent.payment_method, intent.last_error_payment_method) == (
+        "pm_expanded",
+        "pm_declined",
+    )
+    assert "pm_" not in repr(intent)  # payment methods stay out of logs and reprs
+
+
+# --- lists: created windows, pages, refund failures -------------------------------------
+
+
+def test_list__created_window_gte_and_lte(fake_provider):
+    clock = FakeClock()
+    with FakeProviderServer(clock=clock) as server:
+        client = make_client(server)
+        start = int(clock.now)
+        ids = []
+        for n in range(5):
+            ids.append(create(client, key=f"k{n}").id)
+            clock.advance(10)
+        window = client.list_payment_intents(
+            created_gte=start + 10, created_lte=start + 30, limit=1
+        )
+        assert [pi.id for pi in window] == ids[1:4][::-1]
+        assert [pi.id for pi in client.list_payment_intents(created_lte=start + 10)] == ids[1::-1]
+    with pytest.raises(ValueError):
+        make_client(fake_provider).list_payment_intents(limit=0)
+
+
+LIST_CASES = [
+    ("/v1/payment_intents", INTENT_JSON, lambda c: c.list_payment_intents(limit=1), ""),
+    (
+        "/v1/refunds",
+        REFUND_JSON,
+        lambda c: c.list_refunds(payment_intent="pi_scripted", limit=1),
+        "payment_intent=pi_scripted&",
+    ),
+    (
+        "/v1/events",
+        {"id": "evt_1", "object": "event", "type": "x", "created": 1, "data": {"object": {}}},
+        lambda c: c.list_events(limit=1),
+        "",
+    ),
+]
+
+
+@pytest.mark.parametrize(("path", "item", "walk", "query"), LIST_CASES)
+def test_lists__follow_starting_after_one_request_per_page(scripted, path, item, walk, query):
+    first = {**item, "id": item["id"] + "_a"}
+    second = {**item, "id": item["id"] + "_b"}
+    server = scripted(
+        respond(200, {"object": "list", "data": [first], "has_more": True}),
+        respond(200, {"object": "list", "data": [second], "has_more": False}),
+    )
+    assert [obj.id for obj in walk(scripted_client(server))] == [first["id"], second["id"]]
+    lines = [request.split(b"\r\n", 1)[0].decode() for request in server.requests]
+    assert lines == [
+        f"GET {path}?{query}limit=1 HTTP/1.1",
+        f"GET {path}?{query}limit=1&starting_after={first['id']} HTTP/1.1",
+    ]
+
+
+def test_refund__failed_after_success_reads_failed_with_its_reason(fake_provider):
+    client = make_client(fake_provider)
+    pi = create(client)
+    made = refund(client, pi.id, amount=400)
+    assert (made.status, made.failure_reason) == ("succeeded", None)
+    fake_provider.state.fail_refund(made.id, reason="expired_or_canceled_card")
+    fetched = client.retrieve_refund(made.id)
+    assert (fetched.status, fetched.failure_reason) == ("failed", "expired_or_canceled_card")
+    [listed] = client.list_refunds(payment_intent=pi.id)
+    assert listed.failure_reason == "expired_or_canceled_card"
+    # The amount is back on the charge: the whole of it can be refunded now.
+    assert refund(client, pi.id, key="op:2:refund").amount == 1000
+
+
+def test_refund__pending_refund_reads_pending(fake_provider):
+    fake_provider.state.configure(refund_status="pending")
+    client = make_client(fake_provider)
+    made = refund(client, create(client).id)
+    assert (made.status, made.failure_reason) == ("pending", None)
+    fake_provider.state.complete_refund(made.id)
+    assert client.retrieve_refund(made.id).status == "succeeded"
