@@ -7,10 +7,15 @@ every SDK call is exactly one HTTP request and the fake's counts stay exact.
 
 from __future__ import annotations
 
+import json
+import time
+
 import pytest
 import stripe
 
 from devtools.fake_provider.server import FakeProviderServer
+from devtools.fake_provider.webhooks import sign
+from tests.support.provider import FakeClock
 
 API_KEY = "sk_test_sdk"
 
@@ -183,3 +188,111 @@ def test_refund__retrieve_missing_and_key_conflict(sdk):
     sdk.v1.refunds.create({"payment_intent": pi.id, "amount": 100}, options)
     with pytest.raises(stripe.IdempotencyError):
         sdk.v1.refunds.create({"payment_intent": pi.id, "amount": 200}, options)
+
+
+# --- confirm, cancel, created windows, refund failures ------------------------------------
+
+
+def test_confirm__declined_intent_succeeds_with_a_good_card(global_api):
+    with pytest.raises(stripe.CardError) as declined:
+        stripe.PaymentIntent.create(**charge_params("confirm", "pm_card_chargeDeclined"))
+    pi_id = declined.value.error.payment_intent.id
+    failed = stripe.PaymentIntent.retrieve(pi_id)
+    assert failed.status == "requires_payment_method" and failed.payment_method is None
+    assert failed.last_payment_error.payment_method.id == "pm_card_chargeDeclined"
+    confirmed = stripe.PaymentIntent.confirm(
+        pi_id, payment_method="pm_card_visa", idempotency_key="confirm-1"
+    )
+    assert (confirmed.id, confirmed.status, confirmed.amount_received) == (pi_id, "succeeded", 2500)
+    again = stripe.PaymentIntent.confirm(
+        pi_id, payment_method="pm_card_visa", idempotency_key="confirm-1"
+    )
+    assert again.last_response.headers["Idempotent-Replayed"] == "true"
+    assert global_api.state.succeeded_count() == 1
+
+
+def test_confirm__succeeded_intent_raises_unexpected_state_with_the_intent(global_api):
+    pi = stripe.PaymentIntent.create(**charge_params("confirm-twice"))
+    with pytest.raises(stripe.InvalidRequestError) as info:
+        stripe.PaymentIntent.confirm(pi.id, payment_method="pm_card_visa")
+    error = info.value
+    assert (error.http_status, error.code) == (400, "payment_intent_unexpected_state")
+    assert error.error.payment_intent.id == pi.id
+    assert error.error.payment_intent.status == "succeeded"
+    assert "has a status of succeeded" in error.user_message
+
+
+def test_cancel__then_confirm_raises_unexpected_state(global_api):
+    pi = stripe.PaymentIntent.create(**{**charge_params("cancel"), "confirm": False})
+    assert pi.status == "requires_confirmation"
+    canceled = stripe.PaymentIntent.cancel(pi.id, cancellation_reason="requested_by_customer")
+    assert (canceled.status, canceled.cancellation_reason) == ("canceled", "requested_by_customer")
+    assert isinstance(canceled.canceled_at, int)
+    with pytest.raises(stripe.InvalidRequestError) as confirm:
+        stripe.PaymentIntent.confirm(pi.id)
+    assert confirm.value.code == "payment_intent_unexpected_state"
+    assert confirm.value.error.payment_intent.status == "canceled"
+    succeeded = stripe.PaymentIntent.create(**charge_params("cancel-paid"))
+    with pytest.raises(stripe.InvalidRequestError) as cancel:
+        stripe.PaymentIntent.cancel(succeeded.id)
+    assert cancel.value.code == "payment_intent_unexpected_state"
+    assert cancel.value.error.payment_intent.id == succeeded.id
+
+
+def test_cancel__with_the_client_api(sdk):
+    pi = sdk.v1.payment_intents.create({**charge_params("client-cancel"), "confirm": False})
+    canceled = sdk.v1.payment_intents.cancel(pi.id, {"cancellation_reason": "abandoned"})
+    assert canceled.status == "canceled"
+    confirmed = sdk.v1.payment_intents.create({**charge_params("client-confirm"), "confirm": False})
+    assert sdk.v1.payment_intents.confirm(confirmed.id).status == "succeeded"
+
+
+def test_list__created_window_with_auto_paging():
+    clock = FakeClock()
+    with FakeProviderServer(clock=clock) as server:
+        client = stripe.StripeClient(
+            API_KEY, base_addresses={"api": server.url}, max_network_retries=0
+        )
+        start = int(clock.now)
+        ids = []
+        for n in range(5):
+            ids.append(client.v1.payment_intents.create(charge_params(f"window-{n}")).id)
+            clock.advance(10)
+        window = client.v1.payment_intents.list(
+            {"created": {"gte": start + 10, "lte": start + 30}, "limit": 1}
+        )
+        assert window.has_more is True
+        assert [pi.id for pi in window.auto_paging_iter()] == ids[1:4][::-1]
+
+
+def test_list__created_window_with_the_global_api(global_api):
+    pi = stripe.PaymentIntent.create(**charge_params("global-window"))
+    listed = stripe.PaymentIntent.list(created={"lte": pi.created, "gte": pi.created}, limit=1)
+    assert [p.id for p in listed.auto_paging_iter()] == [pi.id]
+    later = stripe.PaymentIntent.list(created={"gt": pi.created})
+    assert list(later.auto_paging_iter()) == []
+
+
+def test_refund__failed_after_success_is_retrieved_failed_with_its_reason(global_api):
+    pi = stripe.PaymentIntent.create(**charge_params("refund-fails"))
+    made = stripe.Refund.create(payment_intent=pi.id, amount=1000)
+    assert (made.status, made.failure_reason) == ("succeeded", None)
+    global_api.state.fail_refund(made.id)
+    fetched = stripe.Refund.retrieve(made.id)
+    assert (fetched.status, fetched.failure_reason) == ("failed", "lost_or_stolen_card")
+    assert fetched.failure_balance_transaction.startswith("txn_")
+    # The amount is back on the charge.
+    assert stripe.Refund.create(payment_intent=pi.id).amount == 2500
+
+
+def test_refund_failed_event__signed_as_the_fake_sends_it_passes_construct_event(global_api):
+    pi = stripe.PaymentIntent.create(**charge_params("refund-failed-event"))
+    made = stripe.Refund.create(payment_intent=pi.id)
+    global_api.state.fail_refund(made.id, reason="expired_or_canceled_card")
+    [raw] = global_api.state.events(type="refund.failed")
+    # The webhook sender's own encoding and signature.
+    payload = json.dumps(raw, separators=(",", ":")).encode()
+    header = sign(payload, "whsec_sdk", int(time.time()))
+    event = stripe.Webhook.construct_event(payload, header, "whsec_sdk")
+    assert (event.type, event.data.object.id) == ("refund.failed", made.id)
+    assert event.data.object.failure_reason == "expired_or_canceled_card"
