@@ -362,6 +362,17 @@ CACHES = (
 )
 #: The largest request body the API reads (413 above it).
 API_MAX_BODY_BYTES = env.int("API_MAX_BODY_BYTES", default=64 * 1024)
+# The API's limits count in Redis, atomically (payments/api/limits.py), in the cache's
+# database: every web process shares them. Empty: in each process's own cache.
+API_RATE_REDIS_URL = env.str("REDIS_CACHE_URL", default="")
+# How many proxies in front of the web processes append to X-Forwarded-For (README,
+# "Deploying"). 0: the wrong-key limit counts the peer address (REMOTE_ADDR) and
+# ignores the header, which any client can write.
+API_TRUSTED_PROXIES = env.int("API_TRUSTED_PROXIES", default=0)
+if API_TRUSTED_PROXIES < 0:
+    raise ImproperlyConfigured(
+        f"API_TRUSTED_PROXIES={API_TRUSTED_PROXIES}: the number of proxies in front, 0 or more."
+    )
 
 
 # --- Production: HTTPS, cookies, the proxy, login lockout, process counts ---------

@@ -34,8 +34,8 @@ from rest_framework.parsers import JSONParser
 from rest_framework.permissions import BasePermission
 from rest_framework.request import Request
 from rest_framework.response import Response
-from rest_framework.throttling import SimpleRateThrottle
 
+from payments.api.limits import WindowThrottle, client_address, peek
 from payments.exceptions import InvalidTransition, OperationConflict
 from payments.models import ApiClient, ClientApiKey, Operation, Order
 
@@ -119,54 +119,36 @@ class IsApiClient(BasePermission):
         return isinstance(request.user, ApiCaller)
 
 
-class _SettingsRate:
-    """Read the rate from the current settings (DRF reads it once, at import)."""
-
-    scope: str
-
-    def get_rate(self) -> str | None:
-        from rest_framework.settings import api_settings
-
-        return api_settings.DEFAULT_THROTTLE_RATES.get(self.scope)
-
-
-class ClientRateThrottle(_SettingsRate, SimpleRateThrottle):
-    """Requests per client (`API_RATE_PER_CLIENT`), shared by all web processes via the cache."""
+class ClientRateThrottle(WindowThrottle):
+    """Requests per client (`API_RATE_PER_CLIENT`), counted atomically (payments.api.limits)."""
 
     scope = "client"
 
-    def get_cache_key(self, request: Request, view: Any) -> str | None:
+    def ident(self, request: Request) -> str | None:
         caller = request.user
-        if not isinstance(caller, ApiCaller):
-            return None
-        return self.cache_format % {"scope": self.scope, "ident": caller.client.pk}
+        return str(caller.client.pk) if isinstance(caller, ApiCaller) else None
 
 
-class FailedAuthThrottle(_SettingsRate, SimpleRateThrottle):
-    """Failed authentications per address (`API_RATE_FAILED_AUTH`)."""
+class FailedAuthThrottle(WindowThrottle):
+    """Wrong keys per address (`API_RATE_FAILED_AUTH`); the address is `client_address`'s."""
 
     scope = "failed_auth"
 
-    def get_cache_key(self, request: Any, view: Any) -> str:
-        return self.cache_format % {"scope": self.scope, "ident": self.get_ident(request)}
-
-    def _history(self, request: Request) -> list[float]:
-        self.key = self.get_cache_key(request, None)
-        self.now = self.timer()
-        history: list[float] = [
-            t for t in self.cache.get(self.key, []) if t > self.now - self.duration
-        ]
-        self.history = history
-        return history
+    def ident(self, request: Request) -> str:
+        return client_address(request)
 
     def refuse_if_over(self, request: Request) -> None:
-        if len(self._history(request)) >= self.num_requests:
-            raise exceptions.Throttled(wait=self.wait())
+        """429 while the address is locked out, before its key is looked at (right or not)."""
+        if self.limit is None:
+            return
+        window = peek(f"{self.scope}:{self.ident(request)}", self.seconds)
+        if window.count >= self.limit:
+            raise exceptions.Throttled(wait=window.retry_after)
 
     def count(self, request: Request) -> None:
-        history = self._history(request)
-        history.insert(0, self.now)
-        self.cache.set(self.key, history, self.duration)
+        """Count a wrong key; 429 instead of 401 once it is over the limit (one at a time)."""
+        if not self.allow_request(request, None):
+            raise exceptions.Throttled(wait=self.wait())
 
 
 # --- what is accepted --------------------------------------------------------------
