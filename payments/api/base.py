@@ -211,6 +211,13 @@ def json_object(request: Request) -> dict[str, Any]:
     return body
 
 
+def optional_idempotency_key(request: Request) -> str | None:
+    """The request's Idempotency-Key where it may be left out: None without the header."""
+    if request.META.get("HTTP_IDEMPOTENCY_KEY") is None:
+        return None
+    return idempotency_key(request)
+
+
 def idempotency_key(request: Request) -> str:
     """Return the request's Idempotency-Key, or raise ApiError (400) naming what is wrong."""
     key = request.META.get("HTTP_IDEMPOTENCY_KEY")
@@ -283,18 +290,23 @@ def start_operation(
     except ObjectDoesNotExist:
         raise not_found from None
     except OperationConflict as exc:
-        raise ApiError(
-            409,
-            "idempotency_conflict",
-            "This Idempotency-Key was already used for another request "
-            f"({exc.existing_entity} or other parameters); use a new key.",
-        ) from None
+        raise idempotency_conflict(exc) from None
     except refusal as exc:
         raise ApiError(409, refusal_code, str(exc)) from None
     response = Response({"operation": op.key, "state": op.state, **answer}, status=202)
     if not created:
         response["Idempotent-Replayed"] = "true"
     return response
+
+
+def idempotency_conflict(exc: OperationConflict) -> ApiError:
+    """The 409 for a key used before with other parameters."""
+    return ApiError(
+        409,
+        "idempotency_conflict",
+        "This Idempotency-Key was already used for another request "
+        f"({exc.existing_entity} or other parameters); use a new key.",
+    )
 
 
 # --- every error in one shape ----------------------------------------------------------

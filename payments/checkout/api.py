@@ -13,14 +13,17 @@ from rest_framework.response import Response
 from payments.api.base import (
     caller_client,
     caller_order,
+    idempotency_conflict,
     idempotency_key,
     json_object,
+    optional_idempotency_key,
     order_not_found,
     start_operation,
 )
 from payments.api.fields import ERRORS, StrictCharField, StrictIntegerField
 from payments.checkout.handler import CheckoutNotAllowed, request_checkout
-from payments.checkout.orders import CURRENCIES, create_order
+from payments.checkout.orders import CURRENCIES, create_order, create_order_once
+from payments.exceptions import OperationConflict
 from payments.models import Order
 
 MAX_PAYMENT_METHOD_LENGTH = 255
@@ -32,6 +35,14 @@ IDEMPOTENCY_KEY = OpenApiParameter(
     OpenApiParameter.HEADER,
     required=True,
     description="1-255 printable ASCII characters, scoped to your client.",
+)
+OPTIONAL_IDEMPOTENCY_KEY = OpenApiParameter(
+    "Idempotency-Key",
+    str,
+    OpenApiParameter.HEADER,
+    required=False,
+    description="Optional: 1-255 printable ASCII characters, scoped to your client; a retry "
+    "with the same key and body answers the same order.",
 )
 
 
@@ -85,18 +96,33 @@ def _valid(serializer_class: type[serializers.Serializer], request: Request) -> 
     return dict(serializer.validated_data)
 
 
-@extend_schema(request=OrderIn, responses={201: OrderOut, **ERRORS}, operation_id="create_order")
+@extend_schema(
+    request=OrderIn,
+    responses={201: OrderOut, **ERRORS},
+    parameters=[OPTIONAL_IDEMPOTENCY_KEY],
+    operation_id="create_order",
+)
 @api_view(["POST"])
 def orders(request: Request) -> Response:
-    """Create an order: {"amount": 1999, "currency": "eur", "email": "a@example.com"}."""
+    """Create an order: {"amount": 1999, "currency": "eur", "email": "a@example.com"}.
+
+    With an Idempotency-Key, a retry answers the order the key created
+    (`Idempotent-Replayed: true`), and the key with another body is 409.
+    """
+    key = optional_idempotency_key(request)  # a bad key is the first thing to say
     data = _valid(OrderIn, request)
-    order = create_order(
-        amount=data["amount"],
-        currency=data["currency"],
-        email=data["email"],
-        client=caller_client(request),
-    )
-    return Response(order_json(order), status=201)
+    values = {"amount": data["amount"], "currency": data["currency"], "email": data["email"]}
+    client = caller_client(request)
+    if key is None:
+        return Response(order_json(create_order(client=client, **values)), status=201)
+    try:
+        order, created = create_order_once(key=key, client=client, **values)
+    except OperationConflict as exc:
+        raise idempotency_conflict(exc) from None
+    response = Response(order_json(order), status=201)
+    if not created:
+        response["Idempotent-Replayed"] = "true"
+    return response
 
 
 @extend_schema(responses={200: OrderOut, **ERRORS}, operation_id="get_order")

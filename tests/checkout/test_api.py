@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import threading
 
 import pytest
+from django.db import connection
 from django.test import Client
 
 from payments.models import Operation, Order, OrderStatus
@@ -201,3 +203,63 @@ def test_operation_detail__shows_state_and_steps(api, queue):
 
 def test_wrong_method__405(api):
     assert api.get("/api/orders").status_code == 405
+
+
+# --- POST /api/orders with an Idempotency-Key ---------------------------------------------
+
+ORDER = {"amount": 1999, "currency": "eur", "email": "a@example.com"}
+
+
+def test_create_order__same_key_replays_the_order_instead_of_a_second_one(api):
+    first = post(api, "/api/orders", ORDER, **{"Idempotency-Key": "order-1"})
+    again = post(api, "/api/orders", ORDER, **{"Idempotency-Key": "order-1"})
+    assert (first.status_code, again.status_code) == (201, 201)
+    assert again.json() == first.json()
+    assert again["Idempotent-Replayed"] == "true" and not first.has_header("Idempotent-Replayed")
+    assert Order.objects.count() == 1
+
+
+def test_create_order__same_key_with_another_body_is_409_and_writes_nothing(api):
+    post(api, "/api/orders", ORDER, **{"Idempotency-Key": "order-1"})
+    other = post(api, "/api/orders", {**ORDER, "amount": 2000}, **{"Idempotency-Key": "order-1"})
+    assert other.status_code == 409
+    assert other.json()["error"]["code"] == "idempotency_conflict"
+    assert Order.objects.count() == 1
+
+
+def test_create_order__without_a_key_creates_one_each_time(api):
+    assert [post(api, "/api/orders", ORDER).status_code for _ in range(2)] == [201, 201]
+    assert Order.objects.count() == 2
+
+
+@pytest.mark.parametrize("key", ["   ", "k" * 256, "clé"])
+def test_create_order__a_bad_key_is_400_naming_it_and_writes_nothing(api, key):
+    response = post(api, "/api/orders", ORDER, **{"Idempotency-Key": key})
+    assert response.status_code == 400
+    assert response.json()["error"]["field"] == "Idempotency-Key"
+    assert not Order.objects.exists()
+
+
+@pytest.mark.django_db(transaction=True)  # each thread's own connection must see the commits
+def test_create_order__twelve_concurrent_posts_with_one_key_make_one_order(settings):
+    settings.API_TOKEN = TOKEN
+    ready = threading.Barrier(12)
+    answers: list[tuple[int, int]] = []
+
+    def send() -> None:
+        try:
+            client = Client(headers={"Authorization": f"Bearer {TOKEN}"})
+            ready.wait()
+            response = post(client, "/api/orders", ORDER, **{"Idempotency-Key": "retried"})
+            answers.append((response.status_code, response.json()["id"]))
+        finally:
+            connection.close()
+
+    threads = [threading.Thread(target=send) for _ in range(12)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert {status for status, _ in answers} == {201}
+    assert len({order_id for _, order_id in answers}) == 1
+    assert Order.objects.count() == 1
