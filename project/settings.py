@@ -318,6 +318,10 @@ LOGGING = {
     },
 }
 
+# Bearer token for the RQ pages' stats.json and metrics/ without a session (README,
+# "Production"); empty: none is accepted.
+RQ_API_TOKEN = env.str("RQ_API_TOKEN", default="")
+
 # --- Observability ---
 # Bearer token for /metrics; empty: only staff sessions may read it (docs/observability.md).
 METRICS_TOKEN = env.str("METRICS_TOKEN", default="")
@@ -346,6 +350,10 @@ SPECTACULAR_SETTINGS = {
     "VERSION": "1",
     "SERVE_INCLUDE_SCHEMA": False,
     "COMPONENT_SPLIT_REQUEST": True,
+    "POSTPROCESSING_HOOKS": [
+        "drf_spectacular.hooks.postprocess_schema_enums",
+        "payments.api.schema.refuse_unknown_fields",
+    ],
 }
 # The API's throttles count in the cache: a shared Redis cache in production
 # (REDIS_CACHE_URL, its own database: payments.W004), per process otherwise.

@@ -19,7 +19,9 @@ true`), another body 409. The synchronous API never calls the provider.
 from __future__ import annotations
 
 import hmac
+import io
 import json
+import re
 from collections.abc import Callable, Iterator
 from typing import Any, cast
 
@@ -34,12 +36,13 @@ from rest_framework.parsers import JSONParser
 from rest_framework.permissions import BasePermission
 from rest_framework.request import Request
 from rest_framework.response import Response
+from rest_framework.serializers import Serializer
 
+from payments.api.fields import IDEMPOTENCY_KEY_PATTERN, MAX_KEY_LENGTH, matches
 from payments.api.limits import WindowThrottle, client_address, peek
 from payments.exceptions import InvalidTransition, OperationConflict
 from payments.models import ApiClient, ClientApiKey, Operation, Order
 
-MAX_KEY_LENGTH = 255
 #: JSON nested deeper than this is refused (a recursion bomb must not reach the parser's limit).
 MAX_JSON_DEPTH = 32
 BOOTSTRAP_CLIENT = "bootstrap"
@@ -180,12 +183,23 @@ def _check_text(text: str) -> None:
         ) from None
 
 
+#: The one media type a body may have: `application/json`, with at most a UTF-8 charset.
+JSON_MEDIA_TYPE = re.compile(
+    r"\Aapplication/json[ \t]*(;[ \t]*charset[ \t]*=[ \t]*(utf-?8|\"utf-?8\")[ \t]*)?\Z",
+    re.IGNORECASE,
+)
+
+
 class StrictJSONParser(JSONParser):
-    """JSON only (anything else is 415), UTF-8, at most API_MAX_BODY_BYTES, no NUL or surrogates."""
+    """JSON only (anything else is 415), UTF-8, at most API_MAX_BODY_BYTES, no NUL or surrogates.
+
+    DRF picks this parser for any content type that matches `application/json`
+    loosely (`*/*`, `application/*`, `application/json;;;`): the exact one is
+    checked here.
+    """
 
     def parse(self, stream: Any, media_type: str | None = None, parser_context: Any = None) -> Any:
-        charset = (parser_context or {}).get("encoding") or "utf-8"
-        if charset.lower().replace("-", "") != "utf8":
+        if not JSON_MEDIA_TYPE.match((media_type or "").strip()):
             raise ApiError(415, "unsupported_media_type", "Send JSON encoded as UTF-8.")
         raw = stream.read(settings.API_MAX_BODY_BYTES + 1) if stream is not None else b""
         if len(raw) > settings.API_MAX_BODY_BYTES:
@@ -199,16 +213,47 @@ class StrictJSONParser(JSONParser):
 
 
 def json_object(request: Request) -> dict[str, Any]:
-    """The request's JSON body, which must be an object."""
+    """The request's JSON body, which must be an object (sized, or sent chunked)."""
     length = int(request.META.get("CONTENT_LENGTH") or 0)
     if length > settings.API_MAX_BODY_BYTES:
         raise PayloadTooLarge()
-    if length == 0:
-        raise ApiError(400, "malformed_json", "The request body must be a JSON object.")
-    body = request.data
+    body = _unsized_body(request) if length == 0 else request.data
     if not isinstance(body, dict):
         raise ApiError(400, "malformed_json", "The request body must be a JSON object.")
     return body
+
+
+def _unsized_body(request: Request) -> Any:
+    """A body sent without Content-Length (`Transfer-Encoding: chunked`), parsed; else None.
+
+    Django and DRF read CONTENT_LENGTH bytes, none without it; the WSGI server
+    (gunicorn) has undone the chunking and says so with `wsgi.input_terminated`:
+    its input ends where the body does.
+    """
+    environ = request._request.environ  # the WSGI environ: Django keeps it on the request
+    chunked = "chunked" in request.META.get("HTTP_TRANSFER_ENCODING", "").lower()
+    if not (chunked and environ.get("wsgi.input_terminated")):
+        return None
+    parser = request.negotiator.select_parser(request, request.parsers)
+    if parser is None:
+        raise ApiError(415, "unsupported_media_type", "Send JSON encoded as UTF-8.")
+    raw = environ["wsgi.input"].read(settings.API_MAX_BODY_BYTES + 1)
+    return parser.parse(io.BytesIO(raw), request.content_type, request.parser_context)
+
+
+def validated(serializer_class: type[Serializer], request: Request) -> dict[str, Any]:
+    """The body's fields, checked by `serializer_class`; an unknown field is 400 naming it.
+
+    The schema says `additionalProperties: false`: a field the API does not
+    know (a typo, a field of another version) is refused, never ignored.
+    """
+    body = json_object(request)
+    serializer = serializer_class(data=body)
+    unknown = sorted(set(body) - set(serializer.fields))
+    if unknown:
+        raise ApiError(400, "invalid_field", f"{unknown[0]}: unknown field.", unknown[0])
+    serializer.is_valid(raise_exception=True)
+    return dict(serializer.validated_data)
 
 
 def optional_idempotency_key(request: Request) -> str | None:
@@ -225,11 +270,12 @@ def idempotency_key(request: Request) -> str:
         raise ApiError(
             400, "missing_field", "The Idempotency-Key header is required.", "Idempotency-Key"
         )
-    if len(key) > MAX_KEY_LENGTH or not key.isascii() or not key.isprintable():
+    if not matches(IDEMPOTENCY_KEY_PATTERN, key):
         raise ApiError(
             400,
             "invalid_field",
-            f"Idempotency-Key must be 1..{MAX_KEY_LENGTH} printable ASCII characters.",
+            f"Idempotency-Key must be 1..{MAX_KEY_LENGTH} printable ASCII characters, "
+            "not starting or ending with a space.",
             "Idempotency-Key",
         )
     return key

@@ -1,10 +1,41 @@
-"""Serializer fields that accept exactly the JSON types they name (DRF coerces by default)."""
+"""Serializer fields that accept exactly what the schema says (DRF coerces by default).
+
+Every rule a field enforces is a pattern, a length or a range that the OpenAPI
+schema publishes as it is (drf-spectacular reads the validators): the schema
+and the API cannot drift apart, and a fuzzer reading the schema finds nothing
+refused that it was told is valid.
+"""
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
+from django.core.validators import RegexValidator
 from rest_framework import serializers
+
+MAX_KEY_LENGTH = 255
+#: An Idempotency-Key: 1-MAX_KEY_LENGTH printable ASCII characters, neither first nor last a space
+#: (an HTTP server strips them: a key with one could never arrive as sent).
+IDEMPOTENCY_KEY_PATTERN = r"\A[!-~]([ -~]{0,253}[!-~])?\Z"
+#: A payment method: the provider's id of one (`pm_...`), printable ASCII without spaces.
+PAYMENT_METHOD_PATTERN = r"\A[!-~]{1,255}\Z"
+_ATEXT = r"[A-Za-z0-9!#$%&'*+/=?^_`{|}~-]"
+_LABEL = r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
+#: An e-mail address as a shop can send to it: an ASCII local part of 1-64 octets (RFC
+#: 5321), not starting or ending with a dot; a domain of labels with at least one dot, its
+#: last label starting with a letter. An internationalised domain is taken too and stored
+#: in its ASCII form (`xn--...`): the pattern is what is stored.
+EMAIL_PATTERN = rf"\A{_ATEXT}([A-Za-z0-9!#$%&'*+/=?^_`{{|}}~.-]{{0,62}}{_ATEXT})?@({_LABEL}\.)+[A-Za-z]([A-Za-z0-9-]{{0,61}}[A-Za-z0-9])?\Z"
+MAX_EMAIL_LENGTH = 254
+# Patterns are Python's, anchored with \A and \Z (`$` would let a trailing newline
+# through); the schema gets them with ECMA's ^ and $ (drf-spectacular converts validators'
+# patterns, `ecma` the ones written into the schema by hand).
+
+
+def ecma(pattern: str) -> str:
+    """`pattern` as JSON Schema writes it (ECMA 262 anchors)."""
+    return pattern.replace(r"\A", "^").replace(r"\Z", "$")
 
 
 class StrictIntegerField(serializers.IntegerField):
@@ -17,12 +48,55 @@ class StrictIntegerField(serializers.IntegerField):
 
 
 class StrictCharField(serializers.CharField):
-    """A JSON string: not a number."""
+    """A JSON string: not a number, taken as sent (no trimming)."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        kwargs.setdefault("trim_whitespace", False)
+        super().__init__(**kwargs)
 
     def to_internal_value(self, data: Any) -> str:
         if not isinstance(data, str):
             self.fail("invalid")
         return str(super().to_internal_value(data))
+
+
+class PatternField(StrictCharField):
+    """A JSON string matching `pattern` (published in the schema as it is)."""
+
+    def __init__(self, pattern: str, message: str, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.validators.append(RegexValidator(pattern, message))
+
+
+class StrictEmailField(PatternField):
+    """An e-mail address matching EMAIL_PATTERN; an IDN domain becomes its ASCII form."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(
+            EMAIL_PATTERN,
+            "Enter an e-mail address: ASCII before the @ (at most 64), a domain with a dot.",
+            max_length=MAX_EMAIL_LENGTH,
+            **kwargs,
+        )
+
+    def to_internal_value(self, data: Any) -> str:
+        return ascii_domain(super().to_internal_value(data))
+
+
+def ascii_domain(email: str) -> str:
+    """`email` with its domain lower-cased, an internationalised one in IDNA's ASCII form."""
+    local, at, domain = email.rpartition("@")
+    if not at:
+        return email
+    try:
+        domain = domain.encode("idna").decode("ascii")
+    except UnicodeError:
+        return email  # not a domain IDNA can spell: the pattern refuses it
+    return f"{local}@{domain.lower()}"
+
+
+def matches(pattern: str, text: str) -> bool:
+    return re.search(pattern, text) is not None
 
 
 class ErrorDetail(serializers.Serializer):
@@ -38,4 +112,4 @@ class ErrorOut(serializers.Serializer):
 
 
 #: The errors every endpoint may answer, for the OpenAPI schema.
-ERRORS = {code: ErrorOut for code in (400, 401, 404, 405, 409, 413, 415, 429)}
+ERRORS = {code: ErrorOut for code in (400, 401, 404, 405, 406, 409, 413, 415, 429)}

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from drf_spectacular.utils import extend_schema
+from drf_spectacular.utils import OpenApiExample, extend_schema
 from rest_framework import serializers
 from rest_framework.decorators import api_view
 from rest_framework.request import Request
@@ -10,6 +10,7 @@ from rest_framework.response import Response
 
 from payments.api.base import ApiError, _check_text, caller_client, operation_json
 from payments.api.fields import ERRORS
+from payments.api.schema import OPERATION_KEY
 from payments.models import KeyScope, Operation
 
 
@@ -38,7 +39,33 @@ class OperationOut(serializers.Serializer):
     steps = StepOut(many=True)
 
 
-@extend_schema(responses={200: OperationOut, **ERRORS}, operation_id="get_operation")
+OPERATION_EXAMPLE = {
+    "operation": "checkout-42-1",
+    "kind": "checkout",
+    "state": "succeeded",
+    "entity": {"type": "order", "id": "42"},
+    "attempts": 1,
+    "last_error": "",
+    "created_at": "2026-01-01T12:00:00+00:00",
+    "updated_at": "2026-01-01T12:00:02+00:00",
+    "steps": [
+        {
+            "step": "charge",
+            "state": "done",
+            "provider_reference": "pi_123",
+            "idempotency_key": "op-1-charge",
+            "attempts": 1,
+        }
+    ],
+}
+
+
+@extend_schema(
+    responses={200: OperationOut, **ERRORS},
+    parameters=[OPERATION_KEY],
+    examples=[OpenApiExample("A paid checkout", value=OPERATION_EXAMPLE, response_only=True)],
+    operation_id="get_operation",
+)
 @api_view(["GET"])
 def operation_detail(request: Request, key: str) -> Response:
     """Show one of your operations by its Idempotency-Key: its state and its steps."""

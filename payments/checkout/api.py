@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from drf_spectacular.utils import OpenApiParameter, extend_schema
+from drf_spectacular.utils import OpenApiExample, extend_schema
 from rest_framework import serializers
 from rest_framework.decorators import api_view
 from rest_framework.request import Request
@@ -15,35 +15,55 @@ from payments.api.base import (
     caller_order,
     idempotency_conflict,
     idempotency_key,
-    json_object,
     optional_idempotency_key,
     order_not_found,
     start_operation,
+    validated,
 )
-from payments.api.fields import ERRORS, StrictCharField, StrictIntegerField
+from payments.api.fields import (
+    ERRORS,
+    PAYMENT_METHOD_PATTERN,
+    PatternField,
+    StrictEmailField,
+    StrictIntegerField,
+)
+from payments.api.schema import ORDER_ID, idempotency_key_header
 from payments.checkout.handler import CheckoutNotAllowed, request_checkout
 from payments.checkout.orders import CURRENCIES, create_order, create_order_once
 from payments.exceptions import OperationConflict
 from payments.models import Order
 
-MAX_PAYMENT_METHOD_LENGTH = 255
 MAX_AMOUNT = 99_999_999  # the provider's limit for one charge, in minor units
 
-IDEMPOTENCY_KEY = OpenApiParameter(
-    "Idempotency-Key",
-    str,
-    OpenApiParameter.HEADER,
-    required=True,
-    description="1-255 printable ASCII characters, scoped to your client.",
-)
-OPTIONAL_IDEMPOTENCY_KEY = OpenApiParameter(
-    "Idempotency-Key",
-    str,
-    OpenApiParameter.HEADER,
-    required=False,
-    description="Optional: 1-255 printable ASCII characters, scoped to your client; a retry "
-    "with the same key and body answers the same order.",
-)
+ORDER_EXAMPLE = {
+    "id": 42,
+    "amount": 1999,
+    "currency": "eur",
+    "email": "a@example.com",
+    "status": "pending",
+    "refunded_amount": 0,
+    "created_at": "2026-01-01T12:00:00+00:00",
+}
+EXAMPLES = {
+    "order_in": OpenApiExample(
+        "An order",
+        value={"amount": 1999, "currency": "eur", "email": "a@example.com"},
+        request_only=True,
+    ),
+    "order_out": OpenApiExample("The order", value=ORDER_EXAMPLE, response_only=True),
+    "created": OpenApiExample(
+        "Created", value=ORDER_EXAMPLE, response_only=True, status_codes=["201"]
+    ),
+    "checkout_in": OpenApiExample(
+        "A card", value={"payment_method": "pm_card_visa"}, request_only=True
+    ),
+    "accepted": OpenApiExample(
+        "Accepted",
+        value={"operation": "checkout-42-1", "state": "pending", "order": 42},
+        response_only=True,
+        status_codes=["202"],
+    ),
+}
 
 
 class OrderIn(serializers.Serializer):
@@ -52,7 +72,10 @@ class OrderIn(serializers.Serializer):
         choices=sorted(CURRENCIES | {c.upper() for c in CURRENCIES}),
         help_text="ISO 4217, either case.",
     )
-    email = serializers.EmailField(max_length=254)
+    email = StrictEmailField(
+        help_text="ASCII before the @ (1-64 characters), a domain with a dot; an "
+        "internationalised domain is accepted too and stored in its ASCII (xn--) form."
+    )
 
     def validate_currency(self, value: str) -> str:
         return value.lower()
@@ -69,7 +92,12 @@ class OrderOut(serializers.Serializer):
 
 
 class CheckoutIn(serializers.Serializer):
-    payment_method = StrictCharField(max_length=MAX_PAYMENT_METHOD_LENGTH, allow_blank=False)
+    payment_method = PatternField(
+        PAYMENT_METHOD_PATTERN,
+        "A payment method is the provider's id of one: 1-255 printable ASCII, no spaces.",
+        max_length=255,
+        help_text="The provider's payment method id (pm_...).",
+    )
 
 
 class Accepted(serializers.Serializer):
@@ -90,16 +118,16 @@ def order_json(order: Order) -> dict[str, Any]:
     }
 
 
-def _valid(serializer_class: type[serializers.Serializer], request: Request) -> dict[str, Any]:
-    serializer = serializer_class(data=json_object(request))
-    serializer.is_valid(raise_exception=True)
-    return dict(serializer.validated_data)
-
-
 @extend_schema(
     request=OrderIn,
     responses={201: OrderOut, **ERRORS},
-    parameters=[OPTIONAL_IDEMPOTENCY_KEY],
+    parameters=[
+        idempotency_key_header(
+            required=False,
+            description="Optional here: a retry with the same key and body answers the same order.",
+        )
+    ],
+    examples=[EXAMPLES["order_in"], EXAMPLES["created"]],
     operation_id="create_order",
 )
 @api_view(["POST"])
@@ -110,7 +138,7 @@ def orders(request: Request) -> Response:
     (`Idempotent-Replayed: true`), and the key with another body is 409.
     """
     key = optional_idempotency_key(request)  # a bad key is the first thing to say
-    data = _valid(OrderIn, request)
+    data = validated(OrderIn, request)
     values = {"amount": data["amount"], "currency": data["currency"], "email": data["email"]}
     client = caller_client(request)
     if key is None:
@@ -125,7 +153,12 @@ def orders(request: Request) -> Response:
     return response
 
 
-@extend_schema(responses={200: OrderOut, **ERRORS}, operation_id="get_order")
+@extend_schema(
+    responses={200: OrderOut, **ERRORS},
+    parameters=[ORDER_ID],
+    examples=[EXAMPLES["order_out"]],
+    operation_id="get_order",
+)
 @api_view(["GET"])
 def order_detail(request: Request, order_id: int) -> Response:
     """Show one of your orders (another client's is 404, as an unknown one)."""
@@ -135,14 +168,18 @@ def order_detail(request: Request, order_id: int) -> Response:
 @extend_schema(
     request=CheckoutIn,
     responses={202: Accepted, **ERRORS},
-    parameters=[IDEMPOTENCY_KEY],
+    parameters=[
+        ORDER_ID,
+        idempotency_key_header(required=True, description="The same key again replays."),
+    ],
+    examples=[EXAMPLES["checkout_in"], EXAMPLES["accepted"]],
     operation_id="checkout_order",
 )
 @api_view(["POST"])
 def checkout(request: Request, order_id: int) -> Response:
     """Ask for a checkout; 202 with the operation key. A worker charges the order."""
     idempotency_key(request)  # a missing key is the first thing to say, before the body
-    data = _valid(CheckoutIn, request)
+    data = validated(CheckoutIn, request)
     order = caller_order(request, order_id)  # another client's order: 404, nothing written
     return start_operation(
         request,

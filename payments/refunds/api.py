@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from drf_spectacular.utils import OpenApiParameter, extend_schema
+from drf_spectacular.utils import OpenApiExample, extend_schema
 from rest_framework import serializers
 from rest_framework.decorators import api_view
 from rest_framework.request import Request
@@ -11,16 +11,19 @@ from rest_framework.response import Response
 from payments.api.base import (
     caller_order,
     idempotency_key,
-    json_object,
     order_not_found,
     start_operation,
+    validated,
 )
 from payments.api.fields import ERRORS, StrictIntegerField
+from payments.api.schema import MAX_ID, ORDER_ID, idempotency_key_header
 from payments.refunds.handler import RefundNotAllowed, request_refund
 
 
 class RefundIn(serializers.Serializer):
-    amount = StrictIntegerField(min_value=1, help_text="Minor units to give back.")
+    amount = StrictIntegerField(
+        min_value=1, max_value=MAX_ID, help_text="Minor units to give back."
+    )
 
 
 class RefundAccepted(serializers.Serializer):
@@ -33,7 +36,19 @@ class RefundAccepted(serializers.Serializer):
 @extend_schema(
     request=RefundIn,
     responses={202: RefundAccepted, **ERRORS},
-    parameters=[OpenApiParameter("Idempotency-Key", str, OpenApiParameter.HEADER, required=True)],
+    parameters=[
+        ORDER_ID,
+        idempotency_key_header(required=True, description="The same key again replays."),
+    ],
+    examples=[
+        OpenApiExample("Part of the charge", value={"amount": 500}, request_only=True),
+        OpenApiExample(
+            "Accepted",
+            value={"operation": "refund-42-1", "state": "pending", "order": 42, "amount": 500},
+            response_only=True,
+            status_codes=["202"],
+        ),
+    ],
     operation_id="refund_order",
 )
 @api_view(["POST"])
@@ -44,9 +59,7 @@ def refunds(request: Request, order_id: int) -> Response:
     would (refunds in flight counted) is 409 `refund_not_allowed`.
     """
     idempotency_key(request)
-    serializer = RefundIn(data=json_object(request))
-    serializer.is_valid(raise_exception=True)
-    amount = int(serializer.validated_data["amount"])
+    amount = int(validated(RefundIn, request)["amount"])
     order = caller_order(request, order_id)  # another client's order: 404, nothing written
     return start_operation(
         request,
