@@ -80,6 +80,9 @@ class FakeConfig:
     key_retention: float = 86400.0
     refund_status: str = "succeeded"  # what a new refund starts as: "succeeded" or "pending"
     refund_fail_after: float = 0.0  # > 0: every refund fails this many seconds after it succeeded
+    #: Seconds added to the fake's clock (negative: it acts in the past), so a test can
+    #: make what a request "long ago" made, with `created` times to match.
+    clock_offset: float = 0.0
 
     def validate(self) -> None:
         """Raise ValueError for rates outside 0..1, a rate sum above 1 or negative times."""
@@ -160,10 +163,14 @@ def _matches(data: Mapping[str, Any], clauses: Iterable[tuple[str, str]]) -> boo
 class FakeState:
     """The fake provider's world; thread-safe, in memory, with its own clock."""
 
+    def clock(self) -> float:
+        """The fake's time: the injected clock, shifted by `clock_offset`."""
+        return self._base_clock() + self.config.clock_offset
+
     def __init__(self, config: FakeConfig | None = None, *, clock: Callable[[], float] = time.time):
         self.config = config or FakeConfig()
         self.config.validate()
-        self.clock = clock
+        self._base_clock = clock
         self._cond = threading.Condition()
         self._generation = 0
         self._sinks: list[EventSink] = []
@@ -196,6 +203,27 @@ class FakeState:
             for sink in self._sinks:
                 sink.clear()
             self._cond.notify_all()
+
+    def age(self, seconds: float) -> None:
+        """Let `seconds` pass for everything the fake holds: objects, events and keys.
+
+        Every `created` (and the times keys are kept from) moves back, as if it
+        had all happened that much earlier: a test that moves the database's
+        timestamps back (time passing) moves the provider's with them, so the
+        two still agree on when a request was made.
+        """
+        with self._cond:
+            whole = int(seconds)
+            for intent in self._intents.values():
+                intent.created_at -= seconds
+                intent.data["created"] -= whole
+            for refund in self._desk.records.values():
+                refund.created_at -= seconds
+                refund.data["created"] -= whole
+            for event in self._events.values():
+                event.data["created"] -= whole
+            for record in self._keys.values():
+                record.created_at -= seconds
 
     def close(self) -> None:
         """Stop the thread that fails refunds on time; the state stays readable."""
