@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from importlib import import_module
 
 import pytest
 from django.db import connection
@@ -11,7 +12,7 @@ from django.test import Client
 
 from payments.engine.fence import fingerprint
 from payments.engine.writes import fence_writes
-from payments.models import Operation, Order
+from payments.models import ApiClient, ClientApiKey, Operation, Order
 
 TOKEN = "upgrade-token-that-is-long-enough-0123456789"
 BEFORE = [("payments", "0007_provider_events")]
@@ -84,3 +85,51 @@ def test_upgrade__orders_from_before_0012_belong_to_the_bootstrap_client(setting
     settings.API_TOKEN = TOKEN
     bootstrap = Client(headers={"Authorization": f"Bearer {TOKEN}"})
     assert bootstrap.get(f"/api/orders/{ids[0]}").status_code == 200
+
+
+@pytest.mark.django_db(transaction=True)  # migrations run outside the test's transaction
+def test_upgrade__an_order_keeps_the_client_of_its_first_operation(settings, monkeypatch):
+    """A client from before 0012 (clients exist since 0006) keeps reaching its orders."""
+    monkeypatch.setattr(import_module("payments.migrations.0013_order_owner_backfill"), "BATCH", 2)
+    executor = MigrationExecutor(connection)
+    executor.migrate([("payments", "0011_claim_last_request")])
+    old = executor.loader.project_state([("payments", "0011_claim_last_request")]).apps
+    old_order, old_operation = (
+        old.get_model("payments", "Order"),
+        old.get_model("payments", "Operation"),
+    )
+    shop = old.get_model("payments", "ApiClient").objects.create(name="shop-eu")
+    orders = [
+        old_order.objects.create(amount=100 + i, currency="eur", customer_email="u@example.com")
+        for i in range(5)
+    ]
+    for key, order, client in [
+        ("token-checkout", orders[1], None),  # API_TOKEN's path: the bootstrap client's
+        ("shop-checkout", orders[3], shop),
+        ("shop-refund", orders[4], shop),
+    ]:
+        old_operation.objects.create(
+            key=key,
+            scope="client",
+            client=client,
+            kind=key.partition("-")[2],
+            entity_type="order",
+            entity_id=str(order.pk),
+            params={},
+            fingerprint="x",
+            state="succeeded",
+        )
+    executor = MigrationExecutor(connection)
+    executor.loader.build_graph()
+    executor.migrate(executor.loader.graph.leaf_nodes())
+
+    owners = dict(
+        Order.objects.filter(pk__in=[o.pk for o in orders]).values_list("pk", "client__name")
+    )
+    assert [owners[o.pk] for o in orders] == ["bootstrap", "bootstrap", "bootstrap"] + [
+        "shop-eu"
+    ] * 2
+    _, key = ClientApiKey.objects.create_key(name="k", client=ApiClient.objects.get(name="shop-eu"))
+    shop_api = Client(headers={"Authorization": f"Bearer {key}"})
+    assert shop_api.get(f"/api/orders/{orders[3].pk}").status_code == 200
+    assert shop_api.get(f"/api/orders/{orders[0].pk}").status_code == 404
