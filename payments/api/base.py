@@ -39,13 +39,21 @@ from rest_framework.response import Response
 from rest_framework.serializers import Serializer
 
 from payments.api.fields import IDEMPOTENCY_KEY_PATTERN, MAX_KEY_LENGTH, matches
-from payments.api.limits import WindowThrottle, client_address, peek
+from payments.api.limits import (
+    RateLimiterUnavailable,
+    Window,
+    WindowThrottle,
+    client_address,
+    take_back,
+)
 from payments.exceptions import InvalidTransition, OperationConflict
 from payments.models import ApiClient, ClientApiKey, Operation, Order
 
 #: JSON nested deeper than this is refused (a recursion bomb must not reach the parser's limit).
 MAX_JSON_DEPTH = 32
 BOOTSTRAP_CLIENT = "bootstrap"
+#: What a key can be: printable ASCII (anything else is a wrong key, never looked up).
+KEY_TEXT = re.compile(r"\A[!-~]+\Z")
 
 
 class ApiError(exceptions.APIException):
@@ -87,33 +95,43 @@ class ClientKeyAuthentication(BaseAuthentication):
     """`Authorization: Bearer <key>`: a client's hashed key, or the bootstrap API_TOKEN.
 
     A wrong key counts against the caller's address (`failed_auth` rate): past
-    it, every attempt is 429 until the window passes, right key or not.
+    it, every attempt is 429 until the window passes, right key or not. Every
+    attempt is counted (one atomic increment) before its key is looked at, so
+    N wrong keys at once get at most the limit of lookups; a right key takes
+    its count back (else a shop's own traffic from one address would lock it
+    out), so only wrong keys stay counted.
     """
 
     def authenticate(self, request: Request) -> tuple[ApiCaller, str] | None:
         raw = request.META.get("HTTP_AUTHORIZATION", "")
         scheme, _, token = raw.partition(" ")
         token = token.strip()
-        FailedAuthThrottle().refuse_if_over(request)
-        if scheme.lower() != "bearer" or not token or not token.isascii():
-            self._failed(request)
+        attempt = FailedAuthThrottle().count(request)
+        if scheme.lower() != "bearer" or not KEY_TEXT.match(token):
+            self._failed()
         bootstrap = getattr(settings, "API_TOKEN", "")
         if bootstrap and hmac.compare_digest(token.encode(), bootstrap.encode()):
-            return ApiCaller(bootstrap_client()), token
+            client = bootstrap_client()
+        else:
+            client = self._client_of(token)
+        if attempt is not None:
+            take_back(attempt)
+        return ApiCaller(client), token
+
+    def _client_of(self, token: str) -> ApiClient:
         try:
             key = cast(ClientApiKey, ClientApiKey.objects.get_from_key(token))
         except ClientApiKey.DoesNotExist:
-            self._failed(request)
+            self._failed()
         if key.has_expired or not key.client.is_active:
-            self._failed(request)
-        return ApiCaller(key.client), token
+            self._failed()
+        return key.client
 
     def authenticate_header(self, request: Request) -> str:
         return 'Bearer realm="api"'
 
     @staticmethod
-    def _failed(request: Request) -> Any:
-        FailedAuthThrottle().count(request)
+    def _failed() -> Any:
         raise exceptions.AuthenticationFailed("Send Authorization: Bearer <your API key>.")
 
 
@@ -140,18 +158,15 @@ class FailedAuthThrottle(WindowThrottle):
     def ident(self, request: Request) -> str:
         return client_address(request)
 
-    def refuse_if_over(self, request: Request) -> None:
-        """429 while the address is locked out, before its key is looked at (right or not)."""
-        if self.limit is None:
-            return
-        window = peek(f"{self.scope}:{self.ident(request)}", self.seconds)
-        if window.count >= self.limit:
-            raise exceptions.Throttled(wait=window.retry_after)
+    def count(self, request: Request) -> Window | None:
+        """Count an attempt, before its key is looked at; 429 once over the limit.
 
-    def count(self, request: Request) -> None:
-        """Count a wrong key; 429 instead of 401 once it is over the limit (one at a time)."""
+        Return the window it was counted in (None: no limit), to take it back if
+        the key is right.
+        """
         if not self.allow_request(request, None):
             raise exceptions.Throttled(wait=self.wait())
+        return self.window
 
 
 # --- what is accepted --------------------------------------------------------------
@@ -214,7 +229,10 @@ class StrictJSONParser(JSONParser):
 
 def json_object(request: Request) -> dict[str, Any]:
     """The request's JSON body, which must be an object (sized, or sent chunked)."""
-    length = int(request.META.get("CONTENT_LENGTH") or 0)
+    sent_length = str(request.META.get("CONTENT_LENGTH") or "0").strip()
+    if not re.fullmatch(r"[0-9]+", sent_length):
+        raise ApiError(400, "bad_request", "Content-Length must be a number of bytes.")
+    length = int(sent_length)
     if length > settings.API_MAX_BODY_BYTES:
         raise PayloadTooLarge()
     body = _unsized_body(request) if length == 0 else request.data
@@ -382,6 +400,9 @@ def api_exception_handler(exc: Exception, context: dict[str, Any]) -> Response |
         return Response(error_body(exc.code, exc.message, exc.field), status=exc.status_code)
     if isinstance(exc, Http404):
         return Response(error_body("not_found", "Nothing is here."), status=404)
+    if isinstance(exc, RateLimiterUnavailable):
+        body = error_body("rate_limiter_unavailable", str(exc.detail))
+        return Response(body, status=503, headers={"Retry-After": str(exc.retry_after)})
     from rest_framework.views import exception_handler  # it imports this module's classes
 
     response = exception_handler(exc, context)

@@ -112,4 +112,4 @@ class ErrorOut(serializers.Serializer):
 
 
 #: The errors every endpoint may answer, for the OpenAPI schema.
-ERRORS = {code: ErrorOut for code in (400, 401, 404, 405, 406, 409, 413, 415, 429)}
+ERRORS = {code: ErrorOut for code in (400, 401, 404, 405, 406, 409, 413, 415, 429, 503)}

@@ -58,6 +58,8 @@ def counts() -> tuple[int, int]:
         ("Bearer \u00a0", 401),
         ("Basic abc", 401),
         ("", 401),
+        ("Bearer ab\x00cd", 401),  # a NUL reached PostgreSQL: DataError (500)
+        ("Bearer ab\x7fcd.x", 401),
     ],
 )
 def test_auth__odd_headers_are_401_json(header, status):
@@ -210,3 +212,24 @@ def test_throttle__wrong_tokens_lock_the_address_out_even_for_the_right_one():
     assert statuses[:20] == [401] * 20 and set(statuses[20:]) == {429}
     right = Client(headers={"Authorization": f"Bearer {TOKEN}"}).get("/api/orders/1")
     assert right.status_code == 429
+
+
+@pytest.mark.parametrize("length", ["abc", "-5", "1e3"])
+def test_create_order__a_content_length_that_is_no_number_is_400(api, length):
+    body = json.dumps({"amount": 1, "currency": "eur", "email": "a@x.io"})
+    before = counts()
+    response = Client(
+        headers={"Authorization": f"Bearer {TOKEN}"}, raise_request_exception=False
+    ).generic("POST", "/api/orders", body, content_type="application/json", CONTENT_LENGTH=length)
+    assert response.status_code == 400, response.content[:200]
+    assert error_of(response)["code"] == "bad_request"
+    assert nothing_written(before)
+
+
+def test_auth__a_key_outside_printable_ascii_counts_as_a_wrong_key(settings):
+    settings.REST_FRAMEWORK = {
+        **settings.REST_FRAMEWORK,
+        "DEFAULT_THROTTLE_RATES": {"client": "600/min", "failed_auth": "2/min"},
+    }
+    nul = Client(headers={"Authorization": "Bearer ab\x00cd"}, raise_request_exception=False)
+    assert [nul.get("/api/orders/1").status_code for _ in range(3)] == [401, 401, 429]

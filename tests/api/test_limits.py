@@ -65,7 +65,9 @@ def at_once(count: int, request) -> Counter[int]:
 def test_client_limit__60_concurrent_requests_at_30_per_minute_pass_at_most_30(
     settings, redis_limits
 ):
-    rates(settings, client="30/min")
+    # Every attempt holds a wrong-key count while its key is checked (taken back when it
+    # is right): 60 at once from one address would meet that limit first.
+    rates(settings, client="30/min", failed_auth="600/min")
     shop = ApiClient.objects.create(name="shop-a")
     _, key = ClientApiKey.objects.create_key(name="k", client=shop)
     order = Order.objects.create(amount=100, currency="eur", customer_email="a@x.io", client=shop)
@@ -154,4 +156,108 @@ def test_client_address__is_the_right_most_entry_no_trusted_proxy_wrote(
 
     settings.API_TRUSTED_PROXIES = proxies
     request = rf.get("/", REMOTE_ADDR="10.0.0.1", HTTP_X_FORWARDED_FOR=forwarded)
+    assert client_address(request) == address
+
+
+@pytest.mark.django_db(transaction=True)  # the threads' own connections must see the rows
+def test_wrong_key_limit__60_concurrent_wrong_keys_get_at_most_20_lookups(
+    settings, redis_limits, monkeypatch
+):
+    rates(settings)
+    real = ClientApiKey.objects.get_from_key
+    lookups: list[str] = []
+    lock = threading.Lock()
+
+    def counting(key: str):
+        with lock:
+            lookups.append(key)
+        return real(key)
+
+    monkeypatch.setattr(ClientApiKey.objects, "get_from_key", counting)
+    statuses = at_once(
+        60, lambda i: Client(headers={"Authorization": f"Bearer wrong{i}.x"}).get("/api/orders/1")
+    )
+    assert len(lookups) <= 20, (len(lookups), statuses)
+    assert statuses[401] == len(lookups) and statuses[429] == 60 - len(lookups), statuses
+
+
+@pytest.mark.django_db
+def test_wrong_key_limit__right_keys_from_one_address_do_not_lock_it_out(settings, redis_limits):
+    rates(settings, failed_auth="3/min")
+    shop = ApiClient.objects.create(name="shop-a")
+    _, key = ClientApiKey.objects.create_key(name="k", client=shop)
+    right = Client(headers={"Authorization": f"Bearer {key}"})
+    assert {right.get("/api/orders/999999").status_code for _ in range(10)} == {404}
+
+
+@pytest.mark.django_db
+def test_limits__redis_down_is_a_json_503_with_retry_after(settings, caplog):
+    settings.API_TOKEN = TOKEN
+    settings.API_RATE_REDIS_URL = "redis://127.0.0.1:1/0"  # nothing listens there
+    answer = Client(
+        headers={"Authorization": f"Bearer {TOKEN}"}, raise_request_exception=False
+    ).get("/api/orders/1")
+    assert answer.status_code == 503, answer.content
+    assert answer.json()["error"]["code"] == "rate_limiter_unavailable"
+    assert int(answer["Retry-After"]) > 0
+    assert any(r.levelname == "WARNING" and "rate limiter" in r.message for r in caplog.records)
+
+
+class FakeTime:
+    """The clock `payments.api.limits` reads (`time.time()`), set by the test."""
+
+    def __init__(self, now: float) -> None:
+        self.now = now
+
+    def time(self) -> float:
+        return self.now
+
+
+@pytest.mark.django_db
+def test_client_limit__30_before_and_30_after_a_window_boundary_pass_about_30(
+    settings, redis_limits, monkeypatch
+):
+    rates(settings, client="30/min")
+    shop = ApiClient.objects.create(name="shop-a")
+    _, key = ClientApiKey.objects.create_key(name="k", client=shop)
+    client = Client(headers={"Authorization": f"Bearer {key}"})
+    boundary = 1_800_000_000 // 60 * 60 + 60
+    clock = FakeTime(boundary - 0.1)
+    monkeypatch.setattr("payments.api.limits.time", clock)
+    statuses = [client.get("/api/orders/999999").status_code for _ in range(30)]
+    clock.now = boundary + 0.1
+    statuses += [client.get("/api/orders/999999").status_code for _ in range(30)]
+    assert statuses[:30] == [404] * 30
+    assert statuses.count(404) <= 31, Counter(statuses)
+
+
+@pytest.mark.django_db
+def test_wrong_key_limit__ipv6_addresses_of_one_64_count_as_one(settings, redis_limits):
+    rates(settings)
+    statuses = [
+        Client(headers={"Authorization": "Bearer wrong"}, REMOTE_ADDR=f"2001:db8::{i:x}")
+        .get("/api/orders/1")
+        .status_code
+        for i in range(30)
+    ]
+    assert statuses[:20] == [401] * 20 and set(statuses[20:]) == {429}
+
+
+@pytest.mark.parametrize(
+    ("proxies", "peer", "forwarded", "address"),
+    [
+        (0, "2001:db8:1:2:3:4:5:6", "", "2001:db8:1:2::/64"),
+        (0, "::ffff:192.0.2.1", "", "192.0.2.1"),
+        (1, "10.0.0.1", "2001:db8::1", "2001:db8::/64"),
+        (1, "10.0.0.1", "not-an-address", "10.0.0.1"),
+        (2, "10.0.0.1", "unknown, 10.0.0.2", "10.0.0.1"),
+    ],
+)
+def test_client_address__ipv6_by_its_64_and_no_text_that_is_no_address(
+    settings, rf, proxies, peer, forwarded, address
+):
+    from payments.api.limits import client_address
+
+    settings.API_TRUSTED_PROXIES = proxies
+    request = rf.get("/", REMOTE_ADDR=peer, HTTP_X_FORWARDED_FOR=forwarded)
     assert client_address(request) == address
