@@ -39,6 +39,7 @@ from rest_framework.response import Response
 from rest_framework.serializers import Serializer
 
 from payments.api.fields import IDEMPOTENCY_KEY_PATTERN, MAX_KEY_LENGTH, matches
+from payments.api.keys import BOOTSTRAP_CLIENT
 from payments.api.limits import (
     RateLimiterUnavailable,
     Window,
@@ -51,7 +52,6 @@ from payments.models import ApiClient, ClientApiKey, Operation, Order
 
 #: JSON nested deeper than this is refused (a recursion bomb must not reach the parser's limit).
 MAX_JSON_DEPTH = 32
-BOOTSTRAP_CLIENT = "bootstrap"
 #: What a key can be: printable ASCII (anything else is a wrong key, never looked up).
 KEY_TEXT = re.compile(r"\A[!-~]+\Z")
 

@@ -16,6 +16,8 @@ from payments.exceptions import PaymentsError
 from payments.models import ApiClient, ClientApiKey
 
 MAX_CLIENT_NAME = 100  # ApiClient.name's max_length
+MAX_KEY_NAME = 50  # ClientApiKey.name's max_length
+BOOTSTRAP_CLIENT = "bootstrap"  # payments.api.base.BOOTSTRAP_CLIENT: API_TOKEN's client
 
 
 class KeyRefused(PaymentsError):
@@ -37,11 +39,19 @@ def issue_key(client_name: str, *, key_name: str = "") -> IssuedKey:
     name = client_name.strip()
     if not name or len(name) > MAX_CLIENT_NAME:
         raise KeyRefused("A client name is 1-100 characters, not only spaces.")
+    if name == BOOTSTRAP_CLIENT:
+        raise KeyRefused(
+            f"{BOOTSTRAP_CLIENT!r} is API_TOKEN's client (it reads every order without a "
+            "client): it gets no keys. Create a client of its own for each caller."
+        )
+    if len(key_name) > MAX_KEY_NAME:
+        raise KeyRefused(f"A key name is at most {MAX_KEY_NAME} characters.")
+    key_name = key_name or f"{name[: MAX_KEY_NAME - len(' key')]} key"
     with transaction.atomic():
         client, created = ApiClient.objects.get_or_create(name=name)
         if not client.is_active:
             raise KeyRefused(f"Client {name!r} is inactive: activate it in the admin first.")
-        row, key = ClientApiKey.objects.create_key(name=key_name or f"{name} key", client=client)
+        row, key = ClientApiKey.objects.create_key(name=key_name, client=client)
     return IssuedKey(client, created, cast(ClientApiKey, row), key)
 
 

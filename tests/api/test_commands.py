@@ -66,3 +66,34 @@ def test_revoke_api_key__refuses_the_key_at_once():
 def test_revoke_api_key__an_unknown_prefix_is_an_error():
     with pytest.raises(CommandError, match="No API key"):
         run("revoke_api_key", "nope", "--noinput")
+
+
+def test_create_api_client__a_long_name_gets_a_shortened_key_name():
+    name = "s" * 60  # "<name> key" would not fit ClientApiKey.name (50)
+    key = run("create_api_client", name).strip().splitlines()[-1]
+    row = ClientApiKey.objects.get(prefix=key.partition(".")[0])
+    assert row.client.name == name and row.name == "s" * 46 + " key"
+
+
+def test_create_api_client__a_key_name_over_50_is_an_error_and_writes_nothing():
+    with pytest.raises(CommandError, match="at most 50"):
+        run("create_api_client", "shop", "--key-name", "k" * 51)
+    assert not ApiClient.objects.filter(name="shop").exists()
+
+
+def test_create_api_client__refuses_the_bootstrap_client():
+    with pytest.raises(CommandError, match="API_TOKEN"):
+        run("create_api_client", "bootstrap")
+    assert not ClientApiKey.objects.exists()
+
+
+def test_revoke_api_key__no_answer_on_a_closed_stdin_is_no(monkeypatch):
+    _, key = ClientApiKey.objects.create_key(name="k", client=ApiClient.objects.create(name="shop"))
+
+    def closed(prompt: str) -> str:
+        raise EOFError
+
+    monkeypatch.setattr("builtins.input", closed)
+    with pytest.raises(CommandError, match="Aborted"):
+        run("revoke_api_key", key.partition(".")[0])
+    assert accepted(key)

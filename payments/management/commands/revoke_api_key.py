@@ -33,9 +33,14 @@ class Command(BaseCommand):
             row = ClientApiKey.objects.filter(prefix=prefix).select_related("client").first()
             if row is None:
                 raise CommandError(f"No API key has the prefix {prefix!r}.")
-            answer = input(f"Revoke key {prefix} ({row.name}) of client {row.client.name}? [y/N] ")
+            try:
+                answer = input(
+                    f"Revoke key {prefix} ({row.name}) of client {row.client.name}? [y/N] "
+                )
+            except EOFError:  # no terminal (stdin closed): no answer is no
+                answer = ""
             if answer.strip().lower() not in ("y", "yes"):
-                raise CommandError("Nothing was revoked.")
+                raise CommandError("Aborted: nothing was revoked.")
         try:
             row, revoked = revoke_key(prefix)
         except KeyRefused as exc:
