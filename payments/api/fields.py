@@ -24,8 +24,10 @@ _ATEXT = r"[A-Za-z0-9!#$%&'*+/=?^_`{|}~-]"
 _LABEL = r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
 #: An e-mail address as a shop can send to it: an ASCII local part of 1-64 octets (RFC
 #: 5321), not starting or ending with a dot; a domain of labels with at least one dot, its
-#: last label starting with a letter. An internationalised domain is taken too and stored
-#: in its ASCII form (`xn--...`): the pattern is what is stored.
+#: last label starting with a letter. ASCII only, as sent: an internationalised domain is
+#: sent in its ASCII form (`xn--...`); converting it here (Python's IDNA 2003 codec) would
+#: silently map soft hyphens, zero-width spaces and fullwidth letters away, and take text
+#: the schema's pattern refuses.
 EMAIL_PATTERN = rf"\A{_ATEXT}([A-Za-z0-9!#$%&'*+/=?^_`{{|}}~.-]{{0,62}}{_ATEXT})?@({_LABEL}\.)+[A-Za-z]([A-Za-z0-9-]{{0,61}}[A-Za-z0-9])?\Z"
 MAX_EMAIL_LENGTH = 254
 # Patterns are Python's, anchored with \A and \Z (`$` would let a trailing newline
@@ -69,30 +71,26 @@ class PatternField(StrictCharField):
 
 
 class StrictEmailField(PatternField):
-    """An e-mail address matching EMAIL_PATTERN; an IDN domain becomes its ASCII form."""
+    """An e-mail address matching EMAIL_PATTERN as sent; its domain is stored lower-cased."""
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(
             EMAIL_PATTERN,
-            "Enter an e-mail address: ASCII before the @ (at most 64), a domain with a dot.",
+            "Enter an e-mail address in ASCII: at most 64 characters before the @, a domain "
+            "with a dot (an internationalised domain in its xn-- form).",
             max_length=MAX_EMAIL_LENGTH,
             **kwargs,
         )
 
-    def to_internal_value(self, data: Any) -> str:
-        return ascii_domain(super().to_internal_value(data))
+    def run_validation(self, data: Any = serializers.empty) -> Any:
+        """Check the pattern on the text as sent, then lower-case the domain."""
+        return lower_domain(super().run_validation(data))
 
 
-def ascii_domain(email: str) -> str:
-    """`email` with its domain lower-cased, an internationalised one in IDNA's ASCII form."""
+def lower_domain(email: str) -> str:
+    """`email` with its domain lower-cased (the local part is the mailbox's, kept as sent)."""
     local, at, domain = email.rpartition("@")
-    if not at:
-        return email
-    try:
-        domain = domain.encode("idna").decode("ascii")
-    except UnicodeError:
-        return email  # not a domain IDNA can spell: the pattern refuses it
-    return f"{local}@{domain.lower()}"
+    return f"{local}@{domain.lower()}" if at else email
 
 
 def matches(pattern: str, text: str) -> bool:

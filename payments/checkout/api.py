@@ -73,8 +73,8 @@ class OrderIn(serializers.Serializer):
         help_text="ISO 4217, either case.",
     )
     email = StrictEmailField(
-        help_text="ASCII before the @ (1-64 characters), a domain with a dot; an "
-        "internationalised domain is accepted too and stored in its ASCII (xn--) form."
+        help_text="ASCII only: 1-64 characters before the @, a domain with a dot (an "
+        "internationalised domain in its xn-- form; stored lower-cased)."
     )
 
     def validate_currency(self, value: str) -> str:
