@@ -2,7 +2,12 @@
 
 Production-safe, as 0010: the three columns are nullable or have a constant
 default kept in the database (a previous release's INSERT names none of them),
-so PostgreSQL adds them without rewriting the table; the unique index
+so PostgreSQL adds them without rewriting the table. Adding them still takes
+an ACCESS EXCLUSIVE lock on payments_order for an instant, and the REFERENCES a
+SHARE ROW EXCLUSIVE lock on payments_apiclient: behind a long transaction that
+wait would queue every checkout behind it, so these steps run with
+`lock_timeout` (LOCK_TIMEOUT): past it the migration stops with "canceling
+statement due to lock timeout" and is simply run again. The unique index
 on (client, idempotency_key) is built CONCURRENTLY (the migration runs outside
 a transaction: `atomic = False`), so orders are written meanwhile. An
 interrupted build leaves the index INVALID: running `migrate` again drops it
@@ -15,6 +20,8 @@ import django.db.models.deletion
 from django.db import migrations, models
 
 INDEX = "payments_order_client_key_uniq"
+LOCK_TIMEOUT = "5s"
+SET_LOCK_TIMEOUT = f"SET lock_timeout = '{LOCK_TIMEOUT}'"
 
 
 def drop_if_invalid(apps, schema_editor) -> None:
@@ -35,6 +42,8 @@ class Migration(migrations.Migration):
     dependencies = [("payments", "0011_claim_last_request")]
 
     operations = [
+        # The session's setting (atomic = False: every step runs on the one connection).
+        migrations.RunSQL(SET_LOCK_TIMEOUT, reverse_sql="RESET lock_timeout"),
         migrations.AddField(
             model_name="order",
             name="client",
@@ -57,6 +66,8 @@ class Migration(migrations.Migration):
             name="request_fingerprint",
             field=models.CharField(blank=True, db_default="", max_length=64),
         ),
+        # CREATE INDEX CONCURRENTLY waits for older transactions by design: no timeout.
+        migrations.RunSQL("RESET lock_timeout", reverse_sql=SET_LOCK_TIMEOUT),
         migrations.SeparateDatabaseAndState(
             state_operations=[
                 migrations.AddConstraint(

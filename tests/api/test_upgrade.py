@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 from importlib import import_module
+from io import StringIO
 
 import pytest
+from django.core.management import call_command
 from django.db import connection
 from django.db.migrations.executor import MigrationExecutor
 from django.test import Client
@@ -133,3 +135,16 @@ def test_upgrade__an_order_keeps_the_client_of_its_first_operation(settings, mon
     shop_api = Client(headers={"Authorization": f"Bearer {key}"})
     assert shop_api.get(f"/api/orders/{orders[3].pk}").status_code == 200
     assert shop_api.get(f"/api/orders/{orders[0].pk}").status_code == 404
+
+
+@pytest.mark.django_db  # sqlmigrate reads the applied migrations
+def test_upgrade__0012_changes_payments_order_under_a_lock_timeout():
+    """Its ALTER TABLEs fail fast behind a long transaction instead of queueing every order."""
+    out = StringIO()
+    call_command("sqlmigrate", "payments", "0012_order_client", stdout=out)
+    lines = [line for line in out.getvalue().splitlines() if not line.startswith("--")]
+    alters = [i for i, line in enumerate(lines) if line.startswith("ALTER TABLE")]
+    sets = [i for i, line in enumerate(lines) if line.startswith("SET lock_timeout")]
+    resets = [i for i, line in enumerate(lines) if line.startswith("RESET lock_timeout")]
+    assert alters and sets and resets, lines
+    assert sets[0] < alters[0] and alters[-1] < resets[0]
