@@ -99,7 +99,7 @@ class ClientKeyAuthentication(BaseAuthentication):
     attempt is counted (one atomic increment) before its key is looked at, so
     N wrong keys at once get at most the limit of lookups; a right key takes
     its count back (else a shop's own traffic from one address would lock it
-    out), so only wrong keys stay counted.
+    out), and so does a refused one: only wrong keys stay counted.
     """
 
     def authenticate(self, request: Request) -> tuple[ApiCaller, str] | None:
@@ -162,9 +162,12 @@ class FailedAuthThrottle(WindowThrottle):
         """Count an attempt, before its key is looked at; 429 once over the limit.
 
         Return the window it was counted in (None: no limit), to take it back if
-        the key is right.
+        the key is right. A refused attempt is not counted (it was not looked at):
+        a client that keeps retrying is let in once the wrong keys have aged out.
         """
         if not self.allow_request(request, None):
+            if self.window is not None:
+                take_back(self.window)
             raise exceptions.Throttled(wait=self.wait())
         return self.window
 
@@ -309,7 +312,8 @@ def owned_orders(client: ApiClient) -> QuerySet[Order]:
     """The orders `client` may reach: its own; for the bootstrap client also those of nobody.
 
     Orders without a client are those from before migration 0012 (0013 gives
-    them to the bootstrap client; a previous release's web process may still
+    them their first operation's client, else the bootstrap client's; a
+    previous release's web process may still
     write some during the deploy) and those the tools make (`create_order`
     without a client).
     """

@@ -60,6 +60,11 @@ local current = redis.call('INCR', KEYS[1])
 redis.call('EXPIRE', KEYS[1], ARGV[1])
 return {current, tonumber(redis.call('GET', KEYS[2]) or '0')}
 """
+#: Take one count back, unless the counter is gone (a DECR would make one without a TTL).
+TAKE_BACK = """
+if redis.call('EXISTS', KEYS[1]) == 1 then return redis.call('DECR', KEYS[1]) end
+return 0
+"""
 
 
 class RateLimiterUnavailable(exceptions.APIException):
@@ -131,7 +136,7 @@ def take_back(window: Window) -> None:
     redis = _redis()
     try:
         if redis is not None:
-            redis.decr(window.key)
+            redis.eval(TAKE_BACK, 1, window.key)
         else:
             cache.decr(window.key)
     except (RedisError, ValueError):  # gone, or unreachable: it only counts for longer

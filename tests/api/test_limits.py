@@ -261,3 +261,21 @@ def test_client_address__ipv6_by_its_64_and_no_text_that_is_no_address(
     settings.API_TRUSTED_PROXIES = proxies
     request = rf.get("/", REMOTE_ADDR=peer, HTTP_X_FORWARDED_FOR=forwarded)
     assert client_address(request) == address
+
+
+@pytest.mark.django_db
+def test_wrong_key_limit__retrying_while_locked_out_does_not_keep_the_address_out(
+    settings, redis_limits, monkeypatch
+):
+    rates(settings)
+    start = 1_800_000_000 // 60 * 60 + 1
+    clock = FakeTime(start)
+    monkeypatch.setattr("payments.api.limits.time", clock)
+    wrong = Client(headers={"Authorization": "Bearer wrong"})
+    assert {wrong.get("/api/orders/1").status_code for _ in range(20)} == {401}
+    right = Client(headers={"Authorization": f"Bearer {TOKEN}"})
+    statuses = []
+    for second in range(60, 120):  # once a second through the next window
+        clock.now = start + second
+        statuses.append(right.get("/api/orders/999999").status_code)
+    assert statuses[0] == 429 and 404 in statuses, Counter(statuses)
