@@ -15,7 +15,7 @@ from typing import Any
 
 from django.core.mail import send_mail
 from django.db import transaction
-from django.db.models import CharField, Exists, OuterRef, QuerySet
+from django.db.models import CharField, Exists, OuterRef, QuerySet, Subquery
 from django.db.models.functions import Cast
 from django.utils import timezone
 
@@ -75,6 +75,7 @@ def request_checkout(
             .annotate(
                 key_known=Exists(_with_key(client, scope, key)),
                 earlier_charge_unsettled=Exists(_unsettled_charges(OuterRef("pk"))),
+                latest_attempt=Subquery(_attempts(OuterRef("pk")).order_by("-pk").values("pk")[:1]),
             )
             .get(pk=order_id)
         )
@@ -103,6 +104,10 @@ def request_checkout(
                     f"an earlier payment attempt of order {order.pk} may still have charged; "
                     "it must be settled first"
                 )
+        if retry_of is None and order.latest_attempt is not None:
+            # A new key for an order tried before is its next attempt: it confirms the
+            # order's PaymentIntent (payments.checkout.charge), never a second one.
+            retry_of = Operation.objects.get(pk=order.latest_attempt)
         op, created = create_and_dispatch_in_tx(
             key=key,
             kind=CHECKOUT,
@@ -123,6 +128,13 @@ def request_checkout(
 def _with_key(client: ApiClient | None, scope: str, key: str) -> QuerySet[Operation]:
     """The operation a client's key names (none or one)."""
     return Operation.objects.filter(client=client, scope=scope, key=key)
+
+
+def _attempts(order_id: Any) -> QuerySet[Operation]:
+    """The order's checkout operations, one per payment attempt."""
+    return Operation.objects.filter(
+        kind=CHECKOUT, entity_type="order", entity_id=Cast(order_id, CharField())
+    )
 
 
 def _unsettled_charges(order_id: Any) -> QuerySet[StepClaim]:

@@ -29,6 +29,10 @@ class DeskError(InvalidTransition):
         super().__init__(f"{operation_key}: {message}" if operation_key else message)
 
 
+class FoundSucceeded(DeskError):
+    """The provider showed the step succeeded: it was recorded done instead of what was asked."""
+
+
 class ReasonRequired(DeskError):
     """A judgement (resume, mark a step, new attempt) needs a written reason."""
 
@@ -172,8 +176,12 @@ def check_no_live_lease(op: Operation) -> None:
 
 
 def check_reference_unused(op: Operation, claim: StepClaim, reference: str) -> None:
+    """Refuse a reference another step is settled done with: one success settles one step.
+
+    A failed claim may carry it (an order's attempts share one PaymentIntent).
+    """
     other = (
-        StepClaim.objects.filter(provider_reference=reference)
+        StepClaim.objects.filter(provider_reference=reference, state=ClaimState.DONE)
         .exclude(pk=claim.pk)
         .select_related("operation")
         .first()

@@ -27,10 +27,12 @@ from payments.conf import payments_settings
 from payments.desk.rules import (
     DeskActions,
     DeskError,
+    FoundSucceeded,
     ReasonRequired,
     available_actions,
     check_entity_reopenable,
     check_new_attempt,
+    check_no_live_lease,
     check_reference_unused,
     check_resume,
     next_attempt_key,
@@ -39,7 +41,8 @@ from payments.desk.rules import (
 )
 from payments.engine import fence, recovery
 from payments.engine.dispatch import dispatch_on_commit
-from payments.engine.handlers import get_handler
+from payments.engine.effects import EffectResult, StillInProgress
+from payments.engine.handlers import HandlerSpec, get_handler
 from payments.engine.outcomes import Outcome
 from payments.engine.steps import past_grace, replay_allowed, view_of
 from payments.exceptions import InvalidTransition
@@ -111,8 +114,8 @@ def query_provider(operation_ids: list[int], *, user: AbstractBaseUser) -> Query
 
     Operations no worker will run (uncertain, failed, needs review) go through
     the reconciler: stored reference, else a replay with the same key, else a
-    metadata search; never a new key. Operations a worker may still run
-    (pending, running, retrying) are only *read* (retrieve or search, no
+    consistent list; never a new key. Operations a worker may still run
+    (pending, running, retrying) are only *read* (retrieve or list, no
     replay, nothing settled): a replay there could execute a charge beside the
     worker's own attempt; the worker records what happened. One under a live
     lease is refused, naming who holds it and until when. Each operation gets
@@ -273,17 +276,20 @@ def mark_step_failed(
     """Record an unsettled step as failed and fail the operation (its failure hook runs).
 
     A step marked failed must not have charged, or the charge would stand
-    outside the fence, and a new attempt would charge the order again. So it
-    is decided from the same evidence as "Query provider now":
+    outside the fence, and a new attempt would charge the order again. So the
+    provider decides, by reads that cannot lag, and is made to keep to it:
     - while the provider keeps the step's idempotency key (and no worker may
       run the operation), the request is replayed with that same key: the
       provider answers what it did (and a request that never reached it runs
       now, as the operation intended). A success settles the step done and the
       operation resumes; the action is refused;
-    - otherwise the provider is asked by the stored reference, else by a
-      metadata search; a success refuses the action, and "not found" only
-      counts once the claim is older than RECONCILE_GRACE (search lags; a
-      cut-off request may still run).
+    - then the operator takes the claim and the step's effect voids it
+      (`void`): an intent is cancelled at the provider, so that it can never
+      be charged; one that succeeded refuses the cancel, and the step is
+      recorded done instead (the operation resumes, nothing is marked failed);
+    - without an object at the provider (the consistent list by creation
+      window is empty), "not found" counts only once RECONCILE_GRACE has
+      passed since the last request sent under the key, whoever sent it.
     """
     _require(user, RECONCILE_PERMISSION)
     reason = _reason(reason)
@@ -295,7 +301,7 @@ def mark_step_failed(
         recovery.reconcile(actor=actor, operation_ids=[op.pk])
         claim.refresh_from_db()
         if claim.state == ClaimState.DONE:
-            raise DeskError(
+            raise FoundSucceeded(
                 f"the provider shows step {step} succeeded ({claim.provider_reference}): it is "
                 "recorded as done and the operation resumes; nothing was marked failed",
                 operation_key=op.key,
@@ -305,55 +311,106 @@ def mark_step_failed(
             return claim  # the provider's own refusal settled it, and failed the operation
         op.refresh_from_db()
         claim = settleable_claim(op, list(op.claims.all()), step, spec)
+    # The operator owns the claim while the provider is asked and told: no worker,
+    # reconciler or event settles it meanwhile (they find it leased).
+    claim = _taken_by_operator(claim, actor, f"to mark it failed: {reason}")
     try:
-        found = spec.effect(step, op).find(view_of(claim))
-    except Exception as exc:  # provider down, or the intent is still processing
+        now = spec.effect(step, op).void(view_of(claim))
+    except StillInProgress as exc:
+        fence.release_claim(claim, actor=actor, reason="mark failed refused: still in progress")
+        raise DeskError(
+            f"step {step} is still in progress at the provider ({exc}): it may still "
+            "succeed, so it cannot be marked failed now; nothing was changed",
+            operation_key=op.key,
+        ) from exc
+    except Exception as exc:  # provider down: nothing is decided on a guess
+        fence.release_claim(claim, actor=actor, reason=f"mark failed refused: {type(exc).__name__}")
         raise DeskError(
             f"could not check step {step} with the provider ({type(exc).__name__}); "
             "nothing was changed",
             operation_key=op.key,
         ) from exc
-    fence.note_provider_view(claim, found, source=f"mark failed by {actor}")
-    if found is not None and found.outcome == Outcome.SUCCESS:
-        raise DeskError(
-            f"the provider shows step {step} succeeded ({found.reference}); "
-            "mark it succeeded instead",
+    fence.note_provider_view(claim, now, source=f"mark failed by {actor}")
+    if now is not None and now.outcome == Outcome.SUCCESS:
+        _settle_done_and_resume(op, claim, spec, now, actor=actor, reason=reason)
+        raise FoundSucceeded(
+            f"the provider shows step {step} succeeded ({now.reference}) and refused to "
+            "cancel it: it is recorded as done and the operation resumes; nothing was "
+            "marked failed",
             operation_key=op.key,
         )
-    if found is None and not claim.provider_reference and not past_grace(claim):
+    if now is None and not past_grace(claim):
+        fence.release_claim(claim, actor=actor, reason="mark failed refused: within the grace")
         grace = payments_settings().reconcile_grace // 60
+        sent = fence.last_request_at(claim)
         raise DeskError(
-            f"step {step} is not found at the provider, but it was claimed less than {grace} "
-            "min ago: the provider's search may not show it yet. Try again after the grace "
-            "period",
+            f"step {step} is not found at the provider, but a request under its key was sent "
+            f"at {sent:%Y-%m-%d %H:%M:%S %Z}, less than {grace} min ago: it may still be "
+            "executed. Try again after the grace period; nothing was changed",
             operation_key=op.key,
         )
     with transaction.atomic():
         locked = fence.locked_operation_in_tx(op.pk)
+        check_no_live_lease(locked)  # a worker may have leased it while the provider was asked
         row = _unchanged_claim_in_tx(claim)
-        settleable_claim(locked, _locked_claims_in_tx(locked), step, spec)
-        row = _taken_by_operator_in_tx(row, actor, f"to mark it failed: {reason}")
         settled = fence.settle_claim(
             row,
             ClaimState.FAILED,
             actor=actor,
-            reason=f"marked failed: {reason}",
-            reference=found.reference if found is not None else None,
-            result=found.as_result() if found is not None else {"status": "not_found"},
-            error=f"marked failed by {actor}: {reason}",
+            reason=f"marked failed ({_voided(now)}): {reason}",
+            reference=now.reference if now is not None else None,
+            result=now.as_result() if now is not None else {"status": "not_found"},
+            error=f"marked failed by {actor} ({_voided(now)}): {reason}",
         )
         if locked.state != OperationState.FAILED:
             fence.release_in_tx(
                 locked,
                 OperationState.FAILED,
                 actor=actor,
-                reason=f"step {step} marked failed: {reason}",
-                last_error=f"step {step} marked failed by {actor}",
+                reason=f"step {step} marked failed ({_voided(now)}): {reason}",
+                last_error=f"step {step} marked failed by {actor} ({_voided(now)})",
             )
             if spec.on_failure is not None:
                 spec.on_failure(locked)
     logger.info("operation %s step %s marked failed by an operator", op.key, step)
     return settled
+
+
+def _voided(now: EffectResult | None) -> str:
+    """What the provider showed when a step was marked failed, in a few words."""
+    if now is None:
+        return "not at the provider, past the grace since the last request"
+    status = str(now.data.get("status") or now.outcome)
+    return f"{now.reference} {status} at the provider".strip()
+
+
+def _settle_done_and_resume(
+    op: Operation,
+    claim: StepClaim,
+    spec: HandlerSpec,
+    found: EffectResult,
+    *,
+    actor: str,
+    reason: str,
+) -> None:
+    """Record the operator-held claim done with what the provider showed; resume the operation."""
+    with transaction.atomic():
+        locked = fence.locked_operation_in_tx(op.pk)
+        check_no_live_lease(locked)
+        row = _unchanged_claim_in_tx(claim)
+        if locked.state == OperationState.FAILED:
+            _reopen_entity_in_tx(locked)
+        fence.settle_claim(
+            row,
+            ClaimState.DONE,
+            actor=actor,
+            reason=f"the provider shows {found.reference} succeeded: {reason}",
+            reference=found.reference,
+            result=found.as_result(),
+        )
+        _resume_in_tx(
+            locked, actor=actor, reason=f"step {claim.step} succeeded at the provider; resuming"
+        )
 
 
 # --- a new attempt, with a new key -----------------------------------------------
@@ -415,8 +472,8 @@ def _check_earlier_attempts_failed_at_provider(op: Operation, actor: str) -> Non
 
     A claim settled failed *by the provider* (a decline, with its reference)
     is evidence; one failed without a provider answer (given up after refusals,
-    or marked failed by a person) is asked again, by reference or metadata
-    search, before a new key may charge the same order.
+    or marked failed by a person) is asked again, by reference or a consistent
+    list, before a new key may charge the same order.
     """
     spec = get_handler(op.kind)
     earlier = StepClaim.objects.filter(
@@ -470,6 +527,13 @@ def _reopen_entity_in_tx(op: Operation) -> None:
     check_entity_reopenable(op)
     if spec.on_resume is not None:
         spec.on_resume(op)
+
+
+def _taken_by_operator(claim: StepClaim, actor: str, why: str) -> StepClaim:
+    """Make the operator the claim's owner in a transaction of its own; refuse if it is held."""
+    with transaction.atomic():
+        check_no_live_lease(fence.locked_operation_in_tx(claim.operation_id))
+        return _taken_by_operator_in_tx(claim, actor, why)
 
 
 def _taken_by_operator_in_tx(row: StepClaim, actor: str, why: str) -> StepClaim:

@@ -54,6 +54,7 @@ from django.utils.timesince import timesince
 from rq.job import Job
 from rq.registry import FailedJobRegistry
 
+from payments.conf import payments_settings
 from payments.desk import services as desk
 from payments.desk.display import (
     AGED_STATES,
@@ -64,8 +65,11 @@ from payments.desk.display import (
     state_badge,
     when,
 )
+from payments.desk.rules import FoundSucceeded
+from payments.engine import fence
 from payments.engine.handlers import get_handler, registered_handlers
 from payments.engine.queues import payments_queue, queue_index
+from payments.engine.steps import replay_allowed
 from payments.exceptions import PaymentsError
 from payments.models import (
     FenceAuditRun,
@@ -320,6 +324,28 @@ DESK_ACTIONS = {
 }  # fmt: skip
 
 
+def _mark_failed_plan(op: Operation, step: str) -> dict[str, Any]:
+    """What "mark failed" will do for this step, for its confirmation page to say."""
+    claim = op.claims.filter(step=step).first()
+    if claim is None:
+        return {}
+    request = claim.request or {}
+    effect = get_handler(op.kind).effects.get(step)
+    voids = str(getattr(effect, "VOIDS", ""))
+    # The provider's object the step works on, voided first (an intent is cancelled).
+    target = claim.provider_reference or str(request.get("payment_intent") or "")
+    return {
+        "may_have_happened": str(getattr(effect, "MAY_HAVE_HAPPENED", "")),
+        "voids": voids,
+        "void_target": target if voids else claim.provider_reference,
+        "last_request_at": fence.last_request_at(claim),
+        "grace_minutes": payments_settings().reconcile_grace // 60,
+        "replay_first": op.state not in desk.WORKER_STATES
+        and not claim.provider_reference
+        and replay_allowed(claim),
+    }
+
+
 class DeskViewsMixin(_DeskAdminBase):
     """The desk's extra admin views, mixed into OperationAdmin."""
 
@@ -396,6 +422,10 @@ class DeskViewsMixin(_DeskAdminBase):
             try:
                 # The desk service owns the transaction (and keeps HTTP calls out of it).
                 message = spec.run(op, step, request, form.cleaned_data)
+            except FoundSucceeded as exc:  # the provider's answer was recorded instead
+                form.add_error(None, f"Not marked failed: {exc.detail}")
+                status = 409
+                op = self.get_object(request, unquote(object_id)) or op
             except PaymentsError as exc:
                 # Refused: the same form again, with what was typed and why nothing changed.
                 form.add_error(None, f"Nothing was changed: {getattr(exc, 'detail', exc)}")
@@ -436,6 +466,7 @@ class DeskViewsMixin(_DeskAdminBase):
                 op.claims.order_by("claimed_at", "pk"), op.params, what=money_line(op)
             ),
             "next_key": _next_key_or_blank(op) if action == "new_attempt" else "",
+            **(_mark_failed_plan(op, step) if action == "mark_failed" else {}),
             "change_url": change_url,
             "refused": _refusal(op, action, step),
         }

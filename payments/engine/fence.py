@@ -76,13 +76,21 @@ def fingerprint(kind: str, entity_type: str, entity_id: str, params: dict[str, A
     return hashlib.sha256(canonical.encode()).hexdigest()
 
 
-def derive_idempotency_key(operation_key: str, step: str, scope: str = KeyScope.CLIENT) -> str:
+def derive_idempotency_key(
+    operation_key: str, step: str, scope: str = KeyScope.CLIENT, client_id: int | None = None
+) -> str:
     """Derive the provider idempotency key of a step: stable, bounded, no attempt number.
 
     A derived operation's scope goes into the hash, so that a client key equal
-    to a derived key can never share a provider idempotency key with it.
+    to a derived key can never share a provider idempotency key with it; the
+    client goes in too, so that two shops using the same key (their own order
+    numbers, say) never share one either. A claim stores its key when it is
+    inserted and every request under it sends that stored key: a claim made
+    before the client went into the hash keeps the key it was made with.
     """
     name = operation_key if scope == KeyScope.CLIENT else f"{scope}\x1e{operation_key}"
+    if client_id is not None:
+        name = f"client:{client_id}\x1d{name}"
     digest = hashlib.sha256(f"{name}\x1f{step}".encode()).hexdigest()
     return f"fence_{digest[:48]}"
 
@@ -1303,7 +1311,9 @@ def claim_step_in_tx(
             reason="claimed",
             # the claimant acts at once (attempts 1); each take-over adds one
             lease_seconds=lease_seconds,
-            idempotency_key=derive_idempotency_key(operation.key, step, operation.scope)
+            idempotency_key=derive_idempotency_key(
+                operation.key, step, operation.scope, operation.client_id
+            )
             if provider_call
             else "",
             request=request,
@@ -1620,13 +1630,53 @@ def note_provider_view(claim: StepClaim, found: EffectResult | None, *, source: 
     claim.provider_view = view
 
 
+#: A request goes out again under a claim's key (a replay, a confirm after a lost answer):
+#: recorded before it is sent, by the database's clock, by the claim's owner only.
+NOTE_REQUEST_SENT = """
+UPDATE payments_stepclaim
+SET last_request_at = statement_timestamp()
+WHERE id = %(id)s AND claimed_by = %(actor)s::text AND state IN ('claimed', 'uncertain')
+RETURNING last_request_at
+"""
+
+
 @fence_writer
-def release_claim(claim: StepClaim, *, actor: str, reason: str) -> None:
+def note_request_sent(claim: StepClaim, *, actor: str) -> None:
+    """Record, and commit, that `actor` is about to send a request under the claim's key again.
+
+    "Not found at the provider" counts only a grace period after the last
+    request sent, whoever sent it: a request that never reached the provider
+    is executed by a later same-key replay, and a lookup soon after that
+    replay cannot see what it did yet. Must run outside a transaction (Django's
+    durable atomic refuses to nest): the time commits before the request leaves.
+    """
+    with transaction.atomic(durable=True), connection.cursor() as cursor:
+        cursor.execute(NOTE_REQUEST_SENT, {"id": claim.pk, "actor": actor})
+        row = cursor.fetchone()
+    if row is None:
+        raise InvalidTransition(f"{_name(claim)}: {actor} does not hold it; nothing is sent")
+    claim.last_request_at = row[0]
+
+
+def last_request_at(claim: StepClaim) -> datetime:
+    """When the last request under the claim's key was sent (claims older than the column:
+    when they were claimed)."""
+    return claim.last_request_at or claim.claimed_at
+
+
+_UNCHANGED: Any = object()
+
+
+@fence_writer
+def release_claim(
+    claim: StepClaim, *, actor: str, reason: str, last_request_at: Any = _UNCHANGED
+) -> None:
     """Drop a claim's lease after a transient failure: the next attempt may take it at once.
 
     Only its owner releases it; the owner stays recorded. Its state stays: a
     claimed row is then "released" (lease gone: nothing ran), an uncertain one
-    stays uncertain (an earlier call may have run).
+    stays uncertain (an earlier call may have run). `last_request_at` puts back
+    the time of the request before one that was never sent.
     """
     with transaction.atomic():
         row = _locked_claim_in_tx(claim.pk)
@@ -1634,7 +1684,11 @@ def release_claim(claim: StepClaim, *, actor: str, reason: str) -> None:
             return
         _require_owner(row, actor)
         row.lease_expires_at, row.error = None, reason[:2000]
-        row.save(update_fields=["lease_expires_at", "error", "updated_at"])
+        fields = ["lease_expires_at", "error", "updated_at"]
+        if last_request_at is not _UNCHANGED:
+            row.last_request_at = claim.last_request_at = last_request_at
+            fields.append("last_request_at")
+        row.save(update_fields=fields)
         record_event_in_tx(
             row.operation,
             step=row.step,
@@ -1655,11 +1709,16 @@ def released_by(claim: StepClaim, owner: str) -> bool:
 
 
 def claim_carrying(reference: str, *, besides: StepClaim) -> str | None:
-    """Name the other claim ("operation_key/step") that carries `reference`, if any."""
+    """Name the other claim ("operation_key/step") settled done with `reference`, if any.
+
+    One provider success settles one step. A failed claim may carry the same
+    reference: an order's attempts share its PaymentIntent, and an attempt
+    declined on it carries it as much as the one that succeeded.
+    """
     if not reference:
         return None
     other = (
-        StepClaim.objects.filter(provider_reference=reference)
+        StepClaim.objects.filter(provider_reference=reference, state=ClaimState.DONE)
         .exclude(pk=besides.pk)
         .select_related("operation")
         .first()

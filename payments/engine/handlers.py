@@ -35,7 +35,7 @@ from django.db.models import Model, Q
 from inbox.handlers import current_message, inbox_guard, inbox_handler
 from payments.conf import payments_settings
 from payments.engine import fence, telemetry
-from payments.engine.effects import DeliveryPolicy, ExternalEffect
+from payments.engine.effects import DeliveryPolicy, EffectResult, ExternalEffect, reversal_step
 from payments.engine.steps import run_external_step
 from payments.engine.unit import WorkUnit
 from payments.exceptions import ConfigurationError, StepBusy, StepDoneMeanwhile, StepTransient
@@ -51,6 +51,10 @@ logger = logging.getLogger("payments.engine.runtime")
 
 EffectFactory = Callable[[Operation], ExternalEffect]
 EntityHook = Callable[[Operation], None]
+#: Undo an effect's business writes after the provider reversed it (a refund failed after it
+#: succeeded); gets the operation and what the provider shows now. Runs inside the transaction
+#: that records the reversal once.
+ReversalHook = Callable[[Operation, EffectResult], None]
 
 
 @dataclass(frozen=True)
@@ -86,6 +90,8 @@ class HandlerSpec:
     on_failure did. `effects` maps each external step to a factory building its
     effect from the operation, so recovery can settle a step without the
     handler. `consumer` is set for message handlers (the inbox consumer name).
+    `on_reversal` undoes a done step's business writes when the provider later
+    reverses it (payments.engine.recovery records the reversal once).
     """
 
     kind: str
@@ -96,6 +102,8 @@ class HandlerSpec:
     steps: frozenset[str] = frozenset()
     consumer: str | None = None
     desk: DeskHooks | None = None
+    #: What to undo when the provider reverses a step recorded done (None: a person decides).
+    on_reversal: ReversalHook | None = None
     #: The model of the operations' entity (entity_type its model name, entity_id its
     #: integer key), read in the lease's round trip: `Run.entity`.
     entity: type[Model] | None = None
@@ -120,8 +128,10 @@ class HandlerSpec:
 
     @property
     def known_steps(self) -> frozenset[str]:
-        """Every step name this handler may record (external effects included)."""
-        return self.steps | frozenset(self.effects)
+        """Every step name this handler may record (external effects included, and the
+        reversal of each when the handler can undo one: `on_reversal`)."""
+        reversals = {reversal_step(s) for s in self.effects} if self.on_reversal else set()
+        return self.steps | frozenset(self.effects) | reversals
 
 
 _HANDLERS: dict[str, HandlerSpec] = {}
@@ -143,6 +153,7 @@ def handler(
     steps: frozenset[str] | set[str] = frozenset(),
     desk: DeskHooks | None = None,
     entity: type[Model] | None = None,
+    on_reversal: ReversalHook | None = None,
 ) -> Callable[[Callable[[Run], object]], Callable[[Run], object]]:
     """Register the decorated function as the fenced handler of operations of `kind`.
 
@@ -177,6 +188,7 @@ def handler(
                 steps=frozenset(steps),
                 desk=desk,
                 entity=entity,
+                on_reversal=on_reversal,
             )
         )
         return func

@@ -3,7 +3,8 @@
 The sweeper re-enqueues operations that are due but have no live job: Redis
 may lose every job, the operation rows are the record. The reconciler asks the
 provider what happened to uncertain claims, by reference, else by a replay with
-the same key, else by a metadata search. It never calls with a new key.
+the same key, else by a consistent list (never the provider's search, which
+lags). It never calls with a new key.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from rq.registry import ScheduledJobRegistry, StartedJobRegistry
 from payments.conf import payments_settings
 from payments.engine import fence
 from payments.engine.dispatch import dispatch, dispatch_on_commit
-from payments.engine.effects import EffectResult
+from payments.engine.effects import EffectResult, reversal_step
 from payments.engine.handlers import HandlerSpec, get_handler
 from payments.engine.outcomes import Outcome
 from payments.engine.queues import payments_queue
@@ -343,7 +344,12 @@ def settle_from_provider(
     * settled the same way already: nothing changes, except that an operation
       left between its claim's commit and its own (what the reconciler's
       stranded pass resumes) is resumed. "already_settled".
-    * a refusal for a step recorded done: an older fact, nothing changes. "stale".
+    * a refusal of the very object a done step succeeded with (a refund that failed
+      after it succeeded): the provider reversed it; recorded once, the handler's
+      `on_reversal` undoes its writes, with an alert. "reversed" (without a hook,
+      as a contradiction below).
+    * a refusal of another object for a step recorded done: an older fact, nothing
+      changes. "stale".
     * a contradiction (a success for a step recorded failed, a second success
       reference for a done step, a reference that already settles another
       claim): an alert, and the operation goes to `needs_review`; no claim
@@ -417,6 +423,16 @@ def _against_settled(claim: StepClaim, found: EffectResult, spec: HandlerSpec, a
     """Compare a provider fact with a settled claim; settled claims never change."""
     op = claim.operation
     if claim.state == ClaimState.DONE:
+        if (
+            found.outcome != Outcome.SUCCESS
+            and found.reference == claim.provider_reference
+            and spec.on_reversal is not None
+        ):
+            # The very object that succeeded is refused now (a refund that failed after
+            # it succeeded): the provider took it back. Never an older, stale fact. Only
+            # effects that can be reversed so declare it (a succeeded PaymentIntent cannot
+            # fail; a snapshot read before it succeeded is stale).
+            return _reversed(claim, found, spec, actor)
         if found.outcome != Outcome.SUCCESS:
             logger.info(
                 "operation %s step %s is done (%s); an older refusal %s changes nothing",
@@ -448,6 +464,41 @@ def _against_settled(claim: StepClaim, found: EffectResult, spec: HandlerSpec, a
             claim, actor, f"{found.reference} succeeded for a step recorded failed"
         )
     return "already_settled"
+
+
+def _reversed(claim: StepClaim, found: EffectResult, spec: HandlerSpec, actor: str) -> str:
+    """Record once that the provider reversed a done step, and let the handler undo its writes.
+
+    The claim stays done (the effect did happen); a local claim of its own,
+    `<step>:reversed`, makes the reversal happen once however often the
+    provider says so. The handler's `on_reversal` runs in the same transaction
+    and undoes what the operation wrote so far (its later steps, if they have
+    not run yet, see the reversal claim and write nothing). An alert either way.
+    """
+    op = claim.operation
+    status = str(found.data.get("status") or found.outcome)
+    reason = f"the provider reversed {claim.step} {found.reference} (now {status})"
+    hook = spec.on_reversal
+    assert hook is not None  # _against_settled sends only handlers that declare one
+    with transaction.atomic():
+        # No lock on the operation: a worker running its later steps holds the entity's
+        # row (the hook's lock) and then the operation's; the claim's unique key decides.
+        recorded = fence.insert_local_claim_in_tx(
+            op, reversal_step(claim.step), owner=actor, result=found.as_result()
+        )
+        if recorded is None:
+            return "already_settled"  # told before: reversed once
+        hook(op, found)
+        fence.record_event_in_tx(
+            op,
+            step=claim.step,
+            from_state=op.state,
+            to_state=op.state,
+            actor=actor,
+            reason=f"{reason}; its effect was undone"[:1000],
+        )
+    alerts.error("operation %s: %s; its effect was undone", op.key, reason)
+    return "reversed"
 
 
 def _contradiction(claim: StepClaim, actor: str, reason: str) -> str:

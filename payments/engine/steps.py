@@ -18,7 +18,7 @@ from rq.timeouts import BaseTimeoutException
 
 from payments.conf import payments_settings
 from payments.engine import fence, telemetry
-from payments.engine.effects import ClaimView, EffectResult, ExternalEffect
+from payments.engine.effects import ClaimView, EffectResult, ExternalEffect, StillInProgress
 from payments.engine.failpoints import AFTER_CLAIM_COMMIT, AFTER_PROVIDER_ACCEPT, failpoint
 from payments.engine.outcomes import Outcome
 from payments.exceptions import (
@@ -46,6 +46,8 @@ def view_of(claim: StepClaim) -> ClaimView:
         idempotency_key=claim.idempotency_key,
         reference=claim.provider_reference,
         request=claim.request or {},
+        first_request_at=claim.claimed_at,
+        last_request_at=fence.last_request_at(claim),
     )
 
 
@@ -60,9 +62,14 @@ def replay_allowed(claim: StepClaim) -> bool:
 
 
 def past_grace(claim: StepClaim) -> bool:
-    """Tell whether the claim's outcome has been unknown longer than RECONCILE_GRACE."""
+    """Tell whether RECONCILE_GRACE has passed since the last request under the claim's key.
+
+    Counted from the last request sent (by a worker, the reconciler or the
+    desk), not from the claim: a same-key replay can execute a request that
+    never reached the provider, and what it did is not seen at once.
+    """
     grace = timedelta(seconds=payments_settings().reconcile_grace)
-    return fence.db_now() - claim.claimed_at > grace
+    return fence.db_now() - fence.last_request_at(claim) > grace
 
 
 @telemetry.traced("external")
@@ -87,7 +94,7 @@ def run_external_step(
     )
     claim = claimed.claim
     if claimed.created:
-        return call_effect(claim, effect, actor=owner, outcomes=outcomes)
+        return call_effect(claim, effect, actor=owner, outcomes=outcomes, first=True)
     if claim.state == ClaimState.DONE:
         telemetry.note(outcome=telemetry.SKIPPED, transaction=telemetry.NONE)
         logger.info("step %s/%s already done; replaying its result", operation.key, step)
@@ -138,11 +145,23 @@ def reconcile_step(
 
 @telemetry.traced("external", call=True)
 def call_effect(
-    claim: StepClaim, effect: ExternalEffect, *, actor: str, outcomes: WorkUnit | None = None
+    claim: StepClaim,
+    effect: ExternalEffect,
+    *,
+    actor: str,
+    outcomes: WorkUnit | None = None,
+    first: bool = False,
 ) -> dict[str, Any]:
     """Call the provider with the claim's stored request and key; record what came back
-    (a success in `outcomes`, when given: see run_external_step)."""
+    (a success in `outcomes`, when given: see run_external_step).
+
+    A `first` call's time is the claim's own; any later one is recorded first
+    (fence.note_request_sent), since the grace before "not found" counts from it.
+    """
     op_key, step = claim.operation.key, claim.step
+    sent_before = claim.last_request_at
+    if not first:
+        fence.note_request_sent(claim, actor=actor)
     failpoint(AFTER_CLAIM_COMMIT)
     try:
         answer = effect.perform(claim.request or {}, claim.idempotency_key)
@@ -156,7 +175,9 @@ def call_effect(
         code = str(getattr(exc, "code", "") or "")
         reason = f"{type(exc).__name__}: {exc}"[:500]
         if outcome == Outcome.TRANSIENT:
-            fence.release_claim(claim, actor=actor, reason=reason)
+            # Nothing was executed: the grace still counts from the request sent before.
+            unsent = {} if first else {"last_request_at": sent_before}
+            fence.release_claim(claim, actor=actor, reason=reason, **unsent)
             error = StepTransient(reason, operation_key=op_key, step=step, provider_code=code)
             error.in_flight = bool(getattr(exc, "in_flight", False))
             raise error from exc
@@ -166,7 +187,11 @@ def call_effect(
         if outcome == Outcome.PERMANENT:
             fence.settle_claim(claim, ClaimState.FAILED, actor=actor, error=reason)
             raise StepRefused(reason, operation_key=op_key, step=step, provider_code=code) from exc
-        fence.settle_claim(claim, ClaimState.UNCERTAIN, actor=actor, error=reason)
+        # An object still in progress (a pending refund) names itself: keep its reference.
+        reference = str(getattr(exc, "reference", "") or "") or None
+        fence.settle_claim(
+            claim, ClaimState.UNCERTAIN, actor=actor, error=reason, reference=reference
+        )
         raise StepUncertain(reason, operation_key=op_key, step=step, provider_code=code) from exc
     failpoint(AFTER_PROVIDER_ACCEPT)
     return _record(claim, answer, actor=actor, outcomes=outcomes)
@@ -199,6 +224,22 @@ def _settle_from_lookup(claim: StepClaim, effect: ExternalEffect, *, actor: str)
     op_key, step = claim.operation.key, claim.step
     try:
         found = effect.find(view_of(claim))
+    except StillInProgress as exc:  # there, neither done nor refused: never "not found"
+        telemetry.note(transaction=telemetry.NONE)
+        reason = f"still in progress at the provider ({exc})"[:500]
+        if claim.state != ClaimState.UNCERTAIN or (exc.reference and not claim.provider_reference):
+            fence.settle_claim(
+                claim,
+                ClaimState.UNCERTAIN,
+                actor=actor,
+                error=reason,
+                reference=exc.reference or None,
+            )
+        if past_grace(claim):
+            raise StepNeedsReview(
+                f"{reason}, past the grace period", operation_key=op_key, step=step
+            ) from exc
+        raise StepUncertain(reason, operation_key=op_key, step=step) from exc
     except Exception as exc:  # provider down while reconciling: stay as we are, until the grace
         telemetry.note(transaction=telemetry.NONE)
         reason = f"lookup failed: {type(exc).__name__}"
@@ -233,10 +274,16 @@ def _settle_from_lookup(claim: StepClaim, effect: ExternalEffect, *, actor: str)
         if claim.state != ClaimState.UNCERTAIN:
             fence.settle_claim(claim, ClaimState.UNCERTAIN, actor=actor, error="not found")
         raise StepNeedsReview(
-            "not found at the provider after the grace period", operation_key=op_key, step=step
+            "not found at the provider (consistent list) a grace period after the last request "
+            "under its key",
+            operation_key=op_key,
+            step=step,
         )
     if claim.state != ClaimState.UNCERTAIN:
         fence.settle_claim(
-            claim, ClaimState.UNCERTAIN, actor=actor, error="not found yet (search may lag)"
+            claim,
+            ClaimState.UNCERTAIN,
+            actor=actor,
+            error="not found yet (a request under its key was sent within the grace period)",
         )
     raise StepUncertain("not found at the provider yet", operation_key=op_key, step=step)

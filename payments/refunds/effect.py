@@ -2,6 +2,10 @@
 
 Maps provider answers to EffectResult; provider errors carry their own
 outcome (an over-refund or a refund of an unpaid intent is a 400: permanent).
+Refunds have Stripe's states: `pending` and `requires_action` are in flight
+(StillInProgress: neither done, refused nor absent), `succeeded`, and
+`failed` or `canceled`. A lost answer is found by listing the intent's
+refunds, a consistent read.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from payments.engine.effects import (
     ClaimView,
     EffectResult,
     ReferenceNotFound,
+    StillInProgress,
     fence_metadata,
     sent_metadata_matches,
 )
@@ -24,14 +29,16 @@ from payments.refunds.names import REFUND_STEP
 FAILED_STATUSES = frozenset({"failed", "canceled"})
 
 
-class UnsettledRefund(Exception):
-    """The refund exists but is still pending at the provider; look again later."""
-
-    outcome = Outcome.UNCERTAIN
+class UnsettledRefund(StillInProgress):
+    """The refund exists but is still pending (or requires action) at the provider."""
 
 
 class RefundEffect:
     """Refund an operation's amount of its order's payment intent, once."""
+
+    #: What "mark failed" must say, in the desk's words (a refund cannot be called back).
+    MAY_HAVE_HAPPENED = "The customer may already have been refunded."
+    VOIDS = ""
 
     def __init__(self, operation: Operation, client: ProviderClient | None = None) -> None:
         self.operation = operation
@@ -67,7 +74,7 @@ class RefundEffect:
     def find(self, claim: ClaimView) -> EffectResult | None:
         if claim.reference:
             try:
-                return _settled_or_none(self.client.retrieve_refund(claim.reference))
+                return _settled(self.client.retrieve_refund(claim.reference))
             except ResourceMissing:
                 return None
         intent = str(claim.request.get("payment_intent", ""))
@@ -79,8 +86,15 @@ class RefundEffect:
         done = [r for r in mine if r.status == "succeeded"]
         if done:
             return _settled(done[0])
+        in_flight = [r for r in mine if r.status not in FAILED_STATUSES]
+        if in_flight:
+            return _settled(in_flight[0])  # raises UnsettledRefund: never "not found"
         failed = [r for r in mine if r.status in FAILED_STATUSES]
         return _settled(failed[0]) if failed else None
+
+    def void(self, claim: ClaimView) -> EffectResult | None:
+        """A refund cannot be called back: say what it is (a pending one raises)."""
+        return self.find(claim)
 
     def verify(self, claim: ClaimView, reference: str) -> EffectResult:
         """Check that `reference` is this step's succeeded refund; raise ValueError naming why not."""
@@ -110,7 +124,7 @@ def _is_this_request(refund: Refund, request: dict[str, Any]) -> bool:
 def _settled(refund: Refund) -> EffectResult:
     result = _settled_or_none(refund)
     if result is None:
-        raise UnsettledRefund(f"refund {refund.id} is {refund.status}")
+        raise UnsettledRefund(f"refund {refund.id} is {refund.status}", reference=refund.id)
     return result
 
 

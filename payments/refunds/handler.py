@@ -15,6 +15,7 @@ from typing import Any
 from django.db import transaction
 
 from payments.engine.dispatch import create_and_dispatch_in_tx
+from payments.engine.effects import EffectResult
 from payments.engine.handlers import DeskHooks, Run, handler
 from payments.entities import lock_order, money_line
 from payments.exceptions import InvalidTransition
@@ -30,7 +31,7 @@ from payments.models import (
 )
 from payments.money import format_money
 from payments.refunds.effect import RefundEffect
-from payments.refunds.names import CREDIT_NOTE, REFUND, REFUND_STEP
+from payments.refunds.names import CREDIT_NOTE, REFUND, REFUND_REVERSED, REFUND_STEP
 
 logger = logging.getLogger("payments.refunds")
 
@@ -43,10 +44,13 @@ class RefundNotAllowed(InvalidTransition):
 
 
 def reserved_amount_in_tx(order: Order) -> int:
-    """Minor units already given back or asked for (refund operations not failed). In the tx."""
-    refunds = Operation.objects.filter(
-        kind=REFUND, entity_type="order", entity_id=str(order.pk)
-    ).exclude(state=OperationState.FAILED)
+    """Minor units given back or asked for: refund operations not failed, and not reversed by
+    the provider since (a refund that failed after it succeeded gave nothing back). In the tx."""
+    refunds = (
+        Operation.objects.filter(kind=REFUND, entity_type="order", entity_id=str(order.pk))
+        .exclude(state=OperationState.FAILED)
+        .exclude(claims__step=REFUND_REVERSED)
+    )
     return sum(int(params.get("amount", 0)) for params in refunds.values_list("params", flat=True))
 
 
@@ -100,12 +104,20 @@ def request_refund(
 
 
 def issue_credit_note(operation: Operation, reference: str) -> dict[str, Any]:
-    """Write the refund's credit note and the order's refunded total. Runs in the step's tx."""
+    """Write the refund's credit note and the order's refunded total. Runs in the step's tx.
+
+    A refund the provider reversed before this step ran (it failed after it
+    succeeded) gave nothing back: no credit note, the order unchanged.
+    """
     order = Order.objects.select_for_update().get(pk=operation.params["order_id"])
+    # Read after the order's lock: a reversal committed meanwhile is seen (reverse_refund
+    # takes the same lock).
+    if operation.claims.filter(step=REFUND_REVERSED).exists():
+        return {"credit_note": None, "reversed": True, "order_status": order.status}
     amount = int(operation.params["amount"])
     note = CreditNote.objects.create(
         order=order,
-        number=f"CN-{operation.pk:08d}",
+        number=credit_note_number(operation),
         amount=amount,
         currency=order.currency,
         provider_reference=reference,
@@ -118,6 +130,43 @@ def issue_credit_note(operation: Operation, reference: str) -> dict[str, Any]:
     )
     order.save(update_fields=["refunded_amount", "status", "updated_at"])
     return {"credit_note": note.number, "order_status": order.status}
+
+
+def reverse_refund(operation: Operation, found: EffectResult) -> None:
+    """Give the order back what a refund that failed after it succeeded did not refund.
+
+    The provider returned the money to the balance (Stripe: the refund's
+    `failure_balance_transaction`): the order's refunded total and status go
+    back, so the order shows what the provider holds, and the amount may be
+    refunded again. Only what the refund wrote is undone: before its credit
+    note was written there is nothing to undo (issue_credit_note then writes
+    none). The credit note stays as issued; the reversal is in the operation's
+    audit trail, with an alert, for a person to settle with the customer.
+    Runs in the transaction that records the reversal.
+    """
+    order = Order.objects.select_for_update().get(pk=operation.params["order_id"])
+    if not CreditNote.objects.filter(number=credit_note_number(operation)).exists():
+        return  # the refund's later step has not run: it will see the reversal
+    amount = int(operation.params["amount"])
+    if order.refunded_amount < amount:  # the books disagree: stop, let a person look
+        raise InvalidTransition(
+            f"order {order.pk} shows {order.refunded_amount} refunded, less than the "
+            f"reversed {amount}; nothing was changed"
+        )
+    order.refunded_amount -= amount
+    order.status = OrderStatus.PARTIALLY_REFUNDED if order.refunded_amount else OrderStatus.PAID
+    order.save(update_fields=["refunded_amount", "status", "updated_at"])
+    logger.warning(
+        "refund %s of order %s failed at the provider after it succeeded (%s); order reopened",
+        operation.key,
+        order.pk,
+        found.reference,
+    )
+
+
+def credit_note_number(operation: Operation) -> str:
+    """The number of a refund operation's credit note."""
+    return f"CN-{operation.pk:08d}"
 
 
 # --- what the operators' desk needs (payments.engine.handlers.DeskHooks) -------------
@@ -158,6 +207,7 @@ def describe_refund(operation: Operation) -> str:
     REFUND,
     effects={REFUND_STEP: RefundEffect},
     steps={CREDIT_NOTE},
+    on_reversal=reverse_refund,
     desk=DeskHooks(
         lock_entity=lock_order,
         describe=describe_refund,

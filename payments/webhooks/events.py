@@ -1,5 +1,11 @@
 """What a provider event says, as facts the fence understands, and the claim each belongs to.
 
+An event is a notification, not evidence: it carries a snapshot of one
+provider object as it was, and a leaked signing secret can make one up. So
+before a fact settles or moves anything, the object it names is retrieved
+from the provider by id (`current`), and the retrieved state decides; an
+object the provider does not have moves nothing.
+
 An event carries a snapshot of one provider object. A payment intent that
 succeeded, or was declined, and a refund that succeeded or failed, are
 *facts*: an `EffectResult` (SUCCESS with the reference, or PERMANENT) shaped
@@ -9,8 +15,11 @@ reconciler. A snapshot still in progress (a pending refund) is no fact yet.
 
 A fact belongs to a claim when the object's metadata names it
 (`operation_id` + `step`, else `operation_key` + `step`) and it is that
-claim's request (every metadata item, the amount, the currency and, for a
-refund, the intent), or else when the claim already carries its reference.
+claim's request (every metadata item, the amount, the currency and the
+intent), or when the claim carries its reference. An order's attempts share
+its PaymentIntent (a later attempt confirms the intent the first one made,
+whose metadata name the first): an intent's fact belongs to the latest of the
+attempts (operations of the same kind and entity) that work on it.
 """
 
 from __future__ import annotations
@@ -21,8 +30,9 @@ from typing import Any
 
 from payments.engine.effects import EffectResult
 from payments.engine.outcomes import Outcome
-from payments.models import StepClaim
-from payments.provider.client import Event
+from payments.models import Operation, StepClaim
+from payments.provider.client import Event, PaymentIntent, ProviderClient, Refund
+from payments.provider.errors import ResourceMissing
 
 PAYMENT_INTENT_TYPES = frozenset(
     {"payment_intent.succeeded", "payment_intent.payment_failed", "payment_intent.canceled"}
@@ -46,7 +56,9 @@ class Fact:
     metadata: Mapping[str, str] = field(hash=False)
     amount: int
     currency: str
-    payment_intent: str = ""  # a refund's intent
+    payment_intent: str = ""  # the intent itself, or a refund's intent
+    #: The provider has no such object (retrieved by id): the event moves nothing.
+    missing: bool = False
 
 
 def facts_of(event: Event) -> list[Fact]:
@@ -105,7 +117,7 @@ def _intent_fact(obj: Any) -> Fact:
         code = error.get("code") if isinstance(error, dict) else None
         data["code"] = code or "declined"
         found = EffectResult(Outcome.PERMANENT, reference=object_id, data=data)
-    return Fact("payment_intent", object_id, found, metadata, amount, currency)
+    return Fact("payment_intent", object_id, found, metadata, amount, currency, object_id)
 
 
 def _refund_fact(obj: Any) -> Fact:
@@ -126,24 +138,98 @@ def _refund_fact(obj: Any) -> Fact:
     return Fact("refund", object_id, found, metadata, amount, currency, intent)
 
 
+def current(fact: Fact, client: ProviderClient) -> Fact:
+    """The fact as the provider shows it now: its object retrieved by id.
+
+    Provider errors other than "no such object" propagate (try again later).
+    """
+    try:
+        if fact.object_type == "payment_intent":
+            return _intent_fact(_intent_json(client.retrieve_payment_intent(fact.object_id)))
+        return _refund_fact(_refund_json(client.retrieve_refund(fact.object_id)))
+    except (ResourceMissing, ValueError):
+        return Fact(
+            fact.object_type,
+            fact.object_id,
+            None,
+            fact.metadata,
+            fact.amount,
+            fact.currency,
+            fact.payment_intent,
+            missing=True,
+        )
+
+
+def _intent_json(intent: PaymentIntent) -> dict[str, Any]:
+    error = {"code": intent.last_error_code} if intent.last_error_code else None
+    return {
+        "object": "payment_intent",
+        "id": intent.id,
+        "status": intent.status,
+        "amount": intent.amount,
+        "currency": intent.currency,
+        "metadata": dict(intent.metadata),
+        "last_payment_error": error,
+    }
+
+
+def _refund_json(refund: Refund) -> dict[str, Any]:
+    return {
+        "object": "refund",
+        "id": refund.id,
+        "status": refund.status,
+        "amount": refund.amount,
+        "currency": refund.currency,
+        "payment_intent": refund.payment_intent,
+        "metadata": dict(refund.metadata),
+    }
+
+
 def claim_for(fact: Fact) -> StepClaim | None:
     """Return the claim this fact settles (or contradicts), or None when no claim fences it."""
     step = fact.metadata.get("step", "")
     operation_id = fact.metadata.get("operation_id", "")
     operation_key = fact.metadata.get("operation_key", "")
-    candidates = StepClaim.objects.none()
+    named = StepClaim.objects.none()
     if step and operation_id.isascii() and operation_id.isdigit():
-        candidates = StepClaim.objects.filter(operation_id=int(operation_id), step=step)
+        named = StepClaim.objects.filter(operation_id=int(operation_id), step=step)
     elif step and operation_key:
-        candidates = StepClaim.objects.filter(operation__key=operation_key, step=step)
-    for claim in candidates.select_related("operation").order_by("pk"):
-        if is_this_request(claim, fact):
-            return claim
-    return (
-        StepClaim.objects.filter(provider_reference=fact.object_id)
-        .select_related("operation")
-        .order_by("pk")
-        .first()
+        named = StepClaim.objects.filter(operation__key=operation_key, step=step)
+    mine = [claim for claim in named.select_related("operation") if is_this_request(claim, fact)]
+    if mine and fact.object_type == "payment_intent":
+        mine += _later_attempts(mine[0], fact)
+    mine += StepClaim.objects.filter(provider_reference=fact.object_id).select_related("operation")
+    return max(mine, key=lambda claim: claim.pk, default=None)
+
+
+def _later_attempts(first: StepClaim, fact: Fact) -> list[StepClaim]:
+    """The claims of later attempts (same kind and entity) that confirm the fact's intent."""
+    op: Operation = first.operation
+    attempts = StepClaim.objects.filter(
+        step=first.step,
+        operation__kind=op.kind,
+        operation__entity_type=op.entity_type,
+        operation__entity_id=op.entity_id,
+        pk__gt=first.pk,
+    ).select_related("operation")
+    return [claim for claim in attempts if is_this_request(claim, fact)]
+
+
+def decides(fact: Fact, claim: StepClaim) -> bool:
+    """Tell whether the fact settles this claim, or is no fact about it yet.
+
+    An attempt that confirms the order's intent is not declined by the intent
+    being back in requires_payment_method: an earlier attempt's decline left it
+    there too, and this attempt's confirm may not have run yet. Only succeeded
+    or cancelled decide; its own answer (or its replay) tells a decline.
+    """
+    if fact.found is None:
+        return False
+    confirming = bool((claim.request or {}).get("payment_intent"))
+    return not (
+        confirming
+        and fact.object_type == "payment_intent"
+        and fact.found.data.get("status") == "requires_payment_method"
     )
 
 
@@ -155,7 +241,7 @@ def is_this_request(claim: StepClaim, fact: Fact) -> bool:
     settles this claim.
     """
     request = claim.request or {}
-    sent = request.get("metadata") or {}
+    sent = request.get("metadata") or {}  # a confirm of the order's intent sends none
     if any(fact.metadata.get(str(name)) != str(value) for name, value in sent.items()):
         return False
     if "amount" in request and int(request["amount"]) != fact.amount:

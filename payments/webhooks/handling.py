@@ -39,8 +39,9 @@ from payments.engine.outcomes import Outcome
 from payments.engine.queues import payments_queue
 from payments.exceptions import ConfigurationError
 from payments.models import ClaimState, Operation, ProviderEvent
-from payments.provider.client import Event
-from payments.webhooks.events import Fact, claim_for, facts_of, object_id_of
+from payments.provider.client import Event, ProviderClient
+from payments.provider.errors import ProviderError
+from payments.webhooks.events import Fact, claim_for, current, decides, facts_of, object_id_of
 
 logger = logging.getLogger("payments.webhooks")
 alerts = logging.getLogger("payments.alerts")
@@ -54,8 +55,10 @@ RETRY_DELAYS = (1, 2, 4, 8, 15, 30, 60)
 
 #: Which outcome of several facts (a charge.refunded with its refunds) names the event.
 _WEIGHT = {
-    "needs_review": 9,
-    "alerted": 8,
+    "needs_review": 11,
+    "unknown_object": 10,
+    "alerted": 9,
+    "reversed": 8,
     "unfenced": 7,
     "done": 6,
     "failed": 5,
@@ -153,11 +156,25 @@ def handle_event(event_id: str, *, actor: str) -> str:
     claim's owner is alive: nothing changed, bring it again later),
     "missing" (no such stored event), or what its facts did: "done",
     "failed", "already_settled", "stale", "needs_review", "alerted",
-    "unfenced", "unmatched", "pending", "ignored", "malformed", "no_handler".
+    "unfenced", "unmatched", "pending", "ignored", "malformed", "no_handler",
+    "reversed" (a done step the provider took back), "unknown_object" (the provider has
+    no object by the event's id: nothing moves).
     """
-    if not ProviderEvent.objects.filter(pk=event_id).exists():
+    stored = ProviderEvent.objects.filter(pk=event_id).only("payload", "handled_at").first()
+    if stored is None:
         logger.error("provider event %s is not stored; nothing to handle", event_id)
         return "missing"
+    try:
+        # Retrieved before the transaction opens: none is held across an HTTP call.
+        facts = None if stored.handled_at is not None else _current_facts(stored)
+    except ProviderError as exc:  # the provider cannot say now: nothing moves, try again
+        logger.warning(
+            "provider event %s: its object could not be retrieved (%s); trying again later",
+            event_id,
+            type(exc).__name__,
+        )
+        ProviderEvent.objects.filter(pk=event_id, handled_at__isnull=True).update(outcome="busy")
+        return "busy"
     try:
         with inbox_guard(CONSUMER, event_id) as first:
             if not first:
@@ -166,7 +183,7 @@ def handle_event(event_id: str, *, actor: str) -> str:
             if row.handled_at is not None:  # its inbox row was purged since (INBOX_RETENTION)
                 logger.info("provider event %s was handled before; skipped", event_id)
                 return "duplicate"
-            outcome, operation = _apply(row, actor)
+            outcome, operation = _apply(row, facts, actor)
             if outcome == "busy":
                 raise _Busy
             row.handled_at = timezone.now()
@@ -181,16 +198,28 @@ def handle_event(event_id: str, *, actor: str) -> str:
     return outcome
 
 
-def _apply(row: ProviderEvent, actor: str) -> tuple[str, Operation | None]:
-    """Settle what the event's facts say; return the outcome and the operation it touched."""
+def _current_facts(row: ProviderEvent) -> list[Fact] | None:
+    """The event's facts as the provider shows them now (None: the event is malformed)."""
     try:
-        event = Event.from_json(row.payload)
-        facts = facts_of(event)
+        facts = facts_of(Event.from_json(row.payload))
     except ValueError as exc:  # the endpoint checked it; a listed one may still be odd
         logger.warning("provider event %s is malformed (%s); ignored", row.id, exc)
+        return None
+    if not facts:
+        return []
+    client = ProviderClient.from_settings()
+    return [current(fact, client) for fact in facts]
+
+
+def _apply(
+    row: ProviderEvent, facts: list[Fact] | None, actor: str
+) -> tuple[str, Operation | None]:
+    """Settle what the event's facts say; return the outcome and the operation it touched."""
+    if facts is None:
         return "malformed", None
     if not facts:
         return "ignored", None
+    event = Event.from_json(row.payload)
     outcomes: list[str] = []
     operation: Operation | None = None
     for fact in facts:
@@ -203,6 +232,16 @@ def _apply(row: ProviderEvent, actor: str) -> tuple[str, Operation | None]:
 
 
 def _settle(fact: Fact, event: Event, actor: str) -> tuple[str, Operation | None]:
+    if fact.missing:
+        # Signed, yet about an object the provider does not have: forged (a leaked
+        # secret) or from another account. It moves nothing.
+        alerts.error(
+            "provider event %s names %s %s, which the provider does not have; ignored",
+            event.id,
+            fact.object_type,
+            fact.object_id,
+        )
+        return "unknown_object", None
     claim = claim_for(fact)
     if claim is None:
         if fact.found is not None and fact.found.outcome == Outcome.SUCCESS:
@@ -227,8 +266,8 @@ def _settle(fact: Fact, event: Event, actor: str) -> tuple[str, Operation | None
         )
         return "unmatched", None
     operation = claim.operation
-    if fact.found is None:
-        return "pending", operation  # still in progress at the provider: a later event settles
+    if fact.found is None or not decides(fact, claim):
+        return "pending", operation  # no fact about this claim yet: a later event settles
     try:
         outcome = recovery.settle_from_provider(
             claim, fact.found, actor=actor, source=f"provider event {event.id}"

@@ -326,11 +326,11 @@ def test_mark_step_failed__refused_when_the_provider_shows_a_success(provider, o
     assert successes(provider, op) == 1
 
 
-def test_mark_step_failed__refused_while_the_search_may_lag(provider, operator):
-    op, claim, _ = builders.uncertain(charged=False)  # just now: search may not show it yet
+def test_mark_step_failed__refused_within_the_grace_after_the_last_request(provider, operator):
+    op, claim, _ = builders.uncertain(charged=False)  # just now: a request may still run
     builders.move(op, OperationState.FAILED, reason="gave up")  # failed: no replay any more
 
-    with pytest.raises(DeskError, match="may not show it yet"):
+    with pytest.raises(DeskError, match="less than 15 min ago: it may still be executed"):
         desk.mark_step_failed(op, "charge", user=operator, reason="nothing there")
     claim.refresh_from_db()
     assert claim.provider_view["status"] == "not_found"  # what the provider showed, kept

@@ -15,10 +15,12 @@ sweeper and the desk's services) through random interleavings of:
   at a failpoint too);
 * the desk: query the provider, resume, mark the charge failed or succeeded
   (with its real reference, another operation's or a bogus one), a new attempt;
-  the customer's new key for a failed order.
+  the customer's new key for a failed order; the provider's search lagging an
+  hour behind (search decides nothing).
 
 After every step (so after every sequence and every prefix of it) it checks:
-at most one provider success per order, none for a failed order; no failed
+at most one provider success and one live PaymentIntent per order, none for a
+failed order; no failed
 operation with an external step done or in doubt, no failed charge the
 provider shows charged; every claim settled or released only by its owner of
 the moment; every operation and claim move allowed by the transition table,
@@ -270,12 +272,13 @@ class FenceMachine(RuleBasedStateMachine):
                 f"UPDATE {op} SET " + ", ".join(shift.format(c) for c in (*cols, "updated_at")),
                 [seconds] * (len(cols) + 1),
             )
-            cols = ("claimed_at", "lease_expires_at", "settled_at", "updated_at")
+            cols = ("claimed_at", "last_request_at", "lease_expires_at", "settled_at", "updated_at")
             cursor.execute(
                 f"UPDATE {claim} SET " + ", ".join(shift.format(c) for c in cols),
                 [seconds] * len(cols),
             )
             cursor.execute(f"UPDATE {event} SET " + shift.format("created_at"), [seconds])
+        self.provider.state.age(seconds)  # the provider's clock moves on with ours
         registry = ScheduledJobRegistry(queue=self.queue)
         for job_id in registry.get_job_ids():  # RQ's scheduler would enqueue them by now
             registry.remove(job_id)
@@ -284,6 +287,13 @@ class FenceMachine(RuleBasedStateMachine):
             except NoSuchJobError:  # expired or deleted: nothing to enqueue
                 continue
             self.queue.enqueue_job(job)
+
+    @precondition(lambda self: self.last != "search_lags")
+    @rule(lag=st.sampled_from((0, 3600)))
+    def search_lags(self, lag: int) -> None:
+        """The provider's search falls an hour behind (or catches up): it must decide nothing."""
+        self.last = "search_lags"
+        self.provider.state.configure(search_lag=lag)
 
     @precondition(lambda self: self.last != "provider_reachable")
     @rule(down=st.booleans())
@@ -395,22 +405,33 @@ class FenceMachine(RuleBasedStateMachine):
         assert not self.guard.messages, self.guard.messages
 
     def at_most_one_provider_success_per_order(self) -> None:
-        """One charge per order at most; a failed order was never charged, a paid one was."""
+        """One charge per order at most; a failed order was never charged, a paid one was; an
+        order has one PaymentIntent, unless an operator's "mark failed" cancelled the one
+        before."""
         for order in Order.objects.all():
             order_intents = self.provider.state.intents(metadata={"order_id": str(order.pk)})
             wins = [i["id"] for i in order_intents if i["status"] == "succeeded"]
             assert len(wins) <= 1, f"order {order.pk} charged {len(wins)} times: {wins}"
+            live = [i["id"] for i in order_intents if i["status"] != "canceled"]
+            assert len(live) <= 1, f"order {order.pk} has {len(live)} live intents: {live}"
             if order.status == OrderStatus.PAYMENT_FAILED:
                 assert not wins, f"order {order.pk} is payment_failed but charged ({wins})"
             if order.status == OrderStatus.PAID:
                 assert wins, f"order {order.pk} is paid without a provider success"
 
     def failed_means_nothing_charged(self) -> None:
-        """A failed operation has no external step done or in doubt; no failed charge charged."""
-        charged_keys = {
-            i["metadata"].get("operation_key")
-            for i in self.provider.state.intents()
-            if i["status"] == "succeeded"
+        """A failed operation has no external step done or in doubt; no failed charge charged
+        money that no done claim fences (an order's attempts share one intent: a later
+        attempt's done claim may carry what an earlier, declined one made)."""
+        won = [i for i in self.provider.state.intents() if i["status"] == "succeeded"]
+        charges = StepClaim.objects.filter(step=CHARGE)
+        fenced = set(
+            charges.filter(state=ClaimState.DONE).values_list("provider_reference", flat=True)
+        ) | {  # a later attempt's confirm, not settled yet (in doubt): it fences the intent
+            str((request or {}).get("payment_intent"))
+            for request in charges.exclude(state=ClaimState.FAILED).values_list(
+                "request", flat=True
+            )
         }
         for claim in StepClaim.objects.select_related("operation"):
             op = claim.operation
@@ -425,7 +446,17 @@ class FenceMachine(RuleBasedStateMachine):
                     f"(lease {claim.lease_expires_at}, by {claim.claimed_by})"
                 )
             if claim.state == ClaimState.FAILED and claim.step == CHARGE:
-                assert op.key not in charged_keys, f"{op.key}: charge failed, provider charged"
+                made = [
+                    i["id"]
+                    for i in won
+                    if i["id"] == claim.provider_reference
+                    or (
+                        not claim.provider_reference
+                        and i["metadata"].get("operation_key") == op.key
+                    )
+                ]
+                unfenced = [pi for pi in made if pi not in fenced]
+                assert not unfenced, f"{op.key}: charge failed, provider charged {unfenced}"
             if op.state == OperationState.SUCCEEDED:
                 assert claim.state == ClaimState.DONE and claim.provider_reference, op.key
 

@@ -15,12 +15,12 @@ from rq.job import JobStatus
 
 from payments.checkout.handler import request_checkout
 from payments.checkout.orders import create_order
-from payments.engine import fence
+from payments.engine import failpoints, fence
 from payments.engine.dispatch import dispatch
 from payments.engine.jobs import run_operation
 from payments.engine.recovery import job_is_live, reconcile, sweep
 from payments.engine.writes import fence_writes
-from payments.models import ClaimState, Operation, OperationState, Order, OrderStatus
+from payments.models import ClaimState, Operation, OperationState, Order, OrderStatus, StepClaim
 from payments.provider.client import ProviderClient
 from tests.support.workers import run_worker
 
@@ -96,7 +96,7 @@ def test_not_found_within_grace__stays_uncertain_then_needs_review_after(provide
     # only a search is allowed.
     old = timezone.now() - timedelta(hours=23, minutes=30)
     with fence_writes():  # hand-made state, as the test says
-        op.claims.filter(step="charge").update(claimed_at=old)
+        op.claims.filter(step="charge").update(claimed_at=old, last_request_at=old)
     settings.PAYMENTS = {**settings.PAYMENTS, "RECONCILE_GRACE": 48 * 3600}
 
     within = reconcile()
@@ -386,3 +386,40 @@ def test_scheduled_job_no_scheduler_picked_up__is_delivered_anew(provider, queue
     run_worker(queue)
     op.refresh_from_db()
     assert op.state == OperationState.SUCCEEDED
+
+
+def test_a_replay__records_when_it_was_sent_before_it_goes_out(provider, queue):
+    """ "Not found" counts from the last request under the key: the reconciler's same-key
+    replay records its time (committed) before it is sent, whatever then happens to it."""
+    order, op = uncertain_checkout(provider, queue)
+    claim = op.claims.get(step="charge")
+    first = claim.last_request_at
+    assert first == claim.claimed_at  # the claimant's own request
+    seen: list[object] = []
+
+    def at_send() -> None:  # where the request is about to leave: the time is committed
+        seen.append(StepClaim.objects.get(pk=claim.pk).last_request_at)
+
+    provider.state.enqueue_faults("drop_after_accept", 1)  # the replay's answer is lost too
+    with failpoints.hooked(failpoints.AFTER_CLAIM_COMMIT, at_send):
+        reconcile()
+
+    claim.refresh_from_db()
+    assert len(seen) == 1 and seen[0] is not None and seen[0] > first
+    assert claim.last_request_at == seen[0]
+
+
+def test_a_replay_that_could_not_connect__puts_the_last_request_time_back(
+    provider, queue, settings
+):
+    """Nothing was sent (connection refused: transient), so the grace still counts from the
+    request before: a provider that stays down still reaches review."""
+    order, op = uncertain_checkout(provider, queue)
+    before = op.claims.get(step="charge").last_request_at
+    provider.stop()
+
+    reconcile()
+
+    claim = op.claims.get(step="charge")
+    assert claim.last_request_at == before
+    assert claim.state == ClaimState.UNCERTAIN

@@ -9,14 +9,18 @@ provider holds exactly what a lost answer leaves behind.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 
+import requests
 from django.db import transaction
 from django.utils import timezone
 
 from payments.checkout.charge import PaymentIntentCharge
 from payments.checkout.handler import mark_order_failed, request_checkout
 from payments.checkout.orders import create_order
+from payments.conf import payments_settings
 from payments.engine import fence
 from payments.engine.writes import fence_writes
 from payments.models import ClaimState, Operation, OperationState, Order, OrderStatus, StepClaim
@@ -51,10 +55,22 @@ def claim_charge(op: Operation, *, age: timedelta = timedelta(0)) -> StepClaim:
     return claim
 
 
-def call_provider(claim: StepClaim) -> tuple[str, str]:
-    """Send the claim's request with its key, as the worker did; return (reference, status)."""
+@contextmanager
+def provider_clock(age: timedelta) -> Iterator[None]:
+    """Make the fake provider act `age` ago (its objects' `created` to match), in the block."""
+    url = payments_settings().provider_url
+    requests.post(f"{url}/_fake/config", json={"clock_offset": -age.total_seconds()}, timeout=5)
+    try:
+        yield
+    finally:
+        requests.post(f"{url}/_fake/config", json={"clock_offset": 0.0}, timeout=5)
+
+
+def call_provider(claim: StepClaim, *, age: timedelta = timedelta(0)) -> tuple[str, str]:
+    """Send the claim's request with its key, as the worker did `age` ago; return
+    (reference, status)."""
     request = claim.request
-    with ProviderClient.from_settings() as client:
+    with provider_clock(age), ProviderClient.from_settings() as client:
         try:
             intent = client.create_payment_intent(
                 amount=request["amount"],
@@ -80,10 +96,18 @@ def move(op: Operation, state: OperationState, *, reason: str = "", **fields) ->
 
 
 def backdate(claim: StepClaim, age: timedelta) -> None:
-    """Make the claim look `age` old (its last write included)."""
+    """Make the claim look `age` old (its request and last write included)."""
     then = timezone.now() - age
     with fence_writes():  # hand-made state, as the test says
-        StepClaim.objects.filter(pk=claim.pk).update(claimed_at=then, updated_at=then)
+        StepClaim.objects.filter(pk=claim.pk).update(
+            claimed_at=then, last_request_at=then, updated_at=then
+        )
+
+
+def backdate_last_request(claim: StepClaim, age: timedelta) -> None:
+    """Make the last request under the claim's key `age` old (a replay sent then)."""
+    with fence_writes():  # hand-made state, as the test says
+        StepClaim.objects.filter(pk=claim.pk).update(last_request_at=timezone.now() - age)
 
 
 def uncertain(
@@ -92,7 +116,7 @@ def uncertain(
     """The read timed out: claim and operation uncertain. Returns (op, claim, reference or "")."""
     op = new_checkout(key, pm=pm)
     claim = claim_charge(op)
-    reference = call_provider(claim)[0] if charged else ""
+    reference = call_provider(claim, age=age)[0] if charged else ""
     claim = fence.settle_claim(claim, ClaimState.UNCERTAIN, actor=WORKER, error="ReadTimeout")
     move(op, OperationState.UNCERTAIN, reason="outcome unknown")
     if age:

@@ -18,8 +18,10 @@ from django.test import Client
 
 from inbox.models import InboxEntry
 from payments.checkout.charge import PaymentIntentCharge
+from payments.checkout.handler import request_checkout
 from payments.checkout.names import CHARGE
 from payments.engine import fence, recovery, steps
+from payments.engine.writes import fence_writes
 from payments.models import (
     ClaimState,
     CreditNote,
@@ -168,14 +170,18 @@ def test_a_duplicate_event__is_skipped_and_changes_nothing(provider_with_secret,
     assert OperationEvent.objects.count() == audit_rows
 
 
-def test_an_older_failure_after_a_success__changes_nothing(provider_with_secret, queue):
+def test_a_decline_snapshot_of_a_succeeded_intent__is_read_as_the_provider_shows_it(
+    provider_with_secret, queue
+):
+    """An older (or forged) snapshot says "declined" for an intent that succeeded: the intent
+    is retrieved first, and it succeeded. Nothing changes, and no reversal is recorded."""
     order, op = uncertain_checkout(provider_with_secret, queue)
     succeeded = only_event(provider_with_secret, "payment_intent.succeeded")
     deliver(succeeded)
     run_worker(queue)
     op.refresh_from_db()
     assert op.state == OperationState.SUCCEEDED
-    earlier = copy.deepcopy(succeeded)  # the same intent, declined a moment before
+    earlier = copy.deepcopy(succeeded)  # the same intent, "declined"
     earlier.update(id="evt_earlier_decline", type="payment_intent.payment_failed")
     earlier["created"] -= 5
     earlier["data"]["object"].update(status="requires_payment_method")
@@ -184,7 +190,7 @@ def test_an_older_failure_after_a_success__changes_nothing(provider_with_secret,
     deliver(earlier)
     run_worker(queue)
 
-    assert ProviderEvent.objects.get(pk="evt_earlier_decline").outcome == "stale"
+    assert ProviderEvent.objects.get(pk="evt_earlier_decline").outcome == "already_settled"
     op.refresh_from_db()
     assert op.state == OperationState.SUCCEEDED
     assert op.claims.get(step=CHARGE).state == ClaimState.DONE
@@ -205,19 +211,44 @@ def test_a_decline_event__fails_an_uncertain_charge(provider_with_secret, queue)
     assert claim.state == ClaimState.FAILED and claim.error == "refused: card_declined"
 
 
-def test_a_success_for_a_step_recorded_failed__goes_to_review_with_an_alert(
-    provider_with_secret, queue, caplog
-):
+def test_a_forged_success_for_a_declined_charge__changes_nothing(provider_with_secret, queue):
+    """Hole: a signed payment_intent.succeeded for a declined intent moved the failed checkout
+    to needs_review. The intent is retrieved first: it is declined, so nothing moves."""
     order, op = order_and_checkout(pm="pm_card_chargeDeclined")
     run_worker(queue)
     op.refresh_from_db()
     assert op.state == OperationState.FAILED
     declined = only_event(provider_with_secret, "payment_intent.payment_failed")
-    contradiction = copy.deepcopy(declined)
-    contradiction.update(id="evt_contradiction", type="payment_intent.succeeded")
-    contradiction["data"]["object"].update(status="succeeded", last_payment_error=None)
+    forged = copy.deepcopy(declined)
+    forged.update(id="evt_forged_success", type="payment_intent.succeeded")
+    forged["data"]["object"].update(status="succeeded", last_payment_error=None)
 
-    deliver(contradiction)
+    deliver(forged)
+    run_worker(queue)
+
+    op.refresh_from_db()
+    order.refresh_from_db()
+    assert op.state == OperationState.FAILED
+    assert order.status == OrderStatus.PAYMENT_FAILED
+    assert op.claims.get(step=CHARGE).state == ClaimState.FAILED
+    assert ProviderEvent.objects.get(pk="evt_forged_success").outcome == "already_settled"
+
+
+def test_a_success_for_a_step_recorded_failed__goes_to_review_with_an_alert(
+    provider_with_secret, queue, caplog
+):
+    """A real contradiction: the provider holds a success for a step recorded failed (a bug
+    made the record). The event, checked against the retrieved intent, parks it for review."""
+    order, op = order_and_checkout()
+    provider_with_secret.state.enqueue_faults("drop_after_accept", 1)
+    run_worker(queue)
+    op.refresh_from_db()
+    assert op.state == OperationState.UNCERTAIN
+    with fence_writes():  # hand-made state: the bug this test is about
+        op.claims.filter(step=CHARGE).update(state=ClaimState.FAILED)
+        Operation.objects.filter(pk=op.pk).update(state=OperationState.FAILED)
+
+    deliver(only_event(provider_with_secret, "payment_intent.succeeded"))
     run_worker(queue)
 
     op.refresh_from_db()
@@ -226,26 +257,65 @@ def test_a_success_for_a_step_recorded_failed__goes_to_review_with_an_alert(
     assert op.claims.get(step=CHARGE).state == ClaimState.FAILED  # no claim changed
     alerts = [r for r in caplog.records if r.name == "payments.alerts"]
     assert alerts and alerts[0].levelno == logging.ERROR
-    assert ProviderEvent.objects.get(pk="evt_contradiction").outcome == "needs_review"
+    event_id = only_event(provider_with_secret, "payment_intent.succeeded")["id"]
+    assert ProviderEvent.objects.get(pk=event_id).outcome == "needs_review"
+
+
+def test_a_forged_success_naming_no_real_intent__settles_nothing(
+    provider_with_secret, queue, caplog
+):
+    """Hole: with the signing secret leaked, a payment_intent.succeeded naming an intent the
+    provider never made, with an in-flight charge's metadata, settled that uncertain charge as
+    done with the made-up reference. Retrieved by id, it does not exist: nothing moves."""
+    order, op = uncertain_checkout(provider_with_secret, queue, pm="pm_card_chargeDeclined")
+    real = only_event(provider_with_secret, "payment_intent.payment_failed")
+    forged = copy.deepcopy(real)
+    forged.update(id="evt_forged", type="payment_intent.succeeded")
+    forged["data"]["object"].update(id="pi_made_up", status="succeeded", last_payment_error=None)
+
+    deliver(forged)
+    run_worker(queue)
+
+    assert ProviderEvent.objects.get(pk="evt_forged").outcome == "unknown_object"
+    claim = op.claims.get(step=CHARGE)
+    assert claim.state == ClaimState.UNCERTAIN and claim.provider_reference != "pi_made_up"
+    op.refresh_from_db()
+    order.refresh_from_db()
+    assert op.state == OperationState.UNCERTAIN
+    assert order.status == OrderStatus.PROCESSING
+    assert "pi_made_up" in caplog.text  # an alert names it
 
 
 def test_a_second_success_for_a_done_step__is_alerted_and_changes_no_claim(
     provider_with_secret, queue, caplog
 ):
+    """A second real intent carrying a done step's metadata (made outside the fence): its
+    event is a double charge alert; the done claim keeps its reference."""
     order, op = order_and_checkout()
     run_worker(queue)
     op.refresh_from_db()
     assert op.state == OperationState.SUCCEEDED
-    second = copy.deepcopy(only_event(provider_with_secret, "payment_intent.succeeded"))
-    second["id"] = "evt_second_success"
-    second["data"]["object"]["id"] = "pi_second_charge"
-    reference = op.claims.get(step=CHARGE).provider_reference
+    claim = op.claims.get(step=CHARGE)
+    client = make_client(provider_with_secret)
+    second = client.create_payment_intent(
+        amount=claim.request["amount"],
+        currency=claim.request["currency"],
+        payment_method="pm_card_visa",
+        metadata=claim.request["metadata"],
+        idempotency_key="outside-the-fence",
+    )
+    client.close()
+    event = next(
+        e
+        for e in provider_with_secret.state.events(type="payment_intent.succeeded")
+        if e["data"]["object"]["id"] == second.id
+    )
 
-    deliver(second)
+    deliver(event)
     run_worker(queue)
 
-    assert ProviderEvent.objects.get(pk="evt_second_success").outcome == "alerted"
-    assert op.claims.get(step=CHARGE).provider_reference == reference
+    assert ProviderEvent.objects.get(pk=event["id"]).outcome == "alerted"
+    assert op.claims.get(step=CHARGE).provider_reference == claim.provider_reference
     assert "double charge" in caplog.text
     assert any(r.name == "payments.alerts" for r in caplog.records)
 
@@ -409,3 +479,35 @@ def test_the_operation_page__lists_the_events_that_touched_it(provider_with_secr
     html = page.content.decode()
     assert "Provider events" in html
     assert event["id"] in html and "payment_intent.succeeded" in html
+
+
+# --- an order's attempts share its PaymentIntent --------------------------------------
+
+
+def test_the_first_attempts_late_decline__never_fails_the_next_attempt(
+    provider_with_secret, queue, settings
+):
+    """Review: attempt 1's decline event, handled after attempt 2 (a good card) had been
+    claimed but not yet sent (a 429), failed attempt 2 on the intent's leftover
+    requires_payment_method; the good card was never tried."""
+    settings.PAYMENTS = {**settings.PAYMENTS, "RETRY_BACKOFF": [120, 120]}
+    order, first = order_and_checkout(pm="pm_card_chargeDeclined")
+    run_worker(queue)
+    [decline] = provider_with_secret.state.events(type="payment_intent.payment_failed")
+    provider_with_secret.state.enqueue_faults("rate_limit", 1)
+    second, _ = request_checkout(
+        order_id=order.pk, key="attempt-2", payment_method="pm_card_visa", actor="api"
+    )
+    run_worker(queue)
+    claim = second.claims.get(step=CHARGE)
+    assert claim.request["payment_intent"] == first.claims.get(step=CHARGE).provider_reference
+    assert claim.state == ClaimState.CLAIMED  # released after the 429, waiting for its retry
+
+    deliver(decline)
+    run_worker(queue)
+
+    claim.refresh_from_db()
+    assert claim.state == ClaimState.CLAIMED
+    assert ProviderEvent.objects.get(pk=decline["id"]).outcome == "pending"
+    order.refresh_from_db()
+    assert order.status == OrderStatus.PROCESSING

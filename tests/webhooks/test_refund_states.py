@@ -1,0 +1,157 @@
+"""Refunds have Stripe's states: pending is in flight, and a refund can fail after it succeeded.
+
+Transactional, over real HTTP: workers run in this process, events are posted
+signed to this app's endpoint, the fake provider moves refunds as Stripe does.
+"""
+
+from __future__ import annotations
+
+import logging
+from datetime import timedelta
+
+import pytest
+
+from payments.desk import services as desk
+from payments.desk.services import DeskError
+from payments.engine import handlers
+from payments.models import (
+    ClaimState,
+    CreditNote,
+    OperationState,
+    OrderStatus,
+    ProviderEvent,
+)
+from payments.refunds.handler import request_refund
+from payments.refunds.names import REFUND_REVERSED, REFUND_STEP
+from tests.support import builders
+from tests.support.flows import order_and_checkout
+from tests.support.users import RECONCILE, VIEW, make_user
+from tests.support.workers import run_worker
+from tests.webhooks.test_settling import deliver
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+def paid_and_refunded(provider, queue, amount: int = 500):
+    order, _ = order_and_checkout()
+    run_worker(queue)
+    refund, _ = request_refund(order_id=order.pk, key="refund-1", amount=amount, actor="t")
+    run_worker(queue)
+    refund.refresh_from_db()
+    order.refresh_from_db()
+    return order, refund
+
+
+def test_a_refund_that_fails_after_it_succeeded__gives_the_order_its_amount_back(
+    provider_with_secret, queue, caplog
+):
+    """Hole: refund.failed after refund.created was filed as "stale": the order still showed
+    the money refunded that the provider had given back, with no alert."""
+    order, refund = paid_and_refunded(provider_with_secret, queue)
+    assert (refund.state, order.status) == (OperationState.SUCCEEDED, "partially_refunded")
+    reference = refund.claims.get(step=REFUND_STEP).provider_reference
+    provider_with_secret.state.fail_refund(reference)
+    events = [
+        e
+        for e in provider_with_secret.state.events()
+        if e["type"] in ("refund.updated", "refund.failed")
+    ]
+    assert len(events) == 2
+
+    with caplog.at_level(logging.ERROR, logger="payments.alerts"):
+        for event in events:
+            deliver(event)
+        run_worker(queue)
+
+    outcomes = sorted(ProviderEvent.objects.filter(pk__in=[e["id"] for e in events]).values_list(
+        "outcome", flat=True
+    ))  # fmt: skip
+    assert outcomes == ["already_settled", "reversed"]  # reversed once, however often told
+    order.refresh_from_db()
+    assert (order.refunded_amount, order.status) == (0, OrderStatus.PAID)
+    refund.refresh_from_db()
+    assert refund.claims.get(step=REFUND_STEP).state == ClaimState.DONE  # it did succeed
+    assert refund.claims.filter(step=REFUND_REVERSED).count() == 1
+    assert any("reversed" in r.getMessage() for r in caplog.records if r.name == "payments.alerts")
+    assert CreditNote.objects.count() == 1
+    # What the provider gave back may be refunded again.
+    again, created = request_refund(order_id=order.pk, key="refund-2", amount=500, actor="t")
+    assert created
+
+
+def test_a_pending_refund__is_in_flight_never_marked_failed(provider_with_secret, queue):
+    """Hole: a pending refund was "not found": past the grace, "mark failed" failed a refund
+    that later completed at the provider."""
+    order, _ = order_and_checkout()
+    run_worker(queue)
+    provider_with_secret.state.configure(refund_status="pending")
+    refund, _ = request_refund(order_id=order.pk, key="refund-1", amount=500, actor="t")
+    run_worker(queue)
+    refund.refresh_from_db()
+    assert refund.state == OperationState.UNCERTAIN
+    claim = refund.claims.get(step=REFUND_STEP)
+    [pending] = provider_with_secret.state.refunds()
+    assert claim.provider_reference == pending["id"]  # the pending refund names itself
+    builders.backdate(claim, timedelta(days=2))  # long past the grace, past key retention
+    operator = make_user("alice", *VIEW, RECONCILE)
+
+    with pytest.raises(DeskError, match="still in progress at the provider"):
+        desk.mark_step_failed(refund, REFUND_STEP, user=operator, reason="nothing came")
+
+    claim.refresh_from_db()
+    assert claim.state == ClaimState.UNCERTAIN
+    provider_with_secret.state.complete_refund(pending["id"])
+    [updated] = [
+        e for e in provider_with_secret.state.events(type="refund.updated")
+        if e["data"]["object"]["status"] == "succeeded"
+    ]  # fmt: skip
+    deliver(updated)
+    run_worker(queue)
+
+    refund.refresh_from_db()
+    order.refresh_from_db()
+    assert refund.state == OperationState.SUCCEEDED
+    assert order.refunded_amount == 500
+
+
+def test_a_refund_reversed_before_its_credit_note__writes_none_and_keeps_the_other_refunds(
+    provider_with_secret, queue, monkeypatch
+):
+    """Review: a refund reversed while its credit note step had not run yet subtracted its
+    amount from another refund's (clamped at 0), left a step no handler declares on an
+    unfinished operation (payments.E010 refuses workers), and the resumed credit note then
+    added the reversed amount back: the order showed money refunded that never was."""
+    order, _ = order_and_checkout()  # 1999
+    run_worker(queue)
+    request_refund(order_id=order.pk, key="refund-0", amount=300, actor="t")
+    run_worker(queue)
+
+    def broken(operation, reference):
+        raise RuntimeError("credit note numbering bug")
+
+    with monkeypatch.context() as patch:
+        patch.setattr("payments.refunds.handler.issue_credit_note", broken)
+        refund, _ = request_refund(order_id=order.pk, key="refund-1", amount=1000, actor="t")
+        run_worker(queue)
+    claim = refund.claims.get(step=REFUND_STEP)
+    assert claim.state == ClaimState.DONE
+    provider_with_secret.state.fail_refund(claim.provider_reference)
+    [failed] = provider_with_secret.state.events(type="refund.failed")
+
+    deliver(failed)
+    run_worker(queue)
+
+    order.refresh_from_db()
+    assert order.refunded_amount == 300  # refund-0's, untouched
+    assert handlers.unknown_recorded_names() == []
+    operator = make_user("alice", *VIEW, RECONCILE)
+    refund.refresh_from_db()
+    if refund.state != OperationState.SUCCEEDED:  # its credit note step runs again
+        if refund.state != OperationState.RETRYING:
+            desk.resume(refund, user=operator, reason="credit note bug fixed")
+        run_worker(queue)
+    refund.refresh_from_db()
+    order.refresh_from_db()
+    assert refund.state == OperationState.SUCCEEDED
+    assert (order.refunded_amount, order.status) == (300, OrderStatus.PARTIALLY_REFUNDED)
+    assert CreditNote.objects.count() == 1  # refund-0's only
