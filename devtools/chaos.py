@@ -16,6 +16,7 @@ import random
 import threading
 import time
 import uuid
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,6 +28,7 @@ from django.db import DatabaseError, close_old_connections, connection
 from django.db.models import Count, Q, Sum
 
 from devtools.chaos_webhooks import Webhooks, latencies
+from devtools.reckless import RecklessOperator
 from devtools.scratch import claim_scratch, flush_scratch
 from devtools.stack import Stack, free_port
 from payments.conf import payments_settings
@@ -82,6 +84,12 @@ class ChaosConfig:
     endpoint_down: float = 5.0
     recoveries: int = 1  # run_recovery processes (--topology ha: 3, one per host)
     checkout_interval: float = 0.0  # seconds between checkouts (spreads them over the faults)
+    #: An operator who presses every desk action offered, in the worst order (devtools.reckless).
+    reckless: bool = True
+    #: Seconds the provider's search lags behind its writes (it must decide nothing).
+    search_lag: float = 120.0
+    #: RECONCILE_GRACE of the run: short, so that operations reach "needs review" in it.
+    grace: int = 20
 
 
 @dataclass
@@ -96,6 +104,9 @@ class ChaosResult:
     #: Refunds the API refused (409): each one is a violation, the plan never exceeds a charge.
     refunds_refused: list[str] = field(default_factory=list)
     killed: int = 0
+    #: What the reckless operator pressed ("mark failed: done", ...), and the attempts it began.
+    reckless_presses: dict[str, int] = field(default_factory=dict)
+    attempt_keys: list[str] = field(default_factory=list)
     flushed: bool = False
     drained_seconds: float = 0.0
     settled_in_time: bool = False
@@ -146,6 +157,7 @@ def run_chaos(
         "LOG_LEVEL": "WARNING",
         "API_RATE_PER_CLIENT": "100000/min",  # the API's throttle is not under test
         **CHAOS_TIMEOUTS,
+        "RECONCILE_GRACE": str(config.grace),
         **(topology.env() if topology is not None else {}),
     }
     if config.flush:
@@ -162,7 +174,7 @@ def run_chaos(
         "--slow-delay", "4",
         "--fail-before-rate", str(fail_half),
         "--fail-after-rate", str(fail_half),
-        "--search-lag", "1",
+        "--search-lag", str(config.search_lag),
         *(webhooks.provider_args() if webhooks is not None else ()),
     ]  # fmt: skip
     stop = threading.Event()
@@ -200,11 +212,23 @@ def run_chaos(
                 say=say,
             )
         deadline = started + config.timeout
+        reckless = _start_reckless(config, run_id, env, stop) if config.reckless else None
         api = _api_session()
         result.keys = _checkout(config, rng, api, api_port, run_id, stack, result, say)
         plan = plan_refunds(config, [amount for _, amount in result.orders])
         _refund(plan, api, api_port, run_id, result, deadline, say)
-        result.settled_in_time = _wait_settled(run_id, deadline - time.monotonic(), say)
+        attempts = reckless.keys if reckless is not None else list
+        result.settled_in_time = _wait_settled(
+            run_id, deadline - time.monotonic(), say, attempts=attempts
+        )
+        if reckless is not None:  # then what its last presses started settles too
+            reckless.stop.set()
+            reckless.join(timeout=30)
+            result.reckless_presses = dict(reckless.presses)
+            result.attempt_keys = reckless.keys()
+            result.settled_in_time = _wait_settled(
+                run_id, deadline - time.monotonic(), say, attempts=attempts
+            )
         if outage is not None:  # the endpoint back and caught up before the figures
             outage.join(timeout=max(1.0, deadline - time.monotonic()))
         stop.set()
@@ -214,7 +238,8 @@ def run_chaos(
         provider_url = f"http://127.0.0.1:{provider_port}"
         result.report = _measure(result, provider_url)
         result.report["webhooks"] = webhooks is not None
-        result.report.update(latencies(provider_url, Q(key__startswith=f"chaos-{run_id}-")))
+        run_ops = Q(key__startswith=f"chaos-{run_id}-") | Q(key__in=result.attempt_keys)
+        result.report.update(latencies(provider_url, run_ops))
         if webhooks is not None:
             result.report.update(webhooks.figures(provider_url))
     finally:
@@ -222,6 +247,26 @@ def run_chaos(
         stack.stop()
     result.violations = _violations(result)
     return result
+
+
+def _start_reckless(
+    config: ChaosConfig, run_id: str, env: dict[str, str], stop: threading.Event
+) -> RecklessOperator:
+    """Start the reckless operator, its desk talking to the run's provider with its timeouts."""
+    settings.PAYMENTS = {  # this process is the operator's desk: the run's settings
+        **settings.PAYMENTS,
+        "PROVIDER_URL": env["PAYMENT_PROVIDER_URL"],
+        "PROVIDER_CONNECT_TIMEOUT": float(CHAOS_TIMEOUTS["PROVIDER_CONNECT_TIMEOUT"]),
+        "PROVIDER_READ_TIMEOUT": float(CHAOS_TIMEOUTS["PROVIDER_READ_TIMEOUT"]),
+        "JOB_TIMEOUT": int(CHAOS_TIMEOUTS["JOB_TIMEOUT"]),
+        "CLAIM_LEASE": int(CHAOS_TIMEOUTS["CLAIM_LEASE"]),
+        "RECONCILE_GRACE": config.grace,
+    }
+    reckless = RecklessOperator(f"chaos-{run_id}-", threading.Event())
+    stop_too = threading.Thread(target=lambda: (stop.wait(), reckless.stop.set()), daemon=True)
+    stop_too.start()  # the run's stop stops it as well
+    reckless.start()
+    return reckless
 
 
 def _chaos_loop(
@@ -438,23 +483,37 @@ def read_db(query: Callable[[], T], *, patience: float = 60.0) -> T:
             time.sleep(0.5)
 
 
-def _wait_settled(run_id: str, timeout: float, say: Callable[[str], None]) -> bool:
-    """Wait until every operation of the run (checkouts, their follow-ups, refunds) is settled."""
+def _states_of_run(prefix: str, attempt_keys: list[str]) -> dict[str, int]:
+    """Operations of the run by state: its checkouts, their follow-ups, refunds, new attempts."""
+    mine = (
+        Q(key__startswith=prefix)
+        | Q(parent__key__startswith=prefix)
+        | Q(key__in=attempt_keys)
+        | Q(parent__key__in=attempt_keys)
+    )
+    return dict(
+        Operation.objects.filter(mine)
+        .values_list("state")
+        .annotate(n=Count("id"))
+        .values_list("state", "n")
+    )
+
+
+def _wait_settled(
+    run_id: str,
+    timeout: float,
+    say: Callable[[str], None],
+    *,
+    attempts: Callable[[], list[str]] = list,
+) -> bool:
+    """Wait until every operation of the run (checkouts, their follow-ups, refunds, and the
+    new attempts an operator started) is settled."""
     deadline = time.monotonic() + timeout
     prefix = f"chaos-{run_id}-"
     last = ""
     next_line = 0.0
     while True:
-        counts = read_db(
-            lambda: dict(
-                Operation.objects.filter(
-                    Q(key__startswith=prefix) | Q(parent__key__startswith=prefix)
-                )
-                .values_list("state")
-                .annotate(n=Count("id"))
-                .values_list("state", "n")
-            )
-        )
+        counts = read_db(lambda: _states_of_run(prefix, attempts()))
         line = ", ".join(f"{s} {n}" for s, n in sorted(counts.items()))
         if line != last and time.monotonic() >= next_line:
             say(f"  operations (checkouts, follow-ups, refunds): {line}")
@@ -470,8 +529,8 @@ def _wait_settled(run_id: str, timeout: float, say: Callable[[str], None]) -> bo
 
 
 def _measure(result: ChaosResult, provider_url: str) -> dict[str, object]:
-    keys = result.keys
-    ops = Operation.objects.filter(key__in=keys)
+    keys = [*result.keys, *result.attempt_keys]
+    ops = Operation.objects.filter(key__in=result.keys)
     order_ids = [int(i) for i in ops.values_list("entity_id", flat=True)]
     client = ProviderClient(
         provider_url, payments_settings().provider_api_key, connect_timeout=2, read_timeout=30
@@ -480,6 +539,7 @@ def _measure(result: ChaosResult, provider_url: str) -> dict[str, object]:
     intents = [
         pi for pi in client.list_payment_intents() if pi.metadata.get("operation_key") in wanted
     ]
+    charged_orders = {int(pi.metadata["order_id"]) for pi in intents if pi.status == "succeeded"}
     found = audit(intents, Q(operation__key__in=keys))
     # Paid, whether refunded since or not: a refund does not undo the charge's invoice.
     paid = Order.objects.filter(pk__in=order_ids, status__in=CHARGED)
@@ -503,11 +563,19 @@ def _measure(result: ChaosResult, provider_url: str) -> dict[str, object]:
         .values_list("operation_id", flat=True)
         .distinct()
     )
-    settled_auto = (
-        ops.filter(pk__in=went_uncertain)
-        .exclude(claims__step="charge", claims__state=ClaimState.UNCERTAIN)
-        .count()
+    operated = set(
+        OperationEvent.objects.filter(
+            operation__key__in=keys, actor__startswith="operator:"
+        ).values_list("operation_id", flat=True)
     )
+    # Over every attempt of the run (an operator's new attempts too), as `went_uncertain` is.
+    attempts = Operation.objects.filter(key__in=keys, pk__in=went_uncertain)
+    settled = set(
+        attempts.exclude(claims__step="charge", claims__state=ClaimState.UNCERTAIN).values_list(
+            "pk", flat=True
+        )
+    )
+    left = attempts.exclude(pk__in=settled)
     return {
         "orders": len(order_ids),
         "operations_by_state": dict(
@@ -517,6 +585,20 @@ def _measure(result: ChaosResult, provider_url: str) -> dict[str, object]:
         "orders_declined_or_failed": Order.objects.filter(
             pk__in=order_ids, status=OrderStatus.PAYMENT_FAILED
         ).count(),
+        # shown "payment failed" while the provider holds the order's money
+        "charged_but_failed_orders": Order.objects.filter(
+            pk__in=charged_orders, status=OrderStatus.PAYMENT_FAILED
+        ).count(),
+        "reckless_presses": result.reckless_presses,
+        "new_attempts_started": len(result.attempt_keys),
+        # an order's intents not cancelled: one, whatever the attempts (cancelled ones
+        # can never be charged, and an attempt after one creates the next)
+        "live_payment_intents_per_order_max": max(
+            Counter(
+                pi.metadata.get("order_id") for pi in intents if pi.status != "canceled"
+            ).values(),
+            default=0,
+        ),
         "provider_successes": found.provider_successes,
         "charge_claims_done": found.done_claims,
         # per order (a step charged twice is an order charged twice too)
@@ -526,7 +608,10 @@ def _measure(result: ChaosResult, provider_url: str) -> dict[str, object]:
         "paid_orders_with_one_ledger_line": sum(1 for o in paid_ids if ledger.get(o) == 1),
         "orders_with_more_than_one_invoice": sum(1 for n in invoices.values() if n > 1),
         "uncertain_outcomes": len(set(went_uncertain)),
-        "uncertain_settled_automatically": settled_auto,
+        "uncertain_settled_automatically": len(settled - operated),
+        "uncertain_settled_by_an_operator": len(settled & operated),
+        # still unknown, parked for a person (needs review) when the run ended
+        "uncertain_left_for_review": left.filter(state=OperationState.NEEDS_REVIEW).count(),
         **_measure_refunds(result, order_ids, intents, client),
         "workers_killed": result.killed,
         "redis_flushed": result.flushed,
@@ -544,9 +629,6 @@ def _measure_refunds(
 ) -> dict[str, object]:
     """The refund figures, against the provider's own list of refunds of the run's charges."""
     amount_of = dict(result.orders)
-    order_of_key = {
-        key: order_id for key, (order_id, _) in zip(result.keys, result.orders, strict=True)
-    }
     charged = {pi.id: pi.amount for pi in intents if pi.status == "succeeded"}
     # Every refund of every charge of the run, whoever made it.
     refunds_by_intent = {pi: list(client.list_refunds(payment_intent=pi)) for pi in charged}
@@ -554,7 +636,7 @@ def _measure_refunds(
     # The fence_audit's own judgement: double refunds per step, refunds without a claim.
     found = audit_refunds(refunds_by_intent, charged, refund_claims)
     # Over-refunds per order, across all its charges.
-    order_of_intent = {pi.id: order_of_key[pi.metadata["operation_key"]] for pi in intents}
+    order_of_intent = {pi.id: int(pi.metadata["order_id"]) for pi in intents}
     refunded_at_provider: dict[int, int] = {}
     for intent, refunds in refunds_by_intent.items():
         order_id = order_of_intent[intent]
@@ -641,29 +723,53 @@ def _measure_refunds(
     }
 
 
+def pending_work(result: ChaosResult) -> dict[str, int]:
+    """The run's operations not settled yet, by state (empty once it drained)."""
+    counts = _states_of_run(f"chaos-{result.run_id}-", result.attempt_keys)
+    return {state: n for state, n in counts.items() if state not in SETTLED}
+
+
 def _violations(result: ChaosResult) -> list[str]:
+    """What the run's figures break. Not drained in time, figures that need the work done
+    (one ledger line per paid order, credit notes per refund) are not judged: work still
+    pending is not a violation, only money taken or given twice is."""
     r = result.report
     if not r:
         return ["the run did not finish"]
+    if not r["settled_in_time"]:
+        return _money_violations(r)
+    return _money_violations(r) + _bookkeeping_violations(r)
+
+
+def _money_violations(r: dict[str, object]) -> list[str]:
+    """Money taken or given back twice, or without a claim: wrong whenever it is seen."""
     problems = []
     if r["double_charges"]:
         problems.append(f"{r['double_charges']} double charges")
+    if r["charged_but_failed_orders"]:
+        problems.append(f"{r['charged_but_failed_orders']} orders shown failed but charged")
     if r["provider_successes_without_claim"]:
         problems.append(
             f"{r['provider_successes_without_claim']} provider successes without a claim"
         )
-    if r["paid_orders_with_one_invoice"] != r["orders_paid"]:
-        problems.append("a paid order without exactly one invoice")
-    if r["paid_orders_with_one_ledger_line"] != r["orders_paid"]:
-        problems.append("a paid order without exactly one ledger line")
-    if r["orders_with_more_than_one_invoice"]:
-        problems.append("an order with more than one invoice")
     if r["double_refunds"]:
         problems.append(f"{r['double_refunds']} double refunds")
     if r["over_refunds"]:
         problems.append(f"{r['over_refunds']} orders refunded more than their charge")
     if r["refunds_without_claim"]:
         problems.append(f"{r['refunds_without_claim']} provider refunds without a claim")
+    if r["orders_with_more_than_one_invoice"]:
+        problems.append("an order with more than one invoice")
+    return problems
+
+
+def _bookkeeping_violations(r: dict[str, object]) -> list[str]:
+    """Once every operation settled: one invoice, ledger line and credit note each."""
+    problems = []
+    if r["paid_orders_with_one_invoice"] != r["orders_paid"]:
+        problems.append("a paid order without exactly one invoice")
+    if r["paid_orders_with_one_ledger_line"] != r["orders_paid"]:
+        problems.append("a paid order without exactly one ledger line")
     if r["refunds_refused_by_api"]:
         problems.append(f"{r['refunds_refused_by_api']} refunds within the charge refused")
     if r["credit_notes"] != r["refunds_succeeded"]:
@@ -673,6 +779,4 @@ def _violations(result: ChaosResult) -> list[str]:
             "a refunded order whose status, refunded amount, credit notes and the provider's "
             "refunds disagree"
         )
-    if not r["settled_in_time"]:
-        problems.append("operations not settled within the time limit")
     return problems

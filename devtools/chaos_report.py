@@ -25,11 +25,17 @@ ROWS = [
     ("provider successes", "provider_successes"),
     ("charge claims done", "charge_claims_done"),
     ("double charges", "double_charges"),
+    ("orders shown failed but charged", "charged_but_failed_orders"),
+    ("live payment intents per order (at most)", "live_payment_intents_per_order_max"),
+    ("reckless operator's presses", "reckless_line"),
+    ("  new attempts it started", "new_attempts_started"),
     ("provider successes without a claim", "provider_successes_without_claim"),
     ("paid orders with exactly one invoice", "paid_orders_with_one_invoice"),
     ("paid orders with exactly one ledger line", "paid_orders_with_one_ledger_line"),
     ("uncertain outcomes", "uncertain_outcomes"),
     ("  settled automatically", "uncertain_settled_automatically"),
+    ("  settled by an operator", "uncertain_settled_by_an_operator"),
+    ("  left for review", "uncertain_left_for_review"),
     ("refunds asked", "refunds_asked"),
     ("refunds refused by the API", "refunds_refused_by_api"),
     ("refunds succeeded", "refunds_succeeded"),
@@ -94,11 +100,20 @@ def table(result: ChaosResult) -> list[str]:
         ("checkout operations by state", _states(r["operations_by_state"])),
         ("refund operations by state", _states(r["refund_operations_by_state"])),
     ]
-    rows += [(label, r[key]) for label, key in ROWS]
+    shown = _shown(r)
+    rows += [(label, shown.get(key, "-")) for label, key in ROWS]
     rows += webhook_rows(r)
     rows += latency_rows(r)
     width = max(len(label) for label, _ in rows)
     return [f"  {label:<{width}}  {value}" for label, value in rows]
+
+
+def _shown(r: dict[str, object]) -> dict[str, object]:
+    """The report's figures, with the reckless operator's presses as one line."""
+    presses = r.get("reckless_presses") or {}
+    assert isinstance(presses, dict)
+    line = ", ".join(f"{k} {n}" for k, n in sorted(presses.items())) or "none"
+    return {**r, "reckless_line": line}
 
 
 def webhook_rows(r: dict[str, object]) -> list[tuple[str, object]]:
@@ -220,7 +235,7 @@ def _html(result: ChaosResult) -> str:
         for label, value in [
             ("checkout operations by state", _states(r["operations_by_state"])),
             ("refund operations by state", _states(r["refund_operations_by_state"])),
-            *((label, r[key]) for label, key in ROWS),
+            *((label, _shown(r).get(key, "-")) for label, key in ROWS),
             *webhook_rows(r),
             *latency_rows(r),
         ]

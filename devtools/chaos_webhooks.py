@@ -38,7 +38,7 @@ import requests
 from django.db.models import Q
 
 from devtools.stack import ROOT, Proc, Stack, free_port
-from payments.models import ClaimState, Operation, OperationEvent, OperationState
+from payments.models import ClaimState, Operation, OperationEvent, OperationState, StepClaim
 
 #: Who settled a claim, by the prefix of the actor on its `done` audit row.
 #: Checked in this order: "provider-events-sync" also starts with "provider-events".
@@ -259,9 +259,17 @@ def latencies(provider_url: str, operations: Q) -> dict[str, object]:
     recorded; the operation then still runs its follow-up steps).
     """
     timeline = requests.get(f"{provider_url}/_fake/timeline", timeout=10).json()["data"]
+    # A later attempt confirms the order's intent, whose metadata name the first attempt:
+    # a success belongs to the operation whose done claim carries it.
+    done_by = dict(
+        StepClaim.objects.filter(
+            state=ClaimState.DONE, provider_reference__in=[row["id"] for row in timeline]
+        ).values_list("provider_reference", "operation__key")
+    )
     success_at: dict[tuple[str, str], float] = {}
     for row in timeline:
-        key = (row["metadata"].get("operation_key", ""), row["metadata"].get("step", ""))
+        owner = done_by.get(row["id"]) or row["metadata"].get("operation_key", "")
+        key = (owner, row["metadata"].get("step", ""))
         success_at[key] = min(success_at.get(key, math.inf), float(row["succeeded_at"]))
     ops = dict(Operation.objects.filter(operations).values_list("key", "pk"))
     trails = {ops[key]: _Trail(step) for key, step in success_at if key in ops}

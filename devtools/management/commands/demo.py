@@ -7,7 +7,7 @@ from pathlib import Path
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from devtools.chaos import ChaosConfig, run_chaos
+from devtools.chaos import ChaosConfig, pending_work, run_chaos
 from devtools.chaos_report import table, write_files
 from devtools.ha import HaSchedule, run_ha, timeline_lines
 
@@ -27,6 +27,10 @@ def _interval(value: str) -> tuple[float, float]:
     return pair
 
 
+#: The exit code of a run whose work did not drain in time (1: an invariant was violated).
+NOT_DRAINED = 3
+
+
 class Command(BaseCommand):
     help = (
         "Chaos run: start the fake provider with faults, K real RQ workers, the API server and "
@@ -34,7 +38,8 @@ class Command(BaseCommand):
         "SIGKILLed every few seconds and Redis is flushed once; once orders are paid, refund a "
         "share of them through the API (half partially, half fully), still under the kills and "
         "the provider's faults; wait until every operation is settled; print and save a report "
-        "(JSON and HTML). Exits 1 on any invariant violation."
+        "(JSON and HTML). Exits 1 on any invariant violation, 3 when the work did not drain "
+        "within --timeout (a slow machine: pass a longer one)."
     )
 
     def add_arguments(self, parser: CommandParser) -> None:
@@ -91,6 +96,26 @@ class Command(BaseCommand):
             "--worker-class", default=None, help="RQ worker class, e.g. rq.worker.SimpleWorker."
         )
         parser.add_argument(
+            "--no-reckless",
+            action="store_true",
+            help='No reckless operator (by default one presses "mark failed" then "start a '
+            'new attempt" on every uncertain, needs-review and failed checkout the desk offers).',
+        )
+        parser.add_argument(
+            "--search-lag",
+            type=float,
+            default=d.search_lag,
+            metavar="SECONDS",
+            help="How far the provider's search lags behind its writes (it must decide nothing).",
+        )
+        parser.add_argument(
+            "--grace",
+            type=int,
+            default=d.grace,
+            metavar="SECONDS",
+            help="RECONCILE_GRACE of the run's processes and of the reckless operator's desk.",
+        )
+        parser.add_argument(
             "--no-webhooks",
             action="store_true",
             help="No provider events: uncertain outcomes are settled by the reconciler and by "
@@ -135,6 +160,8 @@ class Command(BaseCommand):
             raise CommandError("--orders and --workers must be at least 1.")
         if options["endpoint_down"] < 0:
             raise CommandError("--endpoint-down must not be negative.")
+        if options["search_lag"] < 0 or options["grace"] < 1:
+            raise CommandError("--search-lag must not be negative and --grace at least 1.")
         kill_min, kill_max = options["kill_interval"]
         config = ChaosConfig(
             orders=options["orders"], workers=options["workers"],
@@ -145,6 +172,8 @@ class Command(BaseCommand):
             seed=options["seed"], timeout=options["timeout"],
             worker_class=options["worker_class"],
             webhooks=not options["no_webhooks"], endpoint_down=options["endpoint_down"],
+            reckless=not options["no_reckless"], search_lag=options["search_lag"],
+            grace=options["grace"],
         )  # fmt: skip
         var = Path(settings.BASE_DIR) / "var"
         self.stdout.write(
@@ -152,7 +181,8 @@ class Command(BaseCommand):
             f"{kill_min}-{kill_max}s, faults drop {config.drop_rate:.0%} / slow "
             f"{config.slow_rate:.0%} / 500 {config.fail_rate:.0%}, declines "
             f"{config.decline_rate:.0%}, refunds {config.refund_rate:.0%} of the orders, "
-            f"seed {config.seed}; "
+            f"seed {config.seed}; search lags {config.search_lag:g}s, grace {config.grace}s, "
+            + ("a reckless operator at the desk; " if config.reckless else "")
             + (
                 f"webhooks on (duplicates, reordering, delays; endpoint down "
                 f"{config.endpoint_down:g}s mid-run)"
@@ -181,6 +211,15 @@ class Command(BaseCommand):
         self.stdout.write(f"\nReport: {html_path}\n        {json_path}")
         if result.violations:
             raise CommandError("invariant violated: " + "; ".join(result.violations))
+        if not result.report.get("settled_in_time"):
+            pending = ", ".join(f"{state} {n}" for state, n in sorted(pending_work(result).items()))
+            raise CommandError(
+                f"not drained in time: {pending or 'nothing'} still pending after "
+                f"{config.timeout:g} s (no invariant was violated by what settled). A slow or "
+                f"busy machine: pass a longer --timeout (make demo DEMO_ARGS='--timeout "
+                f"{int(config.timeout * 2)}').",
+                returncode=NOT_DRAINED,
+            )
         self.stdout.write(
             self.style.SUCCESS(
                 "No double charge, no charge without a claim, one invoice and one ledger line per "
