@@ -65,7 +65,7 @@ valgrind:
 	  (echo "install Debian's valgrind (apt-get install valgrind) for make bench's instruction count"; exit 1)
 
 test: db browser topology valgrind
-	REQUIRE_TOPOLOGY_BINARIES=1 $(PY) -m pytest
+	REQUIRE_TOPOLOGY_BINARIES=1 $(PY) -m pytest --durations=25
 
 # Style, the layers (import-linter contracts in pyproject.toml) and the types (mypy).
 lint: install env

@@ -29,6 +29,8 @@ TOKEN = "fuzz-token-that-is-long-enough-0123456789"
 SEED = 28  # the issue that made every check run
 #: Per operation: a few hundred requests in all (examples, coverage, fuzzing).
 MAX_EXAMPLES = 250
+#: Stateful chains of up to 6 calls each: every link is exercised by many of them.
+CHAINS = 100
 
 CONFIG = SchemathesisConfig.from_dict(
     {
@@ -66,7 +68,7 @@ ApiWorkflow = schema.as_state_machine()
 def test_api__schemathesis_stateful_chains_find_nothing():
     ApiWorkflow.run(
         settings=settings(
-            max_examples=MAX_EXAMPLES,
+            max_examples=CHAINS,
             stateful_step_count=6,
             deadline=None,
             derandomize=True,
