@@ -219,11 +219,10 @@ def _apply(
         return "malformed", None
     if not facts:
         return "ignored", None
-    event = Event.from_json(row.payload)
     outcomes: list[str] = []
     operation: Operation | None = None
     for fact in facts:
-        outcome, touched = _settle(fact, event, actor)
+        outcome, touched = _settle(fact, row.id, actor)
         if outcome == "busy":
             return "busy", touched
         outcomes.append(outcome)
@@ -231,13 +230,13 @@ def _apply(
     return max(outcomes, key=lambda name: _WEIGHT.get(name, 0)), operation
 
 
-def _settle(fact: Fact, event: Event, actor: str) -> tuple[str, Operation | None]:
+def _settle(fact: Fact, event_id: str, actor: str) -> tuple[str, Operation | None]:
     if fact.missing:
         # Signed, yet about an object the provider does not have: forged (a leaked
         # secret) or from another account. It moves nothing.
         alerts.error(
             "provider event %s names %s %s, which the provider does not have; ignored",
-            event.id,
+            event_id,
             fact.object_type,
             fact.object_id,
         )
@@ -249,7 +248,7 @@ def _settle(fact: Fact, event: Event, actor: str) -> tuple[str, Operation | None
             alerts.error(
                 "provider event %s: %s %s succeeded (%s %s, step %s) but no claim fences it: "
                 "unfenced %s",
-                event.id,
+                event_id,
                 fact.object_type,
                 fact.object_id,
                 fact.amount,
@@ -260,7 +259,7 @@ def _settle(fact: Fact, event: Event, actor: str) -> tuple[str, Operation | None
             return "unfenced", None
         logger.info(
             "provider event %s: %s %s matches no claim; ignored",
-            event.id,
+            event_id,
             fact.object_type,
             fact.object_id,
         )
@@ -270,9 +269,9 @@ def _settle(fact: Fact, event: Event, actor: str) -> tuple[str, Operation | None
         return "pending", operation  # no fact about this claim yet: a later event settles
     try:
         outcome = recovery.settle_from_provider(
-            claim, fact.found, actor=actor, source=f"provider event {event.id}"
+            claim, fact.found, actor=actor, source=f"provider event {event_id}"
         )
     except ConfigurationError:  # a kind no handler declares: the worker parks it for review
-        logger.error("provider event %s: operation %s has no handler", event.id, operation.key)
+        logger.error("provider event %s: operation %s has no handler", event_id, operation.key)
         return "no_handler", operation
     return outcome, operation
