@@ -37,7 +37,8 @@ REFUND_FAILURE_REASONS = (
     "unknown",
 )
 # Stripe's error codes for refusing a refund (https://docs.stripe.com/error-codes):
-# more than is left on the charge, nothing left at all, no successful charge.
+# more than is left on the charge, nothing left at all, no successful charge (none
+# made, or one only authorised: an uncaptured intent is released by a cancel).
 REFUND_TOO_LARGE = "amount_too_large"
 ALREADY_REFUNDED = "charge_already_refunded"
 NOT_REFUNDABLE = "payment_intent_unexpected_state"
@@ -113,14 +114,15 @@ class RefundDesk:
                 param="payment_intent",
                 code="resource_missing",
             )
-        if intent.charge_id is None:
+        if intent.charge_id is None or intent.data["status"] != "succeeded":
             raise Refusal(
                 f"This PaymentIntent ({pi_id}) does not have a successful charge to refund.",
                 param="payment_intent",
                 code=NOT_REFUNDABLE,
             )
         currency = intent.data["currency"]
-        charged = int(intent.data["amount"])
+        # What was captured, not what was asked for: a partial capture released the rest.
+        charged = int(intent.data["amount_received"])
         left = charged - intent.refunded
         if left <= 0:
             raise Refusal(
@@ -226,14 +228,14 @@ class RefundDesk:
             "id": intent.charge_id,
             "object": "charge",
             "amount": data["amount"],
-            "amount_captured": data["amount"],
+            "amount_captured": data["amount_received"],
             "amount_refunded": intent.refunded,
             "currency": data["currency"],
             "created": data["created"],
             "metadata": copy.deepcopy(data["metadata"]),
             "paid": True,
             "payment_intent": data["id"],
-            "refunded": intent.refunded >= data["amount"],
+            "refunded": intent.refunded >= data["amount_received"],
             "status": "succeeded",
             "refunds": {
                 "object": "list",

@@ -10,6 +10,9 @@ a `Request-Id` header on every answer):
 
 - `POST /v1/payment_intents`: `amount`, `currency`, `confirm`, `payment_method`
   (`pm_card_visa` succeeds, `pm_card_chargeDeclined` answers 402),
+  `capture_method` (`automatic`, the default, or `manual`: a good card only
+  authorises, the intent waits in `requires_capture` with `amount_capturable`
+  and `payment_intent.amount_capturable_updated` is emitted),
   `metadata[...]`; other Stripe parameters (description, expand[] ...) are
   accepted and ignored. `Idempotency-Key` replays the stored answer with
   `Idempotent-Replayed: true`, answers 400 idempotency_error for other
@@ -20,10 +23,18 @@ a `Request-Id` header on every answer):
   method in `last_payment_error.payment_method`, none left on the intent). A
   succeeded or canceled intent answers 400 `payment_intent_unexpected_state`
   with the intent in `error.payment_intent`. Idempotency and faults as for
-  creates; a key belongs to one intent's confirm path.
+  creates; a key belongs to one intent's confirm path. A manual intent ends in
+  `requires_capture`, as a confirmed create does.
+- `POST /v1/payment_intents/{id}/capture`: `amount_to_capture` (default: all
+  of `amount_capturable`), `metadata[...]` (merged into the intent's; an empty
+  value removes a key). `succeeded` with `amount_received` the captured amount
+  and `amount_capturable` 0 (the rest is released). An intent not in
+  `requires_capture` answers 400 `payment_intent_unexpected_state` with the
+  intent; more than it holds answers 400 `amount_too_large` (param
+  `amount_to_capture`). Idempotency and faults as for confirms.
 - `POST /v1/payment_intents/{id}/cancel`: `cancellation_reason` (`duplicate`,
   `fraudulent`, `requested_by_customer`, `abandoned`); `canceled` with
-  `canceled_at`, or 400 `payment_intent_unexpected_state` (with the intent)
+  `canceled_at` (a held authorisation is released: `amount_capturable` 0), or 400 `payment_intent_unexpected_state` (with the intent)
   from `succeeded` or `canceled`. `Idempotency-Key` honoured; no faults.
 - `GET /v1/payment_intents/{id}`, `GET /v1/payment_intents/search?query=...`
   (`metadata['k']:'v'` and `status:'...'` clauses joined by AND; only intents
@@ -33,10 +44,11 @@ a `Request-Id` header on every answer):
 - `POST /v1/refunds`: `payment_intent`, `amount` (default: what is left),
   `reason` (`duplicate`, `fraudulent`, `requested_by_customer`),
   `metadata[...]`; the same idempotency and faults as intent creates (a key
-  belongs to the endpoint it was first used on). Refusals are 400
+  belongs to the endpoint it was first used on). A refund reaches only the
+  captured amount (`amount_received`). Refusals are 400
   invalid_request_error: `amount_too_large` (more than is left),
   `charge_already_refunded` (nothing left), `payment_intent_unexpected_state`
-  (no successful charge), `resource_missing` (no such intent). A new refund is
+  (no successful charge, or one not yet captured), `resource_missing` (no such intent). A new refund is
   `succeeded`, or `pending` with `refund_status: "pending"` (it holds its
   amount meanwhile); `failure_reason` and `failure_balance_transaction` are
   null unless it failed.
@@ -45,7 +57,7 @@ a `Request-Id` header on every answer):
 - `GET /v1/events` (list, newest first: `limit`, `starting_after`,
   `ending_before`, `created[gt|gte|lt|lte]`, `type`, `types[]`): every event
   the fake emitted: `payment_intent.succeeded`, `payment_intent.payment_failed`,
-  `payment_intent.canceled`, `refund.created`, `refund.updated`,
+  `payment_intent.canceled`, `payment_intent.amount_capturable_updated`, `refund.created`, `refund.updated`,
   `refund.failed`, `charge.refunded`.
 
 Webhooks: `FakeProviderServer(webhook_url=..., webhook_secret=...)` POSTs
@@ -58,7 +70,8 @@ faults for the next events, any other keys change its config.
 Control API (no auth; JSON in and out):
 
 - `POST /_fake/faults` `{"mode": "...", "count": N}` queues N faults for the
-  next create or confirm requests (intents, confirms and refunds alike). Modes: `drop_after_accept` (charge, store the answer
+  next create, confirm or capture requests (intents, confirms, captures and
+  refunds alike; never cancels). Modes: `drop_after_accept` (charge, store the answer
   for the key, close the socket without answering), `slow` (charge, wait
   `slow_delay` s before answering), `fail_before` (500 with
   `Stripe-Should-Retry: true`, nothing executed or stored), `fail_after`
@@ -103,6 +116,7 @@ from urllib.parse import parse_qsl, urlsplit
 
 from devtools.fake_provider.state import (
     CANCELLATION_REASONS,
+    CAPTURE_METHODS,
     DECLINING_CARDS,
     REFUND_REASONS,
     SUCCEEDING_CARDS,
@@ -119,7 +133,7 @@ logger = logging.getLogger(__name__)
 _PI_PATH = "/v1/payment_intents"
 _REFUNDS_PATH = "/v1/refunds"
 _EVENTS_PATH = "/v1/events"
-_INTENT_ACTION = re.compile(r"/v1/payment_intents/(?P<id>[^/]+)/(?P<action>confirm|cancel)")
+_INTENT_ACTION = re.compile(r"/v1/payment_intents/(?P<id>[^/]+)/(?P<action>confirm|cancel|capture)")
 _REFUND_CONTROL = re.compile(r"/_fake/refunds/(?P<id>[^/]+)/(?P<action>succeed|fail)")
 
 _CLAUSE = re.compile(
@@ -189,6 +203,12 @@ def parse_create(params: list[tuple[str, str]]) -> dict[str, Any] | Reply:
         )
     if payment_method is not None and not _known_card(payment_method):
         return _no_such_method()
+    capture_method = flat.get("capture_method") or "automatic"
+    if capture_method not in CAPTURE_METHODS:
+        return invalid(
+            "Invalid capture_method: must be one of " + ", ".join(CAPTURE_METHODS) + ".",
+            param="capture_method",
+        )
     metadata = _metadata(params)
     if isinstance(metadata, Reply):
         return metadata
@@ -197,6 +217,7 @@ def parse_create(params: list[tuple[str, str]]) -> dict[str, Any] | Reply:
         "currency": currency.lower(),
         "confirm": confirm,
         "payment_method": payment_method,
+        "capture_method": capture_method,
         "metadata": metadata,
     }
 
@@ -228,6 +249,24 @@ def parse_cancel(params: list[tuple[str, str]]) -> dict[str, Any] | Reply:
             param="cancellation_reason",
         )
     return {"cancellation_reason": reason}
+
+
+def parse_capture(params: list[tuple[str, str]]) -> dict[str, Any] | Reply:
+    """Validate capture parameters (`amount_to_capture`, `metadata[...]`, both optional)."""
+    raw_amount = dict(params).get("amount_to_capture")
+    amount: int | None = None
+    if raw_amount is not None and raw_amount != "":
+        if not re.fullmatch(r"-?\d+", raw_amount) or int(raw_amount) < 1:
+            return invalid(
+                "Invalid positive integer",
+                param="amount_to_capture",
+                code="parameter_invalid_integer",
+            )
+        amount = int(raw_amount)
+    metadata = _metadata(params)
+    if isinstance(metadata, Reply):
+        return metadata
+    return {"amount_to_capture": amount, "metadata": metadata}
 
 
 def _metadata(params: list[tuple[str, str]]) -> dict[str, str] | Reply:
@@ -398,6 +437,10 @@ class _Handler(BaseHTTPRequestHandler):
             if action is not None and action["action"] == "confirm":
                 return state.confirm_payment_intent(
                     action["id"], params, parse_confirm(params), key, sleep=wait
+                )
+            if action is not None and action["action"] == "capture":
+                return state.capture_payment_intent(
+                    action["id"], params, parse_capture(params), key, sleep=wait
                 )
             if action is not None:
                 return state.cancel_payment_intent(

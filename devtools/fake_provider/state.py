@@ -7,7 +7,10 @@ injectable so tests can age keys and intents without sleeping.
 
 An intent is created (confirmed at once or not), confirmed later
 (`confirm_payment_intent`) or canceled (`cancel_payment_intent`), with the
-statuses and refusals Stripe has. Refunds and their later states live in
+statuses and refusals Stripe has. With `capture_method=manual` a good card
+only authorises: the intent waits in `requires_capture` holding
+`amount_capturable` until `capture_payment_intent` takes all or part of it
+(`amount_received`; the rest is released) or a cancel releases it all. Refunds and their later states live in
 `devtools.fake_provider.refunds`.
 """
 
@@ -51,6 +54,13 @@ CANCELABLE = (
     "processing",
 )
 CANCELLATION_REASONS = ("duplicate", "fraudulent", "requested_by_customer", "abandoned")
+#: Stripe's `capture_method` values the fake knows; `automatic` is the default.
+CAPTURE_METHODS = ("automatic", "manual")
+CAPTURABLE = ("requires_capture",)
+#: The code of a capture of more than the intent holds. Stripe's answer is an
+#: invalid_request_error "the requested capture amount is greater than the
+#: authorized amount"; its code is taken to be the general `amount_too_large`.
+CAPTURE_TOO_LARGE = "amount_too_large"
 
 
 @dataclass(frozen=True)
@@ -122,7 +132,7 @@ class _Intent:
     data: dict[str, Any]
     created_at: float
     seq: int
-    charge_id: str | None = None  # the successful charge, when the intent succeeded
+    charge_id: str | None = None  # the charge, once the card was charged or authorised
     refunded: int = 0  # what its pending and succeeded refunds hold (Stripe keeps it on the charge)
     succeeded: tuple[float, int] | None = None  # (fake clock time, order of successes)
 
@@ -187,6 +197,7 @@ class FakeState:
         self._refund_stats = _Stats()
         self._confirm_stats = _Stats()
         self._cancel_stats = _Stats()
+        self._capture_stats = _Stats()
         self._seq = 0
         self._in_flight = 0
         self._rng = random.Random(self.config.seed)
@@ -254,7 +265,10 @@ class FakeState:
             return replace(candidate)
 
     def enqueue_faults(self, mode: str, count: int = 1) -> int:
-        """Queue `count` faults for the next creates and confirms; return the queue length."""
+        """Queue `count` faults for the next creates, confirms, captures and refunds.
+
+        Return the queue length.
+        """
         if mode not in FAULT_MODES:
             raise ValueError(f"unknown fault mode {mode!r}; use one of {FAULT_MODES}")
         if count < 1:
@@ -363,10 +377,11 @@ class FakeState:
         """Return counters as plain JSON-able data.
 
         The top-level request counters are about payment intent creates (the
-        charges); confirms, cancels and refund creates have their own under
-        `confirm`, `cancel` and `refunds` (`confirm_requests`, `cancel_requests`
-        and `cancels`, the intents canceled, are repeated at the top). The
-        fault queue, `in_flight` and `idempotency_keys` are shared by all.
+        charges); confirms, cancels, captures and refund creates have their own
+        under `confirm`, `cancel`, `capture` and `refunds` (`confirm_requests`,
+        `cancel_requests`, `capture_requests` and `cancels`, the intents
+        canceled, are repeated at the top). The fault queue, `in_flight` and
+        `idempotency_keys` are shared by all.
         """
         with self._cond:
             self._fail_due_refunds()
@@ -376,6 +391,7 @@ class FakeState:
                 "create_requests": self._stats.create_requests,
                 "confirm_requests": self._confirm_stats.create_requests,
                 "cancel_requests": self._cancel_stats.create_requests,
+                "capture_requests": self._capture_stats.create_requests,
                 "cancels": by_status["canceled"],
                 "intents": len(self._intents),
                 "intents_by_status": dict(by_status),
@@ -389,6 +405,7 @@ class FakeState:
                 "events": len(self._events),
                 "confirm": _stats_of(self._confirm_stats),
                 "cancel": _stats_of(self._cancel_stats),
+                "capture": _stats_of(self._capture_stats),
                 "refunds": {
                     **_stats_of(self._refund_stats),
                     "count": len(refunds),
@@ -509,6 +526,34 @@ class FakeState:
             idempotency_key,
             sleep,
             faults=False,
+        )
+
+    def capture_payment_intent(
+        self,
+        pi_id: str,
+        params: list[tuple[str, str]],
+        parsed: dict[str, Any] | Reply,
+        idempotency_key: str | None,
+        sleep: Callable[[float], object] = time.sleep,
+    ) -> Reply:
+        """Handle `POST /v1/payment_intents/{id}/capture`: take what a manual intent holds.
+
+        The same idempotency and faults as confirms; a key belongs to one
+        intent's capture path. `amount_to_capture` (default: all of
+        `amount_capturable`) becomes `amount_received`, the rest is released.
+        An intent not in `requires_capture` refuses with a 400
+        `payment_intent_unexpected_state` carrying the intent; more than it
+        holds is a 400 `amount_to_capture` refusal. Both refusals are stored
+        under the key (the request executed), as a refund's are.
+        """
+        return self._create(
+            f"{PAYMENT_INTENTS_ENDPOINT}/{pi_id}/capture",
+            self._capture_stats,
+            lambda checked: self._execute_capture(pi_id, checked),
+            params,
+            parsed,
+            idempotency_key,
+            sleep,
         )
 
     def _create(
@@ -799,6 +844,7 @@ class FakeState:
             "id": pi_id,
             "object": "payment_intent",
             "amount": parsed["amount"],
+            "amount_capturable": 0,
             "amount_received": 0,
             "currency": parsed["currency"],
             "status": "requires_confirmation" if method else "requires_payment_method",
@@ -808,7 +854,7 @@ class FakeState:
             "livemode": False,
             "client_secret": f"{pi_id}_secret_{secrets.token_hex(12)}",
             "confirmation_method": "automatic",
-            "capture_method": "automatic",
+            "capture_method": parsed["capture_method"],
             "last_payment_error": None,
             "latest_charge": None,
             "canceled_at": None,
@@ -821,7 +867,11 @@ class FakeState:
         return Reply(200, copy.deepcopy(data))
 
     def _charge(self, intent: _Intent, method: str) -> Reply:
-        """Charge `method` for the intent: succeeded, or declined back to requires_payment_method."""
+        """Charge `method` for the intent: succeeded, or declined back to requires_payment_method.
+
+        A manual intent is authorised instead: `requires_capture`, holding its
+        amount, with `payment_intent.amount_capturable_updated` as at Stripe.
+        """
         data = intent.data
         decline_code = DECLINING_CARDS.get(method)
         if decline_code is not None:
@@ -839,17 +889,21 @@ class FakeState:
             return Reply(
                 402, {"error": {**copy.deepcopy(error), "payment_intent": copy.deepcopy(data)}}
             )
+        # Stripe makes the charge at authorisation too; it is captured later.
         intent.charge_id = "ch_" + data["id"].removeprefix("pi_")
+        data.update(payment_method=method, last_payment_error=None, latest_charge=intent.charge_id)
+        if data["capture_method"] == "manual":
+            data.update(status="requires_capture", amount_capturable=data["amount"])
+            self._emit("payment_intent.amount_capturable_updated", data)
+            return Reply(200, copy.deepcopy(data))
+        return self._succeed(intent, data["amount"])
+
+    def _succeed(self, intent: _Intent, received: int) -> Reply:
+        """Mark the intent's money received (a charge or a capture): `payment_intent.succeeded`."""
         intent.succeeded = (self.clock(), self._next_seq())
-        data.update(
-            status="succeeded",
-            payment_method=method,
-            amount_received=data["amount"],
-            last_payment_error=None,
-            latest_charge=intent.charge_id,
-        )
-        self._emit("payment_intent.succeeded", data)
-        return Reply(200, copy.deepcopy(data))
+        intent.data.update(status="succeeded", amount_received=received, amount_capturable=0)
+        self._emit("payment_intent.succeeded", intent.data)
+        return Reply(200, copy.deepcopy(intent.data))
 
     def _execute_confirm(self, pi_id: str, parsed: dict[str, Any]) -> Reply:
         """Confirm an intent as Stripe does, or refuse for its status."""
@@ -907,13 +961,45 @@ class FakeState:
                 + ".",
                 data,
             )
+        # A held authorisation is released: nothing is left to capture.
         data.update(
             status="canceled",
+            amount_capturable=0,
             canceled_at=int(self.clock()),
             cancellation_reason=parsed["cancellation_reason"],
         )
         self._emit("payment_intent.canceled", data)
         return Reply(200, copy.deepcopy(data))
+
+    def _execute_capture(self, pi_id: str, parsed: dict[str, Any]) -> Reply:
+        """Capture (part of) what an intent in `requires_capture` holds, or refuse."""
+        intent = self._intents.get(pi_id)
+        if intent is None:
+            return _no_such_intent(pi_id)
+        data = intent.data
+        status = data["status"]
+        if status not in CAPTURABLE:
+            return _unexpected_state(
+                f"This PaymentIntent could not be captured because it has a status of {status}. "
+                "Only a PaymentIntent with one of the following statuses may be captured: "
+                + ", ".join(CAPTURABLE)
+                + ".",
+                data,
+            )
+        held = int(data["amount_capturable"])
+        amount = parsed["amount_to_capture"] if parsed["amount_to_capture"] is not None else held
+        if amount > held:
+            return error_reply(
+                400,
+                "invalid_request_error",
+                "The payment could not be captured because the requested capture amount is "
+                "greater than the authorized amount.",
+                param="amount_to_capture",
+                code=CAPTURE_TOO_LARGE,
+                payment_intent=copy.deepcopy(data),
+            )
+        data["metadata"] = _merged(data["metadata"], parsed["metadata"])
+        return self._succeed(intent, amount)
 
     def _execute_refund(self, parsed: dict[str, Any]) -> Reply:
         """Refund (part of) an intent's charge, or refuse as Stripe does."""
@@ -1006,6 +1092,12 @@ def _page(
 
 def _list_reply(data: list[dict[str, Any]], has_more: bool, url: str) -> Reply:
     return Reply(200, {"object": "list", "data": data, "has_more": has_more, "url": url})
+
+
+def _merged(metadata: Mapping[str, str], update: Mapping[str, str]) -> dict[str, str]:
+    """Stripe's metadata update: keys are set, and a key given an empty value is removed."""
+    merged = {**metadata, **update}
+    return {k: v for k, v in merged.items() if v != ""}
 
 
 def _no_such_intent(pi_id: str) -> Reply:

@@ -1214,3 +1214,208 @@ def test_refund_fail_after__a_thread_fails_them_and_tells_the_sinks():
         assert sink.events == []
         assert server.state.refunds() == [] and again["status"] == "succeeded"
     assert not [t for t in threading.enumerate() if t.name == "fake-provider-refund-failures"]
+
+
+# --- manual capture ---------------------------------------------------------------------------
+
+
+def held(server: FakeProviderServer, key: str = "hold-1", **changes: Any) -> dict[str, Any]:
+    """A manual intent authorised and waiting in requires_capture."""
+    body = post(server, key=key, capture_method="manual", **changes).json()
+    assert body["status"] == "requires_capture", body
+    return body
+
+
+def test_capture_method__manual_authorises_and_unknown_is_refused_unstored(fake_provider):
+    body = held(fake_provider)
+    assert (body["capture_method"], body["amount_capturable"], body["amount_received"]) == (
+        "manual",
+        1500,
+        0,
+    )
+    assert body["latest_charge"].startswith("ch_")
+    [event] = fake_provider.state.events()
+    assert event["type"] == "payment_intent.amount_capturable_updated"
+    assert event["data"]["object"] == body
+    paid = post(fake_provider, key="auto-1").json()
+    assert (paid["capture_method"], paid["amount_capturable"], paid["amount_received"]) == (
+        "automatic",
+        0,
+        1500,
+    )
+    odd = post(fake_provider, key="odd-1", capture_method="automatic_later")
+    assert odd.status_code == 400
+    assert (odd.json()["error"]["type"], odd.json()["error"]["param"]) == (
+        "invalid_request_error",
+        "capture_method",
+    )
+    # A parameter refusal is never stored: the key still executes once corrected.
+    assert post(fake_provider, key="odd-1", capture_method="manual").status_code == 200
+
+
+def test_capture_method__manual_declines_as_automatic_and_confirm_authorises(fake_provider):
+    declined = post(
+        fake_provider, key="d-1", capture_method="manual", payment_method="pm_card_chargeDeclined"
+    )
+    assert declined.status_code == 402
+    pi = declined.json()["error"]["payment_intent"]
+    assert (pi["status"], pi["amount_capturable"]) == ("requires_payment_method", 0)
+    confirmed = act(fake_provider, pi["id"], "confirm", "c-1", payment_method="pm_card_visa")
+    assert (confirmed.json()["status"], confirmed.json()["amount_capturable"]) == (
+        "requires_capture",
+        1500,
+    )
+    assert fake_provider.state.succeeded_count() == 0
+
+
+def test_capture__partial_with_metadata_merge_replays_and_keys_are_scoped(fake_provider):
+    first, second = held(fake_provider, "h1"), held(fake_provider, "h2")
+    form = {"amount_to_capture": "600", "metadata[shipped]": "yes", "metadata[step]": ""}
+    captured = act(fake_provider, first["id"], "capture", "cap-1", **form)
+    assert captured.status_code == 200
+    body = captured.json()
+    assert (body["status"], body["amount_received"], body["amount_capturable"]) == (
+        "succeeded",
+        600,
+        0,
+    )
+    # An empty value removes the key, as a Stripe metadata update does.
+    assert body["metadata"] == {"shipped": "yes"}
+    again = act(fake_provider, first["id"], "capture", "cap-1", **form)
+    assert again.headers["Idempotent-Replayed"] == "true" and again.json() == body
+    other = act(fake_provider, first["id"], "capture", "cap-1", amount_to_capture="700")
+    assert other.json()["error"]["type"] == "idempotency_error"
+    elsewhere = act(fake_provider, second["id"], "capture", "cap-1", **form)
+    assert "same endpoint" in elsewhere.json()["error"]["message"]
+    [event] = fake_provider.state.events(type="payment_intent.succeeded")
+    assert event["data"]["object"] == body
+    stats = fake_provider.state.stats()
+    assert stats["capture_requests"] == 4
+    assert stats["capture"]["replays"] == 1 and stats["capture"]["idempotency_conflicts"] == 2
+
+
+def test_capture__refusals_carry_the_intent_and_are_stored_under_the_key(fake_provider):
+    pi = held(fake_provider)
+    too_much = act(fake_provider, pi["id"], "capture", "cap-big", amount_to_capture="1501")
+    error = too_much.json()["error"]
+    assert too_much.status_code == 400
+    assert (error["code"], error["param"], error["payment_intent"]["id"]) == (
+        "amount_too_large",
+        "amount_to_capture",
+        pi["id"],
+    )
+    assert (
+        act(fake_provider, pi["id"], "capture", "cap-big", amount_to_capture="1501").headers[
+            "Idempotent-Replayed"
+        ]
+        == "true"
+    )
+    bad = act(fake_provider, pi["id"], "capture", "cap-zero", amount_to_capture="0")
+    assert (bad.status_code, bad.json()["error"]["param"]) == (400, "amount_to_capture")
+    act(fake_provider, pi["id"], "capture")
+    twice = unexpected_state(act(fake_provider, pi["id"], "capture"))
+    assert twice["payment_intent"]["status"] == "succeeded"
+    assert "may be captured: requires_capture" in twice["message"]
+    unpaid = unexpected_state(
+        act(fake_provider, post(fake_provider, "k", confirm=None).json()["id"], "capture")
+    )
+    assert unpaid["payment_intent"]["status"] == "requires_confirmation"
+    assert act(fake_provider, "pi_missing", "capture").status_code == 404
+
+
+def test_cancel__releases_a_held_authorisation(fake_provider):
+    pi = held(fake_provider)
+    canceled = act(fake_provider, pi["id"], "cancel", "cancel-1")
+    body = canceled.json()
+    assert (body["status"], body["amount_capturable"], body["amount_received"]) == (
+        "canceled",
+        0,
+        0,
+    )
+    [event] = fake_provider.state.events(type="payment_intent.canceled")
+    assert event["data"]["object"] == body
+
+
+def test_refund__of_a_manual_intent_waits_for_capture_and_reaches_only_what_was_taken(
+    fake_provider,
+):
+    pi = held(fake_provider)
+    uncaptured = refund(fake_provider, payment_intent=pi["id"]).json()["error"]
+    assert uncaptured["code"] == "payment_intent_unexpected_state"
+    act(fake_provider, pi["id"], "capture", amount_to_capture="1000")
+    too_much = refund(fake_provider, "refund-2", payment_intent=pi["id"], amount="1001")
+    assert too_much.json()["error"]["code"] == "amount_too_large"
+    assert "charge amount (€10.00)" in too_much.json()["error"]["message"]
+    rest = refund(fake_provider, "refund-3", payment_intent=pi["id"]).json()
+    assert rest["amount"] == 1000
+    [charge] = fake_provider.state.events(type="charge.refunded")
+    charge_object = charge["data"]["object"]
+    assert (charge_object["amount_captured"], charge_object["refunded"]) == (1000, True)
+
+
+@pytest.mark.parametrize(
+    ("mode", "status", "captures", "replayed_status"),
+    [
+        ("rate_limit", 429, 0, None),
+        ("fail_before", 500, 0, None),
+        ("fail_after", 500, 1, 500),
+    ],
+)
+def test_capture_fault__like_confirms(fake_provider, mode, status, captures, replayed_status):
+    pi = held(fake_provider)
+    fake_provider.state.enqueue_faults(mode)
+    failed = act(fake_provider, pi["id"], "capture", "fault-1")
+    assert failed.status_code == status
+    assert fake_provider.state.succeeded_count() == captures
+    retried = act(fake_provider, pi["id"], "capture", "fault-1")
+    if replayed_status is None:
+        assert retried.status_code == 200 and "Idempotent-Replayed" not in retried.headers
+    else:
+        assert retried.status_code == replayed_status
+        assert retried.headers["Idempotent-Replayed"] == "true"
+    assert fake_provider.state.succeeded_count() == 1
+    assert fake_provider.state.stats()["capture"]["faults_injected"] == {mode: 1}
+
+
+def test_capture_fault__drop_captures_and_a_slow_one_holds_its_key_in_flight(fake_provider):
+    dropped, slow = held(fake_provider, "h1"), held(fake_provider, "h2")
+    fake_provider.state.enqueue_faults("drop_after_accept")
+    with pytest.raises(requests.ConnectionError):
+        act(fake_provider, dropped["id"], "capture", "drop-1")
+    assert fake_provider.state.succeeded_count() == 1
+    replay = act(fake_provider, dropped["id"], "capture", "drop-1")
+    assert replay.status_code == 200 and replay.headers["Idempotent-Replayed"] == "true"
+    fake_provider.state.configure(slow_delay=0.3)
+    fake_provider.state.enqueue_faults("slow")
+    answers: list[requests.Response] = []
+    worker = threading.Thread(
+        target=lambda: answers.append(act(fake_provider, slow["id"], "capture", "slow-1"))
+    )
+    worker.start()
+    assert fake_provider.state.wait_for_in_flight(1, timeout=2)
+    concurrent = act(fake_provider, slow["id"], "capture", "slow-1")
+    worker.join(timeout=3)
+    assert concurrent.status_code == 409
+    assert concurrent.json()["error"]["code"] == "idempotency_key_in_use"
+    assert answers[0].status_code == 200 and answers[0].json()["status"] == "succeeded"
+    assert fake_provider.state.stats()["capture"]["faults_injected"] == {
+        "drop_after_accept": 1,
+        "slow": 1,
+    }
+
+
+def test_capture__manual_intents_are_listed_searched_and_timed_at_capture(clocked, clock):
+    pi = held(clocked)
+    clock.advance(40)  # past the search lag
+    listed = get(clocked, "/v1/payment_intents").json()["data"]
+    assert [(p["id"], p["amount_capturable"]) for p in listed] == [(pi["id"], 1500)]
+    found = get(clocked, "/v1/payment_intents/search", query="status:'requires_capture'").json()[
+        "data"
+    ]
+    assert [p["id"] for p in found] == [pi["id"]]
+    assert clocked.state.timeline() == []
+    act(clocked, pi["id"], "capture", amount_to_capture="500")
+    fetched = get(clocked, f"/v1/payment_intents/{pi['id']}").json()
+    assert (fetched["status"], fetched["amount_received"]) == ("succeeded", 500)
+    [row] = clocked.state.timeline()
+    assert row["id"] == pi["id"] and row["succeeded_at"] == pytest.approx(clock.now)

@@ -296,3 +296,139 @@ def test_refund_failed_event__signed_as_the_fake_sends_it_passes_construct_event
     event = stripe.Webhook.construct_event(payload, header, "whsec_sdk")
     assert (event.type, event.data.object.id) == ("refund.failed", made.id)
     assert event.data.object.failure_reason == "expired_or_canceled_card"
+
+
+# --- manual capture: authorise now, capture (or release) later ---------------------------
+
+
+def hold_params(step: str) -> dict:
+    return {**charge_params(step), "capture_method": "manual"}
+
+
+def test_manual_capture__create_holds_the_amount_uncaptured(sdk, fake_provider):
+    held = sdk.v1.payment_intents.create(hold_params("hold"))
+    assert (held.status, held.capture_method) == ("requires_capture", "manual")
+    assert (held.amount_capturable, held.amount_received) == (2500, 0)
+    assert fake_provider.state.succeeded_count() == 0
+    paid = sdk.v1.payment_intents.create(charge_params("automatic"))
+    assert (paid.capture_method, paid.amount_capturable, paid.amount_received) == (
+        "automatic",
+        0,
+        2500,
+    )
+
+
+def test_manual_capture__unknown_capture_method_is_refused(sdk):
+    with pytest.raises(stripe.InvalidRequestError) as info:
+        sdk.v1.payment_intents.create({**charge_params("odd"), "capture_method": "later"})
+    assert (info.value.http_status, info.value.param) == (400, "capture_method")
+
+
+def test_manual_capture__full_capture_succeeds_and_replays_under_its_key(sdk, fake_provider):
+    held = sdk.v1.payment_intents.create(hold_params("capture-full"))
+    options = {"idempotency_key": "capture-1"}
+    captured = sdk.v1.payment_intents.capture(held.id, {"metadata": {"shipped": "yes"}}, options)
+    assert (captured.id, captured.status) == (held.id, "succeeded")
+    assert (captured.amount_received, captured.amount_capturable) == (2500, 0)
+    # Stripe merges a metadata update into the intent's metadata.
+    assert captured.metadata.to_dict() == {"step": "capture-full", "order": "42", "shipped": "yes"}
+    again = sdk.v1.payment_intents.capture(held.id, {"metadata": {"shipped": "yes"}}, options)
+    assert again.id == held.id
+    assert again.last_response.headers["Idempotent-Replayed"] == "true"
+    with pytest.raises(stripe.IdempotencyError):
+        sdk.v1.payment_intents.capture(held.id, {"amount_to_capture": 100}, options)
+    assert fake_provider.state.succeeded_count() == 1
+
+
+def test_manual_capture__partial_capture_receives_that_amount_and_releases_the_rest(global_api):
+    held = stripe.PaymentIntent.create(**hold_params("capture-part"))
+    captured = stripe.PaymentIntent.capture(held.id, amount_to_capture=1000)
+    assert captured.status == "succeeded"
+    assert (captured.amount, captured.amount_received, captured.amount_capturable) == (
+        2500,
+        1000,
+        0,
+    )
+    assert stripe.PaymentIntent.retrieve(held.id).amount_received == 1000
+
+
+def test_manual_capture__of_a_non_capturable_intent_raises_unexpected_state(global_api):
+    paid = stripe.PaymentIntent.create(**charge_params("capture-paid"))
+    with pytest.raises(stripe.InvalidRequestError) as info:
+        stripe.PaymentIntent.capture(paid.id)
+    error = info.value
+    assert (error.http_status, error.code) == (400, "payment_intent_unexpected_state")
+    assert (error.error.payment_intent.id, error.error.payment_intent.status) == (
+        paid.id,
+        "succeeded",
+    )
+    held = stripe.PaymentIntent.create(**hold_params("capture-twice"))
+    stripe.PaymentIntent.capture(held.id)
+    with pytest.raises(stripe.InvalidRequestError) as twice:
+        stripe.PaymentIntent.capture(held.id)
+    assert twice.value.code == "payment_intent_unexpected_state"
+    with pytest.raises(stripe.InvalidRequestError) as missing:
+        stripe.PaymentIntent.capture("pi_missing")
+    assert (missing.value.http_status, missing.value.code) == (404, "resource_missing")
+
+
+def test_manual_capture__more_than_the_capturable_amount_is_refused(global_api):
+    held = stripe.PaymentIntent.create(**hold_params("capture-too-much"))
+    with pytest.raises(stripe.InvalidRequestError) as info:
+        stripe.PaymentIntent.capture(held.id, amount_to_capture=2501)
+    error = info.value
+    assert (error.http_status, error.code, error.param) == (
+        400,
+        "amount_too_large",
+        "amount_to_capture",
+    )
+    still = stripe.PaymentIntent.retrieve(held.id)
+    assert (still.status, still.amount_capturable) == ("requires_capture", 2500)
+
+
+def test_manual_capture__cancel_releases_the_hold(global_api):
+    held = stripe.PaymentIntent.create(**hold_params("release"))
+    canceled = stripe.PaymentIntent.cancel(held.id, cancellation_reason="abandoned")
+    assert (canceled.status, canceled.amount_capturable, canceled.amount_received) == (
+        "canceled",
+        0,
+        0,
+    )
+    with pytest.raises(stripe.InvalidRequestError) as info:
+        stripe.PaymentIntent.capture(held.id)
+    assert info.value.error.payment_intent.status == "canceled"
+    assert [e["type"] for e in global_api.state.events()] == [
+        "payment_intent.amount_capturable_updated",
+        "payment_intent.canceled",
+    ]
+
+
+def test_manual_capture__refunds_reach_only_the_captured_amount(global_api):
+    held = stripe.PaymentIntent.create(**hold_params("refund-held"))
+    with pytest.raises(stripe.InvalidRequestError) as uncaptured:
+        stripe.Refund.create(payment_intent=held.id)
+    assert uncaptured.value.code == "payment_intent_unexpected_state"
+    stripe.PaymentIntent.capture(held.id, amount_to_capture=1000)
+    with pytest.raises(stripe.InvalidRequestError) as too_much:
+        stripe.Refund.create(payment_intent=held.id, amount=1001)
+    assert (too_much.value.code, too_much.value.param) == ("amount_too_large", "amount")
+    assert stripe.Refund.create(payment_intent=held.id).amount == 1000
+
+
+def test_manual_capture__events_signed_as_the_fake_sends_them_pass_construct_event(global_api):
+    held = stripe.PaymentIntent.create(**hold_params("capture-events"))
+    stripe.PaymentIntent.capture(held.id, amount_to_capture=2000)
+    [authorised] = global_api.state.events(type="payment_intent.amount_capturable_updated")
+    [succeeded] = global_api.state.events(type="payment_intent.succeeded")
+    events = []
+    for raw in (authorised, succeeded):
+        payload = json.dumps(raw, separators=(",", ":")).encode()
+        header = sign(payload, "whsec_sdk", int(time.time()))
+        events.append(stripe.Webhook.construct_event(payload, header, "whsec_sdk"))
+    first, second = (event.data.object for event in events)
+    assert (first.id, first.status, first.amount_capturable) == (
+        held.id,
+        "requires_capture",
+        2500,
+    )
+    assert (second.id, second.status, second.amount_received) == (held.id, "succeeded", 2000)
