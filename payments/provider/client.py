@@ -27,10 +27,15 @@ fails: TRANSIENT); a reset after the request went out is UNCERTAIN
 Intents are created (and by default confirmed) by `create_payment_intent`;
 one left unconfirmed or declined is confirmed later by
 `confirm_payment_intent` (a decline is CardDeclined again) and given up by
-`cancel_payment_intent`. A confirm or cancel that the intent's status does not
-allow (confirming a succeeded or canceled intent, canceling a succeeded one)
-is an InvalidRequest with `code` `errors.PAYMENT_INTENT_UNEXPECTED_STATE` and
-the intent's status in `payment_intent_status`.
+`cancel_payment_intent`. One created with `capture_method="manual"` is only
+authorised (`requires_capture`, holding `amount_capturable`) until
+`capture_payment_intent` takes all or part of it (`amount_received`) or a
+cancel releases it. A confirm, cancel or capture that the intent's status does
+not allow (confirming a succeeded or canceled intent, canceling a succeeded
+one, capturing one not in `requires_capture`) is an InvalidRequest with `code`
+`errors.PAYMENT_INTENT_UNEXPECTED_STATE` and the intent's status in
+`payment_intent_status`; capturing more than is held is an InvalidRequest with
+`code` `errors.CAPTURE_AMOUNT_TOO_LARGE`.
 
 Refunds (`create_refund`, `retrieve_refund`, `list_refunds`) go through the
 same table: a refused refund is an InvalidRequest (PERMANENT) whose `code`
@@ -75,6 +80,7 @@ PAYMENT_INTENTS_PATH = "/v1/payment_intents"
 REFUNDS_PATH = "/v1/refunds"
 REFUND_REASONS = frozenset({"duplicate", "fraudulent", "requested_by_customer"})
 CANCELLATION_REASONS = frozenset({"duplicate", "fraudulent", "requested_by_customer", "abandoned"})
+CAPTURE_METHODS = frozenset({"automatic", "manual"})
 
 #: Kept-alive connections one process keeps to the provider. A worker sends one
 #: request at a time (one connection); threads beyond this open extra
@@ -201,6 +207,12 @@ class PaymentIntent:
     payment_method: str | None = field(default=None, repr=False)
     #: The payment method the last failed attempt used (`last_payment_error.payment_method`).
     last_error_payment_method: str | None = field(default=None, repr=False)
+    #: What an authorised manual intent holds for a capture (0 once captured or released).
+    amount_capturable: int = 0
+    #: What was charged or captured: the most a refund can give back.
+    amount_received: int = 0
+    #: `automatic` (charged at confirm) or `manual` (authorised, captured later).
+    capture_method: str = "automatic"
 
     @classmethod
     def from_json(cls, data: Any, *, replayed: bool = False) -> PaymentIntent:
@@ -222,6 +234,9 @@ class PaymentIntent:
                 replayed=replayed,
                 payment_method=_id_of(data.get("payment_method")),
                 last_error_payment_method=_id_of(last_error.get("payment_method")),
+                amount_capturable=int(data.get("amount_capturable") or 0),
+                amount_received=int(data.get("amount_received") or 0),
+                capture_method=str(data.get("capture_method") or "automatic"),
             )
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise ValueError("malformed payment_intent object") from exc
@@ -409,15 +424,25 @@ class ProviderClient:
         metadata: Mapping[str, str],
         idempotency_key: str,
         confirm: bool = True,
+        capture_method: str = "automatic",
     ) -> PaymentIntent:
-        """Create (and by default confirm) a PaymentIntent under an idempotency key."""
+        """Create (and by default confirm) a PaymentIntent under an idempotency key.
+
+        With `capture_method="manual"` a confirmed intent is only authorised
+        (`requires_capture`); `capture_payment_intent` takes the money later.
+        """
         _check_idempotency_key(idempotency_key)
+        if capture_method not in CAPTURE_METHODS:
+            raise ValueError(f"capture_method must be one of {sorted(CAPTURE_METHODS)}")
         form = encode_form(
             {
                 "amount": amount,
                 "currency": currency,
                 "confirm": confirm,
                 "payment_method": payment_method,
+                # Sent only when manual: an automatic create stays byte for byte
+                # the request it always was, so keys stored before keep replaying.
+                "capture_method": None if capture_method == "automatic" else capture_method,
                 "metadata": dict(metadata),
             }
         )
@@ -440,9 +465,7 @@ class ProviderClient:
         if not isinstance(payment_method, str) or not payment_method:
             raise ValueError("payment_method must be a non-empty string")
         form = encode_form({"payment_method": payment_method})
-        path = f"{PAYMENT_INTENTS_PATH}/{pi_id}/confirm"
-        answer = self._request("POST", path, form=form, idempotency_key=idempotency_key)
-        return _intent(answer.body, answer)
+        return self._intent_action(pi_id, "confirm", form, idempotency_key)
 
     def cancel_payment_intent(
         self,
@@ -462,7 +485,46 @@ class ProviderClient:
         if cancellation_reason is not None and cancellation_reason not in CANCELLATION_REASONS:
             raise ValueError(f"cancellation_reason must be one of {sorted(CANCELLATION_REASONS)}")
         form = encode_form({"cancellation_reason": cancellation_reason})
-        path = f"{PAYMENT_INTENTS_PATH}/{pi_id}/cancel"
+        return self._intent_action(pi_id, "cancel", form, idempotency_key)
+
+    def capture_payment_intent(
+        self,
+        pi_id: str,
+        *,
+        idempotency_key: str,
+        amount_to_capture: int | None = None,
+        metadata: Mapping[str, str] | None = None,
+    ) -> PaymentIntent:
+        """Capture what a manual intent holds under an idempotency key; return it `succeeded`.
+
+        `amount_to_capture` (None: all of `amount_capturable`) becomes its
+        `amount_received` and the rest is released; `metadata` is merged into
+        the intent's. An intent not in `requires_capture` raises InvalidRequest
+        with `code` PAYMENT_INTENT_UNEXPECTED_STATE and its
+        `payment_intent_status`; more than it holds raises InvalidRequest with
+        `code` CAPTURE_AMOUNT_TOO_LARGE.
+        """
+        _check_intent_id(pi_id)
+        _check_idempotency_key(idempotency_key)
+        if amount_to_capture is not None and (
+            isinstance(amount_to_capture, bool)
+            or not isinstance(amount_to_capture, int)
+            or amount_to_capture < 1
+        ):
+            raise ValueError("amount_to_capture must be a positive integer or None")
+        form = encode_form(
+            {
+                "amount_to_capture": amount_to_capture,
+                "metadata": dict(metadata) if metadata is not None else None,
+            }
+        )
+        return self._intent_action(pi_id, "capture", form, idempotency_key)
+
+    def _intent_action(
+        self, pi_id: str, action: str, form: list[tuple[str, str]], idempotency_key: str | None
+    ) -> PaymentIntent:
+        """POST one of an intent's actions (confirm, cancel, capture); return the intent."""
+        path = f"{PAYMENT_INTENTS_PATH}/{pi_id}/{action}"
         answer = self._request("POST", path, form=form, idempotency_key=idempotency_key)
         return _intent(answer.body, answer)
 

@@ -27,11 +27,16 @@ REFUND_AMOUNT_TOO_LARGE = "amount_too_large"
 #: nothing is left: the charge is already fully refunded.
 CHARGE_ALREADY_REFUNDED = "charge_already_refunded"
 #: the PaymentIntent's status does not allow the request: a refund of an intent
-#: without a successful charge, a confirm of a succeeded or canceled intent, a
-#: cancel of a succeeded one. The error carries the intent (`payment_intent_status`).
+#: without a successful (captured) charge, a confirm of a succeeded or canceled
+#: intent, a cancel of a succeeded one, a capture of an intent not in
+#: `requires_capture`. The error carries the intent (`payment_intent_status`).
 PAYMENT_INTENT_UNEXPECTED_STATE = "payment_intent_unexpected_state"
 #: the refund's name for it: the PaymentIntent has no successful charge.
 PAYMENT_INTENT_NOT_REFUNDABLE = PAYMENT_INTENT_UNEXPECTED_STATE
+#: a capture of more than the intent holds (`amount_capturable`), param
+#: `amount_to_capture`. Stripe answers "the requested capture amount is greater
+#: than the authorized amount"; its code is taken to be the general one.
+CAPTURE_AMOUNT_TOO_LARGE = "amount_too_large"
 
 
 class ProviderError(Exception):

@@ -39,6 +39,7 @@ from payments.provider.client import (
     encode_form,
 )
 from payments.provider.errors import (
+    CAPTURE_AMOUNT_TOO_LARGE,
     CHARGE_ALREADY_REFUNDED,
     PAYMENT_INTENT_NOT_REFUNDABLE,
     PAYMENT_INTENT_UNEXPECTED_STATE,
@@ -1100,3 +1101,190 @@ def test_refund__pending_refund_reads_pending(fake_provider):
     assert (made.status, made.failure_reason) == ("pending", None)
     fake_provider.state.complete_refund(made.id)
     assert client.retrieve_refund(made.id).status == "succeeded"
+
+
+# --- manual capture ------------------------------------------------------------------
+
+
+def hold(client: ProviderClient, key: str = "op:1:charge") -> PaymentIntent:
+    """Create a manual intent authorised by a good card; return it, asserted held."""
+    intent = create(client, key=key, capture_method="manual")
+    assert intent.status == "requires_capture"
+    return intent
+
+
+def test_create_manual__holds_the_amount_then_capture_takes_it_and_replays(fake_provider):
+    client = make_client(fake_provider)
+    held = hold(client)
+    assert (held.capture_method, held.amount_capturable, held.amount_received) == (
+        "manual",
+        1000,
+        0,
+    )
+    captured = client.capture_payment_intent(held.id, idempotency_key="op:1:capture")
+    assert (captured.id, captured.status, captured.replayed) == (held.id, "succeeded", False)
+    assert (captured.amount_received, captured.amount_capturable) == (1000, 0)
+    again = client.capture_payment_intent(held.id, idempotency_key="op:1:capture")
+    assert again.replayed is True and again.amount_received == 1000
+    assert fake_provider.state.succeeded_count() == 1
+    assert fake_provider.state.stats()["capture"]["replays"] == 1
+
+
+def test_create_automatic__reads_received_and_nothing_capturable(fake_provider):
+    paid = create(make_client(fake_provider))
+    assert (paid.capture_method, paid.amount_received, paid.amount_capturable) == (
+        "automatic",
+        1000,
+        0,
+    )
+
+
+def test_capture__partial_amount_with_metadata_merged(fake_provider):
+    client = make_client(fake_provider)
+    held = hold(client)
+    captured = client.capture_payment_intent(
+        held.id, idempotency_key="k", amount_to_capture=400, metadata={"shipped": "1"}
+    )
+    assert (captured.amount, captured.amount_received, captured.amount_capturable) == (
+        1000,
+        400,
+        0,
+    )
+    assert captured.metadata == {"step": "op:1:charge", "shipped": "1"}
+
+
+def test_capture__succeeded_intent_is_invalid_request_with_unexpected_state(fake_provider):
+    client = make_client(fake_provider)
+    paid = create(client)
+    with pytest.raises(InvalidRequest) as info:
+        client.capture_payment_intent(paid.id, idempotency_key="op:1:capture")
+    error = info.value
+    assert type(error) is InvalidRequest and error.outcome is Outcome.PERMANENT
+    assert (error.http_status, error.code) == (400, PAYMENT_INTENT_UNEXPECTED_STATE)
+    assert (error.payment_intent_id, error.payment_intent_status) == (paid.id, "succeeded")
+
+
+def test_capture__more_than_held_is_invalid_request_too_large(fake_provider):
+    client = make_client(fake_provider)
+    held = hold(client)
+    with pytest.raises(InvalidRequest) as info:
+        client.capture_payment_intent(held.id, idempotency_key="k", amount_to_capture=1001)
+    error = info.value
+    assert type(error) is InvalidRequest and error.outcome is Outcome.PERMANENT
+    assert (error.code, error.param) == (CAPTURE_AMOUNT_TOO_LARGE, "amount_to_capture")
+    assert (error.payment_intent_id, error.payment_intent_status) == (held.id, "requires_capture")
+    assert client.retrieve_payment_intent(held.id).amount_capturable == 1000
+
+
+def test_capture__unknown_intent_is_resource_missing(fake_provider):
+    with pytest.raises(ResourceMissing):
+        make_client(fake_provider).capture_payment_intent("pi_missing", idempotency_key="k")
+
+
+@pytest.mark.parametrize(
+    ("mode", "error_class", "captures"),
+    [
+        ("rate_limit", TransientProviderError, 0),
+        ("fail_before", TransientProviderError, 0),
+        ("fail_after", UncertainProviderError, 1),
+        ("drop_after_accept", UncertainProviderError, 1),
+    ],
+)
+def test_capture_fault__classified_then_the_same_key_captures_once(
+    fake_provider, mode, error_class, captures
+):
+    client = make_client(fake_provider)
+    held = hold(client)
+    fake_provider.state.enqueue_faults(mode)
+    with pytest.raises(error_class):
+        client.capture_payment_intent(held.id, idempotency_key="op:1:capture")
+    assert fake_provider.state.succeeded_count() == captures
+    if mode == "fail_after":
+        # The stored 500 is replayed: still uncertain, marked as a replay.
+        with pytest.raises(UncertainProviderError) as replay:
+            client.capture_payment_intent(held.id, idempotency_key="op:1:capture")
+        assert replay.value.replayed is True
+    else:
+        retried = client.capture_payment_intent(held.id, idempotency_key="op:1:capture")
+        assert retried.status == "succeeded" and retried.replayed is (captures == 1)
+    assert fake_provider.state.succeeded_count() == 1
+
+
+def test_capture_read_timeout__uncertain(fake_provider):
+    client = make_client(fake_provider, read_timeout=0.1)
+    held = hold(client)
+    fake_provider.state.configure(slow_delay=0.4)
+    fake_provider.state.enqueue_faults("slow")
+    with pytest.raises(UncertainProviderError) as info:
+        client.capture_payment_intent(held.id, idempotency_key="op:1:capture")
+    assert isinstance(info.value.__cause__, requests.exceptions.ReadTimeout)
+    assert fake_provider.state.wait_idle(timeout=2)
+    assert fake_provider.state.succeeded_count() == 1
+
+
+def test_capture_and_manual_create_requests__paths_forms_and_keys(scripted):
+    server = scripted(*(respond(200, INTENT_JSON) for _ in range(4)))
+    client = scripted_client(server)
+    create(client, key="op:7:charge", metadata={"step": "charge"}, capture_method="manual")
+    create(client, key="op:8:charge", metadata={"step": "charge"}, capture_method="automatic")
+    client.capture_payment_intent(
+        "pi_scripted",
+        idempotency_key="op:7:capture",
+        amount_to_capture=600,
+        metadata={"shipped": "1"},
+    )
+    client.capture_payment_intent("pi_scripted", idempotency_key="op:7:capture-all")
+    sent = [request.partition(b"\r\n\r\n") for request in server.requests]
+    heads = [head.decode().split("\r\n") for head, _, _ in sent]
+    bodies = [body.decode() for _, _, body in sent]
+    assert bodies[0].split("&") == [
+        "amount=1000",
+        "currency=eur",
+        "confirm=true",
+        "payment_method=pm_card_visa",
+        "capture_method=manual",
+        "metadata%5Bstep%5D=charge",
+    ]
+    # An automatic create is the request it always was: stored keys keep replaying.
+    assert "capture_method" not in bodies[1]
+    assert heads[2][0] == "POST /v1/payment_intents/pi_scripted/capture HTTP/1.1"
+    assert "Idempotency-Key: op:7:capture" in heads[2]
+    assert bodies[2] == "amount_to_capture=600&metadata%5Bshipped%5D=1"
+    assert "Idempotency-Key: op:7:capture-all" in heads[3] and bodies[3] == ""
+
+
+def test_capture_arguments__checked_before_sending():
+    client = ProviderClient("http://127.0.0.1:9", TEST_API_KEY, connect_timeout=1, read_timeout=1)
+    for bad_id in ("", "pi_a/../b", "pi_a?x=1"):
+        with pytest.raises(ValueError):
+            client.capture_payment_intent(bad_id, idempotency_key="k")
+    with pytest.raises(ValueError):
+        client.capture_payment_intent("pi_x", idempotency_key="")
+    for bad_amount in (0, -1, True, 1.5, "100"):
+        with pytest.raises(ValueError):
+            client.capture_payment_intent("pi_x", idempotency_key="k", amount_to_capture=bad_amount)
+    with pytest.raises(ValueError):
+        create(client, capture_method="later")
+
+
+def test_intent_from_json__reads_capture_fields_with_automatic_defaults():
+    held = PaymentIntent.from_json(
+        {
+            **INTENT_JSON,
+            "status": "requires_capture",
+            "capture_method": "manual",
+            "amount_capturable": 1000,
+            "amount_received": 0,
+        }
+    )
+    assert (held.capture_method, held.amount_capturable, held.amount_received) == (
+        "manual",
+        1000,
+        0,
+    )
+    bare = PaymentIntent.from_json(INTENT_JSON)
+    assert (bare.capture_method, bare.amount_capturable, bare.amount_received) == (
+        "automatic",
+        0,
+        0,
+    )
