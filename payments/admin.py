@@ -54,6 +54,7 @@ from payments.desk.views import (
     with_attempts,
     with_state_since,
 )
+from payments.engine.handlers import money_moved
 from payments.models import (
     ApiClient,
     ClientApiKey,
@@ -325,6 +326,11 @@ class OperationAdmin(NamedPermissionsMixin, DeskViewsMixin, admin.ModelAdmin):
 
     @admin.display(description="amount")
     def amount(self, obj: Operation) -> str:
+        """What the operation moved (a capture's captured amount) once done, else what it asks."""
+        if obj.state == OperationState.SUCCEEDED:
+            moved = money_moved(obj)
+            if moved is not None:
+                return format_money(*moved)
         return money_of(obj.params)
 
     @admin.display(description="amount")

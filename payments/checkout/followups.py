@@ -22,10 +22,8 @@ from payments.checkout.names import (
     RECORD_SALE,
     SALES_STATS_CONSUMER,
 )
-from payments.engine import fence
-from payments.engine.dispatch import create_and_dispatch_all_in_tx
-from payments.engine.handlers import message_handler
-from payments.models import KeyScope, LedgerEntry, Operation, Order, SalesDay
+from payments.fence import create_follow_ups_in_tx, message
+from payments.models import LedgerEntry, Operation, Order, SalesDay
 
 #: The follow-ups written for every paid order, in this order.
 FOLLOW_UPS = (RECORD_SALE, COUNT_SALE)
@@ -44,24 +42,17 @@ def write_follow_ups_in_tx(order: Order, reference: str, *, parent: Operation, a
         "currency": order.currency,
         "reference": reference,
     }
-    create_and_dispatch_all_in_tx(
-        [
-            fence.NewOperation(
-                key=fence.follow_up_key(parent, kind),
-                scope=KeyScope.DERIVED,
-                parent=parent,
-                kind=kind,
-                entity_type="order",
-                entity_id=order.pk,
-                params=params,
-                actor=actor,
-            )
-            for kind in FOLLOW_UPS
-        ]
+    create_follow_ups_in_tx(
+        parent,
+        FOLLOW_UPS,
+        entity_type="order",
+        entity_id=order.pk,
+        params=params,
+        actor=actor,
     )
 
 
-@message_handler(RECORD_SALE, consumer=LEDGER_CONSUMER)
+@message(RECORD_SALE, consumer=LEDGER_CONSUMER)
 def record_sale(op: Operation) -> None:
     """Write the order's sales-ledger line. Runs in the message's inbox transaction."""
     LedgerEntry.objects.create(
@@ -72,7 +63,7 @@ def record_sale(op: Operation) -> None:
     )
 
 
-@message_handler(COUNT_SALE, consumer=SALES_STATS_CONSUMER)
+@message(COUNT_SALE, consumer=SALES_STATS_CONSUMER)
 def count_sale(op: Operation) -> None:
     """Add the order to its day's sales counter. Runs in the message's inbox transaction."""
     add_to_sales_day(op.created_at.date(), op.params["currency"], op.params["amount"])

@@ -22,12 +22,9 @@ from django.utils import timezone
 from payments.checkout.charge import PaymentIntentCharge
 from payments.checkout.followups import write_follow_ups_in_tx
 from payments.checkout.names import CHARGE, CHECKOUT, CONFIRMATION_EMAIL, INVOICE, MARK_PAID
-from payments.engine.dispatch import create_and_dispatch_in_tx
-from payments.engine.effects import DeliveryPolicy
-from payments.engine.handlers import DeskHooks, handler
-from payments.engine.runtime import Run
 from payments.entities import lock_order, money_line
 from payments.exceptions import InvalidTransition
+from payments.fence import DeliveryPolicy, Desk, Run, create_operation_in_tx, operation
 from payments.models import (
     ApiClient,
     ClaimState,
@@ -108,7 +105,7 @@ def request_checkout(
             # A new key for an order tried before is its next attempt: it confirms the
             # order's PaymentIntent (payments.checkout.charge), never a second one.
             retry_of = Operation.objects.get(pk=order.latest_attempt)
-        op, created = create_and_dispatch_in_tx(
+        op, created = create_operation_in_tx(
             key=key,
             kind=CHECKOUT,
             entity_type="order",
@@ -192,7 +189,7 @@ def mark_paid(order: Order, reference: str, operation: Operation) -> dict[str, A
     return {"status": OrderStatus.PAID}
 
 
-# --- what the operators' desk needs (payments.engine.handlers.DeskHooks) -------------
+# --- what the operators' desk needs (payments.fence.Desk) -------------
 
 
 def _order_status(operation: Operation) -> str | None:
@@ -248,14 +245,13 @@ def describe_charge(operation: Operation) -> str:
     return money_line(operation, "charge")
 
 
-@handler(
+@operation(
     CHECKOUT,
+    steps={CHARGE: PaymentIntentCharge, INVOICE: None, CONFIRMATION_EMAIL: None, MARK_PAID: None},
     on_failure=mark_order_failed,
     on_resume=reopen_order,
-    effects={CHARGE: PaymentIntentCharge},
-    steps={INVOICE, CONFIRMATION_EMAIL, MARK_PAID},
     entity=Order,
-    desk=DeskHooks(
+    desk=Desk(
         lock_entity=lock_order,
         describe=describe_charge,
         refuse_rerun=refuse_charging_again,

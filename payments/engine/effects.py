@@ -28,6 +28,10 @@ class EffectResult:
     def as_result(self) -> dict[str, Any]:
         return {"reference": self.reference, **self.data}
 
+    @property
+    def succeeded(self) -> bool:
+        return self.outcome == Outcome.SUCCESS
+
 
 @dataclass(frozen=True)
 class ClaimView:

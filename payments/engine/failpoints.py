@@ -41,18 +41,26 @@ def hooked(name: str, callback: Callable[[], None]) -> Iterator[None]:
         _HOOKS.pop(name, None)
 
 
-def failpoint(name: str) -> None:
-    """Run a test's hook at the named point, or SIGKILL this process when a test asked for it."""
+def failpoint(name: str, step: str = "") -> None:
+    """Run a test's hook at the named point, or SIGKILL this process when a test asked for it.
+
+    A test names the point (`after_provider_accept`), or the point at one step only
+    (`after_provider_accept@capture`) when an operation has several external steps.
+    """
     hook = _HOOKS.get(name)
     if hook is not None:
         hook()
     wanted = os.environ.get("FENCE_FAILPOINTS")
-    if not wanted or name not in wanted.split(",") or not settings.DEBUG:
+    if not wanted or not settings.DEBUG:
+        return
+    asked = wanted.split(",")
+    token = name if name in asked else f"{name}@{step}" if f"{name}@{step}" in asked else ""
+    if not token:
         return
     marker = os.environ.get("FENCE_FAILPOINT_MARKER")
     if marker:
         try:
-            os.close(os.open(f"{marker}.{name}", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+            os.close(os.open(f"{marker}.{token}", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
         except FileExistsError:
             return  # fired once already
     os.kill(os.getpid(), signal.SIGKILL)

@@ -49,7 +49,8 @@ from payments.models import (
 
 logger = logging.getLogger("payments.engine.runtime")
 
-EffectFactory = Callable[[Operation], ExternalEffect]
+#: Builds a step's effect from the run (its operation, earlier results) and the step's name.
+EffectFactory = Callable[[Any, str], ExternalEffect]
 EntityHook = Callable[[Operation], None]
 #: Undo an effect's business writes after the provider reversed it (a refund failed after it
 #: succeeded); gets the operation and what the provider shows now. Runs inside the transaction
@@ -107,16 +108,28 @@ class HandlerSpec:
     #: The model of the operations' entity (entity_type its model name, entity_id its
     #: integer key), read in the lease's round trip: `Run.entity`.
     entity: type[Model] | None = None
+    #: Compensation when the operation gives up after an earlier external step succeeded
+    #: (payments.engine.runtime): gets the run; its own steps run under their own claims.
+    on_give_up: Callable[[Run], None] | None = None
+    #: The steps in the order the handler runs them (the desk lists them so).
+    order: tuple[str, ...] = ()
 
-    def effect(self, step: str, operation: Operation) -> ExternalEffect:
-        """Build the effect of `step` for `operation`."""
+    def effect(self, step: str, on: Operation | Run) -> ExternalEffect:
+        """Build the effect of `step` for an operation (recovery, desk) or a handler's run."""
         try:
             factory = self.effects[step]
         except KeyError:
             raise ConfigurationError(
                 f"handler {self.kind!r} declares no external effect for step {step!r}"
             ) from None
-        return factory(operation)
+        run = on if isinstance(on, Run) else Run(on, worker_id="", spec=self)
+        return factory(run, step)
+
+    @property
+    def step_order(self) -> tuple[str, ...]:
+        """Every known step, in run order where the handler declared one."""
+        rest = sorted(self.known_steps - set(self.order))
+        return tuple(s for s in self.order if s in self.known_steps) + tuple(rest)
 
     def check_entity(self, operation: Operation) -> None:
         """Raise ConfigurationError if `operation`'s entity is not of this handler's model."""
@@ -137,7 +150,32 @@ class HandlerSpec:
 _HANDLERS: dict[str, HandlerSpec] = {}
 
 
-def _register(spec: HandlerSpec) -> None:
+#: Set once discover_handlers has imported every handler module of its root.
+_DISCOVERED: set[str] = set()
+
+
+def check_discoverable(module: str) -> None:
+    """Refuse a handler that worker processes would not know.
+
+    Web and worker processes know the same handlers: those that the discovery
+    rule imports at start-up (`<root>.<package>.handler` of every regular
+    package, with an `__init__.py`, under a root, and what those modules
+    import). A handler under a root that registers after discovery came from
+    a module only this process imported (the web, through its URLs): workers
+    would park its operations in needs_review, so this process refuses it too.
+    Modules outside every root (tests) may register at any time.
+    """
+    for root in _DISCOVERED:
+        if module.startswith(f"{root}."):
+            raise ConfigurationError(
+                f"a handler is declared in {module}, which start-up discovery did not import: "
+                f"declare it in (or import it from) {root}.<package>.handler, in a package with "
+                "an __init__.py, so that every worker registers it too"
+            )
+
+
+def _register(spec: HandlerSpec, module: str) -> None:
+    check_discoverable(module)
     existing = _HANDLERS.get(spec.kind)
     if existing is not None and existing.func is not spec.func:
         raise ConfigurationError(f"a handler for {spec.kind!r} is already registered")
@@ -154,6 +192,8 @@ def handler(
     desk: DeskHooks | None = None,
     entity: type[Model] | None = None,
     on_reversal: ReversalHook | None = None,
+    on_give_up: Callable[[Run], None] | None = None,
+    order: tuple[str, ...] = (),
 ) -> Callable[[Callable[[Run], object]], Callable[[Run], object]]:
     """Register the decorated function as the fenced handler of operations of `kind`.
 
@@ -189,7 +229,10 @@ def handler(
                 desk=desk,
                 entity=entity,
                 on_reversal=on_reversal,
-            )
+                on_give_up=on_give_up,
+                order=order,
+            ),
+            func.__module__,
         )
         return func
 
@@ -241,7 +284,7 @@ def message_handler(kind: str, *, consumer: str) -> Callable[[EntityHook], Entit
                 return handle(delivered[0]) if first else None
 
         deliver.__name__ = deliver.__qualname__ = f"deliver_{kind}"
-        _register(HandlerSpec(kind=kind, func=deliver, consumer=consumer))
+        _register(HandlerSpec(kind=kind, func=deliver, consumer=consumer), func.__module__)
         return func
 
     return register
@@ -265,6 +308,7 @@ def discover_handlers(package: ModuleType) -> list[str]:
         if info.ispkg and importlib.util.find_spec(name) is not None:
             importlib.import_module(name)
             found.append(name)
+    _DISCOVERED.add(package.__name__)  # from now on, a late registration is refused
     return found
 
 
@@ -280,6 +324,23 @@ def entity_models() -> tuple[type[Model], ...]:
     """The models handlers declare as their entity (`@handler(entity=...)`), each once."""
     found = {spec.entity for spec in _HANDLERS.values() if spec.entity is not None}
     return tuple(sorted(found, key=lambda model: model._meta.label))
+
+
+def money_moved(operation: Operation) -> tuple[int, str] | None:
+    """The money an operation's done external steps moved, by their effects' own reading
+    (`money(result)`: a capture's captured amount, not the amount asked for); None when
+    none moved any (nothing done yet, or a kind whose effects move no money)."""
+    spec = _HANDLERS.get(operation.kind)
+    if spec is None or not spec.effects:
+        return None
+    total, currency = 0, ""
+    done = operation.claims.filter(state=ClaimState.DONE, step__in=list(spec.effects))
+    for step, result in done.values_list("step", "result"):
+        money = getattr(spec.effects[step], "money", None)
+        moved = money(result or {}) if money is not None else None
+        if moved is not None:
+            total, currency = total + moved[0], moved[1]
+    return (total, currency) if currency else None
 
 
 def registered_handlers() -> dict[str, HandlerSpec]:
@@ -342,6 +403,32 @@ class Run:
     prefetched_entity: Any = NOT_READ
     #: The local steps this run has gone through (a second call with a name replays).
     _local_steps: set[str] = field(default_factory=set, init=False, repr=False)
+    #: The results of the steps this run has run or replayed (`result`).
+    _results: dict[str, dict[str, Any]] = field(default_factory=dict, init=False, repr=False)
+
+    def result(self, step: str) -> dict[str, Any]:
+        """The recorded result of an earlier step of this operation (`reference`, ...).
+
+        The result this run got, else the step's `done` claim as committed.
+        Raises ConfigurationError when the step is not done: an effect that
+        needs it runs after it.
+        """
+        if step in self._results:
+            return self._results[step]
+        claim = StepClaim.objects.filter(
+            operation=self.operation, step=step, state=ClaimState.DONE
+        ).first()
+        if claim is None:
+            raise ConfigurationError(f"step {step!r} of {self.operation.key} is not done")
+        self._results[step] = claim.result or {}
+        return self._results[step]
+
+    def _declared(self, step: str) -> None:
+        """Refuse a step the handler does not declare (its metrics and checks would miss it)."""
+        if step not in self.spec.known_steps:
+            raise ConfigurationError(
+                f"handler {self.spec.kind!r} runs step {step!r}, which its steps= does not declare"
+            )
 
     @property
     def params(self) -> dict[str, Any]:
@@ -380,13 +467,22 @@ class Run:
         handler's next writes, before the next call.
         """
         self.unit.commit()  # what the handler wrote before the call is durable before it
-        effect = self.spec.effect(step, self.operation)
-        return run_external_step(
-            self.operation, step, effect, owner=self.worker_id, outcomes=self.unit
+        effect = self.spec.effect(step, self)
+        # A step claimed before this run's lease replays its stored request: not built again.
+        build = self.claimed_at_lease is None or step not in self.claimed_at_lease
+        result = run_external_step(
+            self.operation, step, effect, owner=self.worker_id, outcomes=self.unit, build=build
         )
+        self._results[step] = result
+        return result
+
+    def local(self, step: str, func: Callable[[], dict[str, Any] | None]) -> dict[str, Any]:
+        """Run a local step: its `done` claim and its writes commit together, once."""
+        self._results[step] = self._local(step, func)
+        return self._results[step]
 
     @telemetry.traced("local")
-    def local(self, step: str, func: Callable[[], dict[str, Any] | None]) -> dict[str, Any]:
+    def _local(self, step: str, func: Callable[[], dict[str, Any] | None]) -> dict[str, Any]:
         """Run a local step: its `done` claim and its writes commit together, once.
 
         They go in the run's open transaction (payments.engine.unit), which
@@ -402,6 +498,7 @@ class Run:
         `func` raises, the open transaction rolls back: this step and the
         local steps since the last claim run again on the next attempt.
         """
+        self._declared(step)
         self.unit.join()
         first_go = step not in self._local_steps
         self._local_steps.add(step)
@@ -468,6 +565,7 @@ class Run:
         Its claim commits with the run's open transaction before `func` runs;
         its outcome is written in the next one (payments.engine.unit).
         """
+        self._declared(step)
         lease = payments_settings().claim_lease
         self.unit.join()
         # The claim commits with the unit, in one round trip: durable before anything is sent.

@@ -80,6 +80,8 @@ def execute(operation_id: int, *, worker_id: str, job: Any = None) -> str:
         _finish(op, OperationState.RETRYING, worker_id, str(exc), next_attempt_at=exc.until)
         return "deferred"
     except StepRefused as exc:
+        if _compensation_due(op, spec, worker_id):
+            return _compensate(run, str(exc))
         _fail(op, spec, worker_id, str(exc))
         return "failed"
     except StepNeedsReview as exc:
@@ -95,6 +97,9 @@ def execute(operation_id: int, *, worker_id: str, job: Any = None) -> str:
         logger.warning("operation %s uncertain at step %s; reconciling", op.key, exc.step)
         return "uncertain"
     except StepTransient as exc:
+        last_try = op.attempts + 1 >= payments_settings().max_attempts
+        if last_try and not exc.in_flight and _compensation_due(op, spec, worker_id):
+            return _compensate(run, f"gave up after {op.attempts + 1} attempts: {exc}")
         _transient(op, spec, worker_id, str(exc), job, step_error=exc)
     except Exception as exc:  # a bug or a database error: bounded retries, then visible
         logger.exception("operation %s: unexpected error in handler %s", op.key, op.kind)
@@ -178,6 +183,64 @@ def _give_up_state_in_tx(
     if in_flight or in_doubt:
         return OperationState.UNCERTAIN
     return OperationState.FAILED
+
+
+def _compensation_due(op: Operation, spec: HandlerSpec, worker_id: str) -> bool:
+    """Tell whether giving up now calls the handler's `on_give_up`: an earlier external step
+    succeeded, and no other is in doubt (each failed, or released by this worker after a
+    refusal). An effect that may have happened is the reconciler's, never compensated."""
+    if spec.on_give_up is None:
+        return False
+    external = list(StepClaim.objects.filter(operation=op, step__in=list(spec.effects)))
+    done = [claim for claim in external if claim.state == ClaimState.DONE]
+    in_doubt = [
+        claim
+        for claim in external
+        if claim.state not in (ClaimState.DONE, ClaimState.FAILED)
+        and not fence.released_by(claim, worker_id)
+    ]
+    return bool(done) and not in_doubt
+
+
+def _compensate(run: Run, reason: str) -> str:
+    """Run the handler's `on_give_up` under the lease, then fail the operation.
+
+    Its steps are steps of the operation like any other (own claims, own keys):
+    a compensation interrupted here is found done, or reconciled, when the
+    operation runs again. Until it completes the operation is not failed: it
+    waits (busy), is reconciled (uncertain), or a person looks (anything else).
+    """
+    op, spec, worker_id = run.operation, run.spec, run.worker_id
+    assert spec.on_give_up is not None
+    logger.warning("operation %s gives up (%s); compensating", op.key, reason[:200])
+    try:
+        spec.on_give_up(run)
+        run.unit.commit()
+    except StepBusy as exc:
+        _finish(op, OperationState.RETRYING, worker_id, str(exc), next_attempt_at=exc.until)
+        return "deferred"
+    except StepUncertain as exc:
+        run.unit.roll_back("compensation uncertain")
+        _finish(op, OperationState.UNCERTAIN, worker_id, f"{reason}; compensation: {exc}")
+        return "uncertain"
+    except Exception as exc:
+        run.unit.roll_back(f"compensation failed ({type(exc).__name__})")
+        why = f"{reason}; compensation did not complete: {type(exc).__name__}: {exc}"
+        _finish(op, OperationState.NEEDS_REVIEW, worker_id, why)
+        alerts.error("operation %s: compensation did not complete; a person decides", op.key)
+        return "needs_review"
+    with transaction.atomic():
+        locked = fence.locked_operation_in_tx(op.pk)
+        if not fence.holds_lease_in_tx(locked, worker_id):
+            return "deferred"
+        why = f"{reason}; compensated"[:500]
+        fence.release_in_tx(
+            locked, OperationState.FAILED, actor=worker_id, reason=why, last_error=reason[:2000]
+        )
+        if spec.on_failure is not None:
+            spec.on_failure(locked)
+    logger.info("operation %s failed after compensation", op.key)
+    return "failed"
 
 
 def _fail(op: Operation, spec: HandlerSpec, worker_id: str, reason: str) -> None:

@@ -80,8 +80,12 @@ def run_external_step(
     *,
     owner: str,
     outcomes: WorkUnit | None = None,
+    build: bool = True,
 ) -> dict[str, Any]:
     """Run one external step under its claim and return its recorded result.
+
+    Without `build` the claim is known to exist: its stored request is the one
+    sent, and the effect's request is not built again.
 
     With `outcomes` (a handler's run), a first call's success is recorded in
     that open transaction (`WorkUnit.record_outcome`), not in one of its own.
@@ -90,7 +94,11 @@ def run_external_step(
     """
     lease = payments_settings().claim_lease
     claimed = fence.claim_step(
-        operation, step, owner=owner, lease_seconds=lease, request=effect.build_request()
+        operation,
+        step,
+        owner=owner,
+        lease_seconds=lease,
+        request=effect.build_request() if build else {},
     )
     claim = claimed.claim
     if claimed.created:
@@ -162,7 +170,7 @@ def call_effect(
     sent_before = claim.last_request_at
     if not first:
         fence.note_request_sent(claim, actor=actor)
-    failpoint(AFTER_CLAIM_COMMIT)
+    failpoint(AFTER_CLAIM_COMMIT, step)
     try:
         answer = effect.perform(claim.request or {}, claim.idempotency_key)
     except BaseTimeoutException as exc:
@@ -193,7 +201,7 @@ def call_effect(
             claim, ClaimState.UNCERTAIN, actor=actor, error=reason, reference=reference
         )
         raise StepUncertain(reason, operation_key=op_key, step=step, provider_code=code) from exc
-    failpoint(AFTER_PROVIDER_ACCEPT)
+    failpoint(AFTER_PROVIDER_ACCEPT, step)
     return _record(claim, answer, actor=actor, outcomes=outcomes)
 
 

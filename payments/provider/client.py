@@ -213,6 +213,8 @@ class PaymentIntent:
     amount_received: int = 0
     #: `automatic` (charged at confirm) or `manual` (authorised, captured later).
     capture_method: str = "automatic"
+    #: The charge that moved the money (a capture's own object), or None before one.
+    latest_charge: str | None = None
 
     @classmethod
     def from_json(cls, data: Any, *, replayed: bool = False) -> PaymentIntent:
@@ -237,6 +239,7 @@ class PaymentIntent:
                 amount_capturable=int(data.get("amount_capturable") or 0),
                 amount_received=int(data.get("amount_received") or 0),
                 capture_method=str(data.get("capture_method") or "automatic"),
+                latest_charge=_id_of(data.get("latest_charge")),
             )
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise ValueError("malformed payment_intent object") from exc

@@ -14,11 +14,9 @@ from typing import Any
 
 from django.db import transaction
 
-from payments.engine.dispatch import create_and_dispatch_in_tx
-from payments.engine.effects import EffectResult
-from payments.engine.handlers import DeskHooks, Run, handler
 from payments.entities import lock_order, money_line
 from payments.exceptions import InvalidTransition
+from payments.fence import Desk, EffectResult, Run, create_operation_in_tx, operation
 from payments.models import (
     ApiClient,
     CreditNote,
@@ -54,6 +52,13 @@ def reserved_amount_in_tx(order: Order) -> int:
     return sum(int(params.get("amount", 0)) for params in refunds.values_list("params", flat=True))
 
 
+def charged_amount(order: Order) -> int:
+    """What the order's charge took: its invoice's amount (a partial capture invoices less
+    than the order's amount), else the order's amount."""
+    invoice = Invoice.objects.filter(order=order).only("amount").first()
+    return order.amount if invoice is None else invoice.amount
+
+
 def request_refund(
     *,
     order_id: int,
@@ -84,12 +89,12 @@ def request_refund(
         if not Operation.objects.filter(client=client, scope=scope, key=key).exists():
             if order.status not in REFUNDABLE_STATUSES or invoice is None:
                 raise RefundNotAllowed(f"order {order.pk} is {order.status}; nothing to refund")
-            left = order.amount - reserved_amount_in_tx(order)
+            left = invoice.amount - reserved_amount_in_tx(order)
             if not 0 < amount <= left:
                 raise RefundNotAllowed(
                     f"order {order.pk} has {left} (minor units) left to refund, not {amount}"
                 )
-        op, created = create_and_dispatch_in_tx(
+        op, created = create_operation_in_tx(
             key=key,
             kind=REFUND,
             entity_type="order",
@@ -123,10 +128,9 @@ def issue_credit_note(operation: Operation, reference: str) -> dict[str, Any]:
         provider_reference=reference,
     )
     order.refunded_amount += amount
+    charged = charged_amount(order)
     order.status = (
-        OrderStatus.REFUNDED
-        if order.refunded_amount >= order.amount
-        else OrderStatus.PARTIALLY_REFUNDED
+        OrderStatus.REFUNDED if order.refunded_amount >= charged else OrderStatus.PARTIALLY_REFUNDED
     )
     order.save(update_fields=["refunded_amount", "status", "updated_at"])
     return {"credit_note": note.number, "order_status": order.status}
@@ -169,7 +173,7 @@ def credit_note_number(operation: Operation) -> str:
     return f"CN-{operation.pk:08d}"
 
 
-# --- what the operators' desk needs (payments.engine.handlers.DeskHooks) -------------
+# --- what the operators' desk needs (payments.fence.Desk) -------------
 
 
 def refund_no_longer_fits(operation: Operation) -> str | None:
@@ -177,7 +181,7 @@ def refund_no_longer_fits(operation: Operation) -> str | None:
     order = Order.objects.filter(pk=operation.params.get("order_id")).first()
     if order is None:
         return "the order is missing"
-    left = order.amount - reserved_amount_in_tx(order)
+    left = charged_amount(order) - reserved_amount_in_tx(order)
     if int(operation.params["amount"]) > left:
         return f"only {format_money(left, order.currency)} is left to refund"
     return None
@@ -203,12 +207,11 @@ def describe_refund(operation: Operation) -> str:
     return money_line(operation, "refund")
 
 
-@handler(
+@operation(
     REFUND,
-    effects={REFUND_STEP: RefundEffect},
-    steps={CREDIT_NOTE},
+    steps={REFUND_STEP: RefundEffect, CREDIT_NOTE: None},
     on_reversal=reverse_refund,
-    desk=DeskHooks(
+    desk=Desk(
         lock_entity=lock_order,
         describe=describe_refund,
         refuse_rerun=refund_no_longer_fits,

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from typing import Final
 
-from payments.engine.effects import reversal_step
-
 #: Give back part or all of a paid order's charge: refund -> credit note.
 REFUND: Final = "refund"
 #: The external step: a refund at the provider, against the order's payment intent.
@@ -14,4 +12,4 @@ REFUND_STEP: Final = "refund"
 CREDIT_NOTE: Final = "credit_note"
 #: The local step that records, once, that the provider reversed a refund (it failed after
 #: it succeeded) and the order got its refunded amount back.
-REFUND_REVERSED: Final = reversal_step(REFUND_STEP)
+REFUND_REVERSED: Final = f"{REFUND_STEP}:reversed"  # the engine's name for it

@@ -11,13 +11,13 @@ from functools import partial
 
 import pytest
 
-from payments.checkout.charge import PaymentIntentCharge
 from payments.checkout.handler import request_checkout
 from payments.checkout.orders import create_order
 from payments.engine import runtime
 from payments.engine.steps import run_external_step
 from payments.exceptions import StepBusy
 from payments.models import ClaimState, Operation, OperationState
+from tests.support.builders import charge_effect
 from tests.support.concurrency import race
 
 # Transactional: each thread's connection must see what the others committed.
@@ -51,7 +51,7 @@ def test_two_workers_claim_the_same_step__loser_backs_off_without_calling(provid
 
     def claim_and_call(i: int) -> object:
         fresh = Operation.objects.get(pk=op.pk)
-        return run_external_step(fresh, "charge", PaymentIntentCharge(fresh), owner=f"worker-{i}")
+        return run_external_step(fresh, "charge", charge_effect(fresh), owner=f"worker-{i}")
 
     outcomes = race([partial(claim_and_call, i) for i in range(2)])
 

@@ -29,6 +29,7 @@ from payments.models import (
     Order,
     OrderStatus,
 )
+from tests.support.builders import charge_effect
 from tests.support.users import NEW_ATTEMPT, RECONCILE, VIEW, make_user
 from tests.support.workers import run_worker
 
@@ -59,7 +60,7 @@ def dead_worker_claim(op: Operation, step: str = CHARGE):
         step,
         owner="dead-worker/1",
         lease_seconds=1,
-        request=PaymentIntentCharge(op).build_request(),
+        request=charge_effect(op).build_request(),
     ).claim
     time.sleep(1.1)  # its lease runs out, by the database's clock
     return claim
@@ -123,7 +124,7 @@ def test_step_rename_with_a_charged_failed_operation__is_reported_before_it_char
     # (or the row predates this change): failed, charge done. Built with fence calls.
     claim = dead_worker_claim(op)
     taken = fence.take_over_claim(claim, owner="reconciler-a", lease_seconds=30)
-    intent = PaymentIntentCharge(op).perform(taken.request, taken.idempotency_key)
+    intent = charge_effect(op).perform(taken.request, taken.idempotency_key)
     fence.settle_claim(
         taken,
         ClaimState.DONE,

@@ -21,6 +21,7 @@ from payments.engine.recovery import reconcile
 from payments.engine.runtime import execute
 from payments.engine.writes import fence_writes
 from payments.models import ClaimState, Operation, OperationState, OrderStatus, StepClaim
+from tests.support.builders import charge_effect
 from tests.support.workers import run_worker
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -185,9 +186,8 @@ def test_follow_up_error_after_its_commit__is_delivered_not_retried(provider, qu
 
 
 def _request(op: Operation) -> dict:
-    from payments.checkout.charge import PaymentIntentCharge
 
-    return PaymentIntentCharge(op).build_request()
+    return charge_effect(op).build_request()
 
 
 def test_released_claim_after_transient_failures__is_taken_over_as_claimed(provider, queue):

@@ -12,16 +12,17 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import timedelta
+from typing import Any
 
 import requests
 from django.db import transaction
 from django.utils import timezone
 
-from payments.checkout.charge import PaymentIntentCharge
 from payments.checkout.handler import mark_order_failed, request_checkout
 from payments.checkout.orders import create_order
 from payments.conf import payments_settings
 from payments.engine import fence
+from payments.engine.handlers import get_handler
 from payments.engine.writes import fence_writes
 from payments.models import ClaimState, Operation, OperationState, Order, OrderStatus, StepClaim
 from payments.provider.client import ProviderClient
@@ -37,6 +38,11 @@ def new_checkout(key: str = "chk-1", *, pm: str = "pm_card_visa", amount: int = 
     return op
 
 
+def charge_effect(op: Operation) -> Any:
+    """The checkout's charge effect for `op`, as the engine builds it (recovery, desk)."""
+    return get_handler(op.kind).effect("charge", op)
+
+
 def claim_charge(op: Operation, *, age: timedelta = timedelta(0)) -> StepClaim:
     """The charge claim as `claim_step` inserts it, its lease already run out, `age` old."""
     now = timezone.now() - age
@@ -46,7 +52,7 @@ def claim_charge(op: Operation, *, age: timedelta = timedelta(0)) -> StepClaim:
             step="charge",
             state=ClaimState.CLAIMED,
             idempotency_key=fence.derive_idempotency_key(op.key, "charge"),
-            request=PaymentIntentCharge(op).build_request(),
+            request=charge_effect(op).build_request(),
             claimed_by=WORKER,
             claimed_at=now,
             lease_expires_at=now,

@@ -34,6 +34,7 @@ from payments.models import (
 )
 from payments.refunds.handler import request_refund
 from payments.webhooks.handling import CONSUMER, handle_event
+from tests.support.builders import charge_effect
 from tests.support.flows import order_and_checkout
 from tests.support.provider import make_client
 from tests.support.users import VIEW, client_for, make_user
@@ -346,7 +347,7 @@ def test_a_success_no_claim_fences__is_an_unfenced_charge_alert(provider_with_se
 def claimed_by_a_live_worker(provider, *, lease: int) -> tuple[Operation, dict]:
     """A worker claimed the charge and called the provider; its answer is not recorded yet."""
     order, op = order_and_checkout()
-    effect = PaymentIntentCharge(op)
+    effect = charge_effect(op)
     claim = fence.claim_step(
         op, CHARGE, owner="worker-alive", lease_seconds=lease, request=effect.build_request()
     ).claim

@@ -1,0 +1,164 @@
+"""The capture's three provider calls: authorise (a hold), capture (part or all), release."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from payments.fence import ClaimView, EffectResult, ProviderEffect
+from payments.provider.client import PaymentIntent
+from payments.provider.errors import (
+    PAYMENT_INTENT_UNEXPECTED_STATE,
+    CardDeclined,
+    InvalidRequest,
+    ResourceMissing,
+)
+
+#: The step that authorises: the steps after it act on its intent.
+AUTHORIZE = "authorize"
+DECLINED = frozenset({"requires_payment_method", "canceled"})
+
+
+class _OnTheIntent(ProviderEffect):
+    """A call on the intent the authorisation made (named in the request; no metadata)."""
+
+    TARGET = "payment_intent"
+
+    def retrieve(self, reference: str) -> PaymentIntent:
+        return self.client.retrieve_payment_intent(reference)
+
+    def intent(self) -> str:
+        return str(self.run.result(AUTHORIZE)["reference"])
+
+    def decides(self, intent: PaymentIntent, request: dict[str, Any]) -> bool:
+        return intent.status != "requires_capture"  # still held: neither call has acted
+
+    def refused_by_state(self, exc: InvalidRequest, request: dict[str, Any]) -> Any:
+        """A call the intent's state forbids: its state now tells what happened."""
+        if isinstance(exc, ResourceMissing) or exc.code != PAYMENT_INTENT_UNEXPECTED_STATE:
+            return self.refused(status="refused", code=exc.code or "invalid")
+        return self.retrieve(request["payment_intent"])
+
+
+class Authorization(ProviderEffect):
+    """Hold the order's amount on the card (`capture_method=manual`)."""
+
+    MAY_HAVE_HAPPENED = "The customer's card may already hold the amount."
+    VOIDS = "is cancelled there, which releases the hold"
+    EVENTS = frozenset(
+        {
+            "payment_intent.amount_capturable_updated",
+            "payment_intent.payment_failed",
+            "payment_intent.canceled",
+        }
+    )
+
+    def request(self) -> dict[str, Any]:
+        params = self.params
+        return {
+            "amount": int(params["amount"]),
+            "currency": params["currency"],
+            "payment_method": params["payment_method"],
+            "capture_method": "manual",
+            "metadata": {"order_id": str(params["order_id"])},
+        }
+
+    def send(self, request: dict[str, Any], idempotency_key: str) -> Any:
+        try:
+            return self.client.create_payment_intent(
+                amount=request["amount"],
+                currency=request["currency"],
+                payment_method=request["payment_method"],
+                metadata=request["metadata"],
+                capture_method="manual",
+                idempotency_key=idempotency_key,
+            )
+        except CardDeclined as exc:
+            code = exc.code or "card_declined"
+            return self.refused(exc.payment_intent_id or "", status="declined", code=code)
+
+    def retrieve(self, reference: str) -> PaymentIntent:
+        return self.client.retrieve_payment_intent(reference)
+
+    def candidates(self, claim: ClaimView) -> Iterator[PaymentIntent]:
+        since, until = self.created_window(claim)
+        return self.client.list_payment_intents(created_gte=since, created_lte=until)
+
+    def outcome(self, intent: PaymentIntent) -> EffectResult | None:
+        data = {"status": intent.status, "held": intent.amount, "currency": intent.currency}
+        if intent.status in ("requires_capture", "succeeded"):
+            return self.succeeded(intent.id, **data)
+        if intent.status in DECLINED:
+            return self.refused(intent.id, **data, code=intent.last_error_code or "declined")
+        return None
+
+    @classmethod
+    def money(cls, result: dict[str, Any]) -> tuple[int, str] | None:
+        return None  # a hold moves no money
+
+
+class Capture(_OnTheIntent):
+    """Capture `amount_to_capture` of the hold (Stripe releases the rest)."""
+
+    MAY_HAVE_HAPPENED = "The held amount may already have been captured."
+    EVENTS = frozenset({"payment_intent.succeeded", "payment_intent.canceled"})
+
+    def request(self) -> dict[str, Any]:
+        return {
+            "payment_intent": self.intent(),
+            "amount_to_capture": int(self.params["amount_to_capture"]),
+        }
+
+    def send(self, request: dict[str, Any], idempotency_key: str) -> Any:
+        try:
+            return self.client.capture_payment_intent(
+                request["payment_intent"],
+                amount_to_capture=request["amount_to_capture"],
+                idempotency_key=idempotency_key,
+            )
+        except InvalidRequest as exc:
+            return self.refused_by_state(exc, request)
+
+    def outcome(self, intent: PaymentIntent) -> EffectResult | None:
+        data = {
+            "status": intent.status,
+            "amount": intent.amount_received,
+            "currency": intent.currency,
+            "payment_intent": intent.id,
+        }
+        if intent.status == "succeeded":  # the charge is the captured money's own object
+            return self.succeeded(intent.latest_charge or "", **data)
+        if intent.status == "canceled":
+            return self.refused(intent.id, **data, code="canceled")
+        return None
+
+
+class Release(_OnTheIntent):
+    """Cancel the intent, which releases a hold nobody will capture."""
+
+    EVENTS = frozenset({"payment_intent.canceled"})
+
+    def request(self) -> dict[str, Any]:
+        return {"payment_intent": self.intent(), "cancellation_reason": "abandoned"}
+
+    def send(self, request: dict[str, Any], idempotency_key: str) -> Any:
+        try:
+            return self.client.cancel_payment_intent(
+                request["payment_intent"],
+                idempotency_key=idempotency_key,
+                cancellation_reason=request["cancellation_reason"],
+            )
+        except InvalidRequest as exc:
+            return self.refused_by_state(exc, request)
+
+    def outcome(self, intent: PaymentIntent) -> EffectResult | None:
+        data = {"status": intent.status, "payment_intent": intent.id}
+        if intent.status == "canceled":  # no object of its own: the intent is the authorisation's
+            return self.succeeded("", **data)
+        if intent.status == "succeeded":
+            return self.refused(intent.id, **data, code="captured")
+        return None
+
+    @classmethod
+    def money(cls, result: dict[str, Any]) -> tuple[int, str] | None:
+        return None

@@ -1,0 +1,132 @@
+"""The handler API: what a business package imports to add an operation, and nothing else.
+
+    @operation(CAPTURE, entity=Order, steps={AUTHORIZE: Authorization, CAPTURE_STEP: Capture,
+               RECORD: None}, on_give_up=release_hold, desk=Desk(lock_entity=..., describe=...))
+    def capture_order(run: Run) -> None:
+        run.external(AUTHORIZE)                      # claimed, committed, then called
+        captured = run.external(CAPTURE_STEP)        # Capture reads run.result(AUTHORIZE)
+        run.local(RECORD, lambda: record(run.entity, captured))   # writes + claim, once
+
+- `operation`: register a fenced handler. `steps` is its one declaration of
+  steps, in run order: an external step maps to its ProviderEffect subclass,
+  a local or side-effect step to None. A step it does not declare is refused
+  when run.
+- `message`: register a local-only operation delivered behind the inbox.
+- `Run`: what a handler gets: `external`, `local`, `side_effect`, `result`,
+  `entity`, `params`, `operation`.
+- `ProviderEffect`: the base class of an external step (payments.provider.effect).
+- `Desk`: what the operators' desk asks of the handler (lock, describe, new attempt).
+- `start_operation`: answer an API request that starts an operation (202, replays).
+- `create_operation_in_tx`: write an operation in the caller's transaction and
+  deliver it once that commits (the service an API view and the desk both call).
+- `create_follow_ups_in_tx`: write an operation's follow-ups (derived keys) likewise.
+- `DeliveryPolicy`: at most once or at least once, for a side effect without a lookup.
+- `EffectResult`, `ClaimView`: a settled answer, and a claim as an effect sees it.
+
+Handlers live in `payments/<package>/handler.py` (a package with an
+`__init__.py`), or in modules that one imports: web and worker processes
+import exactly those at start-up, and refuse a handler registered later.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from django.db.models import Model
+
+from payments.api.base import start_operation
+from payments.engine import fence as _fence
+from payments.engine.dispatch import create_and_dispatch_all_in_tx
+from payments.engine.dispatch import create_and_dispatch_in_tx as create_operation_in_tx
+from payments.engine.effects import ClaimView, DeliveryPolicy, EffectResult
+from payments.engine.handlers import DeskHooks as Desk
+from payments.engine.handlers import EntityHook, ReversalHook, Run, handler
+from payments.engine.handlers import message_handler as message
+from payments.models import KeyScope
+from payments.provider.effect import ProviderEffect
+
+__all__ = [
+    "ClaimView",
+    "Desk",
+    "DeliveryPolicy",
+    "EffectResult",
+    "ProviderEffect",
+    "Run",
+    "create_follow_ups_in_tx",
+    "create_operation_in_tx",
+    "message",
+    "operation",
+    "start_operation",
+]
+
+
+def operation(
+    kind: str,
+    *,
+    steps: Mapping[str, type[ProviderEffect] | None],
+    entity: type[Model] | None = None,
+    desk: Desk | None = None,
+    on_failure: EntityHook | None = None,
+    on_resume: EntityHook | None = None,
+    on_give_up: Callable[[Run], None] | None = None,
+    on_reversal: ReversalHook | None = None,
+) -> Callable[[Callable[[Run], Any]], Callable[[Run], Any]]:
+    """Register the decorated function as the fenced handler of operations of `kind`.
+
+    - `steps`: every step in run order; an external one maps to its effect class.
+    - `entity`: the model of the operations' entity (`run.entity`, integer key).
+    - `on_failure(operation)`: business writes when the operation fails (in its tx).
+    - `on_resume(operation)`: undo on_failure when a failed operation runs again.
+    - `on_give_up(run)`: compensate when the operation gives up after an earlier
+      external step succeeded (cancel a held authorisation: a step of its own,
+      declared in `steps`); the operation then fails.
+    - `on_reversal(operation, found)`: undo a done step's writes the provider reversed.
+    """
+    effects = {step: effect for step, effect in steps.items() if effect is not None}
+    for step, effect in effects.items():
+        if not (isinstance(effect, type) and issubclass(effect, ProviderEffect)):
+            raise TypeError(f"step {step!r}: {effect!r} is not a ProviderEffect subclass")
+    return handler(
+        kind,
+        effects=dict(effects),
+        steps=frozenset(step for step, effect in steps.items() if effect is None),
+        order=tuple(steps),
+        entity=entity,
+        desk=desk,
+        on_failure=on_failure,
+        on_resume=on_resume,
+        on_give_up=on_give_up,
+        on_reversal=on_reversal,
+    )
+
+
+def create_follow_ups_in_tx(
+    parent: Any,
+    kinds: tuple[str, ...],
+    *,
+    entity_type: str,
+    entity_id: int,
+    params: dict[str, Any],
+    actor: str,
+) -> None:
+    """Write `parent`'s follow-up operations, one per kind, in the caller's transaction.
+
+    Their keys are derived from the parent (never a client's); their inserts go
+    in one round trip and their jobs in one Redis pipeline after the commit.
+    """
+    create_and_dispatch_all_in_tx(
+        [
+            _fence.NewOperation(
+                key=_fence.follow_up_key(parent, kind),
+                scope=KeyScope.DERIVED,
+                parent=parent,
+                kind=kind,
+                entity_type=entity_type,
+                entity_id=entity_id,
+                params=params,
+                actor=actor,
+            )
+            for kind in kinds
+        ]
+    )

@@ -1,0 +1,127 @@
+"""Manual capture, the third operation, built on the handler API alone (payments.fence).
+
+Transactional: claims commit before their provider calls; workers run the jobs.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from payments.captures.handler import CaptureNotAllowed, request_capture
+from payments.checkout.orders import create_order
+from payments.engine.failpoints import AFTER_PROVIDER_ACCEPT, hooked
+from payments.engine.handlers import money_moved
+from payments.models import ClaimState, Invoice, Operation, OperationState, Order, OrderStatus
+from payments.refunds.handler import RefundNotAllowed, request_refund
+from tests.support.workers import run_worker
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+def captured_order(queue, *, amount: int = 5000, capture: int | None = None) -> Operation:
+    order = create_order(amount=amount, currency="eur", email="capture@example.com")
+    op, _ = request_capture(
+        order_id=order.pk,
+        key=f"cap-{order.pk}",
+        payment_method="pm_card_visa",
+        amount_to_capture=capture,
+        actor="test",
+    )
+    run_worker(queue)
+    op.refresh_from_db()
+    return op
+
+
+def intent_of(provider, op: Operation) -> dict:
+    (intent,) = provider.state.intents(metadata={"operation_key": op.key})
+    return intent
+
+
+def test_capture__holds_then_captures_part_and_invoices_what_was_captured(provider, queue):
+    op = captured_order(queue, amount=5000, capture=3000)
+
+    assert op.state == OperationState.SUCCEEDED
+    intent = intent_of(provider, op)
+    assert (intent["status"], intent["amount_received"]) == ("succeeded", 3000)
+    order = Order.objects.get(pk=op.params["order_id"])
+    assert order.status == OrderStatus.PAID
+    assert Invoice.objects.get(order=order).amount == 3000
+    assert dict(op.claims.values_list("step", "state")) == {
+        "authorize": ClaimState.DONE,
+        "capture": ClaimState.DONE,
+        "record": ClaimState.DONE,
+    }
+    # The desk's and the audit's money is the effect's reading: captured, not asked for.
+    assert money_moved(op) == (3000, "eur")
+
+
+def test_capture__sends_no_metadata_so_the_authorisation_keeps_naming_its_step(provider, queue):
+    op = captured_order(queue, capture=1000)
+
+    metadata = intent_of(provider, op)["metadata"]
+    assert (metadata["operation_key"], metadata["step"]) == (op.key, "authorize")
+    assert metadata["operation_id"] == str(op.pk)
+    capture = op.claims.get(step="capture")
+    assert "metadata" not in capture.request
+    assert capture.provider_reference.startswith("ch_")
+
+
+def test_refund_above_the_captured_amount__is_refused_before_any_call(provider, queue):
+    op = captured_order(queue, amount=5000, capture=3000)
+    order_id = op.params["order_id"]
+
+    with pytest.raises(RefundNotAllowed):
+        request_refund(order_id=order_id, key="too-much", amount=3001, actor="test")
+    request_refund(order_id=order_id, key="all", amount=3000, actor="test")
+    run_worker(queue)
+    order = Order.objects.get(pk=order_id)
+    assert (order.status, order.refunded_amount) == (OrderStatus.REFUNDED, 3000)
+
+
+def test_capture_of_more_than_the_order__is_refused(provider, queue):
+    order = create_order(amount=1000, currency="eur", email="capture@example.com")
+    with pytest.raises(CaptureNotAllowed):
+        request_capture(
+            order_id=order.pk,
+            key="big",
+            payment_method="pm_card_visa",
+            amount_to_capture=1001,
+            actor="t",
+        )
+
+
+def test_capture_that_gives_up__releases_the_hold_under_its_own_claim(provider, queue):
+    faults: list[int] = []
+
+    def refuse_the_captures() -> None:
+        if not faults:  # after the authorisation's 200: every capture try gets a 429
+            faults.append(provider.state.enqueue_faults("rate_limit", 10))
+
+    with hooked(AFTER_PROVIDER_ACCEPT, refuse_the_captures):
+        op = captured_order(queue, amount=2000)
+
+    op.refresh_from_db()
+    assert op.state == OperationState.FAILED, op.last_error
+    assert "compensated" in Operation.objects.get(pk=op.pk).events.last().reason
+    intent = intent_of(provider, op)
+    assert (intent["status"], intent["amount_capturable"]) == ("canceled", 0)
+    release = op.claims.get(step="release")
+    assert release.state == ClaimState.DONE
+    assert release.idempotency_key not in {
+        c.idempotency_key for c in op.claims.exclude(pk=release.pk)
+    }
+    order = Order.objects.get(pk=op.params["order_id"])
+    assert order.status == OrderStatus.PAYMENT_FAILED
+
+
+def test_declined_authorisation__fails_without_compensation(provider, queue):
+    order = create_order(amount=2000, currency="eur", email="capture@example.com")
+    op, _ = request_capture(
+        order_id=order.pk, key="declined", payment_method="pm_card_chargeDeclined", actor="t"
+    )
+    run_worker(queue)
+    op.refresh_from_db()
+    assert op.state == OperationState.FAILED
+    assert not op.claims.filter(step="release").exists()
+    order.refresh_from_db()
+    assert order.status == OrderStatus.PAYMENT_FAILED
