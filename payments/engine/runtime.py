@@ -96,6 +96,10 @@ def execute(operation_id: int, *, worker_id: str, job: Any = None) -> str:
         _finish(op, OperationState.UNCERTAIN, worker_id, str(exc))
         logger.warning("operation %s uncertain at step %s; reconciling", op.key, exc.step)
         return "uncertain"
+    except ConfigurationError as exc:  # the handler's own declaration is wrong: a person fixes it
+        _finish(op, OperationState.NEEDS_REVIEW, worker_id, str(exc))
+        alerts.error("operation %s cannot run: %s", op.key, exc)
+        return "needs_review"
     except StepTransient as exc:
         last_try = op.attempts + 1 >= payments_settings().max_attempts
         if last_try and not exc.in_flight and _compensation_due(op, spec, worker_id):

@@ -215,7 +215,7 @@ class ProviderEffect:
             if reference not in (target, found.reference if found else ""):
                 problems.append(f"this step acts on {target}, not {reference}")
         elif not self.matches(obj, claim.request):
-            problems.append("it was made for another operation, amount or currency")
+            problems.append("it belongs to another operation, or its amount or currency differ")
         if problems:
             raise ValueError("; ".join(problems))
         assert found is not None

@@ -1,0 +1,164 @@
+"""Registration that cannot be forgotten: each way a new handler went unseen is refused.
+
+Each test tries one forgotten step on a throwaway package (in tmp_path, on
+sys.path): a handler outside `<package>/handler.py`, a package without an
+`__init__.py`, a step missing from `steps=`, a package missing from the
+import-linter contracts.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+import textwrap
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from payments.engine import handlers
+from payments.exceptions import ConfigurationError
+
+ROOT = Path(__file__).resolve().parents[2]
+
+HANDLER = """
+from payments.fence import Run, operation
+
+@operation("{kind}", steps={{"work": None}})
+def handle(run: Run) -> None:
+    run.local("work", lambda: None)
+"""
+
+
+@pytest.fixture
+def shop(tmp_path, monkeypatch):
+    """A root package `shop_<n>` with business packages, discovered like payments."""
+    name = f"shop_{tmp_path.name.replace('-', '_')}"
+    root = tmp_path / name
+    root.mkdir()
+    (root / "__init__.py").write_text("")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(handlers, "_HANDLERS", dict(handlers._HANDLERS))
+    monkeypatch.setattr(handlers, "_DISCOVERED", set(handlers._DISCOVERED))
+
+    def add(path: str, text: str) -> None:
+        file = root / path
+        file.parent.mkdir(parents=True, exist_ok=True)
+        file.write_text(textwrap.dedent(text))
+
+    yield name, add
+    for module in [m for m in sys.modules if m == name or m.startswith(f"{name}.")]:
+        del sys.modules[module]
+
+
+def test_handler_in_handler_py__is_discovered_by_every_process(shop):
+    name, add = shop
+    add("good/__init__.py", "")
+    add("good/handler.py", HANDLER.format(kind=f"{name}-good"))
+
+    found = handlers.discover_handlers(importlib.import_module(name))
+
+    assert found == [f"{name}.good.handler"]
+    assert f"{name}-good" in handlers.registered_handlers()
+
+
+def test_handler_in_another_module__is_refused_when_imported_after_discovery(shop):
+    name, add = shop
+    add("other/__init__.py", "")
+    add("other/flow.py", HANDLER.format(kind=f"{name}-flow"))
+    handlers.discover_handlers(importlib.import_module(name))
+
+    with pytest.raises(ConfigurationError, match="start-up discovery did not import"):
+        importlib.import_module(f"{name}.other.flow")  # what the web's URLs would do
+    assert f"{name}-flow" not in handlers.registered_handlers()
+
+
+def test_package_without_init__is_not_discovered_and_its_handler_is_refused(shop):
+    name, add = shop
+    add("loose/handler.py", HANDLER.format(kind=f"{name}-loose"))
+
+    assert handlers.discover_handlers(importlib.import_module(name)) == []
+    with pytest.raises(ConfigurationError):
+        importlib.import_module(f"{name}.loose.handler")
+
+
+def test_a_late_handler_under_payments__is_refused(settings):
+    def late(run):  # declared, say, in payments/captures/flow.py, imported by a URL conf
+        pass
+
+    late.__module__ = "payments.captures.flow"
+    with pytest.raises(ConfigurationError, match="payments.<package>.handler"):
+        handlers.handler("late-kind")(late)
+    assert "late-kind" not in handlers.registered_handlers()
+
+
+def business_packages() -> list[str]:
+    """Every subpackage of payments that declares handlers (has a handler.py)."""
+    return sorted(
+        f"payments.{path.parent.name}"
+        for path in (ROOT / "payments").glob("*/handler.py")
+        if (path.parent / "__init__.py").exists()
+    )
+
+
+def contracts() -> dict[str, dict]:
+    data = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    return {c["name"]: c for c in data["tool"]["importlinter"]["contracts"]}
+
+
+def missing_from_contracts(packages: list[str], found: dict[str, dict]) -> list[str]:
+    """Name each (package, contract) pair where a business package is not checked."""
+    lists = {
+        "Handler packages reach the engine only through its public API, payments.fence": (
+            "source_modules"
+        ),
+        "One business package knows nothing of another": "modules",
+        "Business (checkout, refunds, webhooks) is not operator tooling": "source_modules",
+        "The desk knows no business: it asks the handlers' declarations": "forbidden_modules",
+        "The engine knows no business, desk, tooling or observability": "forbidden_modules",
+    }
+    missing = []
+    for name, field in lists.items():
+        listed = set(found[name][field])
+        missing += [f"{pkg} in {name!r}" for pkg in packages if pkg not in listed]
+    layers = " ".join(found["No import cycles between the layers of the payments app"]["layers"])
+    missing += [f"{pkg} in the layers" for pkg in packages if pkg.split(".")[1] not in layers]
+    return missing
+
+
+def test_every_business_package__is_in_every_layer_contract():
+    assert "payments.captures" in business_packages()
+    assert missing_from_contracts(business_packages(), contracts()) == []
+
+
+def test_a_package_missing_from_the_contracts__is_named():
+    assert missing_from_contracts([*business_packages(), "payments.gift_cards"], contracts()) != []
+
+
+@pytest.mark.django_db
+def test_a_step_missing_from_steps__parks_the_operation_for_review(monkeypatch):
+    from django.db import transaction
+
+    from payments.engine import fence
+    from payments.engine.runtime import execute
+    from payments.fence import Run, operation
+
+    monkeypatch.setattr(handlers, "_HANDLERS", dict(handlers._HANDLERS))
+
+    @operation("undeclared-step", steps={"declared": None})
+    def handle(run: Run) -> None:
+        run.local("undeclared", lambda: None)
+
+    with transaction.atomic():
+        op, _ = fence.create_operation_in_tx(
+            key="undeclared-1",
+            kind="undeclared-step",
+            entity_type="customer",
+            entity_id=7,
+            params={},
+            actor="test",
+        )
+    assert execute(op.pk, worker_id="w-1") == "needs_review"
+    op.refresh_from_db()
+    assert "does not declare" in op.last_error
+    assert not op.claims.exists()
