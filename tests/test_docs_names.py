@@ -124,6 +124,14 @@ def dotted_ok(name: str) -> bool:
     return resolves(name)
 
 
+def check_name(name: str, kind: str) -> list[str]:
+    """[] when `name` resolves, else what to report (an import that breaks on the way too)."""
+    try:
+        return [] if dotted_ok(name) else [f"{kind} `{name}`"]
+    except ImportError as exc:
+        return [f"{kind} `{name}` (importing it fails: {exc})"]
+
+
 def all_commands() -> set[str]:
     """Every management command, the devtools app's included even where it is off."""
     devtools_commands = ROOT / "devtools" / "management" / "commands"
@@ -158,14 +166,14 @@ def broken_mentions(path: Path, prose: str, blocks: str) -> list[str]:
                 broken.append(f"path `{span}`")
             continue
         name = span.removesuffix("()")
-        if DOTTED.match(name) and not dotted_ok(name):
-            broken.append(f"name `{name}`")
+        if DOTTED.match(name):
+            broken += check_name(name, "name")
     for module, names in IMPORT.findall(blocks):
         if not DOTTED.match(module):
             continue
         for imported in re.split(r"[\s,()]+", names):
-            if imported and not dotted_ok(f"{module}.{imported}"):
-                broken.append(f"import `{module}.{imported}`")
+            if imported:
+                broken += check_name(f"{module}.{imported}", "import")
     for command in COMMAND.findall(prose + "\n" + blocks):
         if command not in commands:
             broken.append(f"command `manage.py {command}`")
