@@ -91,7 +91,7 @@ clean:
 	rm -rf $(VENV) var artifacts
 
 # The admin's static files, hashed and compressed, into STATIC_ROOT for whitenoise
-# (a production deploy runs it before starting gunicorn: README, "Production").
+# (a production deploy runs it before starting gunicorn: docs/deployment.md, "Production").
 .PHONY: collectstatic
 collectstatic: install env
 	$(PY) manage.py collectstatic --noinput -v 0

@@ -1,4 +1,4 @@
-"""gunicorn, the production web process: `gunicorn -c gunicorn.conf.py` (README, "Production").
+"""gunicorn, the production web process: `gunicorn -c gunicorn.conf.py` (docs/deployment.md).
 
 Everything comes from the environment (or the file DJANGO_ENV_FILE names, as
 in project/settings.py):

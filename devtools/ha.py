@@ -51,7 +51,7 @@ PGBOUNCER_RESTART = "pgbouncer restart"
 POSTGRES_RESTART = "postgresql restart"
 FAULTS = (REDIS_FAILOVER, PGBOUNCER_RESTART, POSTGRES_RESTART)
 #: PgBouncer's pause after a failed login to PostgreSQL (its default 15 s would turn the
-#: PostgreSQL restart into 15 s of refused clients; README "Deploying").
+#: PostgreSQL restart into 15 s of refused clients; docs/deployment.md, "Deploying").
 SERVER_LOGIN_RETRY = 1
 
 
@@ -123,7 +123,7 @@ class HaTopology:
         return self
 
     def _migrate(self) -> None:
-        """`migrate` directly against PostgreSQL (never through PgBouncer, README "Topology")."""
+        """`migrate` directly against PostgreSQL (never through PgBouncer, docs/deployment.md, "Topology")."""
         env = {**_child_env(), "DATABASE_URL": self.postgres.url(DATABASE)}
         env.pop("DATABASE_POOLING", None)
         for name in ("REDIS_SENTINELS", "REDIS_SENTINEL_MASTER"):

@@ -203,7 +203,7 @@ class PgBouncer:
     broken, by the next. `stop()` then `start()` again is a restart on the
     same port. `server_login_retry`: seconds PgBouncer refuses every client
     after a failed login to PostgreSQL (its default, 15, turns a PostgreSQL
-    restart of one second into 15 s of errors; README "Deploying").
+    restart of one second into 15 s of errors; docs/deployment.md, "Deploying").
     """
 
     def __init__(

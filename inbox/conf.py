@@ -15,8 +15,9 @@ All keys live in one optional dict, ``settings.INBOX``:
     ``0`` turns the opportunistic purge off (run ``purge_inbox`` from cron).
 ``PURGE_BATCH_SIZE`` (default ``20000``)
     The most rows one purge batch deletes; each batch is its own short
-    transaction. The cap bounds a slow batch: `make bench` measured 20,000-row
-    batches holding their locks 22-40 ms, while 50,000 let one reach 88 ms.
+    transaction. The cap bounds a slow batch: one that meets a checkpoint or a
+    busy neighbour takes about twice its usual time, so the cap, not the
+    adaptive size, decides the longest lock hold (`make bench` reports it).
     Batches start at 1000 rows (or this, if smaller) and adapt to
     ``PURGE_BATCH_SECONDS``; the opportunistic purge runs one first batch.
 ``PURGE_BATCH_SECONDS`` (default ``0.02``)

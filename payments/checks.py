@@ -345,7 +345,7 @@ def check_connection_budget(
         return []
     if getattr(settings, "DATABASE_POOLING", "") == "transaction":
         # The processes' connections end at PgBouncer (its max_client_conn); PostgreSQL
-        # sees PgBouncer's pools (default_pool_size per database and user): README, Topology.
+        # sees PgBouncer's pools (default_pool_size per database and user): docs/deployment.md, Topology.
         return []
     try:
         with connections["default"].cursor() as cursor:
@@ -373,7 +373,7 @@ def check_connection_budget(
             f"({sums}), more than the {available} the server allows (max_connections "
             f"{max_connections} - superuser_reserved_connections {superuser_reserved}).",
             hint="Lower WEB_CONCURRENCY, GUNICORN_THREADS or RQ_WORKERS, or raise "
-            "max_connections; see README, Production.",
+            "max_connections; see docs/deployment.md, Production.",
             obj="settings.DEPLOY_PROCESSES",
             id="payments.E011",
         )
@@ -428,7 +428,7 @@ def check_transaction_pooling(app_configs: Any = None, **kwargs: Any) -> list[Ch
                     f"transaction pooler: {'; '.join(hazards)}.",
                     hint="Set DISABLE_SERVER_SIDE_CURSORS = True, OPTIONS['prepare_threshold'] "
                     "= None and CONN_HEALTH_CHECKS = True (project/settings.py does when "
-                    "DATABASE_POOLING=transaction); see README, Topology.",
+                    "DATABASE_POOLING=transaction); see docs/deployment.md, Topology.",
                     obj=f"settings.DATABASES[{alias!r}]",
                     id="payments.W006",
                 )

@@ -1,6 +1,6 @@
 """Settings, read from the environment in one place (django-environ).
 
-Every variable is documented in README.md with its default. A `.env` file in
+Every variable is documented in docs/deployment.md with its default. A `.env` file in
 the project root is read when present (the Makefile writes a development one);
 production sets real environment variables and has no `.env`.
 """
@@ -114,7 +114,7 @@ DATABASES = {
 if DATABASES["default"]["ENGINE"] == "django.db.backends.postgresql":
     DATABASES["default"]["ENGINE"] = "project.postgresql"
 # CONN_MAX_AGE keeps one connection per thread of each process open between
-# requests (gunicorn: workers x threads; see README, "Production", for the sum that
+# requests (gunicorn: workers x threads; see docs/deployment.md, "Production", for the sum that
 # must stay below PostgreSQL's max_connections, checked by payments.E011). The
 # development server starts a thread per request and would keep one connection per
 # thread it ever started: it always closes them (0), whatever DB_CONN_MAX_AGE says.
@@ -124,8 +124,8 @@ DATABASES["default"].setdefault(
 )
 DATABASES["default"].setdefault("CONN_HEALTH_CHECKS", True)
 
-# Behind PgBouncer in transaction pooling (DATABASE_POOLING=transaction; README,
-# "Topology") each transaction may run on another PostgreSQL session, so nothing
+# Behind PgBouncer in transaction pooling (DATABASE_POOLING=transaction;
+# docs/deployment.md, "Topology") each transaction may run on another PostgreSQL session, so nothing
 # may live in a session from one transaction to the next: no server-side cursors
 # (QuerySet.iterator() would declare a WITH HOLD cursor) and no prepared statements
 # (Django keeps psycopg's off: prepare_threshold None, pinned here). CONN_MAX_AGE
@@ -191,7 +191,7 @@ def _sentinel_address(item: str) -> tuple[str, int]:
     return (host, int(port))
 
 
-# Redis Sentinel (README, "Topology"): with REDIS_SENTINELS ("host:port,host:port")
+# Redis Sentinel (docs/deployment.md, "Topology"): with REDIS_SENTINELS ("host:port,host:port")
 # every process asks the sentinels for the master of REDIS_SENTINEL_MASTER, and
 # again after a failover; REDIS_URL then gives only the database number and the
 # credentials. django-rq (rqworker, the RQ pages) and payments.engine.queues read
@@ -217,7 +217,8 @@ if REDIS_SENTINELS:
     )
 # Enqueue only after the surrounding transaction commits (django-rq's default,
 # stated here because the outbox design depends on it).
-# The worker class was picked by `make bench` (see payments/worker.py).
+# The worker class runs jobs in the worker process (payments/engine/worker.py says why;
+# `make bench` compares it with RQ's forking Worker).
 # django-rq's pages are served only under /admin/rq/, behind payments.desk.rq_access;
 # its admin integration would serve the same views again at /admin/django_rq/
 # with nothing but the staff check.
@@ -318,8 +319,8 @@ LOGGING = {
     },
 }
 
-# Bearer token for the RQ pages' stats.json and metrics/ without a session (README,
-# "Production"); empty: none is accepted.
+# Bearer token for the RQ pages' stats.json and metrics/ without a session
+# (docs/deployment.md, "Production"); empty: none is accepted.
 RQ_API_TOKEN = env.str("RQ_API_TOKEN", default="")
 
 # --- Observability ---
@@ -373,8 +374,8 @@ API_MAX_BODY_BYTES = env.int("API_MAX_BODY_BYTES", default=64 * 1024)
 # The API's limits count in Redis, atomically (payments/api/limits.py), in the cache's
 # database: every web process shares them. Empty: in each process's own cache.
 API_RATE_REDIS_URL = env.str("REDIS_CACHE_URL", default="")
-# How many proxies in front of the web processes append to X-Forwarded-For (README,
-# "Deploying"). 0: the wrong-key limit counts the peer address (REMOTE_ADDR) and
+# How many proxies in front of the web processes append to X-Forwarded-For
+# (docs/deployment.md, "Deploying"). 0: the wrong-key limit counts the peer address (REMOTE_ADDR) and
 # ignores the header, which any client can write.
 API_TRUSTED_PROXIES = env.int("API_TRUSTED_PROXIES", default=0)
 if API_TRUSTED_PROXIES < 0:
@@ -424,7 +425,7 @@ AXES_LOCKOUT_PARAMETERS = [
 ]
 AXES_RESET_ON_SUCCESS = True
 
-# The processes of a deploy and their PostgreSQL connections (README, "Production"):
+# The processes of a deploy and their PostgreSQL connections (docs/deployment.md, "Production"):
 # gunicorn workers x threads + RQ workers (x2 when they fork) + recovery loops
 # + DB_RESERVED_CONNECTIONS (migrate, shell, cron) must stay below max_connections
 # less PostgreSQL's superuser reserve: payments.E011 (`check --deploy --database

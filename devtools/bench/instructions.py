@@ -2,11 +2,11 @@
 without the machine's noise.
 
 Throughput and CPU seconds move with the machine and with whatever else runs
-on it: two `make bench` runs on one machine differ by a few hundredths in the
-20 ms ratio, and the CPU meter reads a batch at the kernel's clock-tick
-resolution. Valgrind's callgrind counts the instructions one process executes
-instead: the same code, jobs and data give the same count within about 0.2 %,
-whatever the other core does. It counts the worker only (not PostgreSQL, Redis
+on it: two `make bench` runs on one machine differ in their throughput ratios
+by as much as the fence's share, and the CPU meter reads a batch at the
+kernel's clock-tick resolution. Valgrind's callgrind counts the instructions
+one process executes instead: the same code, jobs and data give nearly the
+same count, whatever the other core does. It counts the worker only (not PostgreSQL, Redis
 or the provider), and instructions, not time (a cache miss costs one).
 
 The counted process is one `FenceWorker` run in burst mode inside

@@ -16,7 +16,7 @@ there. `project/urls.py` serves django-rq's URL patterns through
 Whatever the permission, a job whose operation (`Operation.job_id`) is not
 finished is never deleted (one job, the bulk "delete", "empty queue" or "clear
 failed jobs"): the operation row is the record and its job the delivery, and
-the README promises that failed jobs are never dropped. The operator resolves
+docs/deployment.md promises that failed jobs are never dropped. The operator resolves
 the operation on the desk first. Unknown queue or scheduler indexes, jobs and
 workers are 404s, and the `next_url` and `Referer` redirects only go to a
 relative URL on this host.

@@ -36,8 +36,8 @@ It also decodes `timestamptz` values with psycopg's C loader. Django's
 backend registers a loader of its own for them (the value in Django's time
 zone) that derives from psycopg's pure-Python loader, so with psycopg's
 binary or C build installed every timestamp read still goes through a
-regular expression in Python (Django ticket #36960, psycopg issue #1273):
-about 20 us per value, and a fence row carries four to six. `TzLoader` is
+regular expression in Python (Django ticket #36960, psycopg issue #1273),
+once per value, and a fence row carries four to six. `TzLoader` is
 Django's loader with psycopg's optimised implementation doing the parsing:
 the same datetimes, same tzinfo (`tests/topology/test_postgresql_backend.py`).
 ENGINE = "project.postgresql" (project/settings.py sets it for PostgreSQL URLs).

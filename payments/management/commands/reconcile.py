@@ -12,7 +12,8 @@ from payments.engine.recovery import reconcile
 class Command(BaseCommand):
     help = (
         "Settle uncertain step claims by asking the provider (stored reference, else a replay "
-        "with the same idempotency key, else a metadata search). Never charges with a new key."
+        "with the same idempotency key, else a consistent list; never the provider's search, "
+        "which lags). Never charges with a new key."
     )
 
     def add_arguments(self, parser: CommandParser) -> None:
