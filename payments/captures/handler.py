@@ -108,12 +108,13 @@ def mark_failed(operation: Operation) -> None:
     CAPTURE,
     entity=Order,
     steps={AUTHORIZE: Authorization, CAPTURE_STEP: Capture, RELEASE: Release, RECORD: None},
-    on_give_up=release_hold,
+    on_give_up=release_hold,  # runs run.external(RELEASE): its own claim and key
     on_failure=mark_failed,
     desk=Desk(lock_entity=lock_order, describe=lambda op: money_line(op, "capture")),
 )
 def capture_order(run: Run) -> None:
     """Hold the order's amount, capture what the shop asked for, invoice it."""
-    run.external(AUTHORIZE)
-    captured = run.external(CAPTURE_STEP)
+    run.external(AUTHORIZE)  # claim committed, then the provider called with a stable key
+    captured = run.external(CAPTURE_STEP)  # Capture reads the hold: run.result(AUTHORIZE)
+    # The step's writes and its claim commit together, once.
     run.local(RECORD, lambda: record_capture(run.entity, captured))
