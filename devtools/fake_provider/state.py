@@ -343,9 +343,10 @@ class FakeState:
 
         An object's `created` is whole seconds, as at Stripe; this is the fake's
         own clock at the moment the charge or the refund succeeded (at its
-        create, its confirm or when a pending refund completed; before any fault
-        delayed or dropped its answer), for the chaos run's latencies. A refund
-        that failed after it succeeded stays listed: it was reported succeeded.
+        create, its confirm, its capture or when a pending refund completed;
+        before any fault delayed or dropped its answer), for the chaos run's
+        latencies. A refund that failed after it succeeded stays listed: it was
+        reported succeeded. A manual intent is listed when it was captured.
         """
         with self._cond:
             self._fail_due_refunds()

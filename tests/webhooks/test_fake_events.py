@@ -214,3 +214,39 @@ def test_list_events__with_the_official_sdk(fake_provider):
     )
     events = list(sdk.v1.events.list({"limit": 1}).auto_paging_iter())
     assert [e.type for e in events] == ["payment_intent.succeeded"]
+
+
+def test_sdk_construct_event__accepts_the_manual_capture_events_as_delivered(hooked, receiver):
+    client = make_client(hooked)
+    try:
+        held = client.create_payment_intent(
+            amount=2500,
+            currency="eur",
+            payment_method="pm_card_visa",
+            metadata={"operation_key": "op-held", "step": "charge"},
+            idempotency_key="key-held",
+            capture_method="manual",
+        )
+        client.capture_payment_intent(held.id, idempotency_key="key-capture", amount_to_capture=900)
+    finally:
+        client.close()
+    deliveries = receiver.wait_for(2)
+
+    events = [
+        stripe.Webhook.construct_event(d.body, d.headers["Stripe-Signature"], SECRET)
+        for d in deliveries
+    ]
+
+    by_type = {event.type: event.data.object for event in events}
+    authorised = by_type["payment_intent.amount_capturable_updated"]
+    captured = by_type["payment_intent.succeeded"]
+    assert (authorised.id, authorised.status, authorised.amount_capturable) == (
+        held.id,
+        "requires_capture",
+        2500,
+    )
+    assert (captured.id, captured.amount_received, captured.amount_capturable) == (
+        held.id,
+        900,
+        0,
+    )
