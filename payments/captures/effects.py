@@ -101,6 +101,9 @@ class Capture(_OnTheIntent):
     """Capture `amount_to_capture` of the hold (Stripe releases the rest)."""
 
     MAY_HAVE_HAPPENED = "The held amount may already have been captured."
+    #: The audit counts a done capture as its intent's success (its reference is the charge).
+    AUDITED = "payment_intent"
+    AUDIT_ID = "payment_intent"
     EVENTS = frozenset({"payment_intent.succeeded", "payment_intent.canceled"})
 
     def request(self) -> dict[str, Any]:

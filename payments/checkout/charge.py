@@ -69,6 +69,8 @@ def order_intent(operation: Operation) -> str:
 class PaymentIntentCharge(ProviderEffect):
     """Charge an operation's amount with its payment method, once, on the order's intent."""
 
+    #: The audit counts a done charge as a succeeded intent, by its reference.
+    AUDITED = "payment_intent"
     MAY_HAVE_HAPPENED = "The customer may already have been charged."
     VOIDS = "is cancelled there, so that it can never be charged"
     EVENTS = frozenset(

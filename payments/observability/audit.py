@@ -17,6 +17,7 @@ from django.db.models import Q
 from django.utils import timezone
 
 from payments.conf import payments_settings
+from payments.engine.handlers import registered_handlers
 from payments.models import ClaimState, Operation, StepClaim
 from payments.provider.client import PaymentIntent, Refund
 
@@ -118,20 +119,22 @@ def audit(
     result.double_charges = {k: sorted(refs) for k, refs in by_step.items() if len(refs) > 1}
     result.double_charged_entities = _double_charged_entities(metadata_of)
 
-    done = StepClaim.objects.filter(state=ClaimState.DONE).exclude(provider_reference="")
-    fenced = set(
-        done.filter(provider_reference__in=succeeded).values_list("provider_reference", flat=True)
-    )
+    fenced: set[str] = set()
+    for steps, key in audited_steps(PAYMENT_INTENT).items():
+        done = StepClaim.objects.filter(steps, state=ClaimState.DONE)
+        known = done.filter(**{f"{_lookup(key)}__in": list(succeeded)})
+        fenced.update(str(ref) for ref in known.values_list(_lookup(key), flat=True))
     result.unfenced = sorted(succeeded - fenced)
 
-    scoped = done.filter(claims or Q()).select_related("operation")
     result.done_claims = 0
     unknown = []
-    for claim in scoped.only("provider_reference", "step", "operation__key"):
-        result.done_claims += 1
-        if claim.provider_reference not in succeeded:
-            unknown.append(claim.provider_reference)
-            result.steps[claim.provider_reference] = f"{claim.operation.key}/{claim.step}"
+    for steps, key in audited_steps(PAYMENT_INTENT).items():
+        scoped = StepClaim.objects.filter(steps, claims or Q(), state=ClaimState.DONE)
+        for step, op_key, ref in scoped.values_list("step", "operation__key", _lookup(key)):
+            result.done_claims += 1
+            if ref not in succeeded:
+                unknown.append(str(ref))
+                result.steps[str(ref)] = f"{op_key}/{step}"
     result.unknown_references = sorted(unknown)
     named = {*result.unfenced, *result.unknown_references}
     named.update(ref for refs in result.double_charges.values() for ref in refs)
@@ -149,6 +152,35 @@ def audit(
     return result
 
 
+#: The object types the audit lists at the provider (ProviderEffect.AUDITED).
+PAYMENT_INTENT = "payment_intent"
+REFUND = "refund"
+
+
+def audited_steps(object_type: str) -> dict[Q, str]:
+    """Which done claims count as a provider success of `object_type`, by the handlers' own
+    effects (`AUDITED`): {Q(kind, step): the result key naming the object}. A hold or a
+    release (AUDITED = "") moves no money and is not judged; a capture's success is its
+    intent's (`AUDIT_ID = "payment_intent"`), not the charge it made."""
+    found: dict[tuple[str, str], list[tuple[str, str]]] = defaultdict(list)
+    for kind, spec in sorted(registered_handlers().items()):
+        for step, effect in sorted(spec.effects.items()):
+            if getattr(effect, "AUDITED", "") == object_type:
+                found[(object_type, getattr(effect, "AUDIT_ID", "reference"))].append((kind, step))
+    audited: dict[Q, str] = {}
+    for (_, key), pairs in found.items():
+        either = Q(pk__in=[])
+        for kind, step in pairs:
+            either |= Q(operation__kind=kind, step=step)
+        audited[either] = key
+    return audited
+
+
+def _lookup(key: str) -> str:
+    """The claim's field naming the audited object: its reference, or a key of its result."""
+    return "provider_reference" if key == "reference" else f"result__{key}"
+
+
 def _double_charged_entities(
     metadata_of: dict[str, dict[str, str]],
 ) -> dict[tuple[str, str], dict[str, list[str]]]:
@@ -161,15 +193,13 @@ def _double_charged_entities(
     """
     entity_of: dict[str, tuple[str, str]] = {}
     operation_of: dict[str, str] = {}
-    claims = StepClaim.objects.filter(provider_reference__in=list(metadata_of)).select_related(
-        "operation"
-    )
-    for claim in claims.only(
-        "provider_reference", "operation__key", "operation__entity_type", "operation__entity_id"
-    ):
-        op = claim.operation
-        entity_of[claim.provider_reference] = (op.entity_type, op.entity_id)
-        operation_of[claim.provider_reference] = op.key
+    for steps, key in audited_steps(PAYMENT_INTENT).items():
+        claims = StepClaim.objects.filter(steps, **{f"{_lookup(key)}__in": list(metadata_of)})
+        for ref, op_key, entity_type, entity_id in claims.values_list(
+            _lookup(key), "operation__key", "operation__entity_type", "operation__entity_id"
+        ):
+            entity_of[str(ref)] = (entity_type, entity_id)
+            operation_of[str(ref)] = op_key
     for ref, metadata in metadata_of.items():
         if ref in entity_of:
             continue
@@ -268,7 +298,10 @@ def audit_refunds(
         if refunded > charged.get(intent, refunded):
             result.over_refunds[intent] = {"charged": charged[intent], "refunded": refunded}
     result.double_refunds = {s: sorted(refs) for s, refs in by_step.items() if len(refs) > 1}
-    done = StepClaim.objects.filter(state=ClaimState.DONE, provider_reference__startswith="re_")
+    refund_steps = Q(pk__in=[])
+    for steps in audited_steps(REFUND):
+        refund_steps |= steps
+    done = StepClaim.objects.filter(refund_steps, state=ClaimState.DONE)
     fenced = set(
         done.filter(provider_reference__in=succeeded).values_list("provider_reference", flat=True)
     )

@@ -59,6 +59,7 @@ class ProviderEffect:
     - `money(result)`: the money the recorded step moved, for the desk and the
       audit; None when it moves none (an authorisation holds, a cancel releases).
     - `EVENTS`: the provider event types whose object may settle this step.
+    - `AUDITED`, `AUDIT_ID`: what fence_audit checks a done step against.
     """
 
     #: The desk's "mark failed" page: it may have happened, and what `void` does.
@@ -68,6 +69,11 @@ class ProviderEffect:
     EVENTS: frozenset[str] = frozenset()
     #: The request key naming the existing object the call acts on ("" : it creates one).
     TARGET = ""
+    #: What fence_audit counts a done step as: "payment_intent" (money taken: one success
+    #: per order), "refund", or "" (moves no money: a hold, a release); AUDIT_ID is the
+    #: result's key naming that object.
+    AUDITED = ""
+    AUDIT_ID = "reference"
 
     def __init__(self, run: Any, step: str, client: ProviderClient | None = None) -> None:
         self.run = run

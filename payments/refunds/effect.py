@@ -23,6 +23,7 @@ FAILED_STATUSES = frozenset({"failed", "canceled"})
 class RefundEffect(ProviderEffect):
     """Refund an operation's amount of its order's payment intent, once."""
 
+    AUDITED = "refund"  # the refund audit lists it by its reference
     MAY_HAVE_HAPPENED = "The customer may already have been refunded."
     VOIDS = ""  # a refund cannot be called back
     EVENTS = frozenset({"refund.created", "refund.updated", "refund.failed", "charge.refunded"})

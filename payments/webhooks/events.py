@@ -25,22 +25,17 @@ attempts (operations of the same kind and entity) that work on it.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from payments.engine.effects import EffectResult
+from payments.engine.handlers import registered_handlers
 from payments.engine.outcomes import Outcome
 from payments.models import Operation, StepClaim
 from payments.provider.client import Event, PaymentIntent, ProviderClient, Refund
 from payments.provider.errors import ResourceMissing
 
-PAYMENT_INTENT_TYPES = frozenset(
-    {"payment_intent.succeeded", "payment_intent.payment_failed", "payment_intent.canceled"}
-)
-REFUND_TYPES = frozenset({"refund.created", "refund.updated", "refund.failed"})
 CHARGE_REFUNDED = "charge.refunded"
-#: The event types handled; any other is acknowledged (200) and neither stored nor handled.
-HANDLED_TYPES = PAYMENT_INTENT_TYPES | REFUND_TYPES | {CHARGE_REFUNDED}
 
 DECLINED_STATUSES = frozenset({"requires_payment_method", "canceled"})
 FAILED_REFUND_STATUSES = frozenset({"failed", "canceled"})
@@ -59,6 +54,29 @@ class Fact:
     payment_intent: str = ""  # the intent itself, or a refund's intent
     #: The provider has no such object (retrieved by id): the event moves nothing.
     missing: bool = False
+    #: The event's type: only the steps whose effect declares it (`EVENTS`) may be settled.
+    event_type: str = ""
+    #: The object as retrieved from the provider (`current`); the claim's effect reads it.
+    obj: Any = field(default=None, hash=False, compare=False)
+
+
+def handled_types() -> frozenset[str]:
+    """The event types some registered effect declares (`ProviderEffect.EVENTS`).
+
+    Any other is acknowledged (200) and neither stored nor handled. A new
+    operation's effects bring their own: nothing here names them.
+    """
+    types: set[str] = set()
+    for spec in registered_handlers().values():
+        for effect in spec.effects.values():
+            types |= set(getattr(effect, "EVENTS", ()))
+    return frozenset(types)
+
+
+def effect_class(claim: StepClaim) -> Any:
+    """The effect class of a claim's step, or None (no handler, or not an external step)."""
+    spec = registered_handlers().get(claim.operation.kind)
+    return None if spec is None else spec.effects.get(claim.step)
 
 
 def facts_of(event: Event) -> list[Fact]:
@@ -67,10 +85,8 @@ def facts_of(event: Event) -> list[Fact]:
     An event of a type not handled carries none.
     """
     obj = dict(event.object)
-    if event.type in PAYMENT_INTENT_TYPES:
-        return [_intent_fact(obj)]
-    if event.type in REFUND_TYPES:
-        return [_refund_fact(obj)]
+    if event.type not in handled_types():
+        return []
     if event.type == CHARGE_REFUNDED:
         if obj.get("object") != "charge":
             raise ValueError("charge.refunded without a charge")
@@ -78,8 +94,14 @@ def facts_of(event: Event) -> list[Fact]:
         listed = refunds.get("data") if isinstance(refunds, dict) else None
         # Without its refunds listed (Stripe's default since 2022-11-15), the
         # refund's own event settles it.
-        return [_refund_fact(item) for item in listed or []]
-    return []
+        facts = [_refund_fact(item) for item in listed or []]
+    elif event.type.startswith("payment_intent."):
+        facts = [_intent_fact(obj)]
+    elif event.type.startswith("refund."):
+        facts = [_refund_fact(obj)]
+    else:
+        raise ValueError(f"{event.type}: no object the fence reads")
+    return [replace(fact, event_type=event.type) for fact in facts]
 
 
 def object_id_of(event: Event) -> str:
@@ -145,8 +167,11 @@ def current(fact: Fact, client: ProviderClient) -> Fact:
     """
     try:
         if fact.object_type == "payment_intent":
-            return _intent_fact(_intent_json(client.retrieve_payment_intent(fact.object_id)))
-        return _refund_fact(_refund_json(client.retrieve_refund(fact.object_id)))
+            intent = client.retrieve_payment_intent(fact.object_id)
+            now = _intent_fact(_intent_json(intent))
+            return replace(now, event_type=fact.event_type, obj=intent)
+        refund = client.retrieve_refund(fact.object_id)
+        return replace(_refund_fact(_refund_json(refund)), event_type=fact.event_type, obj=refund)
     except (ResourceMissing, ValueError):
         return Fact(
             fact.object_type,
@@ -157,6 +182,7 @@ def current(fact: Fact, client: ProviderClient) -> Fact:
             fact.currency,
             fact.payment_intent,
             missing=True,
+            event_type=fact.event_type,
         )
 
 
@@ -186,7 +212,15 @@ def _refund_json(refund: Refund) -> dict[str, Any]:
 
 
 def claim_for(fact: Fact) -> StepClaim | None:
-    """Return the claim this fact settles (or contradicts), or None when no claim fences it."""
+    """Return the claim this fact settles (or contradicts), or None when no claim fences it.
+
+    Candidates: the claim the object's metadata names (when it is that claim's
+    request), the later attempts that confirm the same intent, a claim that
+    carries the object's reference, and the later steps of the named claim's
+    operation that act on the object (a capture or a release names its
+    intent). Of those, only steps whose effect declares the event's type; the
+    latest wins.
+    """
     step = fact.metadata.get("step", "")
     operation_id = fact.metadata.get("operation_id", "")
     operation_key = fact.metadata.get("operation_key", "")
@@ -197,9 +231,27 @@ def claim_for(fact: Fact) -> StepClaim | None:
         named = StepClaim.objects.filter(operation__key=operation_key, step=step)
     mine = [claim for claim in named.select_related("operation") if is_this_request(claim, fact)]
     if mine and fact.object_type == "payment_intent":
-        mine += _later_attempts(mine[0], fact)
+        mine += _later_attempts(mine[0], fact) + _acting_on(mine[0], fact)
     mine += StepClaim.objects.filter(provider_reference=fact.object_id).select_related("operation")
+    if fact.event_type:
+        mine = [claim for claim in mine if fact.event_type in _events_of(claim)]
     return max(mine, key=lambda claim: claim.pk, default=None)
+
+
+def _events_of(claim: StepClaim) -> frozenset[str]:
+    effect = effect_class(claim)
+    return frozenset(getattr(effect, "EVENTS", ())) if effect is not None else frozenset()
+
+
+def _acting_on(first: StepClaim, fact: Fact) -> list[StepClaim]:
+    """The operation's other steps whose request names the fact's object as their target."""
+    others = StepClaim.objects.filter(operation_id=first.operation_id).exclude(pk=first.pk)
+    found = []
+    for claim in others.select_related("operation"):
+        target = getattr(effect_class(claim), "TARGET", "")
+        if target and (claim.request or {}).get(target) == fact.object_id:
+            found.append(claim)
+    return found
 
 
 def _later_attempts(first: StepClaim, fact: Fact) -> list[StepClaim]:
@@ -215,22 +267,15 @@ def _later_attempts(first: StepClaim, fact: Fact) -> list[StepClaim]:
     return [claim for claim in attempts if is_this_request(claim, fact)]
 
 
-def decides(fact: Fact, claim: StepClaim) -> bool:
-    """Tell whether the fact settles this claim, or is no fact about it yet.
-
-    An attempt that confirms the order's intent is not declined by the intent
-    being back in requires_payment_method: an earlier attempt's decline left it
-    there too, and this attempt's confirm may not have run yet. Only succeeded
-    or cancelled decide; its own answer (or its replay) tells a decline.
-    """
-    if fact.found is None:
-        return False
-    confirming = bool((claim.request or {}).get("payment_intent"))
-    return not (
-        confirming
-        and fact.object_type == "payment_intent"
-        and fact.found.data.get("status") == "requires_payment_method"
-    )
+def settled_by(fact: Fact, claim: StepClaim) -> EffectResult | None:
+    """What the fact tells of this claim, as the claim's own effect reads the object: None
+    when it tells nothing yet (in progress, or a state that does not decide this request)."""
+    effect: Any = registered_handlers()[claim.operation.kind].effect(claim.step, claim.operation)
+    if fact.obj is None or not hasattr(effect, "outcome"):
+        return fact.found
+    if not effect.decides(fact.obj, claim.request or {}):
+        return None
+    return effect.outcome(fact.obj)
 
 
 def is_this_request(claim: StepClaim, fact: Fact) -> bool:

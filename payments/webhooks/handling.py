@@ -41,7 +41,7 @@ from payments.exceptions import ConfigurationError
 from payments.models import ClaimState, Operation, ProviderEvent
 from payments.provider.client import Event, ProviderClient
 from payments.provider.errors import ProviderError
-from payments.webhooks.events import Fact, claim_for, current, decides, facts_of, object_id_of
+from payments.webhooks.events import Fact, claim_for, current, facts_of, object_id_of, settled_by
 
 logger = logging.getLogger("payments.webhooks")
 alerts = logging.getLogger("payments.alerts")
@@ -265,13 +265,17 @@ def _settle(fact: Fact, event_id: str, actor: str) -> tuple[str, Operation | Non
         )
         return "unmatched", None
     operation = claim.operation
-    if fact.found is None or not decides(fact, claim):
-        return "pending", operation  # no fact about this claim yet: a later event settles
     try:
+        found = settled_by(fact, claim)
+        if found is None:
+            return "pending", operation  # no fact about this claim yet: a later event settles
         outcome = recovery.settle_from_provider(
-            claim, fact.found, actor=actor, source=f"provider event {event_id}"
+            claim, found, actor=actor, source=f"provider event {event_id}"
         )
-    except ConfigurationError:  # a kind no handler declares: the worker parks it for review
+    except (
+        ConfigurationError,
+        KeyError,
+    ):  # a kind no handler declares: the worker parks it for review
         logger.error("provider event %s: operation %s has no handler", event_id, operation.key)
         return "no_handler", operation
     return outcome, operation

@@ -22,7 +22,7 @@ from django.utils import timezone
 from payments.engine import fence
 from payments.models import ProviderEvent
 from payments.provider.client import ProviderClient
-from payments.webhooks.events import HANDLED_TYPES, facts_of
+from payments.webhooks.events import facts_of, handled_types
 from payments.webhooks.handling import enqueue_handling, handle_event, store_event
 
 logger = logging.getLogger("payments.webhooks")
@@ -51,7 +51,7 @@ def sync_events(
     for event in listed:
         report.listed += 1
         seen.add(event.id)
-        if event.type not in HANDLED_TYPES:
+        if event.type not in handled_types():
             report.not_handled_types += 1
             continue
         try:

@@ -73,14 +73,15 @@ class Command(BaseCommand):
                 self.stdout.write(json.dumps({**summary, "exit_code": 2}, indent=2))
             raise CommandError(f"fence audit: {reason} ({exc})", returncode=2) from exc
 
-        # Only payment-intent claims are judged against the intent list; stale uncertain
+        # Only the steps whose effects take money are judged against the intent list (audit's
+        # audited_steps: a hold or a release is not); stale uncertain
         # claims are reported whatever their age (they are never "outside the window").
-        in_window = Q(claimed_at__gte=window_start, provider_reference__startswith="pi_")
+        in_window = Q(claimed_at__gte=window_start)
         result = audit(intents, in_window, stale_claims=Q(), now=started)
         self._note_on_claims(intents, result.unfenced)
         refund_result = audit_refunds(
             refunds,
-            {intent.id: intent.amount for intent in intents},
+            {intent.id: intent.amount_received or intent.amount for intent in intents},
             Q(claimed_at__gte=window_start),
         )
         clean = result.clean and refund_result.clean
