@@ -34,8 +34,9 @@ a `Request-Id` header on every answer):
   `amount_to_capture`). Idempotency and faults as for confirms.
 - `POST /v1/payment_intents/{id}/cancel`: `cancellation_reason` (`duplicate`,
   `fraudulent`, `requested_by_customer`, `abandoned`); `canceled` with
-  `canceled_at` (a held authorisation is released: `amount_capturable` 0), or 400 `payment_intent_unexpected_state` (with the intent)
-  from `succeeded` or `canceled`. `Idempotency-Key` honoured; no faults.
+  `canceled_at` (a held authorisation is released: `amount_capturable` 0),
+  or 400 `payment_intent_unexpected_state` (with the intent) from
+  `succeeded` or `canceled`. `Idempotency-Key` honoured; no faults.
 - `GET /v1/payment_intents/{id}`, `GET /v1/payment_intents/search?query=...`
   (`metadata['k']:'v'` and `status:'...'` clauses joined by AND; only intents
   older than `search_lag` seconds are found) and `GET /v1/payment_intents`
@@ -48,17 +49,18 @@ a `Request-Id` header on every answer):
   captured amount (`amount_received`). Refusals are 400
   invalid_request_error: `amount_too_large` (more than is left),
   `charge_already_refunded` (nothing left), `payment_intent_unexpected_state`
-  (no successful charge, or one not yet captured), `resource_missing` (no such intent). A new refund is
-  `succeeded`, or `pending` with `refund_status: "pending"` (it holds its
-  amount meanwhile); `failure_reason` and `failure_balance_transaction` are
-  null unless it failed.
+  (no successful charge, or one not yet captured), `resource_missing` (no
+  such intent). A new refund is `succeeded`, or `pending` with
+  `refund_status: "pending"` (it holds its amount meanwhile);
+  `failure_reason` and `failure_balance_transaction` are null unless it
+  failed.
 - `GET /v1/refunds/{id}` and `GET /v1/refunds` (list, newest first:
   `payment_intent`, `limit`, `starting_after`, `ending_before`).
 - `GET /v1/events` (list, newest first: `limit`, `starting_after`,
   `ending_before`, `created[gt|gte|lt|lte]`, `type`, `types[]`): every event
   the fake emitted: `payment_intent.succeeded`, `payment_intent.payment_failed`,
-  `payment_intent.canceled`, `payment_intent.amount_capturable_updated`, `refund.created`, `refund.updated`,
-  `refund.failed`, `charge.refunded`.
+  `payment_intent.canceled`, `payment_intent.amount_capturable_updated`,
+  `refund.created`, `refund.updated`, `refund.failed`, `charge.refunded`.
 
 Webhooks: `FakeProviderServer(webhook_url=..., webhook_secret=...)` POSTs
 every event there, signed (`Stripe-Signature: t=...,v1=...`), retried with
@@ -71,9 +73,9 @@ Control API (no auth; JSON in and out):
 
 - `POST /_fake/faults` `{"mode": "...", "count": N}` queues N faults for the
   next create, confirm or capture requests (intents, confirms, captures and
-  refunds alike; never cancels). Modes: `drop_after_accept` (charge, store the answer
-  for the key, close the socket without answering), `slow` (charge, wait
-  `slow_delay` s before answering), `fail_before` (500 with
+  refunds alike; never cancels). Modes: `drop_after_accept` (charge, store
+  the answer for the key, close the socket without answering), `slow`
+  (charge, wait `slow_delay` s before answering), `fail_before` (500 with
   `Stripe-Should-Retry: true`, nothing executed or stored), `fail_after`
   (charge, store and answer a 500), `rate_limit` (429, not stored).
 - `POST /_fake/config` sets `<mode>_rate` (random faults, seeded by `seed`),

@@ -10,8 +10,8 @@ An intent is created (confirmed at once or not), confirmed later
 statuses and refusals Stripe has. With `capture_method=manual` a good card
 only authorises: the intent waits in `requires_capture` holding
 `amount_capturable` until `capture_payment_intent` takes all or part of it
-(`amount_received`; the rest is released) or a cancel releases it all. Refunds and their later states live in
-`devtools.fake_provider.refunds`.
+(`amount_received`; the rest is released) or a cancel releases it all.
+Refunds and their later states live in `devtools.fake_provider.refunds`.
 """
 
 from __future__ import annotations
