@@ -45,7 +45,7 @@ from payments.models import (
     OrderStatus,
     StepClaim,
 )
-from payments.observability.audit import audit, audit_refunds
+from payments.observability.audit import AuditResult, audit, audit_refunds
 from payments.provider.client import PaymentIntent, ProviderClient
 from payments.refunds.names import REFUND, REFUND_STEP
 
@@ -71,6 +71,9 @@ class ChaosConfig:
     slow_rate: float = 0.05  # accepted, answered after the client's timeout
     fail_rate: float = 0.05  # 500s: half before executing (retryable), half after
     decline_rate: float = 0.05  # cards that are declined
+    #: Orders paid by manual capture (authorise, then capture 50-100 % of it) instead of a
+    #: checkout: the third operation under the same faults and kills.
+    capture_rate: float = 0.2
     refund_rate: float = 0.3  # paid orders refunded through the API (half partially)
     kill_min: float = 0.5
     kill_max: float = 2.0
@@ -97,8 +100,10 @@ class ChaosResult:
     config: ChaosConfig
     run_id: str
     keys: list[str] = field(default_factory=list)
-    #: (order id, amount) of every order, in the order of `keys`.
+    #: (order id, amount charged if paid) of every order, in the order of `keys`.
     orders: list[tuple[int, int]] = field(default_factory=list)
+    #: The keys of the orders paid by manual capture (a subset of `keys`).
+    capture_keys: list[str] = field(default_factory=list)
     #: Idempotency keys of the refunds the API accepted.
     refund_keys: list[str] = field(default_factory=list)
     #: Refunds the API refused (409): each one is a violation, the plan never exceeds a charge.
@@ -311,15 +316,22 @@ def _checkout(
             f"{base}/orders",
             {"amount": amount, "currency": "eur", "email": f"chaos{i}@example.com"},
         )
-        result.orders.append((int(order["id"]), amount))
         key = f"chaos-{run_id}-{i}"
         card = "pm_card_chargeDeclined" if rng.random() < config.decline_rate else "pm_card_visa"
-        _post(
-            api,
-            f"{base}/orders/{order['id']}/checkout",
-            {"payment_method": card},
-            headers={"Idempotency-Key": key},
-        )
+        if rng.random() < config.capture_rate:  # a hold, then a capture of part or all of it
+            captured = max(1, int(amount * (0.5 + 0.5 * rng.random())))
+            body = {"payment_method": card, "amount_to_capture": captured}
+            _post(api, f"{base}/orders/{order['id']}/captures", body, {"Idempotency-Key": key})
+            result.orders.append((int(order["id"]), captured))
+            result.capture_keys.append(key)
+        else:
+            _post(
+                api,
+                f"{base}/orders/{order['id']}/checkout",
+                {"payment_method": card},
+                headers={"Idempotency-Key": key},
+            )
+            result.orders.append((int(order["id"]), amount))
         keys.append(key)
         if config.checkout_interval:
             time.sleep(config.checkout_interval)
@@ -617,7 +629,32 @@ def _measure(result: ChaosResult, provider_url: str) -> dict[str, object]:
         "redis_flushed": result.flushed,
         "drain_seconds": round(result.drained_seconds, 1),
         "settled_in_time": result.settled_in_time,
+        **_measure_captures(result, intents, found),
         "audit": found.as_dict(),
+    }
+
+
+def _measure_captures(
+    result: ChaosResult, intents: list[PaymentIntent], found: AuditResult
+) -> dict[str, object]:
+    """The captures' own figures: captured once each, and no hold left after a give-up."""
+    captures = Operation.objects.filter(key__in=result.capture_keys)
+    orders = {str(i) for i in captures.values_list("entity_id", flat=True)}
+    failed = set(captures.filter(state=OperationState.FAILED).values_list("key", flat=True))
+    return {
+        "captures": len(result.capture_keys),
+        "captures_succeeded": captures.filter(state=OperationState.SUCCEEDED).count(),
+        "double_captures": sum(
+            1
+            for (kind, ident) in found.double_charged_entities
+            if kind == "order" and ident in orders
+        ),
+        # a capture that gave up (or was marked failed) whose hold the provider still keeps
+        "holds_left_after_failure": sum(
+            1
+            for pi in intents
+            if pi.status == "requires_capture" and pi.metadata.get("operation_key") in failed
+        ),
     }
 
 
@@ -760,6 +797,10 @@ def _money_violations(r: dict[str, object]) -> list[str]:
         problems.append(f"{r['refunds_without_claim']} provider refunds without a claim")
     if r["orders_with_more_than_one_invoice"]:
         problems.append("an order with more than one invoice")
+    if r["double_captures"]:
+        problems.append(f"{r['double_captures']} orders captured twice")
+    if r["holds_left_after_failure"]:
+        problems.append(f"{r['holds_left_after_failure']} holds left on failed captures")
     return problems
 
 

@@ -6,8 +6,38 @@ import-linter contract keeps them independent).
 
 from __future__ import annotations
 
+from typing import Final
+
+from payments.fence import create_follow_ups_in_tx
 from payments.models import Operation, Order
 from payments.money import format_money
+
+#: The follow-ups of a paid order, whatever paid it (a checkout, a capture): a ledger line
+#: and the day's sales counter, delivered behind the inbox (payments.checkout.followups).
+RECORD_SALE: Final = "record_sale"
+COUNT_SALE: Final = "count_sale"
+FOLLOW_UPS = (RECORD_SALE, COUNT_SALE)
+
+
+def write_follow_ups_in_tx(
+    order: Order, reference: str, *, parent: Operation, actor: str, amount: int | None = None
+) -> None:
+    """Write the paid order's follow-up operations. Runs inside the caller's transaction.
+
+    Their keys are derived from the parent's id (scope DERIVED): whatever key a
+    client chose, a follow-up's key fits and can never collide with a client's.
+    Their INSERTs go in one round trip, their jobs in one Redis pipeline.
+    `amount`: what was taken, when less than the order's amount (a partial capture).
+    """
+    params = {
+        "order_id": order.pk,
+        "amount": order.amount if amount is None else amount,
+        "currency": order.currency,
+        "reference": reference,
+    }
+    create_follow_ups_in_tx(
+        parent, FOLLOW_UPS, entity_type="order", entity_id=order.pk, params=params, actor=actor
+    )
 
 
 def lock_order(operation: Operation) -> None:

@@ -8,6 +8,7 @@ from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 
 from payments.api import schema, views  # noqa: F401  (schema: the auth extension)
 from payments.api.base import json_not_found
+from payments.captures import api as captures
 from payments.checkout import api as checkout
 from payments.refunds import api as refunds
 
@@ -18,6 +19,7 @@ urlpatterns = [
     path("orders/<int:order_id>", checkout.order_detail, name="order"),
     path("orders/<int:order_id>/checkout", checkout.checkout, name="checkout"),
     path("orders/<int:order_id>/refunds", refunds.refunds, name="refunds"),
+    path("orders/<int:order_id>/captures", captures.captures, name="captures"),
     re_path(r"^operations/(?P<key>(?s:.+))$", views.operation_detail, name="operation"),
     path(
         "schema",

@@ -17,10 +17,11 @@ from django.db import transaction
 from django.utils import timezone
 
 from payments.captures.effects import AUTHORIZE, Authorization, Capture, Release
-from payments.entities import lock_order, money_line
+from payments.entities import lock_order, write_follow_ups_in_tx
 from payments.exceptions import InvalidTransition
 from payments.fence import Desk, Run, create_operation_in_tx, operation
 from payments.models import ApiClient, Invoice, KeyScope, Operation, Order, OrderStatus
+from payments.money import format_money
 
 CAPTURE = "capture"
 CAPTURE_STEP = "capture"
@@ -76,11 +77,10 @@ def request_capture(
     return op, created
 
 
-def record_capture(order: Order, captured: dict[str, Any]) -> dict[str, Any]:
-    """Invoice the captured amount and mark the order paid. Runs in the step's transaction.
-
-    The invoice carries the intent: refunds are limited to what it says was captured.
-    """
+def record_capture(order: Order, captured: dict[str, Any], operation: Operation) -> dict[str, Any]:
+    """Invoice the captured amount, mark the order paid, write its follow-ups (ledger, sales).
+    Runs in the step's transaction. The invoice carries the intent: refunds are limited to
+    what it says was captured."""
     invoice = Invoice.objects.create(
         order=order,
         number=f"INV-{order.pk:08d}",
@@ -89,12 +89,26 @@ def record_capture(order: Order, captured: dict[str, Any]) -> dict[str, Any]:
         provider_reference=captured["payment_intent"],
     )
     Order.objects.filter(pk=order.pk).update(status=OrderStatus.PAID, updated_at=timezone.now())
+    reference = captured["payment_intent"]
+    write_follow_ups_in_tx(order, reference, parent=operation, actor=CAPTURE, amount=invoice.amount)
     return {"invoice": invoice.number, "captured": invoice.amount}
 
 
 def release_hold(run: Run) -> None:
     """Compensate a capture that gave up: cancel the intent, releasing the hold."""
     run.external(RELEASE)
+
+
+def describe(operation: Operation) -> str:
+    """The desk's money line: what was captured once it was, else what is held or asked."""
+    params, claim = operation.params, operation.claims.filter(step=CAPTURE_STEP).first()
+    captured = (claim.result or {}).get("amount") if claim and claim.state == "done" else None
+    held = format_money(params.get("amount"), params.get("currency"))
+    if captured is None:
+        wanted = format_money(params.get("amount_to_capture"), params.get("currency"))
+        return f"{wanted} capture of a {held} hold, order {params.get('order_id')}"
+    money = format_money(captured, params.get("currency"))
+    return f"{money} captured of a {held} hold, order {params.get('order_id')}"
 
 
 def mark_failed(operation: Operation) -> None:
@@ -110,11 +124,11 @@ def mark_failed(operation: Operation) -> None:
     steps={AUTHORIZE: Authorization, CAPTURE_STEP: Capture, RELEASE: Release, RECORD: None},
     on_give_up=release_hold,  # runs run.external(RELEASE): its own claim and key
     on_failure=mark_failed,
-    desk=Desk(lock_entity=lock_order, describe=lambda op: money_line(op, "capture")),
+    desk=Desk(lock_entity=lock_order, describe=describe),
 )
 def capture_order(run: Run) -> None:
     """Hold the order's amount, capture what the shop asked for, invoice it."""
     run.external(AUTHORIZE)  # claim committed, then the provider called with a stable key
     captured = run.external(CAPTURE_STEP)  # Capture reads the hold: run.result(AUTHORIZE)
     # The step's writes and its claim commit together, once.
-    run.local(RECORD, lambda: record_capture(run.entity, captured))
+    run.local(RECORD, lambda: record_capture(run.entity, captured, run.operation))

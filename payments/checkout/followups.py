@@ -1,7 +1,8 @@
 """Follow-ups of a paid order: local-only message handlers behind the inbox.
 
-The checkout's `mark_paid` step writes one operation row per follow-up in its
-own transaction (the outbox, never an after-commit enqueue from a handler).
+A paid order's step (the checkout's `mark_paid`, the capture's `record`) writes
+one operation row per follow-up in its own transaction
+(payments.entities.write_follow_ups_in_tx) (the outbox, never an after-commit enqueue from a handler).
 The engine delivers each as an RQ message whose id is derived from the
 operation key, so every redelivery carries the same message id and the inbox
 runs the handler once: its writes, its inbox row and the operation's
@@ -22,34 +23,9 @@ from payments.checkout.names import (
     RECORD_SALE,
     SALES_STATS_CONSUMER,
 )
-from payments.fence import create_follow_ups_in_tx, message
-from payments.models import LedgerEntry, Operation, Order, SalesDay
-
-#: The follow-ups written for every paid order, in this order.
-FOLLOW_UPS = (RECORD_SALE, COUNT_SALE)
-
-
-def write_follow_ups_in_tx(order: Order, reference: str, *, parent: Operation, actor: str) -> None:
-    """Write the paid order's follow-up operations. Runs inside the caller's transaction.
-
-    Their keys are derived from the parent's id (scope DERIVED): whatever key a
-    client chose, a follow-up's key fits and can never collide with a client's.
-    Their INSERTs go in one round trip, their jobs in one Redis pipeline.
-    """
-    params = {
-        "order_id": order.pk,
-        "amount": order.amount,
-        "currency": order.currency,
-        "reference": reference,
-    }
-    create_follow_ups_in_tx(
-        parent,
-        FOLLOW_UPS,
-        entity_type="order",
-        entity_id=order.pk,
-        params=params,
-        actor=actor,
-    )
+from payments.entities import FOLLOW_UPS, write_follow_ups_in_tx  # noqa: F401  (re-exported)
+from payments.fence import message
+from payments.models import LedgerEntry, Operation, SalesDay
 
 
 @message(RECORD_SALE, consumer=LEDGER_CONSUMER)

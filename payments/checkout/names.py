@@ -11,6 +11,20 @@ from __future__ import annotations
 
 from typing import Final
 
+from payments.entities import COUNT_SALE, RECORD_SALE
+
+__all__ = [
+    "CHARGE",
+    "CHECKOUT",
+    "CONFIRMATION_EMAIL",
+    "COUNT_SALE",
+    "INVOICE",
+    "LEDGER_CONSUMER",
+    "MARK_PAID",
+    "RECORD_SALE",
+    "SALES_STATS_CONSUMER",
+]
+
 #: The checkout of an order: charge -> invoice -> confirmation e-mail -> paid.
 CHECKOUT: Final = "checkout"
 CHARGE: Final = "charge"
@@ -18,8 +32,8 @@ INVOICE: Final = "invoice"
 CONFIRMATION_EMAIL: Final = "confirmation_email"
 MARK_PAID: Final = "mark_paid"
 
-#: The follow-ups of a paid order, delivered behind the inbox (consumer names alike).
-RECORD_SALE: Final = "record_sale"
-COUNT_SALE: Final = "count_sale"
+#: The follow-ups of a paid order (declared with what every business package shares about
+#: orders, payments.entities), delivered behind the inbox to these consumers.
+
 LEDGER_CONSUMER: Final = "ledger"
 SALES_STATS_CONSUMER: Final = "sales_stats"

@@ -120,17 +120,17 @@ def audit(
     result.double_charged_entities = _double_charged_entities(metadata_of)
 
     fenced: set[str] = set()
-    for steps, key in audited_steps(PAYMENT_INTENT).items():
+    for steps, names in audited_steps(PAYMENT_INTENT).items():
         done = StepClaim.objects.filter(steps, state=ClaimState.DONE)
-        known = done.filter(**{f"{_lookup(key)}__in": list(succeeded)})
-        fenced.update(str(ref) for ref in known.values_list(_lookup(key), flat=True))
+        known = done.filter(**{f"{_lookup(names)}__in": list(succeeded)})
+        fenced.update(str(ref) for ref in known.values_list(_lookup(names), flat=True))
     result.unfenced = sorted(succeeded - fenced)
 
     result.done_claims = 0
     unknown = []
-    for steps, key in audited_steps(PAYMENT_INTENT).items():
+    for steps, names in audited_steps(PAYMENT_INTENT).items():
         scoped = StepClaim.objects.filter(steps, claims or Q(), state=ClaimState.DONE)
-        for step, op_key, ref in scoped.values_list("step", "operation__key", _lookup(key)):
+        for step, op_key, ref in scoped.values_list("step", "operation__key", _lookup(names)):
             result.done_claims += 1
             if ref not in succeeded:
                 unknown.append(str(ref))

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from payments.captures.handler import CaptureNotAllowed, request_capture
+from payments.captures.handler import CaptureNotAllowed, describe, request_capture
 from payments.checkout.orders import create_order
 from payments.engine.failpoints import AFTER_PROVIDER_ACCEPT, hooked
 from payments.engine.handlers import money_moved
@@ -53,6 +53,7 @@ def test_capture__holds_then_captures_part_and_invoices_what_was_captured(provid
     }
     # The desk's and the audit's money is the effect's reading: captured, not asked for.
     assert money_moved(op) == (3000, "eur")
+    assert describe(op) == f"€30.00 captured of a €50.00 hold, order {order.pk}"
 
 
 def test_capture__sends_no_metadata_so_the_authorisation_keeps_naming_its_step(provider, queue):
@@ -125,3 +126,22 @@ def test_declined_authorisation__fails_without_compensation(provider, queue):
     assert not op.claims.filter(step="release").exists()
     order.refresh_from_db()
     assert order.status == OrderStatus.PAYMENT_FAILED
+
+
+def test_fence_audit__a_held_or_released_authorisation_is_no_finding_and_a_capture_is_fenced(
+    provider, queue
+):
+    from django.core.management import call_command
+
+    captured_order(queue, amount=5000, capture=3000)
+    faults: list[int] = []
+
+    def refuse_the_captures() -> None:
+        if not faults:
+            faults.append(provider.state.enqueue_faults("rate_limit", 10))
+
+    with hooked(AFTER_PROVIDER_ACCEPT, refuse_the_captures):
+        released = captured_order(queue, amount=2000)
+    assert released.state == OperationState.FAILED
+
+    call_command("fence_audit", "--since", "1h")  # exit 0: CommandError otherwise

@@ -71,6 +71,12 @@ class Command(BaseCommand):
             help="Orders paid with a card that is declined.",
         )
         parser.add_argument(
+            "--capture-rate",
+            type=_rate,
+            default=d.capture_rate,
+            help="Orders paid by manual capture (a hold, then a capture of 50-100 %% of it).",
+        )
+        parser.add_argument(
             "--refund-rate",
             type=_rate,
             default=d.refund_rate,
@@ -167,7 +173,7 @@ class Command(BaseCommand):
             orders=options["orders"], workers=options["workers"],
             drop_rate=options["drop_rate"], slow_rate=options["slow_rate"],
             fail_rate=options["fail_rate"], decline_rate=options["decline_rate"],
-            refund_rate=options["refund_rate"],
+            refund_rate=options["refund_rate"], capture_rate=options["capture_rate"],
             kill_min=kill_min, kill_max=kill_max, flush=not options["no_flush"],
             seed=options["seed"], timeout=options["timeout"],
             worker_class=options["worker_class"],
@@ -180,7 +186,7 @@ class Command(BaseCommand):
             f"Chaos run: {config.orders} orders, {config.workers} workers, kills every "
             f"{kill_min}-{kill_max}s, faults drop {config.drop_rate:.0%} / slow "
             f"{config.slow_rate:.0%} / 500 {config.fail_rate:.0%}, declines "
-            f"{config.decline_rate:.0%}, refunds {config.refund_rate:.0%} of the orders, "
+            f"{config.decline_rate:.0%}, captures {config.capture_rate:.0%}, refunds {config.refund_rate:.0%} of the orders, "
             f"seed {config.seed}; search lags {config.search_lag:g}s, grace {config.grace}s, "
             + ("a reckless operator at the desk; " if config.reckless else "")
             + (
