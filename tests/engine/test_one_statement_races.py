@@ -29,6 +29,7 @@ from payments.engine import fence
 from payments.engine.writes import fence_writes
 from payments.exceptions import NotClaimOwner, RetryLater
 from payments.models import ClaimState, Operation, OperationEvent, OperationState, StepClaim
+from tests.support.builders import with_test_steps
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -298,7 +299,7 @@ def test_local_claim__concurrent_duplicate__writes_once(queue):
     from payments.engine.handlers import Run, get_handler
 
     op = fence.acquire_lease(_pending_checkout("loc-1").pk, owner=WORKER, seconds=30).operation
-    spec = get_handler(op.kind)
+    spec = with_test_steps(get_handler(op.kind))
     calls: list[str] = []
 
     def first_fn():
@@ -331,7 +332,7 @@ def test_local_step_run_first__concurrent_duplicate__rolls_its_writes_back(queue
     from payments.models import LedgerEntry
 
     leased = fence.acquire_lease(_pending_checkout("loc-2").pk, owner=WORKER, seconds=30)
-    op, spec = leased.operation, get_handler(leased.operation.kind)
+    op, spec = leased.operation, with_test_steps(get_handler(leased.operation.kind))
     assert leased.claimed_steps == frozenset()
 
     def write(who):
@@ -458,7 +459,12 @@ def _a_worker_holding_the_invoice(
     order = Order.objects.get(pk=op.params["order_id"])
 
     def hold():
-        run = Run(leased.operation, "a/1", get_handler(op.kind), claimed_at_lease=frozenset())
+        run = Run(
+            leased.operation,
+            "a/1",
+            with_test_steps(get_handler(op.kind)),
+            claimed_at_lease=frozenset(),
+        )
         run.local(INVOICE, lambda: issue_invoice(order, "pi_of_a"))
         if claim_sent:
             fence.send_queued_in_tx()
@@ -535,7 +541,7 @@ def test_the_jobs_timeout_in_a_step_done_meanwhile__stays_a_timeout(queue):
     from payments.engine.handlers import Run, get_handler
 
     leased = fence.acquire_lease(_pending_checkout("loc-3").pk, owner=WORKER, seconds=30)
-    op, spec = leased.operation, get_handler(leased.operation.kind)
+    op, spec = leased.operation, with_test_steps(get_handler(leased.operation.kind))
     assert _local(Run(op, "a/1", spec, claimed_at_lease=frozenset()), "s", lambda: {}) == {}
 
     def time_is_up():
@@ -585,7 +591,7 @@ def test_a_done_local_step__is_replayed_without_running_its_function_again(queue
     from payments.engine.handlers import Run, get_handler
 
     op = fence.acquire_lease(_pending_checkout("replay-1").pk, owner=WORKER, seconds=30).operation
-    spec = get_handler(op.kind)
+    spec = with_test_steps(get_handler(op.kind))
     assert _local(Run(op, WORKER, spec), "review_local", lambda: {"n": 1}) == {"n": 1}
     ran: list[str] = []
 

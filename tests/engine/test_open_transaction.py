@@ -22,6 +22,7 @@ from payments.engine.handlers import Run, get_handler
 from payments.engine.unit import UnitRolledBack
 from payments.exceptions import RetryLater
 from payments.models import ClaimState, Invoice, Operation, OperationState, Order, StepClaim
+from tests.support.builders import with_test_steps
 from tests.support.concurrency import on_another_connection
 from tests.support.flows import checkout
 from tests.support.workers import run_fence_worker, run_worker
@@ -93,7 +94,7 @@ def test_a_step_failing_after_the_email__keeps_the_emails_outcome__and_the_retry
 def test_a_local_step_that_raises__rolls_back_the_local_steps_since_the_last_claim(queue):
     op = checkout("unit-3")
     op = fence.acquire_lease(op.pk, owner="worker-a/1", seconds=30).operation
-    run = Run(op, "worker-a/1", get_handler(op.kind))
+    run = Run(op, "worker-a/1", with_test_steps(get_handler(op.kind)))
     run.local("first_local", lambda: {"n": 1})
 
     def failing():
@@ -109,7 +110,7 @@ def test_a_local_step_that_raises__rolls_back_the_local_steps_since_the_last_cla
     assert not Invoice.objects.filter(number="INV-partial").exists()
     with pytest.raises(UnitRolledBack):  # this run may not go on as if first_local were done
         run.local("third_local", lambda: {"n": 3})
-    again = Run(op, "worker-a/1", get_handler(op.kind))  # the next attempt
+    again = Run(op, "worker-a/1", with_test_steps(get_handler(op.kind)))  # the next attempt
     assert again.local("first_local", lambda: {"n": 2}) == {"n": 2}
     again.unit.commit()
     assert StepClaim.objects.get(operation=op, step="first_local").result == {"n": 2}
@@ -244,7 +245,7 @@ def leave_a_transaction_open() -> None:
 
 def with_handler(monkeypatch, op: Operation, func) -> None:
     """Run `op` with `func` as its handler (the kind's registration, otherwise unchanged)."""
-    spec = get_handler(op.kind)
+    spec = with_test_steps(get_handler(op.kind))
     monkeypatch.setitem(handlers_module._HANDLERS, op.kind, dataclasses.replace(spec, func=func))
 
 

@@ -118,7 +118,9 @@ def test_taken_meanwhile_at_the_release__deferred_uncounted__not_succeeded(monke
 
     monkeypatch.setattr(fence, "acquire_lease", lambda *a, **k: leased)
     monkeypatch.setattr(
-        runtime, "get_handler", lambda kind: type(spec)(kind=spec.kind, func=handler)
+        runtime,
+        "get_handler",
+        lambda kind: type(spec)(kind=spec.kind, func=handler, steps=spec.known_steps),
     )
     assert runtime.execute(op.pk, worker_id="a/1") == "deferred"
 
