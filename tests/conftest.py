@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from typing import Any
 
 import django_rq
 import pytest
 from django.conf import settings
-from django.db import connection
+from django.db import DEFAULT_DB_ALIAS, connection, connections
 from redis import Redis
 from rq.queue import Queue
 
@@ -43,6 +44,51 @@ def redis_conn() -> Iterator[Redis]:
 def queue(redis_conn: Redis) -> Queue:
     """The payments queue (tests/inbox/ overrides it with the inbox test queue)."""
     return django_rq.get_queue("payments")
+
+
+# --- The database backend ---------------------------------------------------------------
+
+#: The backends a round-trip count is asserted on: Django's own (the default) and the
+#: opt-in project.postgresql (DATABASE_BEGIN_WITH_FIRST_STATEMENT=1).
+STOCK, BEGIN_WITH_FIRST_STATEMENT = "stock", "begin_with_first_statement"
+
+
+def _swap_in_opt_in_backend() -> Iterator[Any]:
+    """This thread's default connection on project.postgresql until the generator ends."""
+    from project.postgresql.base import DatabaseWrapper
+
+    stock = connections[DEFAULT_DB_ALIAS]
+    opt_in = DatabaseWrapper(
+        {**stock.settings_dict, "ENGINE": "project.postgresql"}, DEFAULT_DB_ALIAS
+    )
+    connections[DEFAULT_DB_ALIAS] = opt_in
+    try:
+        yield opt_in
+    finally:
+        opt_in.close()
+        connections[DEFAULT_DB_ALIAS] = stock
+
+
+@pytest.fixture
+def begin_with_first_statement() -> Iterator[Any]:
+    """This thread's connection on the opt-in backend (project.postgresql) for one test.
+
+    Settings choose the backend once, at start-up: the test runs on Django's
+    stock one. This swaps this thread's default connection for the opt-in
+    backend's (same database), and back after the test; other threads keep the
+    stock one. For `transaction=True` tests (a test in a transaction would leave it).
+    """
+    yield from _swap_in_opt_in_backend()
+
+
+@pytest.fixture(params=[STOCK, BEGIN_WITH_FIRST_STATEMENT])
+def backend(request: pytest.FixtureRequest) -> Iterator[str]:
+    """Run the test on each backend (see `begin_with_first_statement`); its name."""
+    if request.param == STOCK:
+        yield STOCK
+    else:
+        for _ in _swap_in_opt_in_backend():
+            yield BEGIN_WITH_FIRST_STATEMENT
 
 
 # --- The fake provider -----------------------------------------------------------------
