@@ -53,42 +53,52 @@ def queue(redis_conn: Redis) -> Queue:
 STOCK, BEGIN_WITH_FIRST_STATEMENT = "stock", "begin_with_first_statement"
 
 
-def _swap_in_opt_in_backend() -> Iterator[Any]:
-    """This thread's default connection on project.postgresql until the generator ends."""
-    from project.postgresql.base import DatabaseWrapper
+#: Each backend's ENGINE.
+ENGINES = {
+    STOCK: "django.db.backends.postgresql",
+    BEGIN_WITH_FIRST_STATEMENT: "project.postgresql",
+}
 
-    stock = connections[DEFAULT_DB_ALIAS]
-    opt_in = DatabaseWrapper(
-        {**stock.settings_dict, "ENGINE": "project.postgresql"}, DEFAULT_DB_ALIAS
+
+def _on_backend(name: str) -> Iterator[Any]:
+    """This thread's default connection on backend `name` until the generator ends (the
+    settings' own connection when they chose that backend already)."""
+    from django.db.utils import load_backend
+
+    current = connections[DEFAULT_DB_ALIAS]
+    engine = ENGINES[name]
+    if current.settings_dict["ENGINE"] == engine:
+        yield current
+        return
+    swapped = load_backend(engine).DatabaseWrapper(
+        {**current.settings_dict, "ENGINE": engine}, DEFAULT_DB_ALIAS
     )
-    connections[DEFAULT_DB_ALIAS] = opt_in
+    connections[DEFAULT_DB_ALIAS] = swapped
     try:
-        yield opt_in
+        yield swapped
     finally:
-        opt_in.close()
-        connections[DEFAULT_DB_ALIAS] = stock
+        swapped.close()
+        connections[DEFAULT_DB_ALIAS] = current
 
 
 @pytest.fixture
 def begin_with_first_statement() -> Iterator[Any]:
     """This thread's connection on the opt-in backend (project.postgresql) for one test.
 
-    Settings choose the backend once, at start-up: the test runs on Django's
-    stock one. This swaps this thread's default connection for the opt-in
-    backend's (same database), and back after the test; other threads keep the
-    stock one. For `transaction=True` tests (a test in a transaction would leave it).
+    Settings choose the backend once, at start-up: Django's stock one unless
+    DATABASE_BEGIN_WITH_FIRST_STATEMENT=1. This swaps this thread's default
+    connection for the opt-in backend's (same database), and back after the
+    test; other threads keep the settings' one. For `transaction=True` tests (a
+    test in a transaction would leave it).
     """
-    yield from _swap_in_opt_in_backend()
+    yield from _on_backend(BEGIN_WITH_FIRST_STATEMENT)
 
 
 @pytest.fixture(params=[STOCK, BEGIN_WITH_FIRST_STATEMENT])
 def backend(request: pytest.FixtureRequest) -> Iterator[str]:
-    """Run the test on each backend (see `begin_with_first_statement`); its name."""
-    if request.param == STOCK:
-        yield STOCK
-    else:
-        for _ in _swap_in_opt_in_backend():
-            yield BEGIN_WITH_FIRST_STATEMENT
+    """Run the test on each backend, whichever the settings chose; its name."""
+    for _ in _on_backend(request.param):
+        yield request.param
 
 
 # --- The fake provider -----------------------------------------------------------------
