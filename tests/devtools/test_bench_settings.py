@@ -126,3 +126,36 @@ def test_process_cpu__counts_a_child_that_ended__as_the_forking_workers_horse():
         check=True,
     )
     assert process_cpu(os.getpid()) - before >= 0.25
+
+
+class FakeBench:
+    """Records which backend and latency each batch ran with; every batch takes 1 s."""
+
+    def __init__(self) -> None:
+        self.backend, self.latency, self.cpu = "django", 0.02, None
+        self.batches: list[tuple[str, float, int]] = []
+
+    def use_backend(self, backend: str) -> None:
+        self.backend = backend
+
+    def set_latency(self, seconds: float) -> None:
+        self.latency = seconds
+
+    def batch(self, prepare: object, *, workers: int, worker_class: str) -> float:
+        self.batches.append((self.backend, self.latency, workers))
+        return 1.0
+
+
+def test_opt_in_backend_section__both_comparisons_on_it__then_back_to_djangos():
+    bench = FakeBench()
+    options = {"rounds": 2, "latency": 0.02, "realistic_latency": 0.2}
+
+    figures = bench_command._opt_in_backend(bench, options, 10, "W")  # type: ignore[arg-type]
+
+    assert bench.batches == [
+        *[("begin_with_first_statement", 0.02, 2)] * 4,
+        *[("begin_with_first_statement", 0.2, 4)] * 4,
+    ]
+    assert (bench.backend, bench.latency) == ("django", 0.02)
+    assert figures["default_latency"]["fenced_to_unfenced"] == 1.0
+    assert figures["realistic_latency"]["fenced_checkouts_per_second"] == 5.0
