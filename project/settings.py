@@ -109,9 +109,17 @@ WSGI_APPLICATION = "project.wsgi.application"
 DATABASES = {
     "default": env.db("DATABASE_URL", default="postgres://postgres@127.0.0.1:5432/fence"),
 }
-# Django's PostgreSQL backend with one change: a transaction's BEGIN goes in the round
-# trip of its first statement, not in one of its own (project/postgresql/base.py).
-if DATABASES["default"]["ENGINE"] == "django.db.backends.postgresql":
+# Django's stock PostgreSQL backend. DATABASE_BEGIN_WITH_FIRST_STATEMENT=1 opts in to
+# project.postgresql instead: a transaction's BEGIN goes in the round trip of its first
+# statement (a few percent of a checkout's round trips). It overrides private methods
+# of Django's backend, so it refuses to start on Django or psycopg versions other than
+# the ones it was tested with (project/postgresql/base.py, TESTED_VERSIONS).
+DATABASE_BEGIN_WITH_FIRST_STATEMENT = env.bool("DATABASE_BEGIN_WITH_FIRST_STATEMENT", default=False)
+if DATABASE_BEGIN_WITH_FIRST_STATEMENT:
+    if DATABASES["default"]["ENGINE"] != "django.db.backends.postgresql":
+        raise ImproperlyConfigured(
+            "DATABASE_BEGIN_WITH_FIRST_STATEMENT=1 needs a PostgreSQL DATABASE_URL."
+        )
     DATABASES["default"]["ENGINE"] = "project.postgresql"
 # CONN_MAX_AGE keeps one connection per thread of each process open between
 # requests (gunicorn: workers x threads; see docs/deployment.md, "Production", for the sum that

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from typing import Any
 
 import django_rq
 import pytest
 from django.conf import settings
-from django.db import connection
+from django.db import DEFAULT_DB_ALIAS, connection, connections
 from redis import Redis
 from rq.queue import Queue
 
@@ -43,6 +44,61 @@ def redis_conn() -> Iterator[Redis]:
 def queue(redis_conn: Redis) -> Queue:
     """The payments queue (tests/inbox/ overrides it with the inbox test queue)."""
     return django_rq.get_queue("payments")
+
+
+# --- The database backend ---------------------------------------------------------------
+
+#: The backends a round-trip count is asserted on: Django's own (the default) and the
+#: opt-in project.postgresql (DATABASE_BEGIN_WITH_FIRST_STATEMENT=1).
+STOCK, BEGIN_WITH_FIRST_STATEMENT = "stock", "begin_with_first_statement"
+
+
+#: Each backend's ENGINE.
+ENGINES = {
+    STOCK: "django.db.backends.postgresql",
+    BEGIN_WITH_FIRST_STATEMENT: "project.postgresql",
+}
+
+
+def _on_backend(name: str) -> Iterator[Any]:
+    """This thread's default connection on backend `name` until the generator ends (the
+    settings' own connection when they chose that backend already)."""
+    from django.db.utils import load_backend
+
+    current = connections[DEFAULT_DB_ALIAS]
+    engine = ENGINES[name]
+    if current.settings_dict["ENGINE"] == engine:
+        yield current
+        return
+    swapped = load_backend(engine).DatabaseWrapper(
+        {**current.settings_dict, "ENGINE": engine}, DEFAULT_DB_ALIAS
+    )
+    connections[DEFAULT_DB_ALIAS] = swapped
+    try:
+        yield swapped
+    finally:
+        swapped.close()
+        connections[DEFAULT_DB_ALIAS] = current
+
+
+@pytest.fixture
+def begin_with_first_statement() -> Iterator[Any]:
+    """This thread's connection on the opt-in backend (project.postgresql) for one test.
+
+    Settings choose the backend once, at start-up: Django's stock one unless
+    DATABASE_BEGIN_WITH_FIRST_STATEMENT=1. This swaps this thread's default
+    connection for the opt-in backend's (same database), and back after the
+    test; other threads keep the settings' one. For `transaction=True` tests (a
+    test in a transaction would leave it).
+    """
+    yield from _on_backend(BEGIN_WITH_FIRST_STATEMENT)
+
+
+@pytest.fixture(params=[STOCK, BEGIN_WITH_FIRST_STATEMENT])
+def backend(request: pytest.FixtureRequest) -> Iterator[str]:
+    """Run the test on each backend, whichever the settings chose; its name."""
+    for _ in _on_backend(request.param):
+        yield request.param
 
 
 # --- The fake provider -----------------------------------------------------------------

@@ -6,15 +6,16 @@ ROLLBACK, a health check. Django's `execute_wrappers` see only what goes
 through a Django cursor (statements, SAVEPOINT and RELEASE included), not the
 rest, so the counter adds what the wrapper cannot see, where it happens:
 
-- BEGIN: the project's backend (project.postgresql) sends it in one
-  pipeline with the transaction's first statement (alone first for a
-  statement without parameters); the fence queues it in front of its own
-  pipelines, as a statement the wrapper sees. The wrapper counts one when a
-  statement is about to run while the backend owes a BEGIN
-  (`begin_owed()`), and counts both in `pipelined` when they share a
-  pipeline. With Django's stock backend psycopg 3 sends it alone, a round
-  trip of its own, when a statement is about to run with autocommit off and
-  no transaction open (psycopg's `transaction_status` IDLE): counted so too.
+- BEGIN: with Django's stock backend (the default) psycopg 3 sends it
+  alone, a round trip of its own, when a statement is about to run with
+  autocommit off and no transaction open (psycopg's `transaction_status`
+  IDLE): counted so. The opt-in backend (project.postgresql,
+  DATABASE_BEGIN_WITH_FIRST_STATEMENT=1) sends it in one pipeline with the
+  transaction's first statement (alone first for a statement without
+  parameters); the fence queues it in front of its own pipelines, as a
+  statement the wrapper sees. The wrapper counts one when a statement is
+  about to run while the backend owes a BEGIN (`begin_owed()`), and counts
+  both in `pipelined` when they share a pipeline.
 - COMMIT and ROLLBACK: Django calls the psycopg connection's `commit()` and
   `rollback()` from `DatabaseWrapper._commit` / `_rollback`; psycopg sends
   nothing when no transaction is open, so they count only when one is.
@@ -25,15 +26,15 @@ rest, so the counter adds what the wrapper cannot see, where it happens:
   no COMMIT of its own; `autocommits` counts them (they are statements, so
   not again in `total`), and `transactions` = `commits` + `autocommits` is
   the number of transactions the work committed.
-- Prepares: the fence prepares its statements (payments.engine.fence,
-  `_statement_cursor`); psycopg sends a statement's Parse in a round trip of
+- Prepares: the fence prepares its statements (payments.engine.driver,
+  `statement_cursors`); psycopg sends a statement's Parse in a round trip of
   its own the first time a connection runs it. `prepares` counts those (in
   `total`): psycopg's own list of the connection's prepared statements grows.
   On kept connections they are paid once, not per checkout.
 - Pipelines: the fence sends a statement together with the COMMIT that
   ends its transaction, the claims queued before it, the BEGIN it owes, or
   (outside a transaction) the lease with its entity's read (psycopg's
-  pipeline mode, payments.engine.fence `_execute`): they wait for one
+  pipeline mode, payments.engine.driver `execute`): they wait for one
   answer, at the pipeline's Sync. What goes in a pipeline is counted as
   usual (statement, BEGIN, COMMIT) and again in `pipelined`, which `total`
   subtracts; each pipeline adds one `syncs`. Its Parse goes with it too: no

@@ -13,7 +13,7 @@ from __future__ import annotations
 import uuid
 
 from django.conf import settings
-from django.db import connection, transaction
+from django.db import DEFAULT_DB_ALIAS, connection, connections, transaction
 from django.utils import timezone
 
 from inbox.handlers import inbox_handler
@@ -28,9 +28,14 @@ def noop() -> None:
     """Do nothing: the queue's own ceiling."""
 
 
-def settings_probe() -> dict[str, bool]:
-    """What a worker runs with: DEBUG, and whether its queries are logged (DEBUG does that)."""
-    return {"debug": settings.DEBUG, "queries_logged": connection.queries_logged}
+def settings_probe() -> dict[str, object]:
+    """What a worker runs with: DEBUG, whether its queries are logged (DEBUG does that), and
+    its database backend (the module of its connection's class)."""
+    return {
+        "debug": settings.DEBUG,
+        "queries_logged": connection.queries_logged,
+        "backend": type(connections[DEFAULT_DB_ALIAS]).__module__,
+    }
 
 
 def unfenced_checkout(order_id: int, payment_method: str) -> str:

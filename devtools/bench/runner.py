@@ -54,12 +54,20 @@ TABLES = [
 ]  # fmt: skip
 
 
-def production_settings() -> dict[str, str]:
-    """What the bench's workers run with on top of the caller's environment: DEBUG off.
+#: The environment variable that opts a process in to project.postgresql (project/settings.py).
+OPT_IN_BACKEND = "DATABASE_BEGIN_WITH_FIRST_STATEMENT"
+#: The database backends the bench compares, by name: Django's own (the default) and the
+#: opt-in one that sends a transaction's BEGIN with its first statement.
+BACKENDS = {"django": "0", "begin_with_first_statement": "1"}
+
+
+def production_settings(backend: str = "django") -> dict[str, str]:
+    """What the bench's workers run with on top of the caller's environment: DEBUG off,
+    and the database backend named (BACKENDS), whatever the caller's environment says.
 
     `make bench` runs from the development `.env`, DEBUG on. With DEBUG on,
     Django logs every query with its values, and the fence does not prepare its
-    statements (payments.engine.fence._statement_cursor): each statement would
+    statements (payments.engine.driver.statement_cursors): each statement would
     cost a worker what it never costs in production, the fenced side's more
     than the twin's. DEBUG off needs secrets: this run's own, as the web tier's
     gunicorn gets. DEVTOOLS keeps the app of the bench's job functions installed.
@@ -69,6 +77,7 @@ def production_settings() -> dict[str, str]:
         "DEVTOOLS": "1",
         "SECRET_KEY": secrets.token_urlsafe(50),
         "API_TOKEN": secrets.token_urlsafe(32),
+        OPT_IN_BACKEND: BACKENDS[backend],
     }
 
 
@@ -125,6 +134,10 @@ class Bench:
                 os.environ.pop("REQUESTS_CA_BUNDLE", None)
             else:
                 os.environ["REQUESTS_CA_BUNDLE"] = self._saved_ca_bundle
+
+    def use_backend(self, backend: str) -> None:
+        """Start the next batches' workers on the database backend `backend` (BACKENDS)."""
+        self.worker_env[OPT_IN_BACKEND] = BACKENDS[backend]
 
     def control(self, path: str, body: dict[str, Any] | None = None) -> None:
         """POST to the fake provider's control API."""

@@ -4,6 +4,9 @@ It knows no HTTP, no business step, no admin screen and no view: handlers, the
 admin desk, the API and the recovery code call into it. Functions whose name
 ends in `_in_tx` (or whose docstring says so) run inside the caller's
 transaction; the others own theirs.
+
+Its statements are the named blocks of payments/engine/sql/queries.sql;
+payments.engine.driver sends them (prepared, pipelined) and reads their rows.
 """
 
 from __future__ import annotations
@@ -15,34 +18,29 @@ import logging
 import os
 import secrets
 import socket
-from collections.abc import Iterator
-from contextlib import contextmanager
-from contextvars import ContextVar
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any, NoReturn, cast
 
-import psycopg
-from django.db import (
-    DEFAULT_DB_ALIAS,
-    DatabaseError,
-    IntegrityError,
-    connection,
-    connections,
-    transaction,
-)
-from django.db.backends.postgresql.base import TIMESTAMPTZ_OID
-from django.db.backends.postgresql.psycopg_any import register_tzloader
+from django.db import DatabaseError, IntegrityError, connection, transaction
 from django.db.models.functions import Now
 from django.utils import timezone
-from psycopg import pq
-from rq.timeouts import BaseTimeoutException
+from psycopg.sql import SQL, Identifier
 
-from inbox.models import InboxEntry
 from payments.conf import payments_settings
-from payments.engine import transitions
+from payments.engine import driver, transitions
+
+# Re-exported (`X as X`): the engine's modules (unit, worker, handlers) ask the fence.
+from payments.engine.driver import KEEP_CURSORS as KEEP_CURSORS
+from payments.engine.driver import CommitWith as CommitWith
+from payments.engine.driver import QueuedStatement
+from payments.engine.driver import commit_with_next_statement as commit_with_next_statement
+from payments.engine.driver import discard_queued as discard_queued
+from payments.engine.driver import has_queued as has_queued
+from payments.engine.driver import is_interruption as is_interruption
 from payments.engine.effects import EffectResult
 from payments.engine.failpoints import BEFORE_RECORD_COMMIT, failpoint
+from payments.engine.sql import QUERIES
 from payments.engine.writes import fence_writer
 from payments.exceptions import (
     InvalidTransition,
@@ -135,288 +133,67 @@ def db_now() -> datetime:
     clock drifts cannot take over a live lease or keep an expired one.
     """
     with connection.cursor() as cursor:
-        cursor.execute("SELECT now()")
+        cursor.execute(QUERIES["db_now"])
         (now,) = cursor.fetchone()
     return now
 
 
-# --- one statement per transition --------------------------------------------------
+# --- sending the statements ---------------------------------------------------------
 #
 # A transition on a worker's path (take the lease, claim, settle, leave the lease,
-# create) is ONE data-modifying statement: the row lock, the compare-and-set, the
-# change and its audit row travel together. Outside a transaction it is its own
-# transaction (one round trip, committed when it returns; the lease shares its
-# implicit transaction with the reads of its entity, `acquire_lease`); inside the
-# caller's it joins it. Each statement's WHERE clause accepts exactly the from-states the
-# transition table allows (transitions.operation_sources / claim_sources); when it
-# changes nothing, the Python check on a fresh read raises with both states.
-# String parameters are cast (`::text`): a prepared statement (see
-# `_statement_cursor`) types each parameter once, and one used both as a column's
-# value and in a comparison would otherwise get two types.
-# An UPDATE joined to its locked row (`FROM old`) also names the row by its id
-# parameter: planned on a table without statistics (new, or emptied), the join alone
-# may become a scan of the whole table, kept by the prepared statement's plan as the
-# table grows (tests/engine/test_plans.py).
+# create) is ONE data-modifying statement of payments/engine/sql/queries.sql: the row
+# lock, the compare-and-set, the change and its audit row travel together. Outside a
+# transaction it is its own transaction (one round trip, committed when it returns; the
+# lease shares its implicit transaction with the reads of its entity, `acquire_lease`);
+# inside the caller's it joins it. payments.engine.driver sends them (prepared, in
+# pipelines, with what is queued for the transaction) and reads their rows; here is
+# what their answers mean.
 
-
-def _columns(model: type[Any], alias: str = "") -> str:
-    """The model's columns, named (a statement's result must not follow the table's `*`)."""
-    prefix = f"{alias}." if alias else ""
-    return ", ".join(f'{prefix}"{field.column}"' for field in model._meta.concrete_fields)
-
-
-#: What each statement returns of its row, by name.
-OPERATION_COLUMNS = _columns(Operation)
-CLAIM_COLUMNS = _columns(StepClaim)
-
-#: The audit row's columns, in the order the statements below select them.
-AUDIT_INSERT = (
-    "INSERT INTO payments_operationevent "
-    "(operation_id, step, from_state, to_state, actor, reason, created_at)"
-)
-
-
-#: The attribute of a psycopg connection that keeps the fence's psycopg cursors for the
-#: next statements (`_statement_cursors`): Django's time zone they read in, the cursors.
-_KEPT_CURSORS = "fence_kept_cursors"
-#: At most this many are kept (the engine's widest round trip sends four statements).
-KEEP_CURSORS = 8
-
-
-def _statement_cursors(db: Any, count: int, first: int = 0) -> tuple[list[Any], bool]:
-    """`count` cursors for the statements below: prepared once per connection, where safe;
-    and whether they are kept (the caller must not close them).
-
-    Each statement is parsed, analysed and planned once per connection
-    instead of on every call (about half a fence statement's cost on
-    PostgreSQL, measured by `make bench`). Django's usual cursor, nothing
-    prepared, when:
-    - the database's OPTIONS pin `prepare_threshold` to None (what
-      DATABASE_POOLING=transaction sets): behind PgBouncer in transaction
-      pooling a prepared statement would not follow the client to its next
-      server session;
-    - OPTIONS set `server_side_binding`: the ORM's cursors would be prepared too;
-    - queries are logged (DEBUG): Django's cursor logs the SQL with its values.
-    The statements name their columns (no `*`), so a column a migration adds
-    cannot change a prepared statement's result. A rollback makes psycopg
-    forget the connection's prepared statements; the next run prepares again.
-    `db` is this thread's connection (`_this_thread`). Each cursor is Django's
-    wrapper (execute wrappers, error translation) around a psycopg cursor.
-
-    The prepared statements' psycopg cursors are kept on the connection for the
-    next statements: a new cursor looks up its loaders (one per result column)
-    and dumpers again, about 0.85 M instructions per checkout. The statements of
-    one round trip take distinct ones: the `count` from the `first`; every row
-    is read before the next fence statement runs (`_rows_of`).
-    """
-    options = db.settings_dict.get("OPTIONS", {})
-    if (
-        options.get("prepare_threshold", 0) is None
-        or options.get("server_side_binding") is True
-        or db.queries_logged
-    ):
-        return [db.cursor() for _ in range(count)], False
-    # What connection.cursor() does first: replace a kept connection that broke.
-    db.close_if_health_check_failed()
-    db.ensure_connection()
-    raw = db.connection
-    # Only server-side-binding cursors prepare, and the ORM's use client-side
-    # binding (checked above): 0 prepares each statement on its first run.
-    raw.prepare_threshold = 0
-    kept: tuple[Any, list[Any]] | None = getattr(raw, _KEPT_CURSORS, None)
-    if kept is None or kept[0] != db.timezone:
-        kept = (db.timezone, [])
-        setattr(raw, _KEPT_CURSORS, kept)
-    if first + count > KEEP_CURSORS:
-        # A round trip wider than any of the engine's: cursors of its own, closed after.
-        wide = [_psycopg_cursor(db, raw) for _ in range(count)]
-        return [db.make_cursor(cast(Any, cursor)) for cursor in wide], False
-    cursors = kept[1]
-    while len(cursors) < first + count:
-        cursors.append(_psycopg_cursor(db, raw))
-    # Django wraps a DB-API cursor here (django-stubs type the argument as the wrapper).
-    return [db.make_cursor(cast(Any, cursor)) for cursor in cursors[first : first + count]], True
-
-
-def _psycopg_cursor(db: Any, raw: Any) -> Any:
-    """A psycopg cursor on `raw` that reads timestamps in Django's time zone (`db`'s)."""
-    cursor = psycopg.Cursor(raw)
-    if db.timezone != raw.adapters.get_loader(TIMESTAMPTZ_OID, pq.Format.TEXT).timezone:
-        # What Django's own cursors do when its time zone changed on an open connection
-        # (settings overridden): read timestamps in the new one.
-        register_tzloader(db.timezone, cursor)
-    return cursor
-
-
-class CommitWith:
-    """Asks the next fence statement to send the transaction's COMMIT in its round trip."""
-
-    def __init__(self) -> None:
-        #: True once the COMMIT went with a statement and succeeded.
-        self.committed = False
-
-
-_COMMIT_WITH_NEXT: ContextVar[CommitWith | None] = ContextVar("commit_with_next", default=None)
-
-
-@contextmanager
-def commit_with_next_statement() -> Iterator[CommitWith]:
-    """Inside the block, the next fence statement commits the open transaction with it.
-
-    For payments.engine.unit, which ends its transaction with the statement
-    that must commit with it (a claim before its call, the release): the
-    statement and the COMMIT go in one round trip (psycopg's pipeline mode),
-    and the COMMIT is skipped if the statement fails. The caller closes
-    Django's side of the transaction after the block (`CommitWith.committed`).
-    """
-    marker = CommitWith()
-    token = _COMMIT_WITH_NEXT.set(marker)
-    try:
-        yield marker
-    finally:
-        _COMMIT_WITH_NEXT.reset(token)
-
-
-@dataclass(frozen=True)
-class QueuedStatement:
-    """A statement sent in front of the transaction's next fence statement: a run-first
-    local step's claim (queue_local_claim_in_tx), a call's outcome (queue_outcome_in_tx)."""
-
-    operation_key: str
-    step: str
-    sql: str
-    params: dict[str, Any]
-    #: The atomic block it was queued in (the run's unit): it is sent only there, not
-    #: inside a savepoint of it (which could roll it back alone), never in another one.
-    block: Any
-
-
-#: The statements queued for the open transaction, in order.
-_QUEUED: ContextVar[tuple[QueuedStatement, ...]] = ContextVar("fence_queued", default=())
-
-
-def has_queued() -> bool:
-    """Tell whether statements are queued for the open transaction (payments.engine.unit)."""
-    return bool(_QUEUED.get())
-
-
-def discard_queued() -> None:
-    """Forget the queued statements: their transaction rolled back (payments.engine.unit)."""
-    _QUEUED.set(())
+#: Which statement of queries.sql each constant runs (the names the docs use).
+RECORD_EVENT = QUERIES["record_event"]
+CREATE_OPERATION = QUERIES["create_operation"]
+ACQUIRE_LEASE = QUERIES["acquire_lease"]
+RELEASE_HELD_LEASE = QUERIES["release_held_lease"]
+SUCCEED_MESSAGE = QUERIES["succeed_message"]
+DELIVER_MESSAGE = QUERIES["deliver_message"]
+INSERT_CLAIM = QUERIES["insert_claim"]
+INSERT_CLAIM_OR_FAIL = QUERIES["insert_claim_or_fail"]
+SETTLE_CLAIM = QUERIES["settle_claim"]
+SETTLE_CLAIM_OR_REFUSE = QUERIES["settle_claim_or_refuse"]
+NOTE_REQUEST_SENT = QUERIES["note_request_sent"]
+#: The SQLSTATE payments_fence_refuse() raises (SETTLE_CLAIM_OR_REFUSE).
+REFUSAL_SQLSTATE = "PF001"
 
 
 @fence_writer
 def send_queued_in_tx() -> None:
     """Send the queued statements now (with the COMMIT asked for, `commit_with_next_statement`)."""
-    if has_queued() or _COMMIT_WITH_NEXT.get() is not None:
-        _execute(_this_thread(), [])
+    if driver.owes_send():
+        driver.execute(driver.this_thread(), [], _queued_failed)
 
 
-def _execute(db: Any, statements: list[tuple[Any, str, dict[str, Any]]]) -> None:
-    """Execute fence statements, each on its cursor; the COMMIT asked for (CommitWith) after them.
+def _queued_failed(exc: DatabaseError, queued: tuple[QueuedStatement, ...]) -> None:
+    """Raise what a round trip that failed with `queued` statements in front means for the
+    protocol; return when it is the database's error only (driver.OnFailure).
 
-    More than one statement, or a COMMIT to send along, go in psycopg's
-    pipeline mode and wait for one answer. Nothing else changes: a statement
-    that fails aborts the transaction, and what the pipeline holds after it
-    (the next statements, the COMMIT) is not run. Outside a transaction the
-    statements of a pipeline form one implicit transaction, committed at its
-    end: one that fails rolls back those before it and stops those after it.
-    A transaction's first
-    statement carries its BEGIN the same way (project.postgresql), and the
-    statements queued for the transaction go in front of the statements: a
-    claim found taken raises StepDoneMeanwhile (queue_local_claim_in_tx), an
-    outcome that settled nothing raises OutcomeRefused (queue_outcome_in_tx).
+    Nothing after the failing statement ran, the COMMIT included.
     """
-    raw = db.connection
-    commit = _COMMIT_WITH_NEXT.get()
-    queued = _take_queued(db)
-    # Django's transaction is open and PostgreSQL's not yet: the BEGIN goes first in the
-    # pipeline (project.postgresql; Django's stock backend lets psycopg send it alone).
-    begin = _begin_owed(db)
-    if len(statements) == 1 and commit is None and not begin and not queued:
-        statements[0][0].execute(statements[0][1], statements[0][2])
-        return
-    if commit is not None and db.get_autocommit():
-        raise InvalidTransition("a COMMIT asked for outside a transaction")
-    queued_cursors, kept = (
-        _statement_cursors(db, len(queued), first=len(statements)) if queued else ([], True)
-    )
-    try:
-        with db.wrap_database_errors:
-            try:
-                with raw.pipeline():
-                    if begin:
-                        with db.cursor() as opening:
-                            opening.execute(db.begin_statement())
-                    for cursor, claim in zip(queued_cursors, queued, strict=True):
-                        cursor.execute(claim.sql, claim.params)
-                    for cursor, sql, params in statements:
-                        cursor.execute(sql, params)
-                    if commit is not None:
-                        _COMMIT_WITH_NEXT.set(None)  # one batch commits; later ones after it
-                        with db.cursor() as ending:
-                            ending.execute("COMMIT")
-            except psycopg.OperationalError as exc:
-                interrupted = exc.__context__
-                if raw.pgconn.pipeline_status == pq.PipelineStatus.OFF or not is_interruption(
-                    interrupted
-                ):
-                    raise
-                # Interrupted while the answer was on its way (the job's timeout): psycopg
-                # cannot leave pipeline mode and says so instead. The connection is unusable
-                # and whether the COMMIT ran is unknown: close it, raise the interruption.
-                db.close()
-                raise cast(BaseException, interrupted) from None
-    except IntegrityError as exc:
-        if queued and _is_claim_taken(exc):
+    if isinstance(exc, IntegrityError):
+        if _is_claim_taken(exc):
             # Only a queued claim inserts without ON CONFLICT: another run committed the
-            # step while this one ran it. Nothing after it ran, the COMMIT included.
+            # step while this one ran it.
             step = _taken_step(exc, [claim.step for claim in queued])
             raise StepDoneMeanwhile(operation_key=queued[0].operation_key, step=step) from exc
-        raise
-    except DatabaseError as exc:
-        settles = [q for q in queued if q.sql is SETTLE_CLAIM_OR_REFUSE]
-        if settles and _is_refusal(exc):
-            # A queued outcome settled nothing. Nothing after it ran, the COMMIT included.
-            detail = str(cast(Any, exc.__cause__).diag.message_primary)
-            named = (q for q in settles if f" {q.operation_key}:{q.step} " in detail)
-            refused = next(named, settles[0])
-            raise OutcomeRefused(
-                operation_key=refused.operation_key, step=refused.step, detail=detail
-            ) from exc
-        raise
-    finally:
-        if not kept:
-            for cursor in queued_cursors:
-                cursor.close()
-    if commit is not None:
-        commit.committed = True
-
-
-def _take_queued(db: Any) -> tuple[QueuedStatement, ...]:
-    """The queued statements to send with the statement about to run on `db` (none: keep them).
-
-    Sent only in the atomic block they were queued in: inside a savepoint of it
-    they stay queued (a savepoint rolled back would take them alone, and the
-    step's writes would commit unclaimed). Queued in a transaction that is gone
-    (a job that left it open): discarded, loudly, never sent in another one.
-    """
-    queued = _QUEUED.get()
-    if not queued:
-        return ()
-    blocks = db.atomic_blocks
-    block = queued[0].block
-    if not any(open_block is block for open_block in blocks):
-        logger.error(
-            "statements of %s queued in a transaction that ended without them; discarded",
-            queued[0].operation_key,
-        )
-        _QUEUED.set(())
-        return ()
-    if blocks[-1] is not block:
-        return ()  # inside a savepoint: they go with the unit's own next statement
-    _QUEUED.set(())
-    return queued
+        return
+    settles = [q for q in queued if q.sql is SETTLE_CLAIM_OR_REFUSE]
+    if settles and _is_refusal(exc):
+        # A queued outcome settled nothing.
+        detail = str(cast(Any, exc.__cause__).diag.message_primary)
+        named = (q for q in settles if f" {q.operation_key}:{q.step} " in detail)
+        refused = next(named, settles[0])
+        raise OutcomeRefused(
+            operation_key=refused.operation_key, step=refused.step, detail=detail
+        ) from exc
 
 
 def _is_claim_taken(exc: IntegrityError) -> bool:
@@ -439,60 +216,8 @@ def _taken_step(exc: IntegrityError, steps: list[str]) -> str:
     return named if named in steps else steps[0]
 
 
-def _begin_owed(db: Any) -> bool:
-    """Tell whether the next statement on `db` must send the transaction's BEGIN with it."""
-    owed = getattr(db, "begin_owed", None)  # project.postgresql's DatabaseWrapper
-    return owed is not None and bool(owed())
-
-
-def is_interruption(exc: BaseException | None) -> bool:
-    """Tell whether `exc` interrupts the worker from outside: the job's timeout, a signal.
-
-    Not any exception that happened to be handled when a database error came.
-    """
-    return isinstance(exc, BaseTimeoutException) or (
-        exc is not None and not isinstance(exc, Exception)
-    )
-
-
-def _this_thread() -> Any:
-    """This thread's connection, looked up once per statement.
-
-    Each attribute read through `django.db.connection` looks the connection up
-    again (a few microseconds, about ten per statement on the worker's path).
-    """
-    return connections[DEFAULT_DB_ALIAS]
-
-
-#: Per statement and model: where each of the model's fields is in the statement's row
-#: (with its database converter, None: none), the fields' attnames, and the other columns
-#: (name, place). Read from the statement's first answer in this process (psycopg builds a
-#: description object per column on every read).
-_ROW_PLANS: dict[tuple[str, type[Any]], tuple[Any, list[str], Any]] = {}
-
-
-def _row_plan(model: type[Any], sql: str, cursor: Any) -> tuple[Any, list[str], Any]:
-    """How a row of `sql` becomes an instance of `model` (see _ROW_PLANS)."""
-    plan = _ROW_PLANS.get((sql, model))
-    if plan is None:
-        names = [column.name for column in cursor.description]
-        place = {name: i for i, name in enumerate(names)}
-        fields = model._meta.concrete_fields
-        fields_at = tuple((place[f.column], getattr(f, "from_db_value", None)) for f in fields)
-        taken = {i for i, _ in fields_at}
-        others = tuple((name, i) for i, name in enumerate(names) if i not in taken)
-        plan = _ROW_PLANS[(sql, model)] = (fields_at, [f.attname for f in fields], others)
-    return plan
-
-
 def _one(model: type[Any], sql: str, params: dict[str, Any]) -> Any:
-    """Run one statement that returns at most one row of `model`; return it, or None.
-
-    The row becomes a model instance as a queryset would make it (JSON
-    decoded, `from_db`); columns that are not the model's (`from_state`,
-    `db_now`) become attributes. A plain cursor, not `raw()`: the statements
-    are on every worker's path and `raw()` maps the columns anew each time.
-    """
+    """Run one statement that returns at most one row of `model`; return it, or None."""
     return _rows(model, [(sql, params)])[0]
 
 
@@ -504,51 +229,7 @@ def _rows(model: type[Any], statements: list[tuple[str, dict[str, Any]]]) -> lis
 
 def _rows_of(statements: list[tuple[type[Any], str, dict[str, Any]]]) -> list[Any]:
     """`_rows` for statements that each return at most one row of their own model."""
-    db = _this_thread()
-    cursors, kept = _statement_cursors(db, len(statements))
-    try:
-        _execute(
-            db,
-            [
-                (cursor, sql, params)
-                for cursor, (_, sql, params) in zip(cursors, statements, strict=True)
-            ],
-        )
-        with db.wrap_database_errors:
-            # Every row read before any becomes an instance: making one runs the model's
-            # pre_init/post_init receivers, which may run fence statements of their own
-            # (on the kept cursors, whose rows must be read by then).
-            rows = [
-                (model, sql, cursor.cursor, cursor.cursor.fetchone())
-                for cursor, (model, sql, _) in zip(cursors, statements, strict=True)
-            ]
-            plans = [
-                None if row is None else _row_plan(model, sql, raw_cursor)
-                for model, sql, raw_cursor, row in rows
-            ]
-        return [
-            _instance(model, db, row, plan)
-            for (model, _, _, row), plan in zip(rows, plans, strict=True)
-        ]
-    finally:
-        if not kept:
-            for cursor in cursors:
-                cursor.close()
-
-
-def _instance(model: type[Any], db: Any, row: tuple[Any, ...] | None, plan: Any) -> Any:
-    """`row` (a statement's, read with its `_row_plan`) as an instance of `model`, or None."""
-    if row is None:
-        return None
-    fields_at, attnames, others = plan
-    values = [
-        row[i] if convert is None or row[i] is None else convert(row[i], None, db)
-        for i, convert in fields_at
-    ]
-    instance = model.from_db(db.alias, attnames, values)
-    for name, i in others:
-        setattr(instance, name, row[i])
-    return instance
+    return driver.rows_of(statements, _queued_failed)
 
 
 def _json(value: Any) -> str | None:
@@ -557,14 +238,6 @@ def _json(value: Any) -> str | None:
 
 
 # --- audit -----------------------------------------------------------------------
-
-
-#: One audit row, stamped by the database's clock like every statement above.
-RECORD_EVENT = f"""
-{AUDIT_INSERT}
-VALUES (%(operation)s, %(step)s, %(from_state)s, %(to_state)s, %(actor)s, %(reason)s,
-        statement_timestamp())
-"""
 
 
 @fence_writer
@@ -598,31 +271,6 @@ def record_event_in_tx(
 
 
 # --- operations ------------------------------------------------------------------
-
-
-#: Create an operation (none -> pending), audited; a key already taken returns nothing.
-CREATE_OPERATION = f"""
-WITH created AS (
-    INSERT INTO payments_operation (
-        key, scope, client_id, parent_id, retry_of_id, kind, entity_type, entity_id, params,
-        fingerprint, state, attempts, last_error, lease_owner, job_id, dispatched_at,
-        created_at, updated_at
-    )
-    VALUES (
-        %(key)s::text, %(scope)s::text, %(client)s, %(parent)s, %(retry_of)s, %(kind)s::text,
-        %(entity_type)s::text, %(entity_id)s::text, %(params)s::jsonb, %(fingerprint)s::text,
-        'pending', 0, '', '', %(job_id)s::text,
-        CASE WHEN %(job_id)s::text <> '' THEN statement_timestamp() END,
-        statement_timestamp(), statement_timestamp()
-    )
-    ON CONFLICT ON CONSTRAINT {Operation.KEY_CONSTRAINT} DO NOTHING
-    RETURNING {OPERATION_COLUMNS}
-), audit AS (
-    {AUDIT_INSERT}
-    SELECT id, '', '', 'pending', %(actor)s::text, 'created', statement_timestamp() FROM created
-)
-SELECT {OPERATION_COLUMNS} FROM created
-"""
 
 
 @fence_writer
@@ -820,52 +468,24 @@ class LeaseResult:
 
 
 #: Per model: the statement that reads the operation's entity when it is one of the
-#: model's rows (entity_type is the model's name, entity_id its integer key), else nothing.
+#: model's rows (queries.sql, read_entity, composed with the model's names), else nothing.
 _READ_ENTITY: dict[type[Any], str] = {}
 
 
 def _read_entity_sql(model: type[Any]) -> str:
     sql = _READ_ENTITY.get(model)
     if sql is None:
-        quote = _this_thread().ops.quote_name
-        sql = _READ_ENTITY[model] = f"""
-SELECT {_columns(model)} FROM {quote(model._meta.db_table)}
-WHERE {quote(model._meta.pk.column)} = (
-    SELECT CASE WHEN entity_type = %(entity_type)s::text AND entity_id ~ '^[0-9]{{1,18}}$'
-                THEN entity_id::bigint END
-    FROM payments_operation WHERE id = %(id)s
-)
-"""
+        columns = [Identifier(f.column) for f in model._meta.concrete_fields]
+        sql = _READ_ENTITY[model] = (
+            SQL(QUERIES["read_entity"])
+            .format(
+                columns=SQL(", ").join(columns),
+                table=Identifier(model._meta.db_table),
+                pk=Identifier(model._meta.pk.column),
+            )
+            .as_string()
+        )
     return sql
-
-
-#: pending | retrying | running (its lease run out, or this owner's) -> running, audited.
-ACQUIRE_LEASE = f"""
-WITH old AS (
-    SELECT id, state FROM payments_operation WHERE id = %(id)s FOR UPDATE
-), leased AS (
-    UPDATE payments_operation AS op
-    SET state = 'running', lease_owner = %(owner)s::text,
-        lease_expires_at = statement_timestamp() + make_interval(secs => %(seconds)s),
-        next_attempt_at = NULL, updated_at = statement_timestamp()
-    FROM old
-    WHERE op.id = %(id)s AND op.id = old.id
-      AND old.state = ANY(%(from_states)s)
-      AND NOT (old.state = 'running' AND op.lease_owner <> %(owner)s::text
-               AND COALESCE(op.lease_expires_at > statement_timestamp(), false))
-    RETURNING {_columns(Operation, "op")}, old.state AS from_state,
-              statement_timestamp() AS db_now
-), audit AS (
-    {AUDIT_INSERT}
-    SELECT id, '', from_state, 'running', %(owner)s::text,
-           CASE WHEN from_state = 'running' THEN 'lease expired; taken over' ELSE '' END,
-           statement_timestamp()
-    FROM leased
-)
-SELECT {OPERATION_COLUMNS}, from_state, db_now,
-       ARRAY(SELECT step FROM payments_stepclaim WHERE operation_id = leased.id) AS claimed_steps
-FROM leased
-"""
 
 
 def _lease_with(
@@ -964,28 +584,6 @@ def release_in_tx(
     )
 
 
-#: running (held by this owner) -> a run's outcome, lease dropped, audited.
-RELEASE_HELD_LEASE = f"""
-WITH old AS (
-    SELECT id, state FROM payments_operation
-    WHERE id = %(id)s AND state = 'running' AND lease_owner = %(owner)s::text
-    FOR UPDATE
-), released AS (
-    UPDATE payments_operation AS op
-    SET state = %(to_state)s::text, lease_owner = '', lease_expires_at = NULL,
-        updated_at = statement_timestamp(){{fields}}
-    FROM old
-    WHERE op.id = %(id)s AND op.id = old.id
-      AND op.state = 'running' AND op.lease_owner = %(owner)s::text
-    RETURNING {_columns(Operation, "op")}, old.state AS from_state
-), audit AS (
-    {AUDIT_INSERT}
-    SELECT id, '', from_state, %(to_state)s::text, %(owner)s::text, %(reason)s::text,
-           statement_timestamp()
-    FROM released
-)
-SELECT {OPERATION_COLUMNS}, from_state FROM released
-"""
 #: The columns a release may set besides the state and the lease.
 RELEASE_FIELDS = frozenset({"last_error", "next_attempt_at", "attempts", "result"})
 
@@ -1009,15 +607,17 @@ def release_held_lease(
     unknown = set(fields) - RELEASE_FIELDS
     if unknown:
         raise InvalidTransition(f"a release cannot set {sorted(unknown)}")
-    json_columns = {"result"}
-    assignments = "".join(
-        f", {name} = %({name})s" + ("::jsonb" if name in json_columns else "")
-        for name in sorted(fields)
-    )
-    values = {name: _json(v) if name in json_columns else v for name, v in fields.items()}
+    # Each column a release may set is set only when given (its set_ flag): one statement
+    # for every combination, prepared once.
+    values: dict[str, Any] = {}
+    for name in sorted(RELEASE_FIELDS):
+        given = name in fields
+        values[f"set_{name}"] = given
+        value = fields.get(name)
+        values[name] = _json(value) if name == "result" and given else value
     return _one(
         Operation,
-        RELEASE_HELD_LEASE.replace("{fields}", assignments),
+        RELEASE_HELD_LEASE,
         {
             "id": operation.pk,
             "owner": owner[:255],
@@ -1026,48 +626,6 @@ def release_held_lease(
             **values,
         },
     )
-
-
-#: The part both message statements share: the operation `old` locked -> succeeded, audited.
-SUCCEEDED_FROM_OLD = f"""succeeded AS (
-    UPDATE payments_operation AS op
-    SET state = 'succeeded', next_attempt_at = NULL, updated_at = statement_timestamp()
-    FROM old
-    WHERE op.id = %(id)s AND op.id = old.id AND old.state = ANY(%(from_states)s)
-    RETURNING {_columns(Operation, "op")}, old.state AS from_state
-), audit AS (
-    {AUDIT_INSERT}
-    SELECT id, '', from_state, 'succeeded', %(actor)s::text, %(reason)s::text, statement_timestamp()
-    FROM succeeded
-)"""
-
-#: A message's operation (pending | retrying | failed, ...) -> succeeded, audited; locks it.
-SUCCEED_MESSAGE = f"""
-WITH old AS (
-    SELECT id, state FROM payments_operation WHERE id = %(id)s FOR UPDATE
-), {SUCCEEDED_FROM_OLD}
-SELECT {OPERATION_COLUMNS}, from_state FROM succeeded
-"""
-
-
-#: A message's first delivery: its inbox row (as inbox.services.record_message writes it)
-#: and its operation -> succeeded, audited and locked, in one statement. A redelivery
-#: (the row exists) changes nothing. Always one row: `recorded`, and the operation's
-#: columns when it succeeded (NULL when its state may not succeed).
-DELIVER_MESSAGE = f"""
-WITH inbox AS (
-    INSERT INTO {InboxEntry._meta.db_table} (consumer, message_id, handled_at)
-    VALUES (%(consumer)s::text, %(message_id)s::text, %(handled_at)s)
-    ON CONFLICT (consumer, message_id) DO NOTHING
-    RETURNING id
-), old AS (
-    SELECT id, state FROM payments_operation
-    WHERE id = %(id)s AND EXISTS (SELECT 1 FROM inbox)
-    FOR UPDATE
-), {SUCCEEDED_FROM_OLD}
-SELECT {_columns(Operation, "s")}, s.from_state, EXISTS (SELECT 1 FROM inbox) AS recorded
-FROM (SELECT 1) AS one LEFT JOIN succeeded AS s ON true
-"""
 
 
 @fence_writer
@@ -1183,44 +741,6 @@ class ClaimResult:
 
     claim: StepClaim
     created: bool
-
-
-#: Insert a claim (none -> claimed, or done for a local step), audited; a taken step: nothing.
-#: Claim a step (none -> claimed | done), audited; a step already claimed returns nothing.
-INSERT_CLAIM = f"""
-WITH inserted AS (
-    INSERT INTO payments_stepclaim (
-        operation_id, step, state, idempotency_key, provider_reference, request, result,
-        error, attempts, claimed_by, claimed_at, last_request_at, lease_expires_at, settled_at,
-        updated_at
-    )
-    VALUES (
-        %(operation)s, %(step)s::text, %(state)s::text, %(idempotency_key)s::text, '',
-        %(request)s::jsonb,
-        %(result)s::jsonb, '', 1, %(owner)s::text, statement_timestamp(),
-        -- the claimant sends its first request as this commits
-        CASE WHEN %(idempotency_key)s::text <> '' THEN statement_timestamp() END,
-        statement_timestamp() + make_interval(secs => %(lease_seconds)s),
-        CASE WHEN %(state)s::text = 'done' THEN statement_timestamp() END, statement_timestamp()
-    )
-    ON CONFLICT ON CONSTRAINT {StepClaim.UNIQUE_CONSTRAINT} DO NOTHING
-    RETURNING {CLAIM_COLUMNS}
-), audit AS (
-    {AUDIT_INSERT}
-    SELECT operation_id, step, '', state, claimed_by, %(reason)s::text, statement_timestamp()
-    FROM inserted
-)
-SELECT {CLAIM_COLUMNS} FROM inserted
-"""
-
-#: The same, for a claim sent ahead of its answer (queue_local_claim_in_tx): a step
-#: already claimed fails the statement (a unique violation), so that nothing queued
-#: behind it in its pipeline runs, its transaction's COMMIT included.
-INSERT_CLAIM_OR_FAIL = INSERT_CLAIM.replace(
-    f"ON CONFLICT ON CONSTRAINT {StepClaim.UNIQUE_CONSTRAINT} DO NOTHING\n", ""
-)
-if INSERT_CLAIM_OR_FAIL == INSERT_CLAIM:  # the ON CONFLICT clause above was reworded
-    raise RuntimeError("INSERT_CLAIM_OR_FAIL must be INSERT_CLAIM without its ON CONFLICT")
 
 
 def _claim_params(
@@ -1363,16 +883,7 @@ def queue_local_claim_in_tx(
     params = _claim_params(
         operation, step, state=ClaimState.DONE, owner=owner, reason="", result=result
     )
-    _queue("queue_local_claim_in_tx", operation.key, step, INSERT_CLAIM_OR_FAIL, params)
-
-
-def _queue(caller: str, operation_key: str, step: str, sql: str, params: dict[str, Any]) -> None:
-    """Queue `sql` for the open transaction's next fence statement (see QueuedStatement)."""
-    db = transaction.get_connection()
-    if not db.in_atomic_block:
-        raise InvalidTransition(f"{caller} must run inside transaction.atomic()")
-    queued = QueuedStatement(operation_key, step, sql, params, db.atomic_blocks[-1])
-    _QUEUED.set((*_QUEUED.get(), queued))
+    driver.queue("queue_local_claim_in_tx", operation.key, step, INSERT_CLAIM_OR_FAIL, params)
 
 
 @fence_writer
@@ -1455,47 +966,6 @@ def take_over_claim(
                 + (f": {why}" if why else ""),
             )
     return row
-
-
-#: claimed | uncertain (held by this actor) -> done | failed | uncertain, audited.
-SETTLE_CLAIM_CHANGE = f"""
-WITH old AS (
-    SELECT id, state FROM payments_stepclaim WHERE id = %(id)s FOR UPDATE
-), settled AS (
-    UPDATE payments_stepclaim AS claim
-    SET state = %(to_state)s::text,
-        provider_reference = CASE WHEN %(reference)s <> '' THEN %(reference)s
-                                  ELSE claim.provider_reference END,
-        result = CASE WHEN %(set_result)s THEN %(result)s::jsonb ELSE claim.result END,
-        error = %(error)s,
-        lease_expires_at = NULL,
-        settled_at = CASE WHEN %(to_state)s::text <> 'uncertain' THEN statement_timestamp()
-                          ELSE claim.settled_at END,
-        updated_at = statement_timestamp()
-    FROM old
-    WHERE claim.id = %(id)s AND claim.id = old.id AND old.state = ANY(%(from_states)s)
-      AND claim.claimed_by = %(actor)s::text
-    RETURNING {_columns(StepClaim, "claim")}, old.state AS from_state
-), audit AS (
-    {AUDIT_INSERT}
-    SELECT operation_id, step, from_state, %(to_state)s::text, %(actor)s::text, %(reason)s::text,
-           statement_timestamp()
-    FROM settled
-)
-"""
-SETTLE_CLAIM = SETTLE_CLAIM_CHANGE + f"SELECT {CLAIM_COLUMNS}, from_state FROM settled\n"
-
-#: The same, for an outcome sent ahead of its answer (queue_outcome_in_tx): when it settles
-#: nothing (the claim is not the actor's, or not in a state it may leave), the statement
-#: fails (payments_fence_refuse, migration payments 0009), so that nothing queued behind
-#: it in its pipeline runs, its transaction's COMMIT included.
-SETTLE_CLAIM_OR_REFUSE = SETTLE_CLAIM_CHANGE + (
-    "SELECT settled.* FROM (SELECT 1) AS one LEFT JOIN settled ON true\n"
-    "WHERE CASE WHEN settled.id IS NOT NULL THEN true\n"
-    "           ELSE payments_fence_refuse(%(refusal)s) END"
-)
-#: The SQLSTATE payments_fence_refuse() raises.
-REFUSAL_SQLSTATE = "PF001"
 
 
 @fence_writer
@@ -1615,7 +1085,7 @@ def queue_outcome_in_tx(
         f"claim {key}:{step} was not settled {state} by {actor[:255]}: "
         "taken over, or settled by someone else meanwhile"
     )
-    _queue("queue_outcome_in_tx", key, step, SETTLE_CLAIM_OR_REFUSE, params)
+    driver.queue("queue_outcome_in_tx", key, step, SETTLE_CLAIM_OR_REFUSE, params)
 
 
 @fence_writer
@@ -1628,16 +1098,6 @@ def note_provider_view(claim: StepClaim, found: EffectResult | None, *, source: 
         view.update({"outcome": str(found.outcome), "reference": found.reference, **found.data})
     StepClaim.objects.filter(pk=claim.pk).update(provider_view=view)
     claim.provider_view = view
-
-
-#: A request goes out again under a claim's key (a replay, a confirm after a lost answer):
-#: recorded before it is sent, by the database's clock, by the claim's owner only.
-NOTE_REQUEST_SENT = """
-UPDATE payments_stepclaim
-SET last_request_at = statement_timestamp()
-WHERE id = %(id)s AND claimed_by = %(actor)s::text AND state IN ('claimed', 'uncertain')
-RETURNING last_request_at
-"""
 
 
 @fence_writer

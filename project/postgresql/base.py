@@ -40,7 +40,12 @@ regular expression in Python (Django ticket #36960, psycopg issue #1273),
 once per value, and a fence row carries four to six. `TzLoader` is
 Django's loader with psycopg's optimised implementation doing the parsing:
 the same datetimes, same tzinfo (`tests/topology/test_postgresql_backend.py`).
-ENGINE = "project.postgresql" (project/settings.py sets it for PostgreSQL URLs).
+Opt-in: DATABASE_BEGIN_WITH_FIRST_STATEMENT=1 (project/settings.py) sets ENGINE =
+"project.postgresql"; Django's stock backend is the default. It overrides private
+methods of Django's backend (`_set_autocommit`, `create_cursor`,
+`get_connection_params`) and relies on psycopg's pipeline behaviour, so importing it
+on other Django or psycopg versions than TESTED_VERSIONS raises ImproperlyConfigured:
+test it on the new versions (tests/topology/test_postgresql_backend.py), then pin them.
 """
 
 from __future__ import annotations
@@ -48,8 +53,10 @@ from __future__ import annotations
 from functools import lru_cache
 from typing import Any
 
+import django
 import psycopg
 from django.conf import settings
+from django.core.exceptions import ImproperlyConfigured
 from django.db.backends.postgresql import base
 from django.db.backends.postgresql.psycopg_any import (
     BaseTzLoader,
@@ -59,6 +66,35 @@ from django.db.backends.postgresql.psycopg_any import (
 from psycopg import adapt, pq
 from psycopg.pq import Format
 from psycopg.types.datetime import TimestamptzLoader
+
+#: The versions this backend was tested with (requirements.txt pins them): Django's private
+#: methods it overrides, and psycopg's pipeline it relies on, may change in any release.
+TESTED_VERSIONS = {"Django": "5.2.19", "psycopg": "3.3.9"}
+
+
+def untested_versions(installed: dict[str, str]) -> list[str]:
+    """Name each of `installed` ({"Django": version, ...}) not at its TESTED_VERSIONS one."""
+    return [
+        f"{name} {installed.get(name)} (tested: {version})"
+        for name, version in TESTED_VERSIONS.items()
+        if installed.get(name) != version
+    ]
+
+
+def check_tested_versions(installed: dict[str, str]) -> None:
+    """Refuse to run on versions this backend was not tested with (ImproperlyConfigured)."""
+    untested = untested_versions(installed)
+    if untested:
+        raise ImproperlyConfigured(
+            "project.postgresql (DATABASE_BEGIN_WITH_FIRST_STATEMENT=1) overrides private "
+            f"methods of Django's backend and was not tested with {', '.join(untested)}. "
+            "Unset DATABASE_BEGIN_WITH_FIRST_STATEMENT to use Django's own backend, or run "
+            "tests/topology/test_postgresql_backend.py on these versions and update "
+            "TESTED_VERSIONS."
+        )
+
+
+check_tested_versions({"Django": django.__version__, "psycopg": psycopg.__version__})
 
 #: The attribute of a psycopg connection that says Django has a transaction open on it
 #: (Django's autocommit is off): the next statement on an idle server sends BEGIN first.

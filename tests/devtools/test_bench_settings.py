@@ -19,10 +19,63 @@ from rq.registry import FinishedJobRegistry
 from devtools.bench import jobs
 from devtools.bench.cpu import process_cpu
 from devtools.bench.runner import BatchCpu, Bench
+from devtools.management.commands import bench as bench_command
 from tests.support.config import TEST_REDIS_URL
 from tests.support.workers import SIMPLE, database_url
 
 PROBES = 30
+DJANGOS, OPT_IN = "django.db.backends.postgresql.base", "project.postgresql.base"
+
+
+@pytest.mark.django_db(transaction=True)
+def test_bench__workers_on_djangos_backend__then_on_the_opt_in_one_when_asked(
+    tmp_path, monkeypatch, settings
+):
+    """The goals are measured on Django's backend, whatever the caller's environment
+    says; `use_backend` runs the next batches on the opt-in one, side by side."""
+    monkeypatch.setenv("DATABASE_BEGIN_WITH_FIRST_STATEMENT", "1")  # the caller's choice
+    monkeypatch.setenv("DATABASE_URL", database_url())
+    monkeypatch.setenv("REDIS_URL", TEST_REDIS_URL)
+    monkeypatch.setitem(connection.settings_dict, "CONN_MAX_AGE", 0)
+    settings.DEBUG = True
+
+    def backends(bench: Bench) -> set[str]:
+        def probes() -> int:
+            for _ in range(3):
+                bench.queue.enqueue(jobs.settings_probe)
+            return 3
+
+        bench.batch(probes, workers=1, worker_class=SIMPLE)
+        job_ids = FinishedJobRegistry(queue=bench.queue).get_job_ids()
+        return {
+            j.return_value()["backend"] for j in Job.fetch_many(job_ids, bench.queue.connection)
+        }
+
+    with Bench(latency=0, log_dir=tmp_path, say=lambda line: None) as bench:
+        assert backends(bench) == {DJANGOS}
+        bench.use_backend("begin_with_first_statement")
+        assert backends(bench) == {OPT_IN}
+        bench.use_backend("django")
+        assert backends(bench) == {DJANGOS}
+
+
+def test_bench_table__both_goals_on_each_backend__and_by_how_much_they_miss():
+    figures = {
+        "provider_latency_seconds": 0.02,
+        "worker_classes": {"W": {"fenced_to_unfenced": 0.96}},
+        "realistic_latency": {"latency_seconds": 0.2, "workers": 4, "fenced_to_unfenced": 0.95},
+        "begin_with_first_statement": {
+            "worker_class": "W",
+            "default_latency": {"fenced_to_unfenced": 0.97},
+            "realistic_latency": {"fenced_to_unfenced": 0.98},
+        },
+    }
+
+    rows = dict(bench_command._backend_rows(figures))
+
+    at_20, at_200 = (next(v for k, v in rows.items() if f"at {ms} ms" in k) for ms in (20, 200))
+    assert at_20 == "0.96 (met) / 0.97"
+    assert at_200 == "0.95 (misses by 0.02) / 0.98"
 
 
 @pytest.mark.django_db(transaction=True)
@@ -47,7 +100,7 @@ def test_bench__its_workers_and_its_own_process_run_with_debug_off(tmp_path, mon
         job_ids = FinishedJobRegistry(queue=bench.queue).get_job_ids()
         results = [j.return_value() for j in Job.fetch_many(job_ids, bench.queue.connection)]
 
-        assert results == [{"debug": False, "queries_logged": False}] * PROBES
+        assert results == [{"debug": False, "queries_logged": False, "backend": DJANGOS}] * PROBES
         assert not connection.queries_logged
         # The batch's CPU was metered from the worker's start-up on, by process kind.
         assert bench.cpu is not None and 0 < bench.cpu.jobs <= PROBES
@@ -73,3 +126,36 @@ def test_process_cpu__counts_a_child_that_ended__as_the_forking_workers_horse():
         check=True,
     )
     assert process_cpu(os.getpid()) - before >= 0.25
+
+
+class FakeBench:
+    """Records which backend and latency each batch ran with; every batch takes 1 s."""
+
+    def __init__(self) -> None:
+        self.backend, self.latency, self.cpu = "django", 0.02, None
+        self.batches: list[tuple[str, float, int]] = []
+
+    def use_backend(self, backend: str) -> None:
+        self.backend = backend
+
+    def set_latency(self, seconds: float) -> None:
+        self.latency = seconds
+
+    def batch(self, prepare: object, *, workers: int, worker_class: str) -> float:
+        self.batches.append((self.backend, self.latency, workers))
+        return 1.0
+
+
+def test_opt_in_backend_section__both_comparisons_on_it__then_back_to_djangos():
+    bench = FakeBench()
+    options = {"rounds": 2, "latency": 0.02, "realistic_latency": 0.2}
+
+    figures = bench_command._opt_in_backend(bench, options, 10, "W")  # type: ignore[arg-type]
+
+    assert bench.batches == [
+        *[("begin_with_first_statement", 0.02, 2)] * 4,
+        *[("begin_with_first_statement", 0.2, 4)] * 4,
+    ]
+    assert (bench.backend, bench.latency) == ("django", 0.02)
+    assert figures["default_latency"]["fenced_to_unfenced"] == 1.0
+    assert figures["realistic_latency"]["fenced_checkouts_per_second"] == 5.0

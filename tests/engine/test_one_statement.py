@@ -23,6 +23,7 @@ from payments.models import (
     OperationState,
     StepClaim,
 )
+from tests.conftest import BEGIN_WITH_FIRST_STATEMENT, STOCK
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -145,7 +146,13 @@ def test_release_held_lease__one_round_trip__and_none_once_the_lease_is_lost(que
     assert audit(op)[-1] == ("", OperationState.RUNNING, OperationState.SUCCEEDED, WORKER)
 
 
-def test_checkout_request__four_round_trips_one_transaction(queue):
+#: BEGIN (alone on Django's backend, with the order's read on the opt-in one), the order's
+#: read (its key and earlier-charge checks), the operation with its audit row and job id,
+#: the order's status, COMMIT.
+CHECKOUT_REQUEST_TRIPS = {STOCK: 5, BEGIN_WITH_FIRST_STATEMENT: 4}
+
+
+def test_checkout_request__one_transaction__its_round_trips(queue, backend):
     order = create_order(amount=1500, currency="eur", email="api@example.com")
 
     with counting() as counter:
@@ -154,9 +161,8 @@ def test_checkout_request__four_round_trips_one_transaction(queue):
         )
 
     counted = trips(counter)
-    # BEGIN with the order's read (its key and earlier-charge checks), the operation with
-    # its audit row and job id, the order's status, COMMIT.
-    assert created and counted.total == 4 and counted.commits == 1
+    assert created and counted.commits == 1 and counted.begins == 1
+    assert counted.total == CHECKOUT_REQUEST_TRIPS[backend], counted
     op.refresh_from_db()
     assert op.job_id and op.dispatched_at is not None
     assert audit(op) == [("", "", OperationState.PENDING, "api")]
@@ -211,20 +217,27 @@ def worker_trips_by_job(queue, key: str, monkeypatch) -> tuple[dict[str, int], d
     return {name: t.total - t.prepares - t.health_checks for name, t in by_job.items()}, by_job
 
 
-def test_fenced_checkout__round_trips_of_each_job(provider, queue, monkeypatch):
-    """The checkout job, 7: the lease with the order's read (1), the charge's claim
-    (1); the invoice with the BEGIN, then the charge's outcome, the invoice's claim
-    with its result and the e-mail's claim with the COMMIT (2); the order's status
-    with the BEGIN, the e-mail's outcome with the two follow-ups (one pipeline),
-    mark_paid's claim with its result and the release with the COMMIT (3).
-    A local step costs no round trip beside its writes: it runs first, then its claim
+#: By job function, on each backend. The checkout job: the lease with the order's read
+#: (1), the charge's claim (1); the invoice, then the charge's outcome, the invoice's
+#: claim with its result and the e-mail's claim with the COMMIT (2); the order's status,
+#: the e-mail's outcome with the two follow-ups (one pipeline), mark_paid's claim with
+#: its result and the release with the COMMIT (3); and each of its two transactions'
+#: BEGIN in a round trip of its own on Django's backend (+2), not on the opt-in one,
+#: which sends it with the transaction's first statement.
+#: The follow-ups (two jobs, added up): the inbox row with the `succeeded` (one
+#: statement), COMMIT (2 each), their writes: the ledger line (1), the day's counter
+#: made or added to (1); and each one's BEGIN alone on Django's backend (+2).
+JOB_TRIPS = {
+    STOCK: {"run_operation": 9, "deliver_message": 8},
+    BEGIN_WITH_FIRST_STATEMENT: {"run_operation": 7, "deliver_message": 6},
+}
+
+
+def test_fenced_checkout__round_trips_of_each_job(provider, queue, monkeypatch, backend):
+    """A local step costs no round trip beside its writes: it runs first, then its claim
     with its result goes in front of the unit's next fence statement; so does a call's
     outcome. The statement a unit commits with sends the COMMIT in its own round trip
-    (a pipeline); a transaction's first statement sends the BEGIN with it
-    (project.postgresql).
-    The follow-ups, 6: the inbox row with the `succeeded` (one statement) with the
-    BEGIN, COMMIT (2 each), and their writes: the ledger line (1), the day's counter
-    made or added to (1)."""
+    (a pipeline). See JOB_TRIPS for the count of each."""
     by_job, counted = worker_trips_by_job(queue, "trips-1", monkeypatch)
 
-    assert by_job == {"run_operation": 7, "deliver_message": 6}, counted
+    assert by_job == JOB_TRIPS[backend], counted

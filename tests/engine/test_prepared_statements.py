@@ -13,7 +13,7 @@ import pytest
 from django.db import close_old_connections, connection
 
 from devtools.bench.dbcount import counting
-from payments.engine import fence
+from payments.engine import driver, fence
 from payments.models import Operation, OperationState
 from tests.support.concurrency import on_another_connection
 from tests.support.flows import checkout
@@ -185,7 +185,12 @@ def test_transitions__reuse_their_connections_psycopg_cursors(queue, monkeypatch
     assert leased.state == OperationState.RUNNING and leased.lease_owner == WORKER
 
 
-OPERATION_BY_ID = f"SELECT {fence.OPERATION_COLUMNS} FROM payments_operation WHERE id = %(id)s"
+OPERATION_BY_ID = (
+    "SELECT id, key, scope, client_id, kind, entity_type, entity_id, params, fingerprint, "
+    "state, attempts, last_error, next_attempt_at, lease_owner, lease_expires_at, job_id, "
+    "dispatched_at, result, retry_of_id, parent_id, created_at, updated_at "
+    "FROM payments_operation WHERE id = %(id)s"
+)
 ORDER_BY_ID = (
     "SELECT id, amount, currency, status, customer_email, refunded_amount, created_at, "
     "updated_at FROM payments_order WHERE id = %(id)s"
@@ -230,7 +235,7 @@ def test_a_receiver_running_fence_statements_while_rows_become_instances__reads_
 def test_a_round_trip_wider_than_the_kept_cursors__gets_cursors_of_its_own(queue):
     op = checkout("prep-wide")
     fence.acquire_lease(op.pk, owner=WORKER, seconds=30)  # a kept cursor or more
-    wide = fence.KEEP_CURSORS + 3
+    wide = driver.KEEP_CURSORS + 3
 
     rows = fence._rows(
         Operation,
@@ -238,5 +243,5 @@ def test_a_round_trip_wider_than_the_kept_cursors__gets_cursors_of_its_own(queue
     )
 
     assert [row.pk for row in rows] == [op.pk] * wide
-    kept = getattr(connection.connection, fence._KEPT_CURSORS)[1]
-    assert len(kept) <= fence.KEEP_CURSORS
+    kept = getattr(connection.connection, driver._KEPT_CURSORS)[1]
+    assert len(kept) <= driver.KEEP_CURSORS

@@ -1,5 +1,8 @@
 """project.postgresql: a transaction's BEGIN in the round trip of its first statement.
 
+The opt-in backend (DATABASE_BEGIN_WITH_FIRST_STATEMENT=1): every test here runs
+on it (`begin_with_first_statement`), Django's stock backend being the default.
+
 Round trips are counted from libpq's own protocol trace (ReadyForQuery
 messages), what the transaction does is checked from a second connection:
 the first statement's change stays invisible and its locks held until the
@@ -14,8 +17,10 @@ from collections.abc import Iterator
 from datetime import datetime
 from pathlib import Path
 
+import django
 import psycopg
 import pytest
+from django.core.exceptions import ImproperlyConfigured
 from django.db import (
     DEFAULT_DB_ALIAS,
     IntegrityError,
@@ -28,9 +33,18 @@ from django.db.backends.postgresql.psycopg_any import IsolationLevel
 from psycopg import pq
 
 from payments.models import Invoice, Order, OrderStatus
-from project.postgresql.base import DatabaseWrapper
+from project.postgresql.base import (
+    TESTED_VERSIONS,
+    DatabaseWrapper,
+    check_tested_versions,
+    untested_versions,
+)
 
-pytestmark = pytest.mark.django_db(transaction=True)
+# transaction=True: the swapped-in connection must not inherit a test's open transaction.
+pytestmark = [
+    pytest.mark.django_db(transaction=True),
+    pytest.mark.usefixtures("begin_with_first_statement"),
+]
 
 _READY = re.compile(r"^B\t\d+\tReadyForQuery\b", re.MULTILINE)
 
@@ -81,6 +95,19 @@ class Trace:
 
 def test_engine__is_this_backend():
     assert isinstance(connections[DEFAULT_DB_ALIAS], DatabaseWrapper)
+
+
+def test_installed_versions__the_tested_ones():
+    """requirements.txt pins what TESTED_VERSIONS names: the backend imported, so they match."""
+    assert untested_versions({"Django": django.__version__, "psycopg": psycopg.__version__}) == []
+
+
+@pytest.mark.parametrize("name", sorted(TESTED_VERSIONS))
+def test_another_django_or_psycopg_version__refused_naming_it(name):
+    installed = {**TESTED_VERSIONS, name: "99.0"}
+
+    with pytest.raises(ImproperlyConfigured, match=rf"{name} 99\.0 \(tested: "):
+        check_tested_versions(installed)
 
 
 def test_atomic_block__begin_rides_with_the_first_statement__its_change_stays_in_the_transaction(

@@ -144,3 +144,18 @@ def test_connection_budget__left_to_pgbouncer_under_transaction_pooling(settings
     assert [m.id for m in check_connection_budget(databases=["default"])] == ["payments.E011"]
     settings.DATABASE_POOLING = "transaction"
     assert check_connection_budget(databases=["default"]) == []
+
+
+ENGINE = "from django.db import connections; print(type(connections['default']).__module__)"
+
+
+def test_database_backend__djangos_own_by_default():
+    shown = manage("shell", "-c", ENGINE)
+    assert shown.returncode == 0, shown.stderr
+    assert shown.stdout.strip().splitlines()[-1] == "django.db.backends.postgresql.base"
+
+
+def test_database_backend__begin_with_first_statement__only_when_asked_for():
+    shown = manage("shell", "-c", ENGINE, DATABASE_BEGIN_WITH_FIRST_STATEMENT="1")
+    assert shown.returncode == 0, shown.stderr
+    assert shown.stdout.strip().splitlines()[-1] == "project.postgresql.base"
