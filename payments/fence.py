@@ -20,6 +20,7 @@
 - `create_operation_in_tx`: write an operation in the caller's transaction and
   deliver it once that commits (the service an API view and the desk both call).
 - `create_follow_ups_in_tx`: write an operation's follow-ups (derived keys) likewise.
+- `money_steps`: the (kind, step) pairs whose effects take money (an order's charges).
 - `DeliveryPolicy`: at most once or at least once, for a side effect without a lookup.
 - `EffectResult`, `ClaimView`: a settled answer, and a claim as an effect sees it.
 
@@ -41,7 +42,7 @@ from payments.engine.dispatch import create_and_dispatch_all_in_tx
 from payments.engine.dispatch import create_and_dispatch_in_tx as create_operation_in_tx
 from payments.engine.effects import ClaimView, DeliveryPolicy, EffectResult
 from payments.engine.handlers import DeskHooks as Desk
-from payments.engine.handlers import EntityHook, ReversalHook, Run, handler
+from payments.engine.handlers import EntityHook, ReversalHook, Run, handler, registered_handlers
 from payments.engine.handlers import message_handler as message
 from payments.models import KeyScope
 from payments.provider.effect import ProviderEffect
@@ -56,6 +57,7 @@ __all__ = [
     "create_follow_ups_in_tx",
     "create_operation_in_tx",
     "message",
+    "money_steps",
     "operation",
     "start_operation",
 ]
@@ -129,4 +131,15 @@ def create_follow_ups_in_tx(
             )
             for kind in kinds
         ]
+    )
+
+
+def money_steps() -> list[tuple[str, str]]:
+    """Every (kind, step) whose effect takes the customer's money (`AUDITED` is
+    "payment_intent": a checkout's charge, a capture), whatever package declares it."""
+    return sorted(
+        (kind, step)
+        for kind, spec in registered_handlers().items()
+        for step, effect in spec.effects.items()
+        if getattr(effect, "AUDITED", "") == "payment_intent"
     )

@@ -19,6 +19,21 @@ AUTHORIZE = "authorize"
 DECLINED = frozenset({"requires_payment_method", "canceled"})
 
 
+def release_hold_of(effect: ProviderEffect, claim: ClaimView) -> EffectResult | None:
+    """For an operator's "mark failed": cancel the intent unless captured, so that no
+    capture can follow and no hold stays on the card; say what the step is now."""
+    found, intent = effect.current(claim)
+    intent = intent or (found.reference if found is not None else "")
+    if not intent or (found is not None and found.data.get("status") == "succeeded"):
+        return found  # nothing to cancel, or captured: it happened
+    try:
+        effect.client.cancel_payment_intent(intent, cancellation_reason="abandoned")
+    except InvalidRequest as exc:
+        if exc.code != PAYMENT_INTENT_UNEXPECTED_STATE:
+            raise
+    return effect._settled(effect.retrieve(intent))
+
+
 class _OnTheIntent(ProviderEffect):
     """A call on the intent the authorisation made (named in the request; no metadata)."""
 
@@ -45,6 +60,7 @@ class Authorization(ProviderEffect):
 
     MAY_HAVE_HAPPENED = "The customer's card may already hold the amount."
     VOIDS = "is cancelled there, which releases the hold"
+    void = release_hold_of
     EVENTS = frozenset(
         {
             "payment_intent.amount_capturable_updated",
@@ -101,6 +117,8 @@ class Capture(_OnTheIntent):
     """Capture `amount_to_capture` of the hold (Stripe releases the rest)."""
 
     MAY_HAVE_HAPPENED = "The held amount may already have been captured."
+    VOIDS = "is cancelled there unless captured, which releases the hold"
+    void = release_hold_of
     #: The audit counts a done capture as its intent's success (its reference is the charge).
     AUDITED = "payment_intent"
     AUDIT_ID = "payment_intent"

@@ -15,7 +15,7 @@ from typing import Any
 
 from django.core.mail import send_mail
 from django.db import transaction
-from django.db.models import CharField, Exists, OuterRef, QuerySet, Subquery
+from django.db.models import CharField, Exists, OuterRef, Q, QuerySet, Subquery
 from django.db.models.functions import Cast
 from django.utils import timezone
 
@@ -24,7 +24,14 @@ from payments.checkout.followups import write_follow_ups_in_tx
 from payments.checkout.names import CHARGE, CHECKOUT, CONFIRMATION_EMAIL, INVOICE, MARK_PAID
 from payments.entities import lock_order, money_line
 from payments.exceptions import InvalidTransition
-from payments.fence import DeliveryPolicy, Desk, Run, create_operation_in_tx, operation
+from payments.fence import (
+    DeliveryPolicy,
+    Desk,
+    Run,
+    create_operation_in_tx,
+    money_steps,
+    operation,
+)
 from payments.models import (
     ApiClient,
     ClaimState,
@@ -135,12 +142,15 @@ def _attempts(order_id: Any) -> QuerySet[Operation]:
 
 
 def _unsettled_charges(order_id: Any) -> QuerySet[StepClaim]:
-    """The order's charge claims that did not fail: each charged, or may have."""
+    """The order's claims of steps that take money (a charge of any attempt, a capture) that
+    did not fail: each took money, or may have."""
+    takes_money = Q(pk__in=[])
+    for kind, step in money_steps():
+        takes_money |= Q(operation__kind=kind, step=step)
     return StepClaim.objects.filter(
-        operation__kind=CHECKOUT,
+        takes_money,
         operation__entity_type="order",
         operation__entity_id=Cast(order_id, CharField()),
-        step=CHARGE,
     ).exclude(state=ClaimState.FAILED)
 
 

@@ -144,10 +144,15 @@ class HandlerSpec:
         """Every step name this handler may record (external effects included, and the
         reversal of each when the handler can undo one: `on_reversal`)."""
         reversals = {reversal_step(s) for s in self.effects} if self.on_reversal else set()
-        return self.steps | frozenset(self.effects) | reversals
+        gave_up = {GIVE_UP_STEP} if self.on_give_up else set()
+        return self.steps | frozenset(self.effects) | reversals | gave_up
 
 
 _HANDLERS: dict[str, HandlerSpec] = {}
+
+#: The local step that records, before its first call, that an operation is compensating
+#: (`on_give_up`): a redelivered run resumes the compensation, never the forward steps.
+GIVE_UP_STEP = ":give_up"
 
 
 #: Set once discover_handlers has imported every handler module of its root.

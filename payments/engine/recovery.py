@@ -26,7 +26,7 @@ from payments.conf import payments_settings
 from payments.engine import fence
 from payments.engine.dispatch import dispatch, dispatch_on_commit
 from payments.engine.effects import EffectResult, reversal_step
-from payments.engine.handlers import HandlerSpec, get_handler
+from payments.engine.handlers import GIVE_UP_STEP, HandlerSpec, get_handler
 from payments.engine.outcomes import Outcome
 from payments.engine.queues import payments_queue
 from payments.engine.steps import past_grace, reconcile_step, view_of
@@ -221,7 +221,10 @@ def stranded_operations() -> Q:
         claims__state=ClaimState.DONE,
         claims__provider_reference__gt="",
     )
-    return settled_but_uncertain | charged_but_failed
+    # A failed operation that compensated (its `on_give_up` completed, e.g. a released
+    # hold) stays failed: what its done steps did was undone on purpose.
+    compensated = Q(pk__in=StepClaim.objects.filter(step=GIVE_UP_STEP).values("operation_id"))
+    return settled_but_uncertain | (charged_but_failed & ~compensated)
 
 
 def _resume_stranded(actor: str, report: ReconcileReport) -> None:

@@ -10,6 +10,7 @@ The runtime owns its transactions; the job that calls it only passes ids.
 from __future__ import annotations
 
 import logging
+from datetime import timedelta
 from typing import Any
 
 from django.db import transaction
@@ -17,7 +18,14 @@ from django.db import transaction
 from payments.conf import payments_settings
 from payments.engine import fence
 from payments.engine.failpoints import BEFORE_GIVE_UP, failpoint
-from payments.engine.handlers import NOT_READ, HandlerSpec, Run, entity_models, get_handler
+from payments.engine.handlers import (
+    GIVE_UP_STEP,
+    NOT_READ,
+    HandlerSpec,
+    Run,
+    entity_models,
+    get_handler,
+)
 from payments.exceptions import (
     ConfigurationError,
     RetriesExhausted,
@@ -74,6 +82,8 @@ def execute(operation_id: int, *, worker_id: str, job: Any = None) -> str:
             NOT_READ if spec.entity is None else leased.entities.get(spec.entity, NOT_READ)
         ),
     )
+    if spec.on_give_up is not None and _compensating(op, leased.claimed_steps):
+        return _compensate(run, op.last_error or "gave up earlier")
     try:
         _run_handler(spec, run)
     except StepBusy as exc:
@@ -206,6 +216,13 @@ def _compensation_due(op: Operation, spec: HandlerSpec, worker_id: str) -> bool:
     return bool(done) and not in_doubt
 
 
+def _compensating(op: Operation, claimed: frozenset[str] | None) -> bool:
+    """Tell whether the operation started its compensation before (its marker claim)."""
+    if claimed is not None:
+        return GIVE_UP_STEP in claimed
+    return StepClaim.objects.filter(operation=op, step=GIVE_UP_STEP).exists()
+
+
 def _compensate(run: Run, reason: str) -> str:
     """Run the handler's `on_give_up` under the lease, then fail the operation.
 
@@ -218,10 +235,18 @@ def _compensate(run: Run, reason: str) -> str:
     assert spec.on_give_up is not None
     logger.warning("operation %s gives up (%s); compensating", op.key, reason[:200])
     try:
+        # Durable before the compensation's first call: a redelivery resumes it from here.
+        run.local(GIVE_UP_STEP, lambda: {"reason": reason[:500]})
         spec.on_give_up(run)
         run.unit.commit()
     except StepBusy as exc:
         _finish(op, OperationState.RETRYING, worker_id, str(exc), next_attempt_at=exc.until)
+        return "deferred"
+    except StepTransient as exc:  # nothing executed: the compensation is tried again, later
+        run.unit.commit()
+        later = fence.db_now() + timedelta(seconds=payments_settings().backoff_before(99))
+        _finish(op, OperationState.RETRYING, worker_id, f"{reason}; compensation: {exc}",
+                next_attempt_at=later)  # fmt: skip
         return "deferred"
     except StepUncertain as exc:
         run.unit.roll_back("compensation uncertain")
@@ -241,10 +266,35 @@ def _compensate(run: Run, reason: str) -> str:
         fence.release_in_tx(
             locked, OperationState.FAILED, actor=worker_id, reason=why, last_error=reason[:2000]
         )
+        # The step that gave up was released after its refusals (by this worker, or by the
+        # one whose compensation this run resumes: nothing else reaches here): it failed.
+        _settle_released_in_tx(locked, spec, worker_id, reason)
         if spec.on_failure is not None:
             spec.on_failure(locked)
     logger.info("operation %s failed after compensation", op.key)
     return "failed"
+
+
+def _settle_released_in_tx(op: Operation, spec: HandlerSpec, worker_id: str, reason: str) -> None:
+    """Settle failed the external claims released after a refusal (no lease: nothing ran).
+    In the caller's transaction; a claim another actor holds now is left alone."""
+    released = StepClaim.objects.filter(
+        operation=op,
+        step__in=list(spec.effects),
+        state=ClaimState.CLAIMED,
+        lease_expires_at__isnull=True,
+    )
+    lease = payments_settings().claim_lease
+    for claim in released:
+        taken = fence.take_over_claim(claim, owner=worker_id, lease_seconds=lease)
+        if taken is not None and taken.state == ClaimState.CLAIMED:
+            fence.settle_claim(
+                taken,
+                ClaimState.FAILED,
+                actor=worker_id,
+                error=f"gave up: {reason}"[:2000],
+                reason="refused before executing; the operation compensated",
+            )
 
 
 def _fail(op: Operation, spec: HandlerSpec, worker_id: str, reason: str) -> None:

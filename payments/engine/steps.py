@@ -263,7 +263,9 @@ def _settle_from_lookup(claim: StepClaim, effect: ExternalEffect, *, actor: str)
         raise StepTransient(reason, operation_key=op_key, step=step) from exc
     fence.note_provider_view(claim, found, source="reconciler")
     if found is not None:
-        other = fence.claim_carrying(found.reference, besides=claim)
+        # One provider success settles one step; a refusal may name an object an earlier
+        # step succeeded with (a capture refused on the authorisation's cancelled intent).
+        other = fence.claim_carrying(found.reference, besides=claim) if found.succeeded else None
         if other is not None:  # one provider object settles one step: never record it twice
             alerts.error(
                 "lookup for %s/%s found %s, which already settles %s",

@@ -79,18 +79,12 @@ class ProviderEffect:
         self.run = run
         self.step = step
         self.operation = run.operation
-        self._client = client
+        # Built now, before any claim: a wrong configuration fails the step, not its call.
+        self.client = client or ProviderClient.from_settings()
 
     @property
     def params(self) -> dict[str, Any]:
         return dict(self.operation.params)
-
-    @property
-    def client(self) -> ProviderClient:
-        """The provider client (built on first use, from the settings)."""
-        if self._client is None:
-            self._client = ProviderClient.from_settings()
-        return self._client
 
     # --- what a subclass writes ------------------------------------------------------
 
@@ -199,7 +193,7 @@ class ProviderEffect:
             ranked.setdefault(None if found is None else found.outcome, []).append(obj)
         if len(ranked.get(Outcome.SUCCESS, [])) > 1:
             alerts.error(
-                "operation %s step %s has %s provider successes",
+                "operation %s step %s has %s provider successes: double charge",
                 claim.operation_key,
                 claim.step,
                 len(ranked[Outcome.SUCCESS]),
@@ -217,10 +211,9 @@ class ProviderEffect:
         found = self.outcome(obj)
         if found is None or found.outcome != Outcome.SUCCESS:
             problems.append(f"its status is {getattr(obj, 'status', 'unknown')}")
-        if target:
-            if reference not in (target, found.reference if found else ""):
-                problems.append(f"this step acts on {target}, not {reference}")
-        elif not self.matches(obj, claim.request):
+        if target and reference not in (target, found.reference if found else ""):
+            problems.append(f"this step acts on {target}, not {reference}")
+        if not self.matches(obj, claim.request):  # a target's request sends no metadata
             problems.append("it belongs to another operation, or its amount or currency differ")
         if problems:
             raise ValueError("; ".join(problems))

@@ -103,7 +103,7 @@ def test_capture_that_gives_up__releases_the_hold_under_its_own_claim(provider, 
 
     op.refresh_from_db()
     assert op.state == OperationState.FAILED, op.last_error
-    assert "compensated" in Operation.objects.get(pk=op.pk).events.last().reason
+    assert op.events.filter(to_state=OperationState.FAILED, reason__endswith="compensated").exists()
     intent = intent_of(provider, op)
     assert (intent["status"], intent["amount_capturable"]) == ("canceled", 0)
     release = op.claims.get(step="release")
@@ -145,3 +145,113 @@ def test_fence_audit__a_held_or_released_authorisation_is_no_finding_and_a_captu
     assert released.state == OperationState.FAILED
 
     call_command("fence_audit", "--since", "1h")  # exit 0: CommandError otherwise
+
+
+def gave_up_and_compensated(provider, queue) -> Operation:
+    faults: list[int] = []
+
+    def refuse_the_captures() -> None:
+        if not faults:  # after the authorisation's 200: every capture try gets a 429
+            faults.append(provider.state.enqueue_faults("rate_limit", 10))
+
+    with hooked(AFTER_PROVIDER_ACCEPT, refuse_the_captures):
+        op = captured_order(queue, amount=2000)
+    assert op.state == OperationState.FAILED
+    return op
+
+
+def test_a_compensated_capture__stays_failed_through_the_reconcilers_passes(provider, queue):
+    """Its authorisation is done with a reference, yet the operation is not "stranded": it
+    compensated on purpose. Its capture claim, released after the 429s, is settled failed,
+    so no lookup finds the authorisation's intent and parks it for review."""
+    from payments.engine.recovery import reconcile
+
+    op = gave_up_and_compensated(provider, queue)
+    assert op.claims.get(step="capture").state == ClaimState.FAILED
+    events = op.events.count()
+
+    for _ in range(3):
+        reconcile(actor="recovery:test")
+        run_worker(queue)
+
+    op.refresh_from_db()
+    assert op.state == OperationState.FAILED
+    assert op.events.count() == events  # nothing resumed, nothing moved
+
+
+class _Killed(BaseException):
+    """The worker's death just after the provider's 200 (what a SIGKILL leaves behind)."""
+
+
+def test_marking_a_held_capture_failed__cancels_the_hold(provider, queue):
+    """An operator's "mark failed" voids the step: the intent is cancelled, so that no
+    capture can follow and nothing stays held on the card."""
+    from payments.engine.failpoints import AFTER_CLAIM_COMMIT
+    from payments.engine.handlers import get_handler
+    from payments.engine.runtime import execute
+    from payments.engine.steps import view_of
+
+    order = create_order(amount=2000, currency="eur", email="held@example.com")
+    op, _ = request_capture(
+        order_id=order.pk, key="held-1", payment_method="pm_card_visa", actor="test"
+    )
+    claims: list[int] = []
+
+    def die_before_the_capture_is_sent() -> None:
+        claims.append(1)
+        if len(claims) == 2:  # the capture's claim committed; its request never sent
+            raise _Killed
+
+    with hooked(AFTER_CLAIM_COMMIT, die_before_the_capture_is_sent), pytest.raises(_Killed):
+        execute(op.pk, worker_id="w1/1")
+    claim = op.claims.get(step="capture")
+    assert intent_of(provider, op)["status"] == "requires_capture"
+
+    found = get_handler(op.kind).effect("capture", op).void(view_of(claim))
+
+    assert found is not None and not found.succeeded
+    intent = intent_of(provider, op)
+    assert (intent["status"], intent["amount_capturable"]) == ("canceled", 0)
+
+
+def test_a_run_that_dies_after_the_releases_200__resumes_the_compensation(provider, queue):
+    """The redelivered run goes straight back to the compensation (its marker claim was
+    committed before the release's call): the release replays under its own key, the
+    capture is never tried again, and the operation fails, with nothing held."""
+    import contextlib
+    import time
+
+    from payments.engine.runtime import execute
+    from payments.exceptions import RetryLater
+
+    order = create_order(amount=2000, currency="eur", email="die@example.com")
+    op, _ = request_capture(
+        order_id=order.pk, key="die-1", payment_method="pm_card_visa", actor="test"
+    )
+    faults: list[int] = []
+    released: list[bool] = []
+
+    def refuse_then_die() -> None:
+        if not faults:
+            faults.append(provider.state.enqueue_faults("rate_limit", 10))
+        elif provider.state.intents(metadata={"operation_key": op.key})[0]["status"] == "canceled":
+            released.append(True)
+            raise _Killed  # after the release's 200, before it is recorded
+
+    with hooked(AFTER_PROVIDER_ACCEPT, refuse_then_die), pytest.raises(_Killed):
+        for attempt in range(3):  # two 429s, then the give-up's release, then the death
+            with contextlib.suppress(RetryLater):
+                execute(op.pk, worker_id=f"w{attempt}/1")
+    assert released
+    assert op.claims.get(step="release").state == ClaimState.CLAIMED
+    time.sleep(3.5)  # the dead worker's leases run out (CLAIM_LEASE)
+
+    assert execute(op.pk, worker_id="w9/1") == "failed"
+    op.refresh_from_db()
+    assert op.state == OperationState.FAILED
+    assert op.claims.get(step="release").state == ClaimState.DONE
+    assert op.claims.get(step="capture").state == ClaimState.FAILED
+    intent = intent_of(provider, op)
+    assert intent["status"] == "canceled"
+    order.refresh_from_db()
+    assert order.status == OrderStatus.PAYMENT_FAILED
