@@ -1,10 +1,11 @@
-# The two commands: `make demo` and `make test`. Everything else is set up on the way.
+# The two commands: `make demo` and `make test` (`make test-fast`: its fast tier). Everything
+# else is set up on the way.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 PG_URL ?= postgres://postgres@127.0.0.1:5432/fence
 
-.PHONY: install env db migrate demo test lint format bench run clean browser topology valgrind
+.PHONY: install env db migrate demo test test-fast lint format bench run clean browser topology valgrind
 
 $(VENV)/.installed: requirements.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -63,6 +64,22 @@ valgrind:
 	@command -v valgrind >/dev/null && command -v callgrind_control >/dev/null || \
 	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq valgrind) || \
 	  (echo "install Debian's valgrind (apt-get install valgrind) for make bench's instruction count"; exit 1)
+
+# The tests in tiers: pytest marks set by folder and module in tests/conftest.py (TIERS),
+# registered in pyproject.toml, so that a test added to one of those folders joins its tier.
+#   (no mark)  the fast tier: PostgreSQL and Redis only (real workers in this process, the
+#              fake provider on a thread); what a change is checked with first.
+#   crash      tests/crash: real worker processes SIGKILLed at named points, the chaos run.
+#   topology   tests/topology: PgBouncer, Redis Sentinel, a PostgreSQL cluster of its own.
+#   browser    tests/browser: headless Chromium (make browser).
+#   bench      tests/devtools/test_bench_*: make bench's measurements, valgrind (make valgrind).
+# `make test-fast` runs the fast tier; `make test` runs every tier, their binaries installed
+# first (a missing one fails its tests there instead of skipping them). One tier alone:
+# `.venv/bin/python -m pytest -m crash`.
+FAST_TIER := not crash and not topology and not browser and not bench
+
+test-fast: db
+	$(PY) -m pytest -m "$(FAST_TIER)" --durations=10
 
 test: db browser topology valgrind
 	REQUIRE_TOPOLOGY_BINARIES=1 $(PY) -m pytest --durations=25

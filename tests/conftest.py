@@ -9,16 +9,19 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from pathlib import Path
 
 import django_rq
 import pytest
 from django.conf import settings
 from django.db import connection
+from django.test import Client
 from redis import Redis
 from rq.queue import Queue
 
 from devtools.fake_provider.server import FakeProviderServer
 from inbox.queues import MessageQueue
+from tests.support.api import API_TOKEN, api_client
 from tests.support.config import TEST_PAYMENTS, TEST_REDIS_URL
 from tests.support.inbox_jobs import EFFECT_TABLE, QUEUE_NAME, SEEN_KEY, Effects
 
@@ -28,6 +31,40 @@ from tests.support.workers import run_worker  # noqa: F401  (tests/engine/test_f
 # Point every queue at the test Redis database before anything creates a queue.
 for _config in settings.RQ_QUEUES.values():
     _config["URL"] = TEST_REDIS_URL
+
+
+# --- Tiers (Makefile: `make test-fast` runs the tests none of these marks) ---------------
+
+TESTS = Path(__file__).resolve().parent
+
+#: Tier mark of every test under a folder, or in a module, of tests/: a test added there is
+#: tiered with its neighbours. The marks are registered in pyproject.toml.
+TIERS = {
+    "browser": "browser",  # headless Chromium
+    "topology": "topology",  # PgBouncer, Redis Sentinel, a PostgreSQL cluster of its own
+    "crash": "crash",  # real workers SIGKILLed, the chaos run
+    "devtools/test_bench_counters.py": "bench",
+    "devtools/test_bench_instructions.py": "bench",  # valgrind
+    "devtools/test_bench_purge.py": "bench",
+    "devtools/test_bench_settings.py": "bench",
+}
+
+
+def tier_of(path: Path) -> str | None:
+    """Return the tier mark of a test module of tests/, or None (the fast tier)."""
+    parts = path.relative_to(TESTS).parts
+    for depth in range(1, len(parts) + 1):
+        tier = TIERS.get("/".join(parts[:depth]))
+        if tier is not None:
+            return tier
+    return None
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        tier = tier_of(item.path)
+        if tier is not None:
+            item.add_marker(tier)
 
 
 @pytest.fixture
@@ -43,6 +80,13 @@ def redis_conn() -> Iterator[Redis]:
 def queue(redis_conn: Redis) -> Queue:
     """The payments queue (tests/inbox/ overrides it with the inbox test queue)."""
     return django_rq.get_queue("payments")
+
+
+@pytest.fixture
+def api(settings) -> Client:
+    """A client of the JSON API, authenticated by settings.API_TOKEN (set for the test)."""
+    settings.API_TOKEN = API_TOKEN
+    return api_client()
 
 
 # --- The fake provider -----------------------------------------------------------------
