@@ -38,8 +38,13 @@ demo: install env
 	$(DEMO_ENV) $(PY) manage.py migrate --noinput -v 0
 	$(DEMO_ENV) $(PY) manage.py demo $(DEMO_ARGS)
 
+# The local stack for a person to try (manage.py runstack): its ports from the environment,
+# e.g. `RUN_PORT=8100 PROVIDER_PORT=8865 make run` beside another checkout's stack.
+RUN_PORT ?= 8000
+PROVIDER_PORT ?= 8765
+
 run: migrate
-	$(PY) manage.py runstack
+	$(PY) manage.py runstack --port $(RUN_PORT) --provider-port $(PROVIDER_PORT)
 
 # Debian's chromium for the admin's browser test (Playwright cannot download one here).
 browser:
