@@ -32,6 +32,10 @@ from tests.support.workers import run_worker  # noqa: F401  (tests/engine/test_f
 for _config in settings.RQ_QUEUES.values():
     _config["URL"] = TEST_REDIS_URL
 
+# Production's password hasher costs most of a second per user on a busy 2-core machine, and
+# the desk's tests create several users each; no test is about the hasher.
+settings.PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
+
 
 # --- Tiers (Makefile: `make test-fast` runs the tests none of these marks) ---------------
 
