@@ -78,10 +78,12 @@ valgrind:
 #   topology   tests/topology: PgBouncer, Redis Sentinel, a PostgreSQL cluster of its own.
 #   browser    tests/browser: headless Chromium (make browser).
 #   bench      tests/devtools/test_bench_*: make bench's measurements, valgrind (make valgrind).
+#   slow       PostgreSQL and Redis only, but minutes: the API's schemathesis fuzz, the fence's
+#              Hypothesis state machine, real gunicorn and runserver processes.
 # `make test-fast` runs the fast tier; `make test` runs every tier, their binaries installed
 # first (a missing one fails its tests there instead of skipping them). One tier alone:
 # `.venv/bin/python -m pytest -m crash`.
-FAST_TIER := not crash and not topology and not browser and not bench
+FAST_TIER := not crash and not topology and not browser and not bench and not slow
 
 test-fast: db
 	$(PY) -m pytest -m "$(FAST_TIER)" --durations=10

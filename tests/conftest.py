@@ -47,6 +47,9 @@ TIERS = {
     "browser": "browser",  # headless Chromium
     "topology": "topology",  # PgBouncer, Redis Sentinel, a PostgreSQL cluster of its own
     "crash": "crash",  # real workers SIGKILLed, the chaos run
+    "api/test_fuzz.py": "slow",  # schemathesis: every operation, then 100 stateful chains
+    "engine/test_properties.py": "slow",  # a Hypothesis state machine over real workers
+    "hardening/test_serving.py": "slow",  # real gunicorn and runserver processes
     "devtools/test_bench_counters.py": "bench",
     "devtools/test_bench_instructions.py": "bench",  # valgrind
     "devtools/test_bench_purge.py": "bench",
