@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from fnmatch import fnmatch
 from pathlib import Path
 
 import django_rq
@@ -41,30 +42,24 @@ settings.PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
 
 TESTS = Path(__file__).resolve().parent
 
-#: Tier mark of every test under a folder, or in a module, of tests/: a test added there is
-#: tiered with its neighbours. The marks are registered in pyproject.toml.
+#: The tier mark of the test modules a pattern (fnmatch, relative to tests/) matches: a test
+#: added to one of these folders, or a new bench module, joins its tier. The marks are
+#: registered in pyproject.toml; a module no pattern matches is in the fast tier.
 TIERS = {
-    "browser": "browser",  # headless Chromium
-    "topology": "topology",  # PgBouncer, Redis Sentinel, a PostgreSQL cluster of its own
-    "crash": "crash",  # real workers SIGKILLed, the chaos run
+    "browser/*": "browser",  # headless Chromium
+    "topology/*": "topology",  # PgBouncer, Redis Sentinel, a PostgreSQL cluster of its own
+    "crash/*": "crash",  # real workers SIGKILLed, the chaos run
+    "devtools/test_bench_*": "bench",  # make bench's figures; valgrind's instruction count
     "api/test_fuzz.py": "slow",  # schemathesis: every operation, then 100 stateful chains
     "engine/test_properties.py": "slow",  # a Hypothesis state machine over real workers
     "hardening/test_serving.py": "slow",  # real gunicorn and runserver processes
-    "devtools/test_bench_counters.py": "bench",
-    "devtools/test_bench_instructions.py": "bench",  # valgrind
-    "devtools/test_bench_purge.py": "bench",
-    "devtools/test_bench_settings.py": "bench",
 }
 
 
 def tier_of(path: Path) -> str | None:
     """Return the tier mark of a test module of tests/, or None (the fast tier)."""
-    parts = path.relative_to(TESTS).parts
-    for depth in range(1, len(parts) + 1):
-        tier = TIERS.get("/".join(parts[:depth]))
-        if tier is not None:
-            return tier
-    return None
+    module = path.relative_to(TESTS).as_posix()
+    return next((tier for pattern, tier in TIERS.items() if fnmatch(module, pattern)), None)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
