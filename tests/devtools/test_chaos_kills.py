@@ -7,6 +7,9 @@ killing starters left no worker to take the jobs. The rule reads RQ's own regist
 
 from __future__ import annotations
 
+from redis import Redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 from rq.worker import Worker
 
 from devtools.chaos import started_workers
@@ -45,7 +48,6 @@ def test_redis_flushed__a_worker_is_killable_again_after_its_next_heartbeat(redi
 
 
 def test_redis_unreachable__no_worker_is_killed():
-    from redis import Redis
-
-    away = Redis(host="127.0.0.1", port=free_port(), socket_connect_timeout=0.5)
+    # No retries: redis-py's default backs off for seconds before it gives up.
+    away = Redis(host="127.0.0.1", port=free_port(), retry=Retry(NoBackoff(), 0))
     assert started_workers([proc("worker-1-1")], away) == []
