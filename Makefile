@@ -1,10 +1,11 @@
-# The two commands: `make demo` and `make test`. Everything else is set up on the way.
+# The two commands: `make demo` and `make test` (`make test-fast`: its fast tier). Everything
+# else is set up on the way.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 PG_URL ?= postgres://postgres@127.0.0.1:5432/fence
 
-.PHONY: install env db migrate demo test lint format bench run clean browser topology valgrind
+.PHONY: install env db migrate demo test test-fast lint format bench run clean browser topology valgrind
 
 $(VENV)/.installed: requirements.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -37,8 +38,13 @@ demo: install env
 	$(DEMO_ENV) $(PY) manage.py migrate --noinput -v 0
 	$(DEMO_ENV) $(PY) manage.py demo $(DEMO_ARGS)
 
+# The local stack for a person to try (manage.py runstack): its ports from the environment,
+# e.g. `RUN_PORT=8100 PROVIDER_PORT=8865 make run` beside another checkout's stack.
+RUN_PORT ?= 8000
+PROVIDER_PORT ?= 8765
+
 run: migrate
-	$(PY) manage.py runstack
+	$(PY) manage.py runstack --port $(RUN_PORT) --provider-port $(PROVIDER_PORT)
 
 # Debian's chromium for the admin's browser test (Playwright cannot download one here).
 browser:
@@ -63,6 +69,24 @@ valgrind:
 	@command -v valgrind >/dev/null && command -v callgrind_control >/dev/null || \
 	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq valgrind) || \
 	  (echo "install Debian's valgrind (apt-get install valgrind) for make bench's instruction count"; exit 1)
+
+# The tests in tiers: pytest marks set by folder and module in tests/conftest.py (TIERS),
+# registered in pyproject.toml, so that a test added to one of those folders joins its tier.
+#   (no mark)  the fast tier: PostgreSQL and Redis only (real workers in this process, the
+#              fake provider on a thread); what a change is checked with first.
+#   crash      tests/crash: real worker processes SIGKILLed at named points, the chaos run.
+#   topology   tests/topology: PgBouncer, Redis Sentinel, a PostgreSQL cluster of its own.
+#   browser    tests/browser: headless Chromium (make browser).
+#   bench      tests/devtools/test_bench_*: make bench's measurements, valgrind (make valgrind).
+#   slow       PostgreSQL and Redis only, but minutes: the API's schemathesis fuzz, the fence's
+#              Hypothesis state machine, real gunicorn and runserver processes.
+# `make test-fast` runs the fast tier; `make test` runs every tier, their binaries installed
+# first (a missing one fails its tests there instead of skipping them). One tier alone:
+# `.venv/bin/python -m pytest -m crash`.
+FAST_TIER := not crash and not topology and not browser and not bench and not slow
+
+test-fast: db
+	$(PY) -m pytest -m "$(FAST_TIER)" --durations=10
 
 test: db browser topology valgrind
 	REQUIRE_TOPOLOGY_BINARIES=1 $(PY) -m pytest --durations=25

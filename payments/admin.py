@@ -12,7 +12,6 @@ from __future__ import annotations
 __all__ = ["BADGE_COLOURS", "InvoiceAdmin", "OperationAdmin", "OrderAdmin"]
 
 from collections.abc import Callable
-from functools import wraps
 from typing import Any
 
 from django.contrib import admin
@@ -45,7 +44,6 @@ from payments.desk.views import (
     DESK_ACTIONS,
     DeskViewsMixin,
     attempts_of,
-    desk_counts,
     follow_up_kinds,
     follow_up_q,
     job_link,
@@ -550,33 +548,6 @@ class InvoiceAdmin(ReadOnlyAdmin):
     @admin.display(description="created at", ordering="created_at")
     def created(self, obj: Invoice) -> str:
         return when(obj.created_at)
-
-
-# --- the admin's home page shows the desk ---------------------------------------------
-
-
-def with_desk_counts(index: Callable[..., HttpResponse]) -> Callable[..., HttpResponse]:
-    """Wrap AdminSite.index: give the home page's desk box its counts per state.
-
-    Only for users who may view operations (the box is not shown to others);
-    the template is admin/payments/index.html.
-    """
-
-    @wraps(index)
-    def desk_index(request: HttpRequest, extra_context: dict[str, Any] | None = None):
-        extra = dict(extra_context or {})
-        if request.user.has_perm("payments.view_operation"):
-            extra["desk_counts"] = desk_counts()
-        return index(request, extra_context=extra)
-
-    return desk_index
-
-
-admin.site.index_template = "admin/payments/index.html"
-admin.site.index = with_desk_counts(admin.site.index)  # type: ignore[method-assign,assignment]
-# The operators' lists need the width: the app sidebar (three links, the same as the
-# breadcrumbs) would clip their columns at 1280 px.
-admin.site.enable_nav_sidebar = False
 
 
 # --- API clients and their keys (djangorestframework-api-key's admin) ---------------

@@ -1,6 +1,15 @@
 from __future__ import annotations
 
 from django.apps import AppConfig
+from django.contrib.admin import apps as admin_apps
+
+
+class DeskAdminConfig(admin_apps.AdminConfig):
+    """django.contrib.admin, its default site the desk's (payments.desk.site.DeskAdminSite)."""
+
+    default_site = "payments.desk.site.DeskAdminSite"
+    # Not the payments app's config: INSTALLED_APPS names this one explicitly.
+    default = False
 
 
 class PaymentsConfig(AppConfig):

@@ -49,7 +49,8 @@ API_TOKEN = _secret("API_TOKEN", INSECURE_DEV_API_TOKEN)
 ALLOWED_HOSTS = env.list("ALLOWED_HOSTS", default=["127.0.0.1", "localhost", "[::1]", "testserver"])
 
 INSTALLED_APPS = [
-    "django.contrib.admin",
+    # django.contrib.admin, with the desk's AdminSite subclass as `admin.site`.
+    "payments.apps.DeskAdminConfig",
     "django.contrib.auth",
     "django.contrib.contenttypes",
     "django.contrib.sessions",

@@ -9,17 +9,21 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from fnmatch import fnmatch
+from pathlib import Path
 from typing import Any
 
 import django_rq
 import pytest
 from django.conf import settings
 from django.db import DEFAULT_DB_ALIAS, connection, connections
+from django.test import Client
 from redis import Redis
 from rq.queue import Queue
 
 from devtools.fake_provider.server import FakeProviderServer
 from inbox.queues import MessageQueue
+from tests.support.api import API_TOKEN, api_client
 from tests.support.config import TEST_PAYMENTS, TEST_REDIS_URL
 from tests.support.inbox_jobs import EFFECT_TABLE, QUEUE_NAME, SEEN_KEY, Effects
 
@@ -29,6 +33,41 @@ from tests.support.workers import run_worker  # noqa: F401  (tests/engine/test_f
 # Point every queue at the test Redis database before anything creates a queue.
 for _config in settings.RQ_QUEUES.values():
     _config["URL"] = TEST_REDIS_URL
+
+# Production's password hasher costs most of a second per user on a busy 2-core machine, and
+# the desk's tests create several users each; no test is about the hasher.
+settings.PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
+
+
+# --- Tiers (Makefile: `make test-fast` runs the tests none of these marks) ---------------
+
+TESTS = Path(__file__).resolve().parent
+
+#: The tier mark of the test modules a pattern (fnmatch, relative to tests/) matches: a test
+#: added to one of these folders, or a new bench module, joins its tier. The marks are
+#: registered in pyproject.toml; a module no pattern matches is in the fast tier.
+TIERS = {
+    "browser/*": "browser",  # headless Chromium
+    "topology/*": "topology",  # PgBouncer, Redis Sentinel, a PostgreSQL cluster of its own
+    "crash/*": "crash",  # real workers SIGKILLed, the chaos run
+    "devtools/test_bench_*": "bench",  # make bench's figures; valgrind's instruction count
+    "api/test_fuzz.py": "slow",  # schemathesis: every operation, then 100 stateful chains
+    "engine/test_properties.py": "slow",  # a Hypothesis state machine over real workers
+    "hardening/test_serving.py": "slow",  # real gunicorn and runserver processes
+}
+
+
+def tier_of(path: Path) -> str | None:
+    """Return the tier mark of a test module of tests/, or None (the fast tier)."""
+    module = path.relative_to(TESTS).as_posix()
+    return next((tier for pattern, tier in TIERS.items() if fnmatch(module, pattern)), None)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        tier = tier_of(item.path)
+        if tier is not None:
+            item.add_marker(tier)
 
 
 @pytest.fixture
@@ -99,6 +138,13 @@ def backend(request: pytest.FixtureRequest) -> Iterator[str]:
     """Run the test on each backend, whichever the settings chose; its name."""
     for _ in _on_backend(request.param):
         yield request.param
+
+
+@pytest.fixture
+def api(settings) -> Client:
+    """A client of the JSON API, authenticated by settings.API_TOKEN (set for the test)."""
+    settings.API_TOKEN = API_TOKEN
+    return api_client()
 
 
 # --- The fake provider -----------------------------------------------------------------

@@ -17,14 +17,7 @@ from payments.models import Order
 
 pytestmark = pytest.mark.django_db
 
-TOKEN = "contract-token-that-is-long-enough-0123456789"
 ORDER = {"amount": 1999, "currency": "eur", "email": "a@example.com"}
-
-
-@pytest.fixture
-def api(settings) -> Client:
-    settings.API_TOKEN = TOKEN
-    return Client(headers={"Authorization": f"Bearer {TOKEN}"})
 
 
 @pytest.fixture

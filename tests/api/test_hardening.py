@@ -9,23 +9,17 @@ from django.core.cache import cache
 from django.test import Client
 
 from payments.models import ApiClient, ClientApiKey, Operation, Order
+from tests.support.api import API_TOKEN, api_client
 
 pytestmark = pytest.mark.django_db
-
-TOKEN = "test-token-that-is-long-enough-0123456789"
 
 
 @pytest.fixture(autouse=True)
 def _fresh_throttles(settings):
-    settings.API_TOKEN = TOKEN
+    settings.API_TOKEN = API_TOKEN
     cache.clear()
     yield
     cache.clear()
-
-
-@pytest.fixture
-def api() -> Client:
-    return Client(headers={"Authorization": f"Bearer {TOKEN}"})
 
 
 def order(api: Client) -> int:
@@ -210,7 +204,7 @@ def test_throttle__wrong_tokens_lock_the_address_out_even_for_the_right_one():
     wrong = Client(headers={"Authorization": "Bearer wrong"})
     statuses = [wrong.get("/api/orders/1").status_code for _ in range(25)]
     assert statuses[:20] == [401] * 20 and set(statuses[20:]) == {429}
-    right = Client(headers={"Authorization": f"Bearer {TOKEN}"}).get("/api/orders/1")
+    right = api_client().get("/api/orders/1")
     assert right.status_code == 429
 
 
@@ -218,9 +212,9 @@ def test_throttle__wrong_tokens_lock_the_address_out_even_for_the_right_one():
 def test_create_order__a_content_length_that_is_no_number_is_400(api, length):
     body = json.dumps({"amount": 1, "currency": "eur", "email": "a@x.io"})
     before = counts()
-    response = Client(
-        headers={"Authorization": f"Bearer {TOKEN}"}, raise_request_exception=False
-    ).generic("POST", "/api/orders", body, content_type="application/json", CONTENT_LENGTH=length)
+    response = api_client(raise_request_exception=False).generic(
+        "POST", "/api/orders", body, content_type="application/json", CONTENT_LENGTH=length
+    )
     assert response.status_code == 400, response.content[:200]
     assert error_of(response)["code"] == "bad_request"
     assert nothing_written(before)

@@ -10,16 +10,9 @@ from django.db import connection
 from django.test import Client
 
 from payments.models import Operation, Order, OrderStatus
+from tests.support.api import API_TOKEN, api_client
 
 pytestmark = pytest.mark.django_db
-
-TOKEN = "test-token"
-
-
-@pytest.fixture
-def api(settings) -> Client:
-    settings.API_TOKEN = TOKEN
-    return Client(headers={"Authorization": f"Bearer {TOKEN}"})
 
 
 def post(client: Client, path: str, body: object, **headers: str):
@@ -81,7 +74,7 @@ def test_malformed_json__400(api, raw):
 
 @pytest.mark.parametrize("header", [None, "Bearer wrong", "Basic abc", "Bearer "])
 def test_auth__missing_or_wrong_token_is_401(settings, header):
-    settings.API_TOKEN = TOKEN
+    settings.API_TOKEN = API_TOKEN
     client = Client(headers={"Authorization": header} if header else {})
     response = post(client, "/api/orders", {"amount": 1, "currency": "eur", "email": "a@b.co"})
     assert response.status_code == 401
@@ -242,13 +235,13 @@ def test_create_order__a_bad_key_is_400_naming_it_and_writes_nothing(api, key):
 
 @pytest.mark.django_db(transaction=True)  # each thread's own connection must see the commits
 def test_create_order__twelve_concurrent_posts_with_one_key_make_one_order(settings):
-    settings.API_TOKEN = TOKEN
+    settings.API_TOKEN = API_TOKEN
     ready = threading.Barrier(12)
     answers: list[tuple[int, int]] = []
 
     def send() -> None:
         try:
-            client = Client(headers={"Authorization": f"Bearer {TOKEN}"})
+            client = api_client()
             ready.wait()
             response = post(client, "/api/orders", ORDER, **{"Idempotency-Key": "retried"})
             answers.append((response.status_code, response.json()["id"]))

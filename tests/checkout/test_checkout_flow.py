@@ -27,6 +27,7 @@ from payments.models import (
     OrderStatus,
     StepClaim,
 )
+from tests.support.provider import successes
 from tests.support.workers import run_worker
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -39,10 +40,6 @@ def checkout(order: Order, key: str = "key-1", pm: str = "pm_card_visa") -> Oper
 
 def new_order(amount: int = 1999) -> Order:
     return create_order(amount=amount, currency="eur", email="buyer@example.com")
-
-
-def successes(provider, op: Operation) -> int:
-    return provider.state.succeeded_count(metadata={"operation_key": op.key})
 
 
 def test_confirmation_email__states_the_amount_by_the_currency_exponent(

@@ -15,9 +15,7 @@ from inbox.handlers import inbox_guard
 from inbox.models import InboxEntry
 from payments.checkout import followups
 from payments.checkout import handler as checkout_module
-from payments.checkout.handler import request_checkout
 from payments.checkout.names import COUNT_SALE, RECORD_SALE
-from payments.checkout.orders import create_order
 from payments.engine import fence
 from payments.engine.dispatch import dispatch, message_id_for
 from payments.models import (
@@ -28,6 +26,7 @@ from payments.models import (
     OperationState,
     SalesDay,
 )
+from tests.support import flows
 from tests.support.workers import (
     FORKING,
     run_worker,
@@ -40,20 +39,12 @@ from tests.support.workers import (
 pytestmark = pytest.mark.django_db(transaction=True)
 
 
-def paid_order(provider, queue, key: str = "fu-1"):
-    order = create_order(amount=1234, currency="eur", email="fu@example.com")
-    op, _ = request_checkout(
-        order_id=order.pk, key=key, payment_method="pm_card_visa", actor="test"
-    )
-    return order, op
-
-
 def follow_up(parent: Operation, kind: str) -> Operation:
     return Operation.objects.get(parent=parent, kind=kind)
 
 
 def test_paid_order__writes_follow_ups_once_each(provider, queue):
-    order, op = paid_order(provider, queue)
+    order, op = flows.order_and_checkout(key="fu-1")
 
     run_worker(queue)
 
@@ -68,11 +59,11 @@ def test_paid_order__writes_follow_ups_once_each(provider, queue):
         )
     assert LedgerEntry.objects.filter(order=order).count() == 1
     day = SalesDay.objects.get(currency="eur")
-    assert (day.orders, day.total) == (1, 1234)
+    assert (day.orders, day.total) == (1, order.amount)
 
 
 def test_redelivered_message_after_commit__is_skipped(provider, queue, caplog):
-    order, op = paid_order(provider, queue)
+    order, op = flows.order_and_checkout(key="fu-1")
     run_worker(queue)
     fu = follow_up(op, RECORD_SALE)
 
@@ -95,7 +86,7 @@ def test_crash_before_commit__message_runs_again_and_counts_once(provider, queue
             raise ConnectionError("database went away mid-handler")
 
     monkeypatch.setattr(followups, "add_to_sales_day", failing_once)
-    order, op = paid_order(provider, queue)
+    order, op = flows.order_and_checkout(key="fu-1")
 
     run_worker(queue)  # first delivery rolls back; RQ's retry delivers it again
 
@@ -103,11 +94,11 @@ def test_crash_before_commit__message_runs_again_and_counts_once(provider, queue
     assert fu.state == OperationState.SUCCEEDED
     assert fu.attempts == 1
     day = SalesDay.objects.get(currency="eur")
-    assert (day.orders, day.total) == (1, 1234)
+    assert (day.orders, day.total) == (1, order.amount)
 
 
 def test_crash_after_commit_before_ack__real_worker_skips_the_redelivery(provider, queue, tmp_path):
-    order, op = paid_order(provider, queue, key="fu-crash")
+    order, op = flows.order_and_checkout(key="fu-crash")
     marker = tmp_path / "failpoint"
     env = worker_env(
         provider.url, FENCE_FAILPOINTS="after_inbox_commit", FENCE_FAILPOINT_MARKER=str(marker)
@@ -145,7 +136,7 @@ def test_crash_after_commit_before_ack__real_worker_skips_the_redelivery(provide
     assert "Skipping message" in stderr
     assert LedgerEntry.objects.filter(order=order).count() == 1
     day = SalesDay.objects.get(currency="eur")
-    assert (day.orders, day.total) == (1, 1234)
+    assert (day.orders, day.total) == (1, order.amount)
 
 
 def test_inbox_does_not_protect_an_email__it_is_sent_again_after_a_rollback(settings):
@@ -184,7 +175,7 @@ def test_confirmation_email__step_claim_keeps_it_at_most_once_after_a_crash(
         raise Crash
 
     monkeypatch.setattr(checkout_module, "send_confirmation", send_then_die)
-    order, op = paid_order(provider, queue, key="mail-crash")
+    order, op = flows.order_and_checkout(key="mail-crash")
 
     # The work horse dies after sending; RQ hands the job back and the same
     # worker (this process) runs it again.

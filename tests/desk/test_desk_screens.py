@@ -495,6 +495,23 @@ def test_index__shows_the_desk_above_the_apps_with_counts(provider, viewer):
     assert "payments-desk-module" not in other
 
 
+def test_admin_site__is_the_desks_own_subclass_not_the_global_one_patched():
+    """STYLE.md 27: the desk's home page and layout come from an AdminSite subclass (the
+    project's default site), never from attributes assigned to Django's own instance."""
+    from django.contrib import admin
+    from django.contrib.admin.sites import AdminSite
+
+    from payments.desk.site import DeskAdminSite
+
+    assert type(admin.site._wrapped) is DeskAdminSite
+    assert not {"index", "index_template", "enable_nav_sidebar"} & set(vars(admin.site._wrapped))
+    assert (DeskAdminSite.index_template, DeskAdminSite.enable_nav_sidebar) == (
+        "admin/payments/index.html",
+        False,
+    )
+    assert (AdminSite.index_template, AdminSite.enable_nav_sidebar) == (None, True)
+
+
 # --- the last fence audit ---------------------------------------------------------------------
 
 

@@ -96,15 +96,6 @@ def change_url(op: Operation) -> str:
     return reverse("admin:payments_operation_change", args=[op.pk])
 
 
-def paid_order(queue) -> Order:
-    """A €25.00 order, charged by its checkout in a worker."""
-    checkout = flows.checkout(key="paid-first")
-    run_worker(queue)
-    order = Order.objects.get(pk=checkout.params["order_id"])
-    assert order.status == OrderStatus.PAID
-    return order
-
-
 def uncertain_refund(provider, queue, order: Order, key: str = "refund-lost", amount: int = 600):
     """Refunded at the provider, the answer lost on the way back: uncertain."""
     provider.state.enqueue_faults("drop_after_accept", 1)
@@ -132,7 +123,7 @@ def failed_refund(provider, queue, order: Order, key: str = "refund-down", amoun
 
 @pytest.mark.parametrize("left_by", ["uncertain", "failed"])
 def test_refund_operation__page_and_buttons_speak_of_the_refund(provider, queue, senior, left_by):
-    order = paid_order(queue)
+    order = flows.paid_order(queue, amount=2500, key="paid-first")
     build = uncertain_refund if left_by == "uncertain" else failed_refund
     op = build(provider, queue, order)
 
@@ -151,7 +142,7 @@ def test_refund_operation__page_and_buttons_speak_of_the_refund(provider, queue,
 def test_refund_confirmation__every_action_speaks_of_the_refund(
     provider, queue, senior, left_by, action, step
 ):
-    order = paid_order(queue)
+    order = flows.paid_order(queue, amount=2500, key="paid-first")
     build = uncertain_refund if left_by == "uncertain" else failed_refund
     op = build(provider, queue, order)
 
@@ -169,7 +160,7 @@ def test_refund_confirmation__every_action_speaks_of_the_refund(
 
 
 def test_refund_confirmation__the_reference_is_a_refund_s(provider, queue, senior):
-    order = paid_order(queue)
+    order = flows.paid_order(queue, amount=2500, key="paid-first")
     first = uncertain_refund(provider, queue, order, key="refund-a")
     client = client_for(senior)
     client.post(desk_url(first, "query_provider"))  # settled from the provider: re_… recorded
@@ -186,7 +177,7 @@ def test_refund_confirmation__the_reference_is_a_refund_s(provider, queue, senio
 
 def test_refund_confirmation__mark_failed_and_resume_change_nothing_else(provider, queue, senior):
     """A refund declares no failure or resume hook: the pages say the order stays as it is."""
-    order = paid_order(queue)
+    order = flows.paid_order(queue, amount=2500, key="paid-first")
     op = failed_refund(provider, queue, order)
     client = client_for(senior)
 
@@ -201,7 +192,7 @@ def test_refund_confirmation__mark_failed_and_resume_change_nothing_else(provide
 
 
 def test_refund_bulk_query__confirmation_speaks_of_the_refunds(provider, queue, operator):
-    order = paid_order(queue)
+    order = flows.paid_order(queue, amount=2500, key="paid-first")
     op = uncertain_refund(provider, queue, order)
 
     response = client_for(operator).post(
@@ -216,7 +207,7 @@ def test_refund_bulk_query__confirmation_speaks_of_the_refunds(provider, queue, 
 
 
 def test_needs_attention__a_refund_s_money_is_never_added_to_a_charge_s(provider, queue, viewer):
-    order = paid_order(queue)
+    order = flows.paid_order(queue, amount=2500, key="paid-first")
     op = uncertain_refund(provider, queue, order)
     uncertain_refund(provider, queue, order, key="refund-later", amount=1000)
 
@@ -239,7 +230,7 @@ def test_needs_attention__a_refund_s_money_is_never_added_to_a_charge_s(provider
 def test_failed_refund__new_attempt_is_offered_explained_and_asks_the_same_refund(
     provider, queue, senior
 ):
-    order = paid_order(queue)
+    order = flows.paid_order(queue, amount=2500, key="paid-first")
     op = failed_refund(provider, queue, order)
     client = client_for(senior)
 

@@ -13,14 +13,11 @@ from rq.registry import FailedJobRegistry
 from payments.desk import services as desk
 from payments.models import Invoice, OperationState
 from tests.support import flows
+from tests.support.provider import successes
 from tests.support.users import RECONCILE, VIEW, make_user
 from tests.support.workers import run_worker
 
 pytestmark = pytest.mark.django_db(transaction=True)
-
-
-def successes(provider, op) -> int:
-    return provider.state.succeeded_count(metadata={"operation_key": op.key})
 
 
 def test_requeue_failed_job_after_the_operation_succeeded__charges_nothing(

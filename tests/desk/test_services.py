@@ -29,6 +29,7 @@ from payments.models import (
 )
 from tests.support import builders
 from tests.support.builders import order_of
+from tests.support.provider import successes
 
 pytestmark = pytest.mark.django_db
 
@@ -39,10 +40,6 @@ PAST_RETENTION = timedelta(days=2)
 
 def operator_events(op: Operation, user) -> list[OperationEvent]:
     return list(OperationEvent.objects.filter(operation=op, actor=f"operator:{user.username}"))
-
-
-def successes(provider, op: Operation) -> int:
-    return provider.state.succeeded_count(metadata={"operation_key": op.key})
 
 
 # --- query_provider ---------------------------------------------------------------

@@ -22,6 +22,7 @@ from payments.engine.recovery import job_is_live, reconcile, sweep
 from payments.engine.writes import fence_writes
 from payments.models import ClaimState, Operation, OperationState, Order, OrderStatus, StepClaim
 from payments.provider.client import ProviderClient
+from tests.support.provider import successes
 from tests.support.workers import run_worker
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -38,10 +39,6 @@ def uncertain_checkout(provider, queue, *, key: str = "rec-1", card: str = "pm_c
     return order, op
 
 
-def charges(provider, op: Operation) -> int:
-    return provider.state.succeeded_count(metadata={"operation_key": op.key})
-
-
 def test_reference_found_succeeded__step_done_and_operation_finishes(provider, queue):
     order, op = uncertain_checkout(provider, queue)
     intent = provider.state.intents(metadata={"operation_key": op.key})[0]
@@ -56,7 +53,7 @@ def test_reference_found_succeeded__step_done_and_operation_finishes(provider, q
     order.refresh_from_db()
     assert op.state == OperationState.SUCCEEDED
     assert order.status == OrderStatus.PAID
-    assert charges(provider, op) == 1
+    assert successes(provider, op) == 1
     assert provider.state.stats()["create_requests"] == 1  # looked up, not called again
 
 
@@ -86,7 +83,7 @@ def test_replay_with_the_same_key__returns_the_original_charge(provider, queue):
     claim = op.claims.get(step="charge")
     assert claim.provider_reference == provider.state.intents()[0]["id"]
     assert provider.state.stats()["replays"] == 1
-    assert charges(provider, op) == 1
+    assert successes(provider, op) == 1
 
 
 def test_not_found_within_grace__stays_uncertain_then_needs_review_after(provider, queue, settings):
@@ -144,7 +141,7 @@ def test_reconciler_never_replays_for_a_failed_operation(provider, queue):
     reconcile()
 
     assert provider.state.stats()["create_requests"] == 3  # lookups only afterwards
-    assert charges(provider, op) == 0
+    assert successes(provider, op) == 0
 
 
 def test_sweeper_after_a_redis_flush__every_operation_finishes_once(provider, queue, redis_conn):
@@ -166,7 +163,7 @@ def test_sweeper_after_a_redis_flush__every_operation_finishes_once(provider, qu
     for op in ops:
         op.refresh_from_db()
         assert op.state == OperationState.SUCCEEDED
-        assert charges(provider, op) == 1
+        assert successes(provider, op) == 1
     assert Order.objects.filter(status=OrderStatus.PAID).count() == 5
 
 
@@ -257,7 +254,7 @@ def test_queued_job_a_killed_worker_had_dequeued__is_not_live(provider, queue):
     run_worker(queue)
     op.refresh_from_db()
     assert op.state == OperationState.SUCCEEDED
-    assert charges(provider, op) == 1
+    assert successes(provider, op) == 1
 
 
 def test_deferred_job__meets_a_live_lease_and_schedules_a_recheck(provider, queue):
@@ -288,7 +285,7 @@ def test_requeue_from_failed_registry_after_success__charges_nothing(provider, q
     run_worker(queue)
 
     assert queue.fetch_job(stale.id).return_value() == "skipped:succeeded"
-    assert charges(provider, op) == 1
+    assert successes(provider, op) == 1
 
 
 def test_dispatch_for_an_unknown_operation_is_an_error(provider, queue):
@@ -347,7 +344,7 @@ def test_failed_operation_found_charged__reopens_the_order_and_finishes(provider
     order.refresh_from_db()
     assert op.state == OperationState.SUCCEEDED
     assert order.status == OrderStatus.PAID
-    assert charges(provider, op) == 1
+    assert successes(provider, op) == 1
 
 
 def test_new_checkout_is_refused_while_an_earlier_charge_is_unsettled(provider, queue):

@@ -13,32 +13,17 @@ import pytest
 from django.db import connection
 from django.test import Client
 
-from payments.checkout.handler import request_checkout
 from payments.checkout.orders import create_order
 from payments.desk import services as desk
 from payments.engine.recovery import reconcile
 from payments.models import CreditNote, Operation, OperationState, Order, OrderStatus
 from payments.provider.client import ProviderClient
 from payments.refunds.handler import RefundNotAllowed, request_refund
+from tests.support import flows
 from tests.support.users import make_user
 from tests.support.workers import run_worker
 
 pytestmark = pytest.mark.django_db(transaction=True)
-
-
-def paid_order(queue, amount: int = 2000) -> Order:
-    order = create_order(amount=amount, currency="eur", email="refund@example.com")
-    request_checkout(
-        order_id=order.pk, key=f"pay-{order.pk}", payment_method="pm_card_visa", actor="t"
-    )
-    run_worker(queue)
-    order.refresh_from_db()
-    assert order.status == OrderStatus.PAID
-    return order
-
-
-def api(settings) -> Client:
-    return Client(HTTP_AUTHORIZATION=f"Bearer {settings.API_TOKEN}")
 
 
 def post_refund(client: Client, order: Order, amount, key: str):
@@ -58,9 +43,9 @@ def refunds_at_provider(provider, order: Order) -> list[dict]:
     ]
 
 
-def test_partial_then_full_refund__through_the_api(provider, queue, settings):
-    order = paid_order(queue)
-    client = api(settings)
+def test_partial_then_full_refund__through_the_api(provider, queue, api):
+    order = flows.paid_order(queue)
+    client = api
 
     first = post_refund(client, order, 500, "refund-1")
     assert first.status_code == 202, first.content
@@ -79,9 +64,9 @@ def test_partial_then_full_refund__through_the_api(provider, queue, settings):
     assert client.get(f"/api/orders/{order.pk}").json()["refunded_amount"] == 2000
 
 
-def test_refund_request__replay_conflict_and_limits_answer_clearly(provider, queue, settings):
-    order = paid_order(queue)
-    client = api(settings)
+def test_refund_request__replay_conflict_and_limits_answer_clearly(provider, queue, api):
+    order = flows.paid_order(queue)
+    client = api
     assert post_refund(client, order, 700, "same").status_code == 202
 
     replay = post_refund(client, order, 700, "same")
@@ -106,7 +91,7 @@ def test_refund_of_an_unpaid_order__is_refused(provider, queue):
 
 def test_two_refunds_racing_for_the_last_euro__one_wins(provider, queue):
     """Real separate connections behind a barrier: the order's lock lets one reserve it."""
-    order = paid_order(queue, amount=1000)
+    order = flows.paid_order(queue, amount=1000)
     request_refund(order_id=order.pk, key="most", amount=900, actor="t")
     barrier = threading.Barrier(2)
     outcomes: list[str] = []
@@ -136,7 +121,7 @@ def test_two_refunds_racing_for_the_last_euro__one_wins(provider, queue):
 
 def test_refund_refused_by_the_provider__fails_cleanly_order_untouched(provider, queue):
     """The provider checks the limit again: all of it was refunded outside our fence."""
-    order = paid_order(queue)
+    order = flows.paid_order(queue)
     op, _ = request_refund(order_id=order.pk, key="refused", amount=500, actor="t")
     with ProviderClient.from_settings() as client:  # a refund made in the provider's dashboard
         client.create_refund(
@@ -157,7 +142,7 @@ def test_refund_refused_by_the_provider__fails_cleanly_order_untouched(provider,
 
 
 def test_uncertain_refund__is_reconciled_from_the_intents_refunds_once(provider, queue):
-    order = paid_order(queue)
+    order = flows.paid_order(queue)
     provider.state.enqueue_faults("drop_after_accept", 1)  # refunded; the answer is lost
     op, _ = request_refund(order_id=order.pk, key="lost-answer", amount=600, actor="t")
     run_worker(queue)
@@ -178,7 +163,7 @@ def test_uncertain_refund__is_reconciled_from_the_intents_refunds_once(provider,
 
 def test_failed_refund__gets_a_new_attempt_from_the_desk(provider, queue):
     """The desk asks the refund handler's declarations: a new key, the same refund."""
-    order = paid_order(queue)
+    order = flows.paid_order(queue)
     provider.state.enqueue_faults("fail_before", 3)  # every try refused before executing
     op, _ = request_refund(order_id=order.pk, key="flaky", amount=400, actor="t")
     run_worker(queue)
@@ -219,7 +204,7 @@ def _audit_json() -> tuple[dict, int]:
 
 
 def test_fence_audit__refunds_clean_after_normal_refunds(provider, queue):
-    order = paid_order(queue)
+    order = flows.paid_order(queue)
     request_refund(order_id=order.pk, key="r1", amount=300, actor="t")
     run_worker(queue)
 
@@ -231,7 +216,7 @@ def test_fence_audit__refunds_clean_after_normal_refunds(provider, queue):
 
 
 def test_fence_audit__finds_a_double_refund_and_a_refund_outside_the_fence(provider, queue):
-    order = paid_order(queue)
+    order = flows.paid_order(queue)
     op, _ = request_refund(order_id=order.pk, key="r1", amount=300, actor="t")
     run_worker(queue)
     fenced = op.claims.get(step="refund").provider_reference

@@ -1,6 +1,6 @@
 """Orders and checkouts, and operations brought into shape by the real runtime.
 
-`failed_by_invoice_bug` and `uncertain_after_read_timeout` run a worker in this
+`paid_order`, `failed_by_invoice_bug` and `uncertain_after_read_timeout` run a worker in this
 process over real HTTP: for transactional tests only (a claim must commit
 before its call). The others only create rows and enqueue on commit.
 """
@@ -11,7 +11,7 @@ import pytest
 
 from payments.checkout.handler import request_checkout
 from payments.checkout.orders import create_order
-from payments.models import Operation, Order
+from payments.models import Invoice, LedgerEntry, Operation, Order, OrderStatus
 from tests.support.workers import run_worker
 
 
@@ -30,6 +30,29 @@ def order_and_checkout(
         order_id=order.pk, key=key or f"obs-{order.pk}", payment_method=pm, actor="test"
     )
     return order, op
+
+
+def paid_order(queue, *, amount: int = 2000, key: str | None = None) -> Order:
+    """An order charged by its checkout in a worker of this process (transactional tests)."""
+    order = create_order(amount=amount, currency="eur", email="buyer@example.com")
+    request_checkout(
+        order_id=order.pk, key=key or f"pay-{order.pk}", payment_method="pm_card_visa", actor="t"
+    )
+    run_worker(queue)
+    order.refresh_from_db()
+    assert order.status == OrderStatus.PAID
+    return order
+
+
+def assert_paid_once(provider, orders: dict[str, int]) -> None:
+    """Each order (by its checkout's key) paid by one provider success, with one invoice and
+    one ledger line."""
+    for key, order_id in orders.items():
+        assert Order.objects.get(pk=order_id).status == OrderStatus.PAID, key
+        assert provider.state.succeeded_count(metadata={"operation_key": key}) == 1, key
+        assert provider.state.succeeded_count(metadata={"order_id": str(order_id)}) == 1, key
+        assert Invoice.objects.filter(order_id=order_id).count() == 1, key
+        assert LedgerEntry.objects.filter(order_id=order_id).count() == 1, key
 
 
 def failed_by_invoice_bug(monkeypatch: pytest.MonkeyPatch, queue, key: str = "chk-1") -> Operation:

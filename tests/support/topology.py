@@ -3,7 +3,7 @@
 The processes themselves are devtools/topology.py's (the chaos run's
 `--topology ha` starts the same ones); here: skipping a test whose binary is
 missing (failing it under make test), the web tier, a fleet of workers and
-recovery loops, and what a run must end with.
+recovery loops, and when a run has settled (what it must end with: flows.assert_paid_once).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from devtools.topology import (
     wait_until,
 )
 from devtools.topology import binary as find_binary
-from payments.models import Invoice, LedgerEntry, Operation, OperationState, Order, OrderStatus
+from payments.models import Operation, OperationState
 from tests.support.workers import ROOT
 
 #: `make test` and CI install the binaries first: there a missing one fails the test.
@@ -44,7 +44,6 @@ __all__ = [
     "PostgresCluster",
     "RedisHA",
     "all_settled",
-    "assert_paid_once",
     "binary",
     "free_port",
     "port_open",
@@ -186,17 +185,7 @@ class Fleet:
 _RECOVERY = ["run_recovery", "--interval", "0.5"]
 
 
-# --- what a run must end with ------------------------------------------------------------
-
-
-def assert_paid_once(provider, orders: dict[str, int]) -> None:
-    """Each order paid by one provider success, with one invoice and one ledger line."""
-    for key, order_id in orders.items():
-        assert Order.objects.get(pk=order_id).status == OrderStatus.PAID, key
-        assert provider.state.succeeded_count(metadata={"operation_key": key}) == 1, key
-        assert provider.state.succeeded_count(metadata={"order_id": str(order_id)}) == 1, key
-        assert Invoice.objects.filter(order_id=order_id).count() == 1, key
-        assert LedgerEntry.objects.filter(order_id=order_id).count() == 1, key
+# --- when a run has settled ----------------------------------------------------------------
 
 
 def checkout_settled(op: Operation) -> bool:

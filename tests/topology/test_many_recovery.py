@@ -20,7 +20,8 @@ from payments.checkout.handler import request_checkout
 from payments.checkout.names import CHARGE
 from payments.checkout.orders import create_order
 from payments.models import ClaimState, Operation, OperationEvent, OperationState, StepClaim
-from tests.support.topology import Fleet, all_settled, assert_paid_once
+from tests.support.flows import assert_paid_once
+from tests.support.topology import Fleet, all_settled
 from tests.support.workers import run_worker, worker_env
 
 # Transactional: the recovery processes must see the committed claims.

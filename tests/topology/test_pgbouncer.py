@@ -28,10 +28,10 @@ from payments.engine.failpoints import AFTER_PROVIDER_ACCEPT
 from payments.models import (
     ClaimState,
 )
+from tests.support.flows import assert_paid_once
 from tests.support.topology import (
     Api,
     all_settled,
-    assert_paid_once,
     checkout_settled,
     free_port,
     start_gunicorn,

@@ -18,11 +18,11 @@ import pytest
 from django.conf import settings
 
 from payments.models import Operation
+from tests.support.flows import assert_paid_once
 from tests.support.topology import (
     Api,
     Fleet,
     all_settled,
-    assert_paid_once,
     free_port,
     start_gunicorn,
     stop_process,

@@ -18,7 +18,8 @@ from django.db import connection
 
 from payments.checkout.handler import request_checkout
 from payments.checkout.orders import create_order
-from tests.support.topology import assert_paid_once, checkout_settled
+from tests.support.flows import assert_paid_once
+from tests.support.topology import checkout_settled
 from tests.support.workers import start_worker, stop_worker, wait_until, worker_env
 
 # Transactional: the worker process must see the committed operation.

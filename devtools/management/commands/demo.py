@@ -34,12 +34,13 @@ NOT_DRAINED = 3
 class Command(BaseCommand):
     help = (
         "Chaos run: start the fake provider with faults, K real RQ workers, the API server and "
-        "the recovery loop; check N orders out through the HTTP API while a random worker is "
-        "SIGKILLed every few seconds and Redis is flushed once; once orders are paid, refund a "
-        "share of them through the API (half partially, half fully), still under the kills and "
-        "the provider's faults; wait until every operation is settled; print and save a report "
-        "(JSON and HTML). Exits 1 on any invariant violation, 3 when the work did not drain "
-        "within --timeout (a slow machine: pass a longer one)."
+        "the recovery loop; check N orders out through the HTTP API while a random worker that "
+        "has started working is SIGKILLed every few seconds and Redis is flushed once; once "
+        "orders are paid, refund a share of them through the API (half partially, half "
+        "fully), still under the kills and the provider's faults; wait until every operation "
+        "is settled; print and save a report (JSON and HTML). Exits 1 on any invariant "
+        "violation, 3 when the work did not drain within --timeout (a slow machine: pass a "
+        "longer one)."
     )
 
     def add_arguments(self, parser: CommandParser) -> None:
@@ -218,7 +219,8 @@ class Command(BaseCommand):
         if result.violations:
             raise CommandError("invariant violated: " + "; ".join(result.violations))
         if not result.report.get("settled_in_time"):
-            pending = ", ".join(f"{state} {n}" for state, n in sorted(pending_work(result).items()))
+            left = result.pending or pending_work(result)
+            pending = ", ".join(f"{state} {n}" for state, n in sorted(left.items()))
             raise CommandError(
                 f"not drained in time: {pending or 'nothing'} still pending after "
                 f"{config.timeout:g} s (no invariant was violated by what settled). A slow or "

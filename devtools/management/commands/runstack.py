@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import shlex
 import signal
 import threading
 from pathlib import Path
@@ -15,6 +16,25 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from devtools.stack import Stack
 
+#: The order the printed curl creates (an order is the first call a shop makes).
+TRY_ORDER = '{"amount": 1999, "currency": "eur", "email": "a@example.com"}'
+
+
+def try_command(base: str, token: str) -> str:
+    """Return the curl that creates an order on the stack's API at `base`, to run as printed.
+
+    The body is JSON and says so: curl's `-d` alone sends a form's content type.
+    """
+    return shlex.join(
+        [
+            "curl", "-s",
+            "-H", f"Authorization: Bearer {token}",
+            "-H", "Content-Type: application/json",
+            "-d", TRY_ORDER,
+            f"{base}/api/orders",
+        ]
+    )  # fmt: skip
+
 
 class Command(BaseCommand):
     help = (
@@ -24,8 +44,11 @@ class Command(BaseCommand):
     )
 
     def add_arguments(self, parser: CommandParser) -> None:
+        # make run passes RUN_PORT and PROVIDER_PORT from the environment (Makefile).
         parser.add_argument("--port", type=int, default=8000, help="API and admin port.")
-        parser.add_argument("--provider-port", type=int, default=8765)
+        parser.add_argument(
+            "--provider-port", type=int, default=8765, help="The fake provider's port."
+        )
         parser.add_argument("--workers", type=int, default=2)
 
     def handle(self, *args: object, **options: object) -> None:
@@ -61,11 +84,7 @@ class Command(BaseCommand):
                 f"  Provider     {provider_url}  (control: {provider_url}/_fake/stats)"
             )
             self.stdout.write(f"  Logs         {stack.log_dir}")
-            self.stdout.write(
-                "  Try: curl -s -H 'Authorization: Bearer "
-                f'{settings.API_TOKEN}\' -d \'{{"amount": 1999, "currency": "eur", '
-                f'"email": "a@example.com"}}\' {base}/api/orders'
-            )
+            self.stdout.write(f"  Try: {try_command(base, settings.API_TOKEN)}")
             stop.wait()
         finally:
             stack.stop()
