@@ -1,9 +1,8 @@
 """The default RQ worker class: SimpleWorker with healthy Django connections.
 
-`make bench` measured the forking Worker (a fork and a new PostgreSQL
-connection per job) several times slower than SimpleWorker for the fenced
-checkout (see README, Benchmarks), and the chaos run proves the fence with
-this class. SimpleWorker runs the job in the worker process itself, so a
+The forking Worker pays a fork and a new PostgreSQL connection per job
+(`make bench` compares the two: docs/benchmarks.md), and the chaos run proves
+the fence with this class. SimpleWorker runs the job in the worker process itself, so a
 SIGKILL of the worker also ends its job: there is no orphaned work horse.
 """
 
@@ -53,7 +52,7 @@ class FenceWorker(SimpleWorker):
             raise SystemExit(
                 f"{len(pending)} payments/inbox migrations are not applied "
                 f"({', '.join(pending)}) after {MIGRATIONS_PATIENCE:.0f} s: run "
-                "`manage.py migrate`; this release's workers need them (see README, Upgrading)"
+                "`manage.py migrate`; this release's workers need them (see CHANGELOG.md, Upgrade notes)"
             )
         problems = recorded_name_problems()
         if problems:
