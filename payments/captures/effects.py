@@ -50,7 +50,9 @@ class _OnTheIntent(ProviderEffect):
 
     def refused_by_state(self, exc: InvalidRequest, request: dict[str, Any]) -> Any:
         """A call the intent's state forbids: its state now tells what happened."""
-        if isinstance(exc, ResourceMissing) or exc.code != PAYMENT_INTENT_UNEXPECTED_STATE:
+        if isinstance(exc, ResourceMissing):
+            raise exc  # a 404 is not this call's refusal: its own outcome classifies it
+        if exc.code != PAYMENT_INTENT_UNEXPECTED_STATE:
             return self.refused(status="refused", code=exc.code or "invalid")
         return self.retrieve(request["payment_intent"])
 
