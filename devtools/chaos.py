@@ -697,7 +697,8 @@ def _measure_refunds(
 ) -> dict[str, object]:
     """The refund figures, against the provider's own list of refunds of the run's charges."""
     amount_of = dict(result.orders)
-    charged = {pi.id: pi.amount for pi in intents if pi.status == "succeeded"}
+    # What each charge took: a capture may take part of what it held.
+    charged = {pi.id: pi.amount_received or pi.amount for pi in intents if pi.status == "succeeded"}
     # Every refund of every charge of the run, whoever made it.
     refunds_by_intent = {pi: list(client.list_refunds(payment_intent=pi)) for pi in charged}
     refund_claims = Q(operation__kind=REFUND, operation__entity_id__in=[str(i) for i in order_ids])
@@ -741,8 +742,9 @@ def _measure_refunds(
         ):
             continue
         touched += 1
-        expected = OrderStatus.REFUNDED if refunded >= amount else OrderStatus.PARTIALLY_REFUNDED
-        matching += int(status == expected and len(set(given_back)) == 1 and 0 < refunded <= amount)
+        taken = amount_of.get(order_id, amount)  # a partial capture took less than the order
+        expected = OrderStatus.REFUNDED if refunded >= taken else OrderStatus.PARTIALLY_REFUNDED
+        matching += int(status == expected and len(set(given_back)) == 1 and 0 < refunded <= taken)
 
     went_uncertain = set(
         OperationEvent.objects.filter(
