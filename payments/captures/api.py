@@ -49,6 +49,12 @@ class CaptureAccepted(serializers.Serializer):
             value={"payment_method": "pm_card_visa", "amount_to_capture": 1500},
             request_only=True,
         ),
+        OpenApiExample(
+            "Accepted",
+            value={"operation": "capture-42-1", "state": "pending", "order": 42},
+            response_only=True,
+            status_codes=["202"],
+        ),
     ],
     operation_id="capture_order",
 )

@@ -39,7 +39,11 @@ def header(schema: dict, path: str, name: str) -> dict:
 
 
 def test_schema__idempotency_key_has_its_length_and_pattern(served_schema):
-    for path in ("/api/orders/{order_id}/checkout", "/api/orders/{order_id}/refunds"):
+    for path in (
+        "/api/orders/{order_id}/checkout",
+        "/api/orders/{order_id}/refunds",
+        "/api/orders/{order_id}/captures",
+    ):
         key = header(served_schema, path, "Idempotency-Key")["schema"]
         assert (key["minLength"], key["maxLength"]) == (1, 255)
         assert key["pattern"]
