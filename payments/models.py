@@ -176,6 +176,8 @@ class OperationState(models.TextChoices):
 
 
 FINAL_OPERATION_STATES = frozenset({OperationState.SUCCEEDED, OperationState.FAILED})
+#: Every other state: what the recovery loop reads, through partial indexes over these only.
+UNFINISHED_OPERATION_STATES = [s for s in OperationState if s not in FINAL_OPERATION_STATES]
 #: States in which a worker may take the operation (with an expired lease for RUNNING).
 RUNNABLE_OPERATION_STATES = frozenset(
     {OperationState.PENDING, OperationState.RETRYING, OperationState.RUNNING}
@@ -275,7 +277,18 @@ class Operation(FenceModel):
         # Every index is written on each insert and on each state change (an update of
         # an indexed column writes a new entry in all of them): only what a query needs.
         indexes = [
-            models.Index(fields=["state", "next_attempt_at"], name="payments_op_state_due"),
+            # Over unfinished operations only (migration 0014): what the recovery loop reads.
+            models.Index(
+                fields=["state", "next_attempt_at"],
+                name="payments_op_unfinished",
+                condition=Q(state__in=UNFINISHED_OPERATION_STATES),
+            ),
+            # Failed ones whose claims may still resume them (the stranded pass, E010).
+            models.Index(
+                fields=["updated_at"],
+                name="payments_op_failed",
+                condition=Q(state=OperationState.FAILED),
+            ),
             models.Index(fields=["entity_type", "entity_id"], name="payments_op_entity"),
             # A retry's first attempt, a follow-up's parent: most rows have none.
             models.Index(
@@ -301,6 +314,10 @@ class ClaimState(models.TextChoices):
     DONE = "done", "Done"  # the effect happened; result and reference stored
     FAILED = "failed", "Failed"  # the effect was refused for good
     UNCERTAIN = "uncertain", "Uncertain"  # the effect may have happened; reconcile
+
+
+#: Claims whose outcome is not recorded yet: what the reconciler reads.
+UNSETTLED_CLAIM_STATES = [ClaimState.CLAIMED, ClaimState.UNCERTAIN]
 
 
 class StepClaim(FenceModel):
@@ -344,7 +361,12 @@ class StepClaim(FenceModel):
         # the idempotency key (nothing looks a claim up by it but the admin's search,
         # which matches case-insensitively and could not use one).
         indexes = [
-            models.Index(fields=["state", "claimed_at"], name="payments_claim_state_age"),
+            # Over unsettled claims only (migration 0014): what the reconciler reads.
+            models.Index(
+                fields=["claimed_at"],
+                name="payments_claim_unsettled",
+                condition=Q(state__in=UNSETTLED_CLAIM_STATES),
+            ),
             # One index for both lookups by reference: equality (webhooks, the desk) and
             # prefix (`pi_`, `re_`: the audits), which a default-collation btree cannot serve.
             models.Index(
