@@ -265,6 +265,9 @@ class Operation(FenceModel):
     )
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
+    #: When retention purged its claims, audit rows and provider events (payments.engine.
+    #: retention); the row stays, so that its key is never taken again.
+    purged_at = models.DateTimeField(null=True, blank=True)
 
     class Meta:
         constraints = [
@@ -298,6 +301,12 @@ class Operation(FenceModel):
             ),
             models.Index(
                 fields=["parent"], name="payments_op_parent", condition=Q(parent__isnull=False)
+            ),
+            # Final operations whose history is still kept: what the retention purge walks.
+            models.Index(
+                fields=["id"],
+                name="payments_op_unpurged",
+                condition=Q(purged_at__isnull=True, state__in=sorted(FINAL_OPERATION_STATES)),
             ),
         ]
         permissions = [
@@ -439,7 +448,11 @@ class FenceAuditRun(models.Model):
     finished_at = models.DateTimeField()
     window_start = models.DateTimeField()
     exit_code = models.PositiveSmallIntegerField()
+    #: Counts, and the first findings of each kind (never the whole list).
     summary = models.JSONField(default=dict)
+    #: The end of the last day audited: `fence_audit --since last` starts there.
+    #: NULL when no day was (the provider could not be read at the first).
+    checkpoint = models.DateTimeField(null=True, blank=True)
 
     class Meta:
         ordering = ["-finished_at"]
