@@ -11,6 +11,7 @@ from typing import Any
 
 from django.db import models
 from django.db.models import Q
+from django.db.models.functions import Lower
 from django.utils import timezone
 from rest_framework_api_key.models import AbstractAPIKey
 
@@ -131,6 +132,10 @@ class Order(models.Model):
             models.UniqueConstraint(
                 fields=["client", "idempotency_key"], name=ORDER_KEY_CONSTRAINT
             ),
+        ]
+        indexes = [
+            # The desk's search by e-mail, any case (payments.desk.lists; migration 0017).
+            models.Index(Lower("customer_email"), name="payments_order_email_lower"),
         ]
 
     def __str__(self) -> str:
