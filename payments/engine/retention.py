@@ -33,6 +33,9 @@ from datetime import datetime, timedelta
 
 from django.db import connection, transaction
 
+from payments.engine.history import first_id_from
+from payments.models import Operation
+
 logger = logging.getLogger("payments.engine.retention")
 
 #: The operations of one batch, oldest id first, locked; the purgeable ones only.
@@ -42,6 +45,7 @@ WHERE op.purged_at IS NULL
   AND op.state IN ('succeeded', 'failed')
   AND op.updated_at < %(cutoff)s
   AND op.id > %(after)s
+  AND op.id < %(before)s
   AND NOT EXISTS (
       SELECT 1 FROM payments_stepclaim AS c
       WHERE c.operation_id = op.id
@@ -156,12 +160,15 @@ def purge_history(
             cursor.execute(COUNT_PURGEABLE, {"cutoff": cutoff})
             report.operations = cursor.fetchone()[0]
         return report
+    # Operations created since the cutoff changed since too: the walk stops before them
+    # (ids grow with created_at), so a run reads the old end of the history, not all of it.
+    before = first_id_from(Operation, "created_at", cutoff)
     after = 0
     while max_batches is None or report.batches < max_batches:
         if should_stop is not None and should_stop():
             report.interrupted = True
             return report
-        ids = _purge_batch(cutoff, after, batch_size, report)
+        ids = _purge_batch(cutoff, after, before, batch_size, report)
         if not ids:
             break
         after = max(ids)
@@ -172,11 +179,19 @@ def purge_history(
     return report
 
 
-def _purge_batch(cutoff: datetime, after: int, size: int, report: PurgeReport) -> list[int]:
+def _purge_batch(
+    cutoff: datetime, after: int, before: int, size: int, report: PurgeReport
+) -> list[int]:
     """One transaction: lock a batch of purgeable operations, delete their rows, mark them."""
     started = time.monotonic()
+    params: dict[str, datetime | int] = {
+        "cutoff": cutoff,
+        "after": after,
+        "before": before,
+        "batch": size,
+    }
     with transaction.atomic(durable=True), connection.cursor() as cursor:
-        cursor.execute(PURGEABLE_BATCH, {"cutoff": cutoff, "after": after, "batch": size})
+        cursor.execute(PURGEABLE_BATCH, params)
         ids = [row[0] for row in cursor.fetchall()]
         if not ids:
             return []

@@ -24,6 +24,7 @@ from typing import Any
 
 from django.db.models import Q
 
+from payments.engine.history import first_id_from
 from payments.models import StepClaim
 from payments.observability.audit import AuditResult, RefundAuditResult, audit, audit_refunds
 from payments.provider.client import PaymentIntent, ProviderClient, Refund
@@ -53,31 +54,9 @@ def days(start: datetime, end: datetime) -> Iterator[tuple[datetime, datetime]]:
 
 
 def first_claim_id_from(moment: datetime) -> int:
-    """An id that splits the claims at `moment`: those below it were claimed before, those
-    from it on at or after (one past the last id if none was).
-
-    Bisection over the primary key: claims are inserted at their `claimed_at`
-    (the database's clock, in short transactions), so ids grow with it; a few
-    index lookups instead of a scan of every claim.
-    """
-    ids = StepClaim.objects.order_by("id").values_list("id", flat=True)
-    low, last = ids.first(), ids.reverse().first()
-    if low is None or last is None:
-        return 1
-    high = last + 1
-    while low < high:
-        middle = (low + high) // 2  # <= last: a claim exists at or after it
-        found, claimed_at = (
-            StepClaim.objects.filter(id__gte=middle)
-            .order_by("id")
-            .values_list("id", "claimed_at")
-            .first()
-        ) or (last, moment)
-        if claimed_at >= moment:
-            high = middle  # no claim between middle and the one found
-        else:
-            low = found + 1
-    return low
+    """An id splitting the claims at `moment` (payments.engine.history: ids grow with
+    `claimed_at`, a bisection of the primary key instead of a scan)."""
+    return first_id_from(StepClaim, "claimed_at", moment)
 
 
 def claims_of(start: datetime, end: datetime) -> Q:

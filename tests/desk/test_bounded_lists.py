@@ -11,6 +11,7 @@ of every row.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -18,8 +19,7 @@ from django.db import connection
 from django.urls import reverse
 
 from payments.models import Operation, StepClaim
-from tests.engine.test_recovery_plans import as_on_a_large_table  # noqa: F401
-from tests.support.history import write_history
+from tests.support.history import planner_sees_larger, write_history
 from tests.support.users import client_for
 
 pytestmark = pytest.mark.django_db
@@ -46,6 +46,12 @@ def history() -> None:
             """
         )
         cursor.execute("ANALYZE payments_order")
+
+
+@pytest.fixture
+def as_on_a_large_table() -> Iterator[None]:
+    with planner_sees_larger(TABLES):
+        yield
 
 
 def _sent(client, url: str) -> list[tuple[str, Any]]:

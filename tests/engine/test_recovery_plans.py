@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from django.db import connection, transaction
+from django.db import connection
 
 from payments.engine import fence
 from payments.engine.handlers import unknown_recorded_names
@@ -29,7 +29,7 @@ from payments.engine.recovery import (
     sweep,
 )
 from payments.models import Operation, OperationState, StepClaim
-from tests.support.history import write_history
+from tests.support.history import planner_sees_larger, write_history
 
 pytestmark = pytest.mark.django_db
 
@@ -44,24 +44,9 @@ def history() -> int:
     return Operation.objects.exclude(state=OperationState.SUCCEEDED).count()
 
 
-#: How much larger than they are the planner is shown the fence's tables.
-SCALE = 1000
-
-
 @pytest.fixture
 def as_on_a_large_table() -> Iterator[None]:
-    with transaction.atomic(), connection.cursor() as cursor:
-        cursor.execute(
-            """
-            UPDATE pg_class SET reltuples = reltuples * %s
-            WHERE oid IN (
-                SELECT c.oid FROM pg_class AS c WHERE c.relname = ANY(%s)
-                UNION SELECT i.indexrelid FROM pg_index AS i
-                JOIN pg_class AS t ON t.oid = i.indrelid WHERE t.relname = ANY(%s)
-            )
-            """,
-            [SCALE, list(FENCE_TABLES), list(FENCE_TABLES)],
-        )
+    with planner_sees_larger(FENCE_TABLES):
         yield
 
 

@@ -10,10 +10,12 @@ the audit see is the shape of the rows.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 
-from django.db import connection
+from django.db import connection, transaction
 
 OPERATIONS = """
 INSERT INTO payments_operation (
@@ -89,3 +91,28 @@ def write_history(
                 "ANALYZE payments_operation, payments_stepclaim, payments_operationevent"
             )
     return History(tag=tag, count=count)
+
+
+FENCE_TABLES = ("payments_operation", "payments_stepclaim", "payments_operationevent")
+
+
+@contextmanager
+def planner_sees_larger(
+    tables: tuple[str, ...] = FENCE_TABLES, scale: int = 1000
+) -> Iterator[None]:
+    """Inside a transaction, show the planner `tables` (and their indexes) `scale` times
+    their row counts: the fractions ANALYZE measured stay, the sizes are a long history's.
+    Rolled back at the end (pg_class is transactional)."""
+    with transaction.atomic(), connection.cursor() as cursor:
+        cursor.execute(
+            """
+            UPDATE pg_class SET reltuples = reltuples * %s
+            WHERE oid IN (
+                SELECT c.oid FROM pg_class AS c WHERE c.relname = ANY(%s)
+                UNION SELECT i.indexrelid FROM pg_index AS i
+                JOIN pg_class AS t ON t.oid = i.indrelid WHERE t.relname = ANY(%s)
+            )
+            """,
+            [scale, list(tables), list(tables)],
+        )
+        yield
