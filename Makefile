@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PG_URL ?= postgres://postgres@127.0.0.1:5432/fence
 
-.PHONY: install env db migrate demo test test-fast lint format bench run clean browser topology valgrind
+.PHONY: install env db migrate demo test test-fast lint format bench bench-history run clean browser topology valgrind
 
 $(VENV)/.installed: requirements.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -110,6 +110,16 @@ bench: install env topology valgrind
 	$(BENCH_ENV) $(PY) -m devtools.ensure_database
 	$(BENCH_ENV) $(PY) manage.py migrate --noinput -v 0
 	$(BENCH_ENV) $(PY) manage.py bench
+
+# A year of history (issue 32): its own database, emptied and loaded; N = 1 M operations by
+# default (HISTORY_OPERATIONS=20000 for a quick run).
+HISTORY_ENV := DATABASE_URL=postgres://postgres@127.0.0.1:5432/fence_history_bench REDIS_URL=redis://127.0.0.1:6379/2
+HISTORY_OPERATIONS ?= 1000000
+
+bench-history: install env
+	$(HISTORY_ENV) $(PY) -m devtools.ensure_database
+	$(HISTORY_ENV) $(PY) manage.py migrate --noinput -v 0
+	$(HISTORY_ENV) $(PY) manage.py bench_history --operations $(HISTORY_OPERATIONS)
 
 clean:
 	rm -rf $(VENV) var artifacts

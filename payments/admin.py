@@ -17,7 +17,7 @@ from typing import Any
 from django.contrib import admin
 from django.contrib.admin.utils import unquote
 from django.core.exceptions import PermissionDenied
-from django.db.models import QuerySet
+from django.db.models import Exists, OuterRef, Q, QuerySet
 from django.http import HttpRequest, HttpResponse
 from django.urls import reverse
 from django.utils import timezone
@@ -39,6 +39,13 @@ from payments.desk.display import (
     stale_badge,
     state_badge,
     when,
+)
+from payments.desk.lists import (
+    BoundedListMixin,
+    KindFilter,
+    RecentCurrencyFilter,
+    search_operations,
+    search_orders,
 )
 from payments.desk.views import (
     DESK_ACTIONS,
@@ -244,25 +251,21 @@ class LeaseFilter(admin.SimpleListFilter):
 
 
 @admin.register(Operation)
-class OperationAdmin(NamedPermissionsMixin, DeskViewsMixin, admin.ModelAdmin):
+class OperationAdmin(NamedPermissionsMixin, DeskViewsMixin, BoundedListMixin, admin.ModelAdmin):
     """Operations: find them, read them, and act through the desk."""
 
     list_display = (
         "key", "kind", "order_link", "amount", "badge", "state_age", "attempts_shown", "updated",
     )  # fmt: skip
     list_display_links = ("key",)
-    list_filter = (FollowUpFilter, "state", LeaseFilter, "kind")
-    search_fields = (
-        "key",
-        "=entity_id",
-        "=claims__provider_reference",
-        "=claims__idempotency_key",
-    )
+    list_filter = (FollowUpFilter, "state", LeaseFilter, KindFilter)
+    # The search is routed by the term's shape (get_search_results); this shows the box.
+    search_fields = ("key",)
     search_help_text = (
         "Operation key, order id, provider reference (pi_…, re_…), idempotency key (fence_…) "
-        "or the customer's e-mail."
+        "or the customer's e-mail (exact)."
     )
-    ordering = ("-updated_at",)
+    ordering = ("-pk",)  # newest first, on the primary key
     list_per_page = 50
     actions = ("query_selected",)
     inlines = (StepClaimInline, OperationEventInline)
@@ -294,15 +297,17 @@ class OperationAdmin(NamedPermissionsMixin, DeskViewsMixin, admin.ModelAdmin):
     def get_search_results(
         self, request: HttpRequest, queryset: QuerySet[Operation], search_term: str
     ) -> tuple[QuerySet[Operation], bool]:
-        """Search as declared, and by the customer's e-mail for those who may view orders."""
-        found, may_have_duplicates = super().get_search_results(request, queryset, search_term)
+        """One indexed lookup chosen by the term's shape (payments.desk.lists); any other
+        term is an exact operation key or idempotency key. Never duplicates (EXISTS)."""
         term = search_term.strip()
-        if "@" in term and request.user.has_perm("payments.view_order"):
-            orders = Order.objects.filter(customer_email__iexact=term).values_list("pk", flat=True)
-            ids = [str(pk) for pk in orders]
-            if ids:
-                found = found | queryset.filter(entity_type="order", entity_id__in=ids)
-        return found, may_have_duplicates
+        if not term:
+            return queryset, False
+        may_view_orders = request.user.has_perm("payments.view_order")
+        found = search_operations(queryset, term, may_view_orders=may_view_orders)
+        if found is None:
+            keyed = StepClaim.objects.filter(operation=OuterRef("pk"), idempotency_key=term)
+            found = queryset.filter(Q(key=term) | Exists(keyed))
+        return found, False
 
     def has_add_permission(self, request: HttpRequest) -> bool:
         return False
@@ -492,16 +497,26 @@ class ReadOnlyAdmin(NamedPermissionsMixin, admin.ModelAdmin):
 
 
 @admin.register(Order)
-class OrderAdmin(ReadOnlyAdmin):
+class OrderAdmin(BoundedListMixin, ReadOnlyAdmin):
     # No e-mail in the list: an operator needs it on one order's page at most (and may search it).
     list_display = ("id", "amount_display", "status", "created")
-    list_filter = ("status", "currency")
-    search_fields = ("=id", "=customer_email")
-    search_help_text = "Order id or the customer's e-mail (exact)."
-    ordering = ("-created_at",)
+    list_filter = ("status", RecentCurrencyFilter)
+    search_fields = ("=id",)  # routed by the term's shape: get_search_results
+    search_help_text = "Order id or the customer's e-mail (exact, any case)."
+    ordering = ("-pk",)  # newest first, on the primary key
     fields = readonly_fields = (
         "id", "amount_display", "status", "customer_email", "created", "updated", "operations",
     )  # fmt: skip
+
+    def get_search_results(
+        self, request: HttpRequest, queryset: QuerySet[Order], search_term: str
+    ) -> tuple[QuerySet[Order], bool]:
+        """The order id, or the customer's e-mail through its index (payments.desk.lists)."""
+        term = search_term.strip()
+        if not term:
+            return queryset, False
+        found = search_orders(queryset, term)
+        return (queryset.none() if found is None else found), False
 
     @admin.display(description="amount", ordering="amount")
     def amount_display(self, obj: Order) -> str:

@@ -18,6 +18,7 @@ from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from rq.worker import SimpleWorker
 
+from inbox.conf import inbox_settings
 from payments.conf import payments_settings
 from payments.engine.handlers import unknown_recorded_names
 from payments.engine.queues import PROBE_TIMEOUT, redis_client
@@ -106,6 +107,45 @@ def check_timeout_chain(app_configs: Any = None, **kwargs: Any) -> list[Error]:
             )
         )
     return errors
+
+
+@register()
+def check_retention(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
+    """The fence keeps a finished operation's history past every horizon that reads it."""
+    try:
+        conf = payments_settings()
+    except ImproperlyConfigured:
+        return []  # payments.E009 reports it
+    kept = conf.retention_days * 86400
+    found: list[CheckMessage] = []
+    if kept <= conf.provider_key_retention + conf.reconcile_grace:
+        found.append(
+            Error(
+                f"RETENTION_DAYS={conf.retention_days} does not outlast the provider's "
+                f"idempotency keys ({conf.provider_key_retention}s) and the reconcile grace "
+                f"({conf.reconcile_grace}s): a purged claim's key could still be replayed.",
+                hint="Keep RETENTION_DAYS well past PROVIDER_KEY_RETENTION (default 400).",
+                id="payments.E012",
+            )
+        )
+    # RQ keeps a failed job (which can be requeued by hand) for the inbox's redelivery
+    # horizon (RQ_FAILURE_TTL; RQ's own default is a year).
+    try:
+        horizon = inbox_settings().redelivery_horizon.total_seconds()
+    except ImproperlyConfigured:
+        horizon = 0  # inbox.E001 reports it
+    if kept <= horizon:
+        found.append(
+            CheckWarning(
+                f"RETENTION_DAYS={conf.retention_days} is within RQ's failed-job retention "
+                f"({horizon / 86400:g} days): a failed job requeued by hand may find its "
+                "operation's claims and audit rows purged (it does nothing: the operation "
+                "is final), and the operator cannot read why it failed.",
+                hint="Keep RETENTION_DAYS above RQ_FAILURE_TTL (default 400 days).",
+                id="payments.W007",
+            )
+        )
+    return found
 
 
 # --- deployment: secrets, Redis, retention ---------------------------------------

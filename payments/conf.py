@@ -33,6 +33,14 @@ Every key, its default and its meaning:
 ``PROVIDER_WEBHOOK_TOLERANCE`` (``300`` seconds)
     How far a webhook's signed timestamp may be from now before it is refused
     as a replay (Stripe's own default).
+``RETENTION_DAYS`` (``400``)
+    How long the history of a finished operation (its claims, audit rows and
+    provider events) is kept after its last change; `purge_history` removes
+    what is older (the operation row stays, so its key is never taken again).
+    Well past the provider's key retention (`payments.E012`), RQ's one-year
+    failed-job registry (`payments.W007`) and any `fence_audit` window.
+``PURGE_BATCH_SIZE`` (``500``)
+    Operations whose history one `purge_history` transaction removes.
 
 `payments.E009` reports a bad value at start-up; the timeout chain between
 them is checked by `payments.E002`-`E005`.
@@ -65,6 +73,8 @@ class PaymentsSettings:
     provider_dashboard_url: str = ""
     provider_webhook_secrets: tuple[str, ...] = ()
     provider_webhook_tolerance: int = 300
+    retention_days: int = 400
+    purge_batch_size: int = 500
 
     def backoff_before(self, attempt: int) -> int:
         """Return the delay in seconds before attempt `attempt + 1` (1-based `attempt`)."""
@@ -181,5 +191,9 @@ def _read(raw: object) -> PaymentsSettings:
         ),
         provider_webhook_tolerance=_number(
             "PROVIDER_WEBHOOK_TOLERANCE", get("provider_webhook_tolerance"), integer=True, minimum=1
+        ),
+        retention_days=_number("RETENTION_DAYS", get("retention_days"), integer=True, minimum=1),
+        purge_batch_size=_number(
+            "PURGE_BATCH_SIZE", get("purge_batch_size"), integer=True, minimum=1
         ),
     )

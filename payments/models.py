@@ -11,6 +11,7 @@ from typing import Any
 
 from django.db import models
 from django.db.models import Q
+from django.db.models.functions import Lower
 from django.utils import timezone
 from rest_framework_api_key.models import AbstractAPIKey
 
@@ -132,6 +133,10 @@ class Order(models.Model):
                 fields=["client", "idempotency_key"], name=ORDER_KEY_CONSTRAINT
             ),
         ]
+        indexes = [
+            # The desk's search by e-mail, any case (payments.desk.lists; migration 0017).
+            models.Index(Lower("customer_email"), name="payments_order_email_lower"),
+        ]
 
     def __str__(self) -> str:
         return f"Order {self.pk}"
@@ -176,6 +181,8 @@ class OperationState(models.TextChoices):
 
 
 FINAL_OPERATION_STATES = frozenset({OperationState.SUCCEEDED, OperationState.FAILED})
+#: Every other state: what the recovery loop reads, through partial indexes over these only.
+UNFINISHED_OPERATION_STATES = [s for s in OperationState if s not in FINAL_OPERATION_STATES]
 #: States in which a worker may take the operation (with an expired lease for RUNNING).
 RUNNABLE_OPERATION_STATES = frozenset(
     {OperationState.PENDING, OperationState.RETRYING, OperationState.RUNNING}
@@ -263,6 +270,9 @@ class Operation(FenceModel):
     )
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
+    #: When retention purged its claims, audit rows and provider events (payments.engine.
+    #: retention); the row stays, so that its key is never taken again.
+    purged_at = models.DateTimeField(null=True, blank=True)
 
     class Meta:
         constraints = [
@@ -275,7 +285,18 @@ class Operation(FenceModel):
         # Every index is written on each insert and on each state change (an update of
         # an indexed column writes a new entry in all of them): only what a query needs.
         indexes = [
-            models.Index(fields=["state", "next_attempt_at"], name="payments_op_state_due"),
+            # Over unfinished operations only (migration 0014): what the recovery loop reads.
+            models.Index(
+                fields=["state", "next_attempt_at"],
+                name="payments_op_unfinished",
+                condition=Q(state__in=UNFINISHED_OPERATION_STATES),
+            ),
+            # Failed ones whose claims may still resume them (the stranded pass, E010).
+            models.Index(
+                fields=["updated_at"],
+                name="payments_op_failed",
+                condition=Q(state=OperationState.FAILED),
+            ),
             models.Index(fields=["entity_type", "entity_id"], name="payments_op_entity"),
             # A retry's first attempt, a follow-up's parent: most rows have none.
             models.Index(
@@ -285,6 +306,12 @@ class Operation(FenceModel):
             ),
             models.Index(
                 fields=["parent"], name="payments_op_parent", condition=Q(parent__isnull=False)
+            ),
+            # Final operations whose history is still kept: what the retention purge walks.
+            models.Index(
+                fields=["id"],
+                name="payments_op_unpurged",
+                condition=Q(purged_at__isnull=True, state__in=sorted(FINAL_OPERATION_STATES)),
             ),
         ]
         permissions = [
@@ -301,6 +328,10 @@ class ClaimState(models.TextChoices):
     DONE = "done", "Done"  # the effect happened; result and reference stored
     FAILED = "failed", "Failed"  # the effect was refused for good
     UNCERTAIN = "uncertain", "Uncertain"  # the effect may have happened; reconcile
+
+
+#: Claims whose outcome is not recorded yet: what the reconciler reads.
+UNSETTLED_CLAIM_STATES = [ClaimState.CLAIMED, ClaimState.UNCERTAIN]
 
 
 class StepClaim(FenceModel):
@@ -344,7 +375,12 @@ class StepClaim(FenceModel):
         # the idempotency key (nothing looks a claim up by it but the admin's search,
         # which matches case-insensitively and could not use one).
         indexes = [
-            models.Index(fields=["state", "claimed_at"], name="payments_claim_state_age"),
+            # Over unsettled claims only (migration 0014): what the reconciler reads.
+            models.Index(
+                fields=["claimed_at"],
+                name="payments_claim_unsettled",
+                condition=Q(state__in=UNSETTLED_CLAIM_STATES),
+            ),
             # One index for both lookups by reference: equality (webhooks, the desk) and
             # prefix (`pi_`, `re_`: the audits), which a default-collation btree cannot serve.
             models.Index(
@@ -417,7 +453,11 @@ class FenceAuditRun(models.Model):
     finished_at = models.DateTimeField()
     window_start = models.DateTimeField()
     exit_code = models.PositiveSmallIntegerField()
+    #: Counts, and the first findings of each kind (never the whole list).
     summary = models.JSONField(default=dict)
+    #: The end of the last day audited: `fence_audit --since last` starts there.
+    #: NULL when no day was (the provider could not be read at the first).
+    checkpoint = models.DateTimeField(null=True, blank=True)
 
     class Meta:
         ordering = ["-finished_at"]

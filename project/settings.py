@@ -268,6 +268,8 @@ _PAYMENTS_ENV = {
     # Comma-separated: during a rotation the old and the new signing secret are both accepted.
     "PROVIDER_WEBHOOK_SECRETS": ("PAYMENT_PROVIDER_WEBHOOK_SECRET", env.str),
     "PROVIDER_WEBHOOK_TOLERANCE": ("PAYMENT_PROVIDER_WEBHOOK_TOLERANCE", env.int),
+    "RETENTION_DAYS": ("PAYMENTS_RETENTION_DAYS", env.int),
+    "PURGE_BATCH_SIZE": ("PAYMENTS_PURGE_BATCH_SIZE", env.int),
 }
 PAYMENTS = {key: read(var) for key, (var, read) in _PAYMENTS_ENV.items() if var in env}
 

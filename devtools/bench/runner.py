@@ -156,16 +156,29 @@ class Bench:
         # provider must forget the last batch or it would replay its answers.
         self.control("reset")
 
-    def batch(self, prepare: Callable[[], int], *, workers: int, worker_class: str) -> float:
+    def batch(
+        self,
+        prepare: Callable[[], int],
+        *,
+        workers: int,
+        worker_class: str,
+        keep_rows: bool = False,
+    ) -> float:
         """Enqueue with `prepare` (returns how many jobs will run), run them; return seconds.
 
         Also reads the CPU the batch cost per process kind (`self.cpu`), from
         the moment every worker has registered (started up) to the last job's end,
         and the WAL PostgreSQL wrote from the jobs' enqueueing to their end
         (`self.wal_bytes`: what the workers wrote, the database's whole-cluster
-        log, so nothing else may write meanwhile).
+        log, so nothing else may write meanwhile). `keep_rows`: the tables keep
+        their rows (`make bench-history` measures checkouts beside a year of
+        them); the queue and the provider start empty either way.
         """
-        self.reset()
+        if keep_rows:
+            flush_scratch(self.queue.connection, "the bench")
+            self.control("reset")
+        else:
+            self.reset()
         expected = prepare()
         wal_from = wal_position()
         path = WORKER_CLASSES.get(worker_class, worker_class)

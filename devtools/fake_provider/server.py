@@ -55,7 +55,8 @@ a `Request-Id` header on every answer):
   `failure_reason` and `failure_balance_transaction` are null unless it
   failed.
 - `GET /v1/refunds/{id}` and `GET /v1/refunds` (list, newest first:
-  `payment_intent`, `limit`, `starting_after`, `ending_before`).
+  `payment_intent`, `limit`, `starting_after`, `ending_before`,
+  `created[gt|gte|lt|lte]` and `created=<t>`, all together).
 - `GET /v1/events` (list, newest first: `limit`, `starting_after`,
   `ending_before`, `created[gt|gte|lt|lte]`, `type`, `types[]`): every event
   the fake emitted: `payment_intent.succeeded`, `payment_intent.payment_failed`,
@@ -458,8 +459,12 @@ class _Handler(BaseHTTPRequestHandler):
             limit = _limit(flat.get("limit"))
             if isinstance(limit, Reply):
                 return limit
+            created = _created_filters(flat)
+            if isinstance(created, Reply):
+                return created
             return state.list_refunds(
                 limit=limit,
+                created=created,
                 payment_intent=flat.get("payment_intent") or None,
                 starting_after=flat.get("starting_after") or None,
                 ending_before=flat.get("ending_before") or None,
@@ -494,14 +499,9 @@ class _Handler(BaseHTTPRequestHandler):
         limit = _limit(flat.get("limit"))
         if isinstance(limit, Reply):
             return limit
-        created: dict[str, int] = {}
-        for name, value in flat.items():
-            match = re.fullmatch(r"created(?:\[(gt|gte|lt|lte)\])?", name)
-            if match is None:
-                continue
-            if not re.fullmatch(r"-?\d+", value):
-                return invalid("Invalid integer.", param=name, code="parameter_invalid_integer")
-            created[match[1] or "eq"] = int(value)
+        created = _created_filters(flat)
+        if isinstance(created, Reply):
+            return created
         return state.list_payment_intents(
             limit=limit,
             created=created,
@@ -694,14 +694,9 @@ def _list_events(state: FakeState, flat: dict[str, str], args: list[tuple[str, s
     limit = _limit(flat.get("limit"))
     if isinstance(limit, Reply):
         return limit
-    created: dict[str, int] = {}
-    for name, value in flat.items():
-        match = re.fullmatch(r"created(?:\[(gt|gte|lt|lte)\])?", name)
-        if match is None:
-            continue
-        if not re.fullmatch(r"-?\d+", value):
-            return invalid("Invalid integer.", param=name, code="parameter_invalid_integer")
-        created[match[1] or "eq"] = int(value)
+    created = _created_filters(flat)
+    if isinstance(created, Reply):
+        return created
     types = [value for name, value in args if re.fullmatch(r"types\[\d*\]", name)]
     if flat.get("type"):
         types.append(flat["type"])
@@ -735,3 +730,16 @@ def _webhooks_control(sender: WebhookSender | None, method: str, body: bytes) ->
     except (ValueError, TypeError) as exc:
         return invalid(f"Bad control request: {exc}")
     return Reply(200, sender.stats())
+
+
+def _created_filters(flat: dict[str, str]) -> dict[str, int] | Reply:
+    """The `created`, `created[gt|gte|lt|lte]` filters of a list request, or its refusal."""
+    created: dict[str, int] = {}
+    for name, value in flat.items():
+        match = re.fullmatch(r"created(?:\[(gt|gte|lt|lte)\])?", name)
+        if match is None:
+            continue
+        if not re.fullmatch(r"-?\d+", value):
+            return invalid("Invalid integer.", param=name, code="parameter_invalid_integer")
+        created[match[1] or "eq"] = int(value)
+    return created

@@ -692,14 +692,19 @@ class FakeState:
         self,
         *,
         limit: int,
+        created: Mapping[str, int] | None = None,
         payment_intent: str | None = None,
         starting_after: str | None = None,
         ending_before: str | None = None,
     ) -> Reply:
-        """Handle `GET /v1/refunds`: newest first, cursor pagination, by intent."""
+        """Handle `GET /v1/refunds`: newest first, cursor pagination, by intent and created."""
         with self._cond:
             self._fail_due_refunds()
-            rows = self._desk.newest_first(payment_intent)
+            rows = [
+                r
+                for r in self._desk.newest_first(payment_intent)
+                if _created_in(r.data, created or {})
+            ]
             cursor = starting_after or ending_before
             if cursor is not None and cursor not in self._desk.records:
                 param = "starting_after" if starting_after else "ending_before"

@@ -30,7 +30,7 @@ from types import ModuleType
 from typing import Any, cast
 
 from django.db import DatabaseError, models
-from django.db.models import Model, Q
+from django.db.models import Exists, Model, OuterRef
 
 from inbox.handlers import current_message, inbox_guard, inbox_handler
 from payments.conf import payments_settings
@@ -40,7 +40,7 @@ from payments.engine.steps import run_external_step
 from payments.engine.unit import WorkUnit
 from payments.exceptions import ConfigurationError, StepBusy, StepDoneMeanwhile, StepTransient
 from payments.models import (
-    FINAL_OPERATION_STATES,
+    UNFINISHED_OPERATION_STATES,
     ClaimState,
     Operation,
     OperationState,
@@ -361,24 +361,27 @@ def unknown_recorded_names() -> list[str]:
     ran. Run by the `payments.E010` check and by the worker before it starts.
     """
     # A failed operation with a claim that is not failed may still run again (the
-    # reconciler's stranded pass, a desk resume): it counts as unfinished.
-    may_resume = Q(state=OperationState.FAILED) & Q(
-        claims__state__in=[ClaimState.DONE, ClaimState.UNCERTAIN, ClaimState.CLAIMED]
-    )
-    unfinished = Operation.objects.filter(
-        ~Q(state__in=FINAL_OPERATION_STATES) | may_resume
-    ).distinct()
+    # reconciler's stranded pass, a desk resume): it counts as unfinished. Each part
+    # reads through a partial index (unfinished, failed operations: migration 0014),
+    # and their claims through the unique (operation, step) index.
+    may_resume = StepClaim.objects.filter(operation=OuterRef("pk")).exclude(state=ClaimState.FAILED)
+    kinds: set[str] = set()
+    recorded: set[tuple[str, str]] = set()
+    for unfinished in (
+        Operation.objects.filter(state__in=UNFINISHED_OPERATION_STATES),
+        Operation.objects.filter(state=OperationState.FAILED).filter(Exists(may_resume)),
+    ):
+        kinds.update(unfinished.values_list("kind", flat=True).distinct())
+        recorded.update(
+            StepClaim.objects.filter(operation__in=unfinished.values("pk"))
+            .values_list("operation__kind", "step")
+            .distinct()
+        )
     problems = []
-    kinds = sorted(set(unfinished.values_list("kind", flat=True)))
-    for kind in kinds:
+    for kind in sorted(kinds):
         if kind not in _HANDLERS:
             problems.append(f"operation kind {kind!r} is recorded on unfinished operations")
-    recorded = (
-        StepClaim.objects.filter(operation__in=unfinished)
-        .values_list("operation__kind", "step")
-        .distinct()
-    )
-    for kind, step in sorted(set(recorded)):
+    for kind, step in sorted(recorded):
         spec = _HANDLERS.get(kind)
         if spec is not None and spec.consumer is None and step not in spec.known_steps:
             problems.append(f"step {step!r} of {kind!r} is recorded on unfinished operations")

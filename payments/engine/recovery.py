@@ -17,7 +17,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from django.db import transaction
-from django.db.models import Q
+from django.db.models import Exists, OuterRef, Q
 from rq.exceptions import NoSuchJobError
 from rq.job import Job, JobStatus
 from rq.registry import ScheduledJobRegistry, StartedJobRegistry
@@ -40,6 +40,7 @@ from payments.exceptions import (
 )
 from payments.models import (
     FINAL_OPERATION_STATES,
+    UNSETTLED_CLAIM_STATES,
     ClaimState,
     Operation,
     OperationState,
@@ -150,7 +151,8 @@ class ReconcileReport:
 
 def claims_to_reconcile(operation_ids: list[int] | None = None) -> Q:
     """Unsettled claims of operations no worker will run: uncertain, failed or under review."""
-    unsettled = Q(state__in=[ClaimState.UNCERTAIN, ClaimState.CLAIMED])
+    # Through the partial index over unsettled claims (migration 0014).
+    unsettled = Q(state__in=UNSETTLED_CLAIM_STATES)
     if operation_ids is not None:
         return unsettled & Q(operation_id__in=operation_ids)
     return unsettled & Q(operation__state__in=[OperationState.UNCERTAIN, OperationState.FAILED])
@@ -212,24 +214,28 @@ def stranded_operations() -> Q:
 
     An uncertain operation with no unsettled claim, or a failed one with a
     charge done, was left between its claim's settlement and its own move.
+    Each arm names its state, so that the query reads through the partial
+    indexes over unfinished and failed operations (migration 0014), never
+    through the finished history; the claims are probed by their unique
+    (operation, step) index.
     """
-    settled_but_uncertain = Q(state=OperationState.UNCERTAIN) & ~Q(
-        claims__state__in=[ClaimState.UNCERTAIN, ClaimState.CLAIMED]
-    )
-    charged_but_failed = Q(
-        state=OperationState.FAILED,
-        claims__state=ClaimState.DONE,
-        claims__provider_reference__gt="",
+    unsettled = StepClaim.objects.filter(operation=OuterRef("pk"), state__in=UNSETTLED_CLAIM_STATES)
+    charged = StepClaim.objects.filter(
+        operation=OuterRef("pk"), state=ClaimState.DONE, provider_reference__gt=""
     )
     # A failed operation that compensated (its `on_give_up` completed, e.g. a released
     # hold) stays failed: what its done steps did was undone on purpose.
-    compensated = Q(pk__in=StepClaim.objects.filter(step=GIVE_UP_STEP).values("operation_id"))
-    return settled_but_uncertain | (charged_but_failed & ~compensated)
+    compensated = StepClaim.objects.filter(operation=OuterRef("pk"), step=GIVE_UP_STEP)
+    settled_but_uncertain = Q(state=OperationState.UNCERTAIN) & ~Exists(unsettled)
+    charged_but_failed = Q(state=OperationState.FAILED) & Exists(charged) & ~Exists(compensated)
+    return settled_but_uncertain | charged_but_failed
 
 
 def _resume_stranded(actor: str, report: ReconcileReport) -> None:
     """Resume stranded operations: the runtime replays what is settled and decides."""
-    for op in Operation.objects.filter(stranded_operations()).distinct()[:200]:
+    # No ORDER BY: each one resumed leaves the set, and an order by id would let the
+    # planner walk the primary key (the whole history) to find the few there are.
+    for op in Operation.objects.filter(stranded_operations())[:200]:
         try:
             spec = get_handler(op.kind)
             _move(

@@ -275,11 +275,16 @@ def audit_refunds(
     refunds_by_intent: dict[str, list[Refund]],
     charged: dict[str, int],
     claims: Q | None = None,
+    *,
+    judge_all: bool = False,
 ) -> RefundAuditResult:
     """Compare the provider's refunds of the listed intents with the `done` refund claims.
 
     `charged` maps each intent to its amount: the refunds of one intent never
     add up to more. `claims` limits which done claims are judged (the window).
+    `judge_all`: the refunds listed are every refund of the claims' window (a
+    listing by `created`), so every done claim of the window is judged, not
+    only those of an intent whose refunds were listed.
     """
     result = RefundAuditResult()
     by_step: dict[str, list[str]] = defaultdict(list)
@@ -316,6 +321,8 @@ def audit_refunds(
     )
     # Only a refund of a listed intent can be judged unknown: the others were not asked for.
     result.unknown_references = sorted(
-        ref for ref in scoped if ref not in succeeded and intents_of.get(ref) in listed
+        ref
+        for ref in scoped
+        if ref not in succeeded and (judge_all or intents_of.get(ref) in listed)
     )
     return result

@@ -605,11 +605,26 @@ class ProviderClient:
         answer = self._request("GET", f"{REFUNDS_PATH}/{refund_id}")
         return _refund(answer.body, answer)
 
-    def list_refunds(self, *, payment_intent: str, limit: int = 100) -> Iterator[Refund]:
-        """Yield the refunds of one intent (newest first), following `starting_after` pages."""
-        if not payment_intent:
+    def list_refunds(
+        self,
+        *,
+        payment_intent: str | None = None,
+        created_gte: int | None = None,
+        created_lte: int | None = None,
+        limit: int = 100,
+    ) -> Iterator[Refund]:
+        """Yield the refunds of one intent, or of a created window [created_gte, created_lte]
+        (either open, not both: the whole account), newest first, page by page."""
+        if payment_intent is not None and not payment_intent:
             raise ValueError("payment_intent must be a non-empty string")
-        query = {"payment_intent": payment_intent, "limit": _page_size(limit)}
+        if payment_intent is None and created_gte is None and created_lte is None:
+            raise ValueError("list the refunds of an intent or of a created window")
+        query = {} if payment_intent is None else {"payment_intent": payment_intent}
+        query["limit"] = _page_size(limit)
+        if created_gte is not None:
+            query["created[gte]"] = str(int(created_gte))
+        if created_lte is not None:
+            query["created[lte]"] = str(int(created_lte))
         return self._pages(REFUNDS_PATH, query, _refund)
 
     def list_events(self, *, created_gte: int | None = None, limit: int = 100) -> Iterator[Event]:

@@ -265,6 +265,26 @@ def test_list__created_window_with_auto_paging():
         assert [pi.id for pi in window.auto_paging_iter()] == ids[1:4][::-1]
 
 
+def test_refund_list__created_window_with_auto_paging():
+    """The audit lists a window's refunds in one listing: `created[gte|lte]` as at Stripe."""
+    clock = FakeClock()
+    with FakeProviderServer(clock=clock) as server:
+        client = stripe.StripeClient(
+            API_KEY, base_addresses={"api": server.url}, max_network_retries=0
+        )
+        start = int(clock.now)
+        ids = []
+        for n in range(5):
+            pi = client.v1.payment_intents.create(charge_params(f"refund-window-{n}"))
+            ids.append(client.v1.refunds.create({"payment_intent": pi.id, "amount": 100}).id)
+            clock.advance(10)
+        window = client.v1.refunds.list(
+            {"created": {"gte": start + 10, "lte": start + 30}, "limit": 1}
+        )
+        assert window.has_more is True
+        assert [r.id for r in window.auto_paging_iter()] == ids[1:4][::-1]
+
+
 def test_list__created_window_with_the_global_api(global_api):
     pi = stripe.PaymentIntent.create(**charge_params("global-window"))
     listed = stripe.PaymentIntent.list(created={"lte": pi.created, "gte": pi.created}, limit=1)

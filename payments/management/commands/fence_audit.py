@@ -1,13 +1,19 @@
-"""Compare the provider's payment intents with the step claims; report double charges.
+"""Compare the provider's payment intents and refunds with the step claims; report double
+charges and refunds.
 
-Exit codes: 0 clean, 1 findings (after the report is printed), 2 the provider
-could not be read. Every run is stored as a FenceAuditRun.
+The window is audited day by day (payments.observability.audit_window): its
+memory is a day's, whatever the window. Exit codes: 0 clean, 1 findings
+(after the report is printed), 2 the provider could not be read. Every run is
+stored as a FenceAuditRun with its counts, its first findings and its
+checkpoint (the end of the last day audited): `--since last` starts there.
 """
 
 from __future__ import annotations
 
+import gc
 import json
 import re
+import sys
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -20,15 +26,16 @@ from payments.engine import fence
 from payments.engine.effects import EffectResult
 from payments.engine.outcomes import Outcome
 from payments.models import ClaimState, FenceAuditRun, StepClaim
-from payments.observability.audit import AuditResult, RefundAuditResult, audit, audit_refunds
-from payments.provider.client import PaymentIntent, ProviderClient, Refund
+from payments.observability.audit import audit
+from payments.observability.audit_window import WindowAudit, audit_day, days
+from payments.provider.client import ProviderClient
 from payments.provider.errors import ProviderError
 
-#: Intents are listed from this much before the window: the provider's clock and
-#: ours differ, and a claim in the window must find its intent in the list.
-CLOCK_MARGIN = timedelta(minutes=5)
-
 _UNITS = {"m": "minutes", "h": "hours", "d": "days"}
+#: `--since last`: from where the last run stopped (its checkpoint).
+SINCE_LAST = "last"
+#: `--since last` with no earlier run: this much.
+FIRST_WINDOW = timedelta(hours=24)
 
 
 def parse_since(value: str) -> timedelta:
@@ -36,10 +43,20 @@ def parse_since(value: str) -> timedelta:
     match = re.fullmatch(r"\s*(\d+)\s*([mhd])\s*", value or "")
     if match is None or int(match[1]) == 0:
         raise CommandError(
-            f"--since must be a positive number followed by m, h or d (e.g. 30m, 24h, 7d), "
-            f"not {value!r}."
+            f"--since must be last, or a positive number followed by m, h or d (e.g. 30m, "
+            f"24h, 7d), not {value!r}."
         )
     return timedelta(**{_UNITS[match[2]]: int(match[1])})
+
+
+def last_checkpoint() -> datetime | None:
+    """Where the last run that got anywhere stopped (the end of its last audited day)."""
+    return (
+        FenceAuditRun.objects.filter(checkpoint__isnull=False)
+        .order_by("-checkpoint")
+        .values_list("checkpoint", flat=True)
+        .first()
+    )
 
 
 class Command(BaseCommand):
@@ -52,125 +69,144 @@ class Command(BaseCommand):
 
     def add_arguments(self, parser: CommandParser) -> None:
         parser.add_argument(
-            "--since", default="24h", help="Window to audit: 30m, 24h, 7d (default 24h)."
+            "--since",
+            default="24h",
+            help="Window to audit: 30m, 24h, 7d (default 24h), or `last`: from where the "
+            "last run stopped (a scheduled run; 24h when there is none).",
         )
         parser.add_argument(
             "--format", choices=["table", "json"], default="table", help="Report format."
         )
 
     def handle(self, *args: Any, **options: Any) -> None:
-        since = parse_since(options["since"])
         started = timezone.now()
-        window_start = started - since
+        window_start = self._window_start(options["since"], started)
+        totals = WindowAudit()
+        checkpoint: datetime | None = None
+        spans = list(days(window_start, started))
         try:
-            intents = self._list_intents(window_start - CLOCK_MARGIN, options["verbosity"])
-            refunds = self._list_refunds(intents)
+            with ProviderClient.from_settings() as client:
+                for n, (start, end) in enumerate(spans):
+                    day = audit_day(client, start, end, first=n == 0, last=n == len(spans) - 1)
+                    self._note_on_claims(client, day.charges.unfenced)
+                    totals.add_day(day)
+                    checkpoint = end
+                    if options["verbosity"] >= 2:
+                        self.stdout.write(
+                            f"  {start:%Y-%m-%d %H:%M}: {day.intents_listed} intents, "
+                            f"{day.refunds_listed} refunds listed"
+                        )
+                    # One day at a time: neither this day's objects nor their cyclic
+                    # garbage (responses, parsed pages) are held while the next is listed.
+                    del day
+                    gc.collect()
         except ProviderError as exc:
             reason = f"provider could not be read: {type(exc).__name__}"
-            summary = {"error": reason, "since": options["since"], "clean": None}
-            self._store(started, window_start, 2, summary)
+            summary = {
+                **totals.as_summary(),
+                "error": reason,
+                "since": options["since"],
+                "clean": None,
+            }
+            self._store(started, window_start, 2, summary, checkpoint)
             if options["format"] == "json":
                 self.stdout.write(json.dumps({**summary, "exit_code": 2}, indent=2))
             raise CommandError(f"fence audit: {reason} ({exc})", returncode=2) from exc
 
-        # Only the steps whose effects take money are judged against the intent list (audit's
-        # audited_steps: a hold or a release is not); stale uncertain
-        # claims are reported whatever their age (they are never "outside the window").
-        in_window = Q(claimed_at__gte=window_start)
-        result = audit(intents, in_window, stale_claims=Q(), now=started)
-        self._note_on_claims(intents, result.unfenced)
-        refund_result = audit_refunds(
-            refunds,
-            {intent.id: intent.amount_received or intent.amount for intent in intents},
-            Q(claimed_at__gte=window_start),
-        )
-        clean = result.clean and refund_result.clean
-        exit_code = 0 if clean else 1
+        # Stale uncertain claims are reported whatever their age (never "outside the window").
+        totals.add_stale(audit([], Q(pk__in=[]), stale_claims=Q(), now=started).stale_uncertain)
+        exit_code = 0 if totals.clean else 1
         summary = {
-            **result.as_dict(),
-            "clean": clean,
-            "findings": result.findings + refund_result.findings,
-            "refunds": refund_result.as_dict(),
+            **totals.as_summary(),
             "since": options["since"],
             "window_start": window_start.isoformat(),
-            "intents_listed": len(intents),
+            "checkpoint": started.isoformat(),
             "reconcile_grace_seconds": payments_settings().reconcile_grace,
         }
-        self._store(started, window_start, exit_code, summary)
+        self._store(started, window_start, exit_code, summary, started)
         if options["format"] == "json":
             self.stdout.write(json.dumps({**summary, "exit_code": exit_code}, indent=2))
         else:
-            self._write_table(result, summary)
-            self._write_refund_table(refund_result)
+            self._write_table(summary)
+            self._write_refund_table(summary["refunds"])
         if exit_code:
             raise CommandError(
                 f"fence audit found {summary['findings']} problem(s); see the report above.",
                 returncode=1,
             )
 
-    def _list_intents(self, created_gte: datetime, verbosity: int) -> list[PaymentIntent]:
-        intents: list[PaymentIntent] = []
-        with ProviderClient.from_settings() as client:
-            for intent in client.list_payment_intents(created_gte=int(created_gte.timestamp())):
-                intents.append(intent)
-                if verbosity >= 2:
-                    key = intent.metadata.get("operation_key", "-")
-                    self.stdout.write(f"  {intent.id} {intent.status} {key}")
-        return intents
-
     @staticmethod
-    def _list_refunds(intents: list[PaymentIntent]) -> dict[str, list[Refund]]:
-        """The refunds of every succeeded intent of the window (one listing per intent)."""
-        refunds: dict[str, list[Refund]] = {}
-        with ProviderClient.from_settings() as client:
-            for intent in intents:
-                if intent.status == "succeeded":
-                    refunds[intent.id] = list(client.list_refunds(payment_intent=intent.id))
-        return refunds
+    def _window_start(since: str, started: datetime) -> datetime:
+        if since.strip() == SINCE_LAST:
+            checkpoint = last_checkpoint()
+            if checkpoint is None:
+                sys.stderr.write("fence audit: no earlier run to resume from; auditing 24h\n")
+                checkpoint = started - FIRST_WINDOW
+            start = min(checkpoint, started)
+        else:
+            start = started - parse_since(since)
+        kept = timedelta(days=payments_settings().retention_days)
+        if start < started - kept:
+            # Claims older than that may be purged: their provider successes would look
+            # unfenced.
+            raise CommandError(
+                f"--since reaches past the retention of claims (RETENTION_DAYS="
+                f"{payments_settings().retention_days}); audit a shorter window."
+            )
+        return start
 
-    def _write_refund_table(self, result: RefundAuditResult) -> None:
+    def _write_refund_table(self, refunds: dict[str, Any]) -> None:
         write = self.stdout.write
         write(
-            f"Refunds: {result.provider_refunds} provider refunds, {result.done_claims} done "
-            "refund claims in the window."
+            f"Refunds: {refunds['provider_refunds']} provider refunds, {refunds['done_claims']} "
+            "done refund claims in the window."
         )
         sections = [
             (
                 "Refund steps refunded more than once (double refunds)",
-                [
-                    f"{step}: {', '.join(refs)}"
-                    for step, refs in sorted(result.double_refunds.items())
-                ],
+                "double_refunds",
+                [f"{d['step']}: {', '.join(d['references'])}" for d in refunds["double_refunds"]],
             ),
             (
                 "Intents refunded more than they were charged (over-refunds)",
+                "over_refunds",
                 [
-                    f"{pi}: refunded {a['refunded']} of {a['charged']}"
-                    for pi, a in sorted(result.over_refunds.items())
+                    f"{a['payment_intent']}: refunded {a['refunded']} of {a['charged']}"
+                    for a in refunds["over_refunds"]
                 ],
             ),
-            ("Provider refunds without a done claim", list(result.unfenced)),
+            ("Provider refunds without a done claim", "unfenced", refunds["unfenced"]),
             (
                 "Done refund claims the provider does not list as succeeded",
-                list(result.unknown_references),
+                "unknown_references",
+                refunds["unknown_references"],
             ),
         ]
-        for title, lines in sections:
-            style = self.style.ERROR if lines else self.style.SUCCESS
-            write(style(f"{title}: {len(lines)}"))
+        self._write_sections(sections, refunds["counts"])
+
+    def _write_sections(
+        self, sections: list[tuple[str, str, list[str]]], counts: dict[str, int]
+    ) -> None:
+        """Each kind of finding: its count, its first lines, and how many more the count has."""
+        for title, kind, lines in sections:
+            total = counts.get(kind, len(lines))
+            style = self.style.ERROR if total else self.style.SUCCESS
+            self.stdout.write(style(f"{title}: {total}"))
             for line in lines:
-                write(f"  {line}")
+                self.stdout.write(f"  {line}")
+            if total > len(lines):
+                self.stdout.write(f"  ... and {total - len(lines)} more")
 
     @staticmethod
-    def _note_on_claims(intents: list[PaymentIntent], unfenced: list[str]) -> None:
+    def _note_on_claims(client: ProviderClient, unfenced: list[str]) -> None:
         """Show each unfenced success on the unsettled claim that asked for it (the desk reads it).
 
         A claim left uncertain, or in review, whose request the provider did
-        execute: the operator sees the provider's answer beside ours.
+        execute: the operator sees the provider's answer beside ours. Findings
+        are few: one lookup each.
         """
-        by_id = {intent.id: intent for intent in intents}
         for ref in unfenced:
-            intent = by_id[ref]
+            intent = client.retrieve_payment_intent(ref)
             key, step = intent.metadata.get("operation_key"), intent.metadata.get("step")
             if not key or not step:
                 continue
@@ -192,55 +228,66 @@ class Command(BaseCommand):
                 fence.note_provider_view(claim, found, source="fence_audit")
 
     @staticmethod
-    def _store(started: datetime, window_start: datetime, code: int, summary: dict) -> None:
+    def _store(
+        started: datetime,
+        window_start: datetime,
+        code: int,
+        summary: dict,
+        checkpoint: datetime | None,
+    ) -> None:
         FenceAuditRun.objects.create(
             started_at=started,
             finished_at=timezone.now(),
             window_start=window_start,
             exit_code=code,
             summary=summary,
+            checkpoint=checkpoint,
         )
 
-    def _write_table(self, result: AuditResult, summary: dict[str, Any]) -> None:
-        write = self.stdout.write
-        write(
-            f"Fence audit since {summary['window_start']} ({summary['since']}): "
-            f"{summary['intents_listed']} intents listed, {result.provider_successes} provider "
-            f"successes, {result.done_claims} done claims in the window."
+    def _write_table(self, summary: dict[str, Any]) -> None:
+        steps = summary["steps"]
+        self.stdout.write(
+            f"Fence audit since {summary['window_start']} ({summary['since']}, "
+            f"{summary['days']} day(s)): {summary['intents_listed']} intents listed, "
+            f"{summary['provider_successes']} provider successes, {summary['done_claims']} "
+            "done claims in the window."
         )
         sections = [
             (
                 "Entities charged more than once (double charges, across operations)",
+                "double_charged_entities",
                 [
-                    f"{kind} {ident}: {', '.join(found['references'])}  "
-                    f"(operations: {', '.join(found['operations'])})"
-                    for (kind, ident), found in sorted(result.double_charged_entities.items())
+                    f"{d['entity_type']} {d['entity_id']}: {', '.join(d['references'])}  "
+                    f"(operations: {', '.join(d['operations'])})"
+                    for d in summary["double_charged_entities"]
                 ],
             ),
             (
                 "Steps charged more than once (double charges)",
+                "double_charges",
                 [
-                    f"{key}/{step}: {', '.join(refs)}"
-                    for (key, step), refs in sorted(result.double_charges.items())
+                    f"{d['operation_key']}/{d['step']}: {', '.join(d['references'])}"
+                    for d in summary["double_charges"]
                 ],
             ),
             (
                 "Provider successes without a done claim",
-                [f"{ref}  {result.steps.get(ref, '')}" for ref in result.unfenced],
+                "unfenced",
+                [f"{ref}  {steps.get(ref, '')}" for ref in summary["unfenced"]],
             ),
             (
                 "Done claims whose reference the provider does not list as succeeded",
-                [f"{ref}  {result.steps.get(ref, '')}" for ref in result.unknown_references],
+                "unknown_references",
+                [f"{ref}  {steps.get(ref, '')}" for ref in summary["unknown_references"]],
             ),
             (
                 f"Uncertain claims older than {summary['reconcile_grace_seconds']}s",
-                list(result.stale_uncertain),
+                "stale_uncertain",
+                list(summary["stale_uncertain"]),
             ),
         ]
-        for title, lines in sections:
-            style = self.style.ERROR if lines else self.style.SUCCESS
-            write(style(f"{title}: {len(lines)}"))
-            for line in lines:
-                write(f"  {line}")
-        if result.clean:
-            write(self.style.SUCCESS("Clean: every provider success has exactly one done claim."))
+        self._write_sections(sections, summary["counts"])
+        if summary["clean"]:
+            self.stdout.write(
+                self.style.SUCCESS("Clean: every provider success has exactly one done claim.")
+            )

@@ -1,0 +1,117 @@
+"""The recovery loop's periodic queries read the unfinished rows, never the history.
+
+A few thousand operations, almost all finished, as a year of history would
+be. On tables this small a sequential scan, or a merge join along a whole
+primary key, is often the cheapest plan; so the planner is shown the tables
+a thousand times larger than they are (their and their indexes' row counts
+in pg_class, scaled inside the test's transaction: the fractions ANALYZE
+measured stay). Each query is then run under EXPLAIN ANALYZE: no sequential
+scan of operations, claims or audit rows, and no scan node of those tables
+reads more rows than the unfinished and failed operations number (an index
+over every row, walked whole, would).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from django.db import connection
+
+from payments.engine import fence
+from payments.engine.handlers import unknown_recorded_names
+from payments.engine.recovery import (
+    claims_to_reconcile,
+    due_operations,
+    stranded_operations,
+    sweep,
+)
+from payments.models import Operation, OperationState, StepClaim
+from tests.support.history import planner_sees_larger, write_history
+
+pytestmark = pytest.mark.django_db
+
+FENCE_TABLES = ("payments_operation", "payments_stepclaim", "payments_operationevent")
+COUNT = 3000
+
+
+@pytest.fixture
+def history() -> int:
+    """COUNT operations; returns how many are not succeeded (unfinished or failed)."""
+    write_history(COUNT, open_every=500, failed_every=50)
+    return Operation.objects.exclude(state=OperationState.SUCCEEDED).count()
+
+
+@pytest.fixture
+def as_on_a_large_table() -> Iterator[None]:
+    with planner_sees_larger(FENCE_TABLES):
+        yield
+
+
+def _sent_by(call) -> list[tuple[str, Any]]:
+    sent: list[tuple[str, Any]] = []
+
+    def record(execute, sql, params, many, context):
+        if sql.lstrip().upper().startswith("SELECT"):
+            sent.append((sql, params))
+        return execute(sql, params, many, context)
+
+    with connection.execute_wrapper(record):
+        call()
+    return sent
+
+
+def _scans(plan: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    yield plan
+    for child in plan.get("Plans", []):
+        yield from _scans(child)
+
+
+def _history_read(sql: str, params: Any, bound: int) -> list[str]:
+    """What the statement read of the fence's tables beyond `bound` rows, or by a scan."""
+    with connection.cursor() as cursor:
+        cursor.execute("EXPLAIN (ANALYZE, FORMAT JSON) " + sql, params)
+        raw = cursor.fetchone()[0]
+    plan = (json.loads(raw) if isinstance(raw, str) else raw)[0]["Plan"]
+    found = []
+    for node in _scans(plan):
+        table = node.get("Relation Name")
+        if table not in FENCE_TABLES:
+            continue
+        read = (node["Actual Rows"] + node.get("Rows Removed by Filter", 0)) * node["Actual Loops"]
+        if node["Node Type"] == "Seq Scan" or read > bound:
+            found.append(f"{node['Node Type']} on {table} ({read} rows): {' '.join(sql.split())}")
+    return found
+
+
+def test_history__the_recovery_queries_read_only_unfinished_rows(
+    history, as_on_a_large_table, queue
+):
+    now = fence.db_now()
+    querysets = [
+        Operation.objects.filter(due_operations(now)).order_by("id")[:500],
+        StepClaim.objects.filter(claims_to_reconcile())
+        .select_related("operation")
+        .order_by("claimed_at", "id")[:200],
+        Operation.objects.filter(stranded_operations())[:200],
+    ]
+    statements = [qs.query.sql_with_params() for qs in querysets]
+    statements += _sent_by(lambda: sweep(dry_run=True))
+    statements += _sent_by(unknown_recorded_names)
+    assert len(statements) >= 6
+    read = [found for sql, params in statements for found in _history_read(sql, params, history)]
+    assert read == [], "\n".join(read)
+    assert history < COUNT / 5  # the bound is far below a walk of the history
+
+
+def test_history__the_recovery_queries_still_find_their_rows(history):
+    """The partial indexes change how, not what: each query finds the unfinished rows."""
+    now = fence.db_now()
+    pending = Operation.objects.filter(state=OperationState.PENDING).count()
+    assert Operation.objects.filter(due_operations(now)).count() == pending > 0
+    uncertain = StepClaim.objects.filter(state="uncertain").count()
+    assert StepClaim.objects.filter(claims_to_reconcile()).count() == uncertain > 0
+    assert not Operation.objects.filter(stranded_operations()).exists()
+    assert unknown_recorded_names() == []
