@@ -47,7 +47,7 @@ WITH created AS (
     ON CONFLICT ON CONSTRAINT payments_operation_client_scope_key_uniq DO NOTHING
     RETURNING id, key, scope, client_id, kind, entity_type, entity_id, params, fingerprint,
               state, attempts, last_error, next_attempt_at, lease_owner, lease_expires_at,
-              job_id, dispatched_at, result, retry_of_id, parent_id, created_at, updated_at
+              job_id, dispatched_at, result, retry_of_id, parent_id, created_at, updated_at, purged_at
 ), audit AS (
     INSERT INTO payments_operationevent
         (operation_id, step, from_state, to_state, actor, reason, created_at)
@@ -55,7 +55,7 @@ WITH created AS (
 )
 SELECT id, key, scope, client_id, kind, entity_type, entity_id, params, fingerprint,
        state, attempts, last_error, next_attempt_at, lease_owner, lease_expires_at,
-       job_id, dispatched_at, result, retry_of_id, parent_id, created_at, updated_at
+       job_id, dispatched_at, result, retry_of_id, parent_id, created_at, updated_at, purged_at
 FROM created
 
 -- read_entity --
@@ -89,7 +89,7 @@ WITH old AS (
               op.params, op.fingerprint, op.state, op.attempts, op.last_error,
               op.next_attempt_at, op.lease_owner, op.lease_expires_at, op.job_id,
               op.dispatched_at, op.result, op.retry_of_id, op.parent_id, op.created_at,
-              op.updated_at, old.state AS from_state, statement_timestamp() AS db_now
+              op.updated_at, op.purged_at, old.state AS from_state, statement_timestamp() AS db_now
 ), audit AS (
     INSERT INTO payments_operationevent
         (operation_id, step, from_state, to_state, actor, reason, created_at)
@@ -100,7 +100,7 @@ WITH old AS (
 )
 SELECT id, key, scope, client_id, kind, entity_type, entity_id, params, fingerprint,
        state, attempts, last_error, next_attempt_at, lease_owner, lease_expires_at,
-       job_id, dispatched_at, result, retry_of_id, parent_id, created_at, updated_at,
+       job_id, dispatched_at, result, retry_of_id, parent_id, created_at, updated_at, purged_at,
        from_state, db_now,
        ARRAY(SELECT step FROM payments_stepclaim WHERE operation_id = leased.id) AS claimed_steps
 FROM leased
@@ -132,7 +132,7 @@ WITH old AS (
               op.params, op.fingerprint, op.state, op.attempts, op.last_error,
               op.next_attempt_at, op.lease_owner, op.lease_expires_at, op.job_id,
               op.dispatched_at, op.result, op.retry_of_id, op.parent_id, op.created_at,
-              op.updated_at, old.state AS from_state
+              op.updated_at, op.purged_at, old.state AS from_state
 ), audit AS (
     INSERT INTO payments_operationevent
         (operation_id, step, from_state, to_state, actor, reason, created_at)
@@ -142,7 +142,7 @@ WITH old AS (
 )
 SELECT id, key, scope, client_id, kind, entity_type, entity_id, params, fingerprint,
        state, attempts, last_error, next_attempt_at, lease_owner, lease_expires_at,
-       job_id, dispatched_at, result, retry_of_id, parent_id, created_at, updated_at,
+       job_id, dispatched_at, result, retry_of_id, parent_id, created_at, updated_at, purged_at,
        from_state
 FROM released
 
@@ -159,7 +159,7 @@ WITH old AS (
               op.params, op.fingerprint, op.state, op.attempts, op.last_error,
               op.next_attempt_at, op.lease_owner, op.lease_expires_at, op.job_id,
               op.dispatched_at, op.result, op.retry_of_id, op.parent_id, op.created_at,
-              op.updated_at, old.state AS from_state
+              op.updated_at, op.purged_at, old.state AS from_state
 ), audit AS (
     INSERT INTO payments_operationevent
         (operation_id, step, from_state, to_state, actor, reason, created_at)
@@ -169,7 +169,7 @@ WITH old AS (
 )
 SELECT id, key, scope, client_id, kind, entity_type, entity_id, params, fingerprint,
        state, attempts, last_error, next_attempt_at, lease_owner, lease_expires_at,
-       job_id, dispatched_at, result, retry_of_id, parent_id, created_at, updated_at,
+       job_id, dispatched_at, result, retry_of_id, parent_id, created_at, updated_at, purged_at,
        from_state
 FROM succeeded
 
@@ -196,7 +196,7 @@ WITH inbox AS (
               op.params, op.fingerprint, op.state, op.attempts, op.last_error,
               op.next_attempt_at, op.lease_owner, op.lease_expires_at, op.job_id,
               op.dispatched_at, op.result, op.retry_of_id, op.parent_id, op.created_at,
-              op.updated_at, old.state AS from_state
+              op.updated_at, op.purged_at, old.state AS from_state
 ), audit AS (
     INSERT INTO payments_operationevent
         (operation_id, step, from_state, to_state, actor, reason, created_at)
@@ -207,7 +207,7 @@ WITH inbox AS (
 SELECT s.id, s.key, s.scope, s.client_id, s.kind, s.entity_type, s.entity_id, s.params,
        s.fingerprint, s.state, s.attempts, s.last_error, s.next_attempt_at, s.lease_owner,
        s.lease_expires_at, s.job_id, s.dispatched_at, s.result, s.retry_of_id, s.parent_id,
-       s.created_at, s.updated_at, s.from_state,
+       s.created_at, s.updated_at, s.purged_at, s.from_state,
        EXISTS (SELECT 1 FROM inbox) AS recorded
 FROM (SELECT 1) AS one LEFT JOIN succeeded AS s ON true
 
