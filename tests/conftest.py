@@ -1,5 +1,6 @@
 """Shared fixtures: real PostgreSQL (pytest-django's test database), real Redis, a real
-HTTP fake provider. Redis tests use their own database, flushed around each test.
+HTTP fake provider (from its plugin, devtools/fake_provider/pytest_plugin.py). Redis
+tests use their own database, flushed around each test.
 
 Helpers (builders, flows, workers, users...) live in tests/support/; fixtures live in
 the conftest.py of the folder that needs them, here when more than one folder does.
