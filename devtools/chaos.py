@@ -276,8 +276,12 @@ def _start_reckless(
         "RECONCILE_GRACE": config.grace,
     }
     reckless = RecklessOperator(f"chaos-{run_id}-", threading.Event())
-    stop_too = threading.Thread(target=lambda: (stop.wait(), reckless.stop.set()), daemon=True)
-    stop_too.start()  # the run's stop stops it as well
+
+    def stop_with_the_run() -> None:
+        stop.wait()
+        reckless.stop.set()
+
+    threading.Thread(target=stop_with_the_run, daemon=True).start()
     reckless.start()
     return reckless
 

@@ -6,6 +6,7 @@ import json
 from dataclasses import asdict
 from html import escape
 from pathlib import Path
+from typing import cast
 
 from devtools.chaos import ChaosResult
 from devtools.chaos_webhooks import (
@@ -102,9 +103,9 @@ STATE_COLOURS = {
 def table(result: ChaosResult) -> list[str]:
     """Return the report as aligned text lines."""
     r = result.report
-    rows = [
-        ("checkout operations by state", _states(r["operations_by_state"])),
-        ("refund operations by state", _states(r["refund_operations_by_state"])),
+    rows: list[tuple[str, object]] = [
+        ("checkout operations by state", _states(_by_state(r, "operations_by_state"))),
+        ("refund operations by state", _states(_by_state(r, "refund_operations_by_state"))),
     ]
     shown = _shown(r)
     rows += [(label, shown.get(key, "-")) for label, key in ROWS]
@@ -153,6 +154,16 @@ def _latency(summary: dict[str, object]) -> str:
     return f"p50 {summary['p50']:.2f} s, p95 {summary['p95']:.2f} s, n {summary['count']}"
 
 
+def _count(r: dict[str, object], key: str) -> int:
+    """The report's figure `key`, one of the counts chaos._measure puts there."""
+    return cast(int, r[key])
+
+
+def _by_state(r: dict[str, object], key: str) -> dict[str, int]:
+    """The report's operations by state under `key` (chaos._measure counts them by state)."""
+    return cast("dict[str, int]", r[key])
+
+
 def _states(counts: dict[str, int]) -> str:
     return ", ".join(f"{s} {n}" for s, n in sorted(counts.items())) or "none"
 
@@ -199,48 +210,50 @@ def _html(result: ChaosResult) -> str:
         if ok
         else "Invariant violated: " + "; ".join(result.violations)
     )
-    states = sorted(r["operations_by_state"].items(), key=lambda kv: -kv[1])
-    refund_states = sorted(r["refund_operations_by_state"].items(), key=lambda kv: -kv[1])
+    states = sorted(_by_state(r, "operations_by_state").items(), key=lambda kv: -kv[1])
+    refund_states = sorted(
+        _by_state(r, "refund_operations_by_state").items(), key=lambda kv: -kv[1]
+    )
     state_chart = _bars(
         [(f"checkout {s}", n, STATE_COLOURS.get(s, "#999")) for s, n in states]
         + [(f"refund {s}", n, STATE_COLOURS.get(s, "#999")) for s, n in refund_states]
     )
     invariant_chart = _bars(
         [
-            ("orders paid", r["orders_paid"], "#2e7d32"),
-            ("provider successes", r["provider_successes"], "#1565c0"),
-            ("charge claims done", r["charge_claims_done"], "#6a1b9a"),
-            ("double charges", r["double_charges"], "#c62828"),
-            ("unfenced charges", r["provider_successes_without_claim"], "#c62828"),
+            ("orders paid", _count(r, "orders_paid"), "#2e7d32"),
+            ("provider successes", _count(r, "provider_successes"), "#1565c0"),
+            ("charge claims done", _count(r, "charge_claims_done"), "#6a1b9a"),
+            ("double charges", _count(r, "double_charges"), "#c62828"),
+            ("unfenced charges", _count(r, "provider_successes_without_claim"), "#c62828"),
         ]
     )
     refund_chart = _bars(
         [
-            ("refunds asked", r["refunds_asked"], "#1565c0"),
-            ("refunds succeeded", r["refunds_succeeded"], "#2e7d32"),
-            ("provider refunds", r["provider_refunds"], "#1565c0"),
-            ("refund claims done", r["refund_claims_done"], "#6a1b9a"),
-            ("credit notes", r["credit_notes"], "#6a1b9a"),
-            ("double refunds", r["double_refunds"], "#c62828"),
-            ("over-refunds", r["over_refunds"], "#c62828"),
-            ("unfenced refunds", r["refunds_without_claim"], "#c62828"),
+            ("refunds asked", _count(r, "refunds_asked"), "#1565c0"),
+            ("refunds succeeded", _count(r, "refunds_succeeded"), "#2e7d32"),
+            ("provider refunds", _count(r, "provider_refunds"), "#1565c0"),
+            ("refund claims done", _count(r, "refund_claims_done"), "#6a1b9a"),
+            ("credit notes", _count(r, "credit_notes"), "#6a1b9a"),
+            ("double refunds", _count(r, "double_refunds"), "#c62828"),
+            ("over-refunds", _count(r, "over_refunds"), "#c62828"),
+            ("unfenced refunds", _count(r, "refunds_without_claim"), "#c62828"),
         ]
     )
     chaos_chart = _bars(
         [
-            ("workers SIGKILLed", r["workers_killed"], "#424242"),
-            ("uncertain charges", r["uncertain_outcomes"], "#f9a825"),
-            ("settled automatically", r["uncertain_settled_automatically"], "#2e7d32"),
-            ("uncertain refunds", r["refund_uncertain_outcomes"], "#f9a825"),
-            ("settled automatically", r["refunds_settled_automatically"], "#2e7d32"),
+            ("workers SIGKILLed", _count(r, "workers_killed"), "#424242"),
+            ("uncertain charges", _count(r, "uncertain_outcomes"), "#f9a825"),
+            ("settled automatically", _count(r, "uncertain_settled_automatically"), "#2e7d32"),
+            ("uncertain refunds", _count(r, "refund_uncertain_outcomes"), "#f9a825"),
+            ("settled automatically", _count(r, "refunds_settled_automatically"), "#2e7d32"),
         ]
     )
     cfg = result.config
     rows = "".join(
         f"<tr><td>{escape(label)}</td><td>{escape(str(value))}</td></tr>"
         for label, value in [
-            ("checkout operations by state", _states(r["operations_by_state"])),
-            ("refund operations by state", _states(r["refund_operations_by_state"])),
+            ("checkout operations by state", _states(_by_state(r, "operations_by_state"))),
+            ("refund operations by state", _states(_by_state(r, "refund_operations_by_state"))),
             *((label, _shown(r).get(key, "-")) for label, key in ROWS),
             *webhook_rows(r),
             *latency_rows(r),

@@ -33,6 +33,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
+from typing import Literal, TypedDict
 
 import requests
 from django.db.models import Q
@@ -279,7 +280,7 @@ def latencies(provider_url: str, operations: Q) -> dict[str, object]:
     ):
         trails[op_id].add(*row)
     key_of = {pk: key for key, pk in ops.items()}
-    samples = []
+    samples: list[_Sample] = []
     for op_id, trail in trails.items():
         if trail.direct or trail.done_at is None or trail.settled_at is None:
             continue
@@ -306,7 +307,21 @@ def latencies(provider_url: str, operations: Q) -> dict[str, object]:
     }
 
 
-def _by_settler(samples: list[dict], cause: str, field: str) -> dict[str, dict]:
+class _Sample(TypedDict):
+    """One outcome no worker had from its own answer: when it succeeded, and how long after
+    that its claim was done and its operation settled, by whom."""
+
+    operation: str
+    cause: str
+    settled_by: str
+    provider_success_at: float
+    claim_done_after: float
+    settled_after: float
+
+
+def _by_settler(
+    samples: list[_Sample], cause: str, field: Literal["claim_done_after", "settled_after"]
+) -> dict[str, dict]:
     """The summary of `field` per settler (and for all of them) among samples of `cause`."""
     mine = [s for s in samples if s["cause"] == cause]
     return {

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
+from typing import TypedDict
 
 import environ
 import psycopg
@@ -13,12 +14,22 @@ from psycopg import sql
 BASE_DIR = Path(__file__).resolve().parent.parent
 
 
+class ConnInfo(TypedDict):
+    """The maintenance database's connection parameters (psycopg's keyword names)."""
+
+    host: str
+    port: int | str
+    user: str
+    password: str | None
+    dbname: str
+
+
 def main() -> int:
     environ.Env.read_env(BASE_DIR / ".env")
     url = os.environ.get("DATABASE_URL", "postgres://postgres@127.0.0.1:5432/fence")
     cfg = environ.Env.db_url_config(url)
     name = cfg["NAME"]
-    conninfo = {
+    conninfo: ConnInfo = {
         "host": cfg.get("HOST") or "127.0.0.1",
         "port": cfg.get("PORT") or 5432,
         "user": cfg.get("USER") or "postgres",

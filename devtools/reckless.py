@@ -15,6 +15,7 @@ from __future__ import annotations
 import threading
 from collections import Counter
 from collections.abc import Callable
+from functools import partial
 
 from django.contrib.auth.models import Permission, User
 from django.core.exceptions import PermissionDenied
@@ -83,7 +84,7 @@ class RecklessOperator(threading.Thread):
         for step in available_actions(op).settleable_steps:
             self._try(
                 "mark failed",
-                lambda s=step: desk.mark_step_failed(op.pk, s, user=user, reason=REASON),
+                partial(desk.mark_step_failed, op.pk, step, user=user, reason=REASON),
             )
         self._try("new attempt", lambda: self._new_attempt(op, user))
 

@@ -29,6 +29,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+from django.utils.functional import Promise
 from django.utils.log import AdminEmailHandler
 from django.views.debug import ExceptionReporter
 from pythonjsonlogger.json import JsonFormatter as _BaseJsonFormatter
@@ -162,8 +163,13 @@ class JsonFormatter(_BaseJsonFormatter):
         kwargs.setdefault("json_ensure_ascii", False)
         super().__init__(*(args or ("%(levelname)s %(name)s %(message)s",)), **kwargs)
 
-    def formatException(self, ei: Any) -> str:  # noqa: N802 (logging's name)
-        return redact(super().formatException(ei))
+    # python-json-logger widens logging's `str` for its exc_info_as_array option, and says
+    # so with the same ignore: this keeps its contract.
+    def formatException(self, ei: Any) -> str | list[str]:  # type: ignore[override]  # noqa: N802
+        formatted = super().formatException(ei)
+        if isinstance(formatted, list):  # exc_info_as_array=True: one string per line
+            return [redact(line) for line in formatted]
+        return redact(formatted)
 
     def format(self, record: logging.LogRecord) -> str:
         if record.exc_text and record.exc_info:
@@ -194,6 +200,8 @@ class RedactingAdminEmailHandler(AdminEmailHandler):
             reporter_class=f"{__name__}._NoLocalsExceptionReporter",
         )
 
-    def send_mail(self, subject: str, message: str, *args: Any, **kwargs: Any) -> None:
+    def send_mail(
+        self, subject: str | Promise, message: str | Promise, *args: Any, **kwargs: Any
+    ) -> None:
         kwargs.pop("html_message", None)
-        super().send_mail(redact(subject), redact(message), *args, **kwargs)
+        super().send_mail(redact(str(subject)), redact(str(message)), *args, **kwargs)

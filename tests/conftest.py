@@ -1,5 +1,6 @@
 """Shared fixtures: real PostgreSQL (pytest-django's test database), real Redis, a real
-HTTP fake provider. Redis tests use their own database, flushed around each test.
+HTTP fake provider (from its plugin, devtools/fake_provider/pytest_plugin.py). Redis
+tests use their own database, flushed around each test.
 
 Helpers (builders, flows, workers, users...) live in tests/support/; fixtures live in
 the conftest.py of the folder that needs them, here when more than one folder does.
@@ -8,10 +9,10 @@ the conftest.py of the folder that needs them, here when more than one folder do
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from fnmatch import fnmatch
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import django_rq
 import pytest
@@ -21,14 +22,16 @@ from django.test import Client
 from redis import Redis
 from rq.queue import Queue
 
-from devtools.fake_provider.server import FakeProviderServer
 from inbox.queues import MessageQueue
 from tests.support.api import API_TOKEN, api_client
-from tests.support.config import TEST_PAYMENTS, TEST_REDIS_URL
+from tests.support.config import TEST_REDIS_URL
 from tests.support.inbox_jobs import EFFECT_TABLE, QUEUE_NAME, SEEN_KEY, Effects
 
 # Import helpers from tests.support; this name stays only for modules not yet moved over.
 from tests.support.workers import run_worker  # noqa: F401  (tests/engine/test_fence_edges.py)
+
+# The fake provider's fixtures, `fake_provider` and `provider`: see the plugin's docstring.
+pytest_plugins = ["devtools.fake_provider.pytest_plugin"]
 
 # Point every queue at the test Redis database before anything creates a queue.
 for _config in settings.RQ_QUEUES.values():
@@ -147,35 +150,6 @@ def api(settings) -> Client:
     return api_client()
 
 
-# --- The fake provider -----------------------------------------------------------------
-
-
-@pytest.fixture
-def fake_provider() -> Iterator[FakeProviderServer]:
-    """Start a fake provider on a free port for one test, then stop it.
-
-    `slow` faults wait 1 s here (not 12 s): tests pair them with a client read
-    timeout well below that. Change anything with `fake_provider.state.configure()`.
-    """
-    server = FakeProviderServer("127.0.0.1", 0, slow_delay=1.0).start()
-    try:
-        yield server
-    finally:
-        server.stop()
-
-
-@pytest.fixture
-def provider(fake_provider: FakeProviderServer, settings) -> FakeProviderServer:
-    """The fake provider, with the app's settings pointing at it (and e-mails kept in memory)."""
-    settings.PAYMENTS = {
-        **settings.PAYMENTS,
-        **TEST_PAYMENTS,
-        "PROVIDER_URL": fake_provider.url,
-    }
-    settings.EMAIL_BACKEND = "django.core.mail.backends.locmem.EmailBackend"
-    return fake_provider
-
-
 # --- The inbox test queue (tests/inbox/ and tests/crash/) -------------------------------
 
 
@@ -209,11 +183,13 @@ def effects() -> Iterator[Effects]:
 
 
 @pytest.fixture
-def seen(redis_conn: Redis):
+def seen(redis_conn: Redis) -> Callable[[], list[dict[str, str]]]:
     """Return a function listing every delivery the handlers noted, in order."""
 
     def deliveries() -> list[dict[str, str]]:
-        return [json.loads(item) for item in redis_conn.lrange(SEEN_KEY, 0, -1)]
+        # A sync client: redis-py's annotations also allow the asyncio client's Awaitable.
+        noted = cast("list[bytes]", redis_conn.lrange(SEEN_KEY, 0, -1))
+        return [json.loads(item) for item in noted]
 
     return deliveries
 

@@ -59,7 +59,7 @@ import re
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, fields
-from typing import Any
+from typing import Any, cast
 
 import psycopg
 from django.db import DEFAULT_DB_ALIAS, connections
@@ -297,6 +297,8 @@ def recorded(redis: Redis) -> dict[str, RoundTrips]:
     found = {}
     for key in redis.scan_iter(match=KEY_PREFIX + "*"):
         name = key.decode()[len(KEY_PREFIX) :]
-        values = {k.decode(): int(v) for k, v in redis.hgetall(key).items()}
+        # A sync client: redis-py's annotations also allow the asyncio client's Awaitable.
+        counts = cast("dict[bytes, bytes]", redis.hgetall(key))
+        values = {k.decode(): int(v) for k, v in counts.items()}
         found[name] = RoundTrips(**values)
     return found

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from django.db import connection, transaction
 
@@ -193,7 +194,7 @@ def load(
     per_chunk = max(1, chunk // max(1, template.operation_count))
     for start in range(first, copies + 1, per_chunk):
         last = min(copies, start + per_chunk - 1)
-        params = {
+        params: dict[str, Any] = {
             **base,
             "first": start,
             "last": last,

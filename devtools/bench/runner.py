@@ -17,9 +17,10 @@ import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import timedelta
+from datetime import datetime, timedelta
+from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import requests
 from django.conf import settings
@@ -214,9 +215,12 @@ class Bench:
         self.stack.procs = [p for p in self.stack.procs if p not in procs]
         if failed.count:
             raise RuntimeError(f"{failed.count} jobs failed; see {self.stack.log_dir}")
-        done = Job.fetch_many(finished.get_job_ids(), connection=self.queue.connection)
-        start = min(j.started_at for j in done if j)
-        end = max(j.ended_at for j in done if j)
+        done = [
+            j for j in Job.fetch_many(finished.get_job_ids(), connection=self.queue.connection) if j
+        ]
+        # A finished job has both times: its worker set them as it started and ended it.
+        start = min(cast(datetime, j.started_at) for j in done)
+        end = max(cast(datetime, j.ended_at) for j in done)
         return (end - start).total_seconds()
 
 
@@ -326,10 +330,10 @@ def session_reuse(bench: Bench, n: int, rounds: int = 3) -> dict[str, float]:
     is closed after its charge, as `with ProviderClient(...)` does.
     """
     api_key = payments_settings().provider_api_key
-    timeouts = {"connect_timeout": 5.0, "read_timeout": 10.0}
+    client_of = partial(ProviderClient, bench.url, api_key, connect_timeout=5.0, read_timeout=10.0)
     best = {"reuse": float("inf"), "new_session": float("inf")}
     for r in range(rounds):
-        with ProviderClient(bench.url, api_key, session=new_session(), **timeouts) as client:
+        with client_of(session=new_session()) as client:
             _charge(client, f"warm-{r}")  # the kept-alive side starts connected, as a worker does
             started = time.perf_counter()
             for i in range(n):
@@ -337,7 +341,7 @@ def session_reuse(bench: Bench, n: int, rounds: int = 3) -> dict[str, float]:
             best["reuse"] = min(best["reuse"], (time.perf_counter() - started) / n)
         started = time.perf_counter()
         for i in range(n):
-            with ProviderClient(bench.url, api_key, **timeouts) as client:
+            with client_of() as client:
                 _charge(client, f"new-{r}-{i}")
         best["new_session"] = min(best["new_session"], (time.perf_counter() - started) / n)
     bench.control("reset")

@@ -151,6 +151,7 @@ def test_schema__openapi_3_served_without_auth():
 def client_with_key(name: str) -> tuple[Client, ClientApiKey]:
     api_client = ApiClient.objects.create(name=name)
     key_row, key = ClientApiKey.objects.create_key(name=f"{name} key", client=api_client)
+    assert isinstance(key_row, ClientApiKey)
     return Client(headers={"Authorization": f"Bearer {key}"}), key_row
 
 

@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+from typing import cast
 
 import pytest
 from rq import Retry
@@ -59,7 +60,8 @@ def expire_leases(queue: MessageQueue) -> None:
     retries are left, else moves it to the failed registry.
     """
     registry = StartedJobRegistry(queue=queue)
-    for member in queue.connection.zrange(registry.key, 0, -1):
+    # A sync client: redis-py's annotations also allow the asyncio client's Awaitable.
+    for member in cast("list[bytes]", queue.connection.zrange(registry.key, 0, -1)):
         queue.connection.zadd(registry.key, {member: 1})
     registry.cleanup()
 

@@ -27,6 +27,14 @@ PROBES = 30
 DJANGOS, OPT_IN = "django.db.backends.postgresql.base", "project.postgresql.base"
 
 
+def probed_backend(job: Job | None) -> str:
+    """The database backend a finished `settings_probe` job ran on."""
+    assert job is not None, "a finished job expired before the test read it"
+    probe = job.return_value()
+    assert probe is not None
+    return probe["backend"]
+
+
 @pytest.mark.django_db(transaction=True)
 def test_bench__workers_on_djangos_backend__then_on_the_opt_in_one_when_asked(
     tmp_path, monkeypatch, settings
@@ -47,9 +55,7 @@ def test_bench__workers_on_djangos_backend__then_on_the_opt_in_one_when_asked(
 
         bench.batch(probes, workers=1, worker_class=SIMPLE)
         job_ids = FinishedJobRegistry(queue=bench.queue).get_job_ids()
-        return {
-            j.return_value()["backend"] for j in Job.fetch_many(job_ids, bench.queue.connection)
-        }
+        return {probed_backend(j) for j in Job.fetch_many(job_ids, bench.queue.connection)}
 
     with Bench(latency=0, log_dir=tmp_path, say=lambda line: None) as bench:
         assert backends(bench) == {DJANGOS}
@@ -150,7 +156,7 @@ def test_opt_in_backend_section__both_comparisons_on_it__then_back_to_djangos():
     bench = FakeBench()
     options = {"rounds": 2, "latency": 0.02, "realistic_latency": 0.2}
 
-    figures = bench_command._opt_in_backend(bench, options, 10, "W")  # type: ignore[arg-type]
+    figures = bench_command._opt_in_backend(bench, options, 10, "W")
 
     assert bench.batches == [
         *[("begin_with_first_statement", 0.02, 2)] * 4,

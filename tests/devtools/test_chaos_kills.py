@@ -17,7 +17,7 @@ from devtools.stack import Proc, free_port
 
 
 def proc(name: str) -> Proc:
-    return Proc(name, popen=None)  # the rule reads the name only
+    return Proc(name, popen=None)  # type: ignore[arg-type]  # the rule reads the name only
 
 
 def registered(redis_conn, name: str) -> Worker:

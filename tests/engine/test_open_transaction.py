@@ -283,9 +283,12 @@ def refused_with_the_handler(monkeypatch, op: Operation, handler) -> None:
 
 def send_an_email(run, sent: list[int]) -> None:
     """A side effect whose sending appends to `sent`."""
-    run.side_effect(
-        "email", lambda: sent.append(1) or {"sent": True}, policy=DeliveryPolicy.AT_MOST_ONCE
-    )
+
+    def send() -> dict[str, bool]:
+        sent.append(1)
+        return {"sent": True}
+
+    run.side_effect("email", send, policy=DeliveryPolicy.AT_MOST_ONCE)
 
 
 def test_a_side_effect_inside_the_handlers_own_atomic__is_refused_before_anything_is_sent(
@@ -408,6 +411,7 @@ def paid_once_after_one_failed_attempt(op: Operation, mailoutbox) -> None:
     assert op.state == OperationState.SUCCEEDED and op.attempts == 1
     assert Invoice.objects.filter(order_id=op.params["order_id"]).count() == 1
     email = StepClaim.objects.get(operation=op, step=CONFIRMATION_EMAIL)
+    assert email.result is not None
     assert (email.result["sent"], email.result["resent"], len(mailoutbox)) == (True, False, 1)
 
 

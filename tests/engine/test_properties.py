@@ -42,6 +42,7 @@ import hypothesis
 import pytest
 from django.apps import apps
 from django.conf import settings as django_settings
+from django.contrib.auth.models import User
 from django.core.exceptions import PermissionDenied
 from django.db import OperationalError, connection
 from django.db.models import Q
@@ -58,8 +59,10 @@ from hypothesis.stateful import (
 from rq import SimpleWorker
 from rq.exceptions import NoSuchJobError
 from rq.job import Job
+from rq.queue import Queue
 from rq.registry import ScheduledJobRegistry
 
+from devtools.fake_provider.server import FakeProviderServer
 from payments.checkout.handler import CheckoutNotAllowed, request_checkout
 from payments.checkout.names import CHARGE, CHECKOUT
 from payments.checkout.orders import create_order
@@ -162,9 +165,10 @@ def _provider_at(url: str) -> None:
 class FenceMachine(RuleBasedStateMachine):
     """One example: 1-2 orders checked out, then a random sequence of what can happen."""
 
-    provider = None  # set by the test: the fixtures outlive the examples
-    queue = None
-    staff = None  # the operator at the desk
+    # Set by the test before the first example: the fixtures outlive the examples.
+    provider: FakeProviderServer
+    queue: Queue
+    staff: User  # the operator at the desk
     dead_url = ""  # where no provider listens
     guard: GuardLog
 
@@ -267,7 +271,12 @@ class FenceMachine(RuleBasedStateMachine):
         op, claim, event = (m._meta.db_table for m in (Operation, StepClaim, OperationEvent))
         shift = "{0} = {0} - %s * interval '1 second'"
         with connection.cursor() as cursor:  # raw SQL: the test plays the clock, not the fence
-            cols = ("next_attempt_at", "lease_expires_at", "dispatched_at", "created_at")
+            cols: tuple[str, ...] = (
+                "next_attempt_at",
+                "lease_expires_at",
+                "dispatched_at",
+                "created_at",
+            )
             cursor.execute(
                 f"UPDATE {op} SET " + ", ".join(shift.format(c) for c in (*cols, "updated_at")),
                 [seconds] * (len(cols) + 1),

@@ -115,7 +115,7 @@ def test_gunicorn__serves_admin_static_files_with_debug_off_and_redacts_access_l
         wait_for_port(port, server)
         css = get(port, "/static/admin/css/base.css", **behind_proxy)
         assert css.status == 200
-        assert b"{" in css.body  # type: ignore[attr-defined]
+        assert b"{" in css.body
         assert get(port, f"/nothere?token={token}", **behind_proxy).status == 404
         # Plain HTTP is sent to HTTPS (the proxy's health probe excepted), with HSTS on HTTPS.
         plain = get(port, "/admin/login/", Host=HOST)

@@ -10,7 +10,7 @@ from inbox.checks import check_retention_covers_redelivery, check_settings
 YEAR_AND_A_DAY = DEFAULT_FAILURE_TTL + 86400
 
 
-def ids(messages: list[checks.CheckMessage]) -> list[tuple[str, str]]:
+def ids(messages: list[checks.CheckMessage]) -> list[tuple[str | None, object]]:
     return [(m.id, m.obj) for m in messages]
 
 
@@ -22,7 +22,7 @@ def test_w001__default_retention_is_shorter_than_rq_failure_ttl(settings) -> Non
     assert warning.id == "inbox.W001"
     assert warning.level == checks.WARNING
     assert "(7d)" in warning.msg and "(365d)" in warning.msg  # read from rq's DEFAULT_FAILURE_TTL
-    assert "REDELIVERY_HORIZON" in warning.hint
+    assert warning.hint is not None and "REDELIVERY_HORIZON" in warning.hint
 
 
 def test_w001__fires_for_the_short_consumer_only(settings) -> None:

@@ -10,7 +10,7 @@ import pytest
 from django.db import transaction
 from redis import Redis
 from rq import Queue
-from rq.job import JobStatus
+from rq.job import Job, JobStatus
 from rq.registry import FailedJobRegistry
 
 from inbox.context import current_message
@@ -36,6 +36,13 @@ from tests.support.inbox_jobs import (
 from tests.support.workers import run_worker
 
 pytestmark = pytest.mark.django_db
+
+
+def failure_of(job: Job) -> str:
+    """The exception text of the job's last (failed) run."""
+    result = job.latest_result()
+    assert result is not None and result.exc_string is not None
+    return result.exc_string
 
 
 def skip_lines(caplog: pytest.LogCaptureFixture) -> list[str]:
@@ -133,7 +140,7 @@ def test_missing_message_id__strict_mode_fails_job_visibly(
 
     assert job.get_status(refresh=True) == JobStatus.FAILED
     assert job.id in FailedJobRegistry(queue=queue).get_job_ids()
-    assert "MissingMessageId" in job.latest_result().exc_string
+    assert "MissingMessageId" in failure_of(job)
     assert effects.count() == 0
 
 
@@ -196,7 +203,7 @@ def test_follow_up_enqueue__refused_and_handler_rolled_back(queue: MessageQueue,
     run_worker(queue)
 
     assert job.get_status(refresh=True) == JobStatus.FAILED
-    exc_string = job.latest_result().exc_string
+    exc_string = failure_of(job)
     assert "FollowUpEnqueueRefused" in exc_string
     assert "outbox" in exc_string
     # Nothing committed, so a redelivery (after the fix) runs the handler again.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Iterator
+from typing import cast
 from urllib.parse import urlsplit
 
 import pytest
@@ -113,7 +114,9 @@ def eviction_policy(redis_conn: Redis) -> Iterator[Redis]:
     if urlsplit(TEST_REDIS_URL).hostname not in {"127.0.0.1", "localhost", "::1"}:
         pytest.skip("CONFIG SET is only done on a local test Redis")
     try:
-        original = redis_conn.config_get("maxmemory-policy")["maxmemory-policy"]
+        # A sync client: redis-py's annotations also allow the asyncio client's Awaitable.
+        config = cast("dict[str, str]", redis_conn.config_get("maxmemory-policy"))
+        original = config["maxmemory-policy"]
     except ResponseError:
         pytest.skip("this Redis refuses CONFIG GET")
     try:

@@ -105,6 +105,15 @@ def test_filter__redacts_the_traceback_every_formatter_prints():
     assert CANARY_EMAIL not in JsonFormatter().format(record)
 
 
+def test_json_formatter__redacts_a_traceback_formatted_as_an_array():
+    try:
+        raise ValueError(f"no such customer {CANARY_EMAIL}")
+    except ValueError as exc:
+        lines = JsonFormatter(exc_info_as_array=True).formatException((type(exc), exc, None))
+    assert isinstance(lines, list) and lines[-1].startswith("ValueError: no such customer")
+    assert not any(CANARY_EMAIL in line for line in lines)
+
+
 def test_every_configured_handler_carries_the_filter():
     loggers = [logging.getLogger()] + [
         logger

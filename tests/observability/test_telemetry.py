@@ -195,7 +195,7 @@ def test_step_records__a_wrong_call_raises_its_type_error_before_anything_is_log
     spec = get_handler(op.kind)
 
     with pytest.raises(TypeError):
-        run_external_step(op, "charge", spec.effect("charge", op), "test-worker")  # type: ignore[misc]
+        run_external_step(op, "charge", spec.effect("charge", op), "test-worker")
 
     assert json_log.steps() == []
     assert provider.state.stats()["create_requests"] == 0

@@ -349,14 +349,18 @@ class RaisingAdapter(HTTPAdapter):
 
 
 def _pool_error(reason: Exception) -> MaxRetryError:
+    # No pool behind it: the classifier reads the exception's type only.
     return MaxRetryError(None, "/v1/payment_intents", reason)  # type: ignore[arg-type]
 
 
 TRANSPORT_TABLE = [
     (
         requests.ConnectionError(
-            _pool_error(NameResolutionError("nowhere.invalid", None, socket.gaierror(-2, "x")))
-        ),  # type: ignore[arg-type]
+            _pool_error(
+                # No connection behind it: the classifier reads the exception's type only.
+                NameResolutionError("nowhere.invalid", None, socket.gaierror(-2, "x"))  # type: ignore[arg-type]
+            )
+        ),
         Outcome.TRANSIENT,
     ),
     (
@@ -365,9 +369,10 @@ TRANSPORT_TABLE = [
     ),
     (requests.exceptions.MissingSchema("no scheme"), Outcome.TRANSIENT),
     (
-        requests.exceptions.ReadTimeout(ReadTimeoutError(None, "/", "read timed out")),
+        # No pool behind it: the classifier reads the exception's type only.
+        requests.exceptions.ReadTimeout(ReadTimeoutError(None, "/", "read timed out")),  # type: ignore[arg-type]
         Outcome.UNCERTAIN,
-    ),  # type: ignore[arg-type]
+    ),
     (
         requests.ConnectionError(
             ProtocolError("Connection aborted.", ConnectionResetError(104, "reset"))

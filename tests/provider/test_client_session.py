@@ -112,8 +112,8 @@ def test_shared_session__bounded_pool_and_no_automatic_retries():
     for prefix in ("http://", "https://"):
         adapter = session.get_adapter(prefix + "provider.test")
         assert adapter.max_retries.total == 0
-        assert adapter._pool_maxsize == POOL_MAXSIZE  # type: ignore[attr-defined]
-        assert adapter._pool_block is False  # type: ignore[attr-defined]
+        assert adapter._pool_maxsize == POOL_MAXSIZE
+        assert adapter._pool_block is False
 
 
 def test_idle_session__closed_and_rebuilt_before_its_next_request(provider, monkeypatch):

@@ -90,6 +90,7 @@ def call_provider(claim: StepClaim, *, age: timedelta = timedelta(0)) -> tuple[s
     """Send the claim's request with its key, as the worker did `age` ago; return
     (reference, status)."""
     request = claim.request
+    assert request is not None, "a charge claim holds its request from its insert on"
     with provider_clock(age), ProviderClient.from_settings() as client:
         try:
             intent = client.create_payment_intent(

@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 from django.db import connection, transaction
 
@@ -76,7 +77,7 @@ def write_history(
     analyze: bool = True,
 ) -> History:
     """Write `count` operations with their claims and audit rows; ANALYZE the tables."""
-    params = {
+    params: dict[str, Any] = {
         "tag": tag,
         "count": count,
         "spacing": spacing,

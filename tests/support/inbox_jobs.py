@@ -16,11 +16,13 @@ import json
 import os
 import signal
 import threading
+from typing import cast
 
 import django_rq
 from django.db import connection
 from redis import Redis
 from rq import get_current_job
+from rq.job import Job
 
 from inbox.handlers import inbox_handler
 
@@ -41,6 +43,14 @@ class SimulatedCrash(RuntimeError):
     """Stands for a worker dying at a named point."""
 
 
+def this_job() -> Job:
+    """Return the job this code runs in (these helpers run only inside a worker's job)."""
+    job = get_current_job()
+    if job is None:
+        raise RuntimeError("not inside an RQ job")
+    return job
+
+
 def arm_crash(redis: Redis, point: str, times: int = 1) -> None:
     """Make the next ``times`` passes through ``point`` crash."""
     redis.set(CRASH_KEY.format(point=point), times)
@@ -48,8 +58,9 @@ def arm_crash(redis: Redis, point: str, times: int = 1) -> None:
 
 def crash_at(point: str) -> None:
     """Crash here if a crash is armed for ``point``."""
-    job = get_current_job()
-    if job.connection.decr(CRASH_KEY.format(point=point)) < 0:
+    # A sync client: redis-py's annotations also allow the asyncio client's Awaitable.
+    left = cast(int, this_job().connection.decr(CRASH_KEY.format(point=point)))
+    if left < 0:
         return
     if os.environ.get("INBOX_TEST_HARD_CRASH") == "1":
         os.kill(os.getpid(), signal.SIGKILL)
@@ -68,7 +79,7 @@ def write_effect(tag: str) -> None:
 
 def note_delivery() -> None:
     """Note in Redis what this delivery carried; survives the DB rollback of a crash."""
-    job = get_current_job()
+    job = this_job()
     job.connection.rpush(
         SEEN_KEY,
         json.dumps(
@@ -107,7 +118,7 @@ def explicit_consumer_job(tag: str) -> str:
 def follow_up_job(tag: str) -> None:
     """Write an effect, then try the refused follow-up enqueue."""
     write_effect(tag)
-    django_rq.get_queue(QUEUE_NAME, connection=get_current_job().connection).enqueue(
+    django_rq.get_queue(QUEUE_NAME, connection=this_job().connection).enqueue(
         effect_job, f"{tag}-follow-up"
     )
 

@@ -35,8 +35,8 @@ def intent(pi_id: str = "pi_test_1", status: str = "succeeded") -> dict:
 
 
 def post(body: bytes, header: str | None) -> object:
-    extra = {"HTTP_STRIPE_SIGNATURE": header} if header is not None else {}
-    return Client().post(URL, data=body, content_type="application/json", **extra)
+    headers = {"Stripe-Signature": header} if header is not None else {}
+    return Client().post(URL, data=body, content_type="application/json", headers=headers)
 
 
 def nothing_written() -> bool:

@@ -9,7 +9,7 @@ import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict, Unpack
 
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError, CommandParser
@@ -30,6 +30,31 @@ from devtools.bench.runner import (
 )
 from devtools.bench.webload import LoadShape, web_tier
 from devtools.topology import MissingBinary, binary
+
+
+class BenchOptions(TypedDict):
+    """The options add_arguments declares, with the types their parsers give."""
+
+    orders: int
+    rounds: int
+    noops: int
+    latency: float
+    realistic_latency: float
+    count_orders: int
+    instruction_orders: str
+    session_charges: int
+    inbox_jobs: int
+    reconcile: int
+    purge_rows: int
+    purge_batch: int | None
+    only: str | None
+    web_workers: int
+    web_orders: int
+    web_duplicates: int
+    web_concurrency: int
+    web_pool_sizes: str | None
+    web_rounds: int
+    output: str | None
 
 
 class Command(BaseCommand):
@@ -122,7 +147,7 @@ class Command(BaseCommand):
         parser.add_argument("--web-rounds", type=int, default=2, help="Rounds per side.")
         parser.add_argument("--output", default=None, help="JSON file for the results.")
 
-    def handle(self, *args: object, **options: object) -> None:
+    def handle(self, *args: object, **options: Unpack[BenchOptions]) -> None:
         name = connection.settings_dict["NAME"]
         if not name.endswith("_bench"):
             raise CommandError(
@@ -237,7 +262,7 @@ class Command(BaseCommand):
         self._report(figures, out)
 
     def _instructions(
-        self, bench: Bench, options: dict[str, Any], say: Callable[[str], None]
+        self, bench: Bench, options: BenchOptions, say: Callable[[str], None]
     ) -> dict[str, float] | None:
         """Worker instructions per checkout under callgrind, fenced and unfenced (None:
         valgrind is not installed)."""
@@ -254,7 +279,7 @@ class Command(BaseCommand):
         bench.set_latency(options["latency"])
         return counted
 
-    def _web_tier(self, bench: Bench, options: dict[str, Any], log_dir: Path) -> dict[str, Any]:
+    def _web_tier(self, bench: Bench, options: BenchOptions, log_dir: Path) -> dict[str, Any]:
         """gunicorn on direct connections vs through PgBouncer under the same checkout load."""
         workers = options["web_workers"]
         sizes = options["web_pool_sizes"]
@@ -293,7 +318,7 @@ class Command(BaseCommand):
         self.stdout.write(f"\nSaved to {out}")
 
 
-def _opt_in_backend(bench: Bench, options: dict[str, Any], n: int, best: str) -> dict[str, Any]:
+def _opt_in_backend(bench: Bench, options: BenchOptions, n: int, best: str) -> dict[str, Any]:
     """Fenced vs unfenced on the opt-in backend (BEGIN with the first statement), as on
     the default: 2 workers at the bench's latency, 4 at the realistic one."""
     rounds, slow = options["rounds"], options["realistic_latency"]

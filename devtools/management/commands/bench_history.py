@@ -8,6 +8,7 @@ printed at both sizes with the ratio large/small beside it.
 
 from __future__ import annotations
 
+import functools
 import io
 import logging
 import statistics
@@ -102,7 +103,9 @@ class Command(BaseCommand):
         terms = _terms()
         for name, url_name, query in PAGES:
             url = reverse(url_name) + query.format(**terms)
-            times = [_timed(lambda u=url: _get(client, u)) for _ in range(options["samples"])]
+            times = [
+                _timed(functools.partial(_get, client, url)) for _ in range(options["samples"])
+            ]
             found[f"{name} p50 ms"] = statistics.median(times) * 1000
             found[f"{name} p95 ms"] = _p95(times) * 1000
         rounds = [_recovery_interval() for _ in range(5)]

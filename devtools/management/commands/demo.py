@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TypedDict, Unpack
 
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError, CommandParser
@@ -29,6 +30,32 @@ def _interval(value: str) -> tuple[float, float]:
 
 #: The exit code of a run whose work did not drain in time (1: an invariant was violated).
 NOT_DRAINED = 3
+
+
+class DemoOptions(TypedDict):
+    """The options add_arguments declares, with the types their parsers give."""
+
+    orders: int
+    workers: int
+    drop_rate: float
+    slow_rate: float
+    fail_rate: float
+    decline_rate: float
+    capture_rate: float
+    refund_rate: float
+    kill_interval: tuple[float, float]
+    no_flush: bool
+    seed: int
+    timeout: float
+    worker_class: str | None
+    no_reckless: bool
+    search_lag: float
+    grace: int
+    no_webhooks: bool
+    endpoint_down: float
+    topology: str
+    fault_gap: float
+    output: str | None
 
 
 class Command(BaseCommand):
@@ -157,7 +184,7 @@ class Command(BaseCommand):
             "--output", default=None, help="Directory for report.json and report.html."
         )
 
-    def handle(self, *args: object, **options: object) -> None:
+    def handle(self, *args: object, **options: Unpack[DemoOptions]) -> None:
         if not settings.DEBUG:
             raise CommandError(
                 "demo starts workers with DEBUG on and flushes its Redis database: it is a "

@@ -8,6 +8,7 @@ import shlex
 import signal
 import threading
 from pathlib import Path
+from typing import TypedDict, Unpack
 
 from django.conf import settings
 from django.contrib.auth import get_user_model
@@ -36,6 +37,14 @@ def try_command(base: str, token: str) -> str:
     )  # fmt: skip
 
 
+class RunstackOptions(TypedDict):
+    """The options add_arguments declares, with the types their parsers give."""
+
+    port: int
+    provider_port: int
+    workers: int
+
+
 class Command(BaseCommand):
     help = (
         "Start the API and admin server, RQ workers (one process per queue, with the "
@@ -51,7 +60,7 @@ class Command(BaseCommand):
         )
         parser.add_argument("--workers", type=int, default=2)
 
-    def handle(self, *args: object, **options: object) -> None:
+    def handle(self, *args: object, **options: Unpack[RunstackOptions]) -> None:
         if not settings.DEBUG:
             raise CommandError("runstack is a development tool; set DEBUG=1.")
         if options["workers"] < 1:
