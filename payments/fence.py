@@ -14,7 +14,8 @@
 - `message`: register a local-only operation delivered behind the inbox.
 - `Run`: what a handler gets: `external`, `local`, `side_effect`, `result`,
   `entity`, `params`, `operation`.
-- `ProviderEffect`: the base class of an external step (payments.provider.effect).
+- `ProviderEffect`: the base class of an external step (payments.provider.effect);
+  `PaymentIntentEffect` adds the retrieve and the created-window list of intents.
 - `Desk`: what the operators' desk asks of the handler (lock, describe, new attempt).
 - `start_operation`: answer an API request that starts an operation (202, replays).
 - `create_operation_in_tx`: write an operation in the caller's transaction and
@@ -45,13 +46,14 @@ from payments.engine.handlers import DeskHooks as Desk
 from payments.engine.handlers import EntityHook, ReversalHook, Run, handler, registered_handlers
 from payments.engine.handlers import message_handler as message
 from payments.models import KeyScope
-from payments.provider.effect import ProviderEffect
+from payments.provider.effect import PaymentIntentEffect, ProviderEffect
 
 __all__ = [
     "ClaimView",
     "Desk",
     "DeliveryPolicy",
     "EffectResult",
+    "PaymentIntentEffect",
     "ProviderEffect",
     "Run",
     "create_follow_ups_in_tx",

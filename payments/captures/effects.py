@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
-from payments.fence import ClaimView, EffectResult, ProviderEffect
+from payments.fence import ClaimView, EffectResult, PaymentIntentEffect, ProviderEffect
 from payments.provider.client import PaymentIntent
 from payments.provider.errors import (
     PAYMENT_INTENT_UNEXPECTED_STATE,
@@ -34,13 +33,10 @@ def release_hold_of(effect: ProviderEffect, claim: ClaimView) -> EffectResult | 
     return effect._settled(effect.retrieve(intent))
 
 
-class _OnTheIntent(ProviderEffect):
+class _OnTheIntent(PaymentIntentEffect):
     """A call on the intent the authorisation made (named in the request; no metadata)."""
 
     TARGET = "payment_intent"
-
-    def retrieve(self, reference: str) -> PaymentIntent:
-        return self.client.retrieve_payment_intent(reference)
 
     def intent(self) -> str:
         return str(self.run.result(AUTHORIZE)["reference"])
@@ -57,7 +53,7 @@ class _OnTheIntent(ProviderEffect):
         return self.retrieve(request["payment_intent"])
 
 
-class Authorization(ProviderEffect):
+class Authorization(PaymentIntentEffect):
     """Hold the order's amount on the card (`capture_method=manual`)."""
 
     MAY_HAVE_HAPPENED = "The customer's card may already hold the amount."
@@ -94,13 +90,6 @@ class Authorization(ProviderEffect):
         except CardDeclined as exc:
             code = exc.code or "card_declined"
             return self.refused(exc.payment_intent_id or "", status="declined", code=code)
-
-    def retrieve(self, reference: str) -> PaymentIntent:
-        return self.client.retrieve_payment_intent(reference)
-
-    def candidates(self, claim: ClaimView) -> Iterator[PaymentIntent]:
-        since, until = self.created_window(claim)
-        return self.client.list_payment_intents(created_gte=since, created_lte=until)
 
     def outcome(self, intent: PaymentIntent) -> EffectResult | None:
         data = {"status": intent.status, "held": intent.amount, "currency": intent.currency}

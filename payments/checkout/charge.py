@@ -19,11 +19,10 @@ errors (which carry their `outcome`) propagate to the fence.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
 from typing import Any
 
 from payments.checkout.names import CHARGE, CHECKOUT
-from payments.fence import ClaimView, EffectResult, ProviderEffect
+from payments.fence import ClaimView, EffectResult, PaymentIntentEffect
 from payments.models import Operation, StepClaim
 from payments.provider.client import PaymentIntent
 from payments.provider.errors import (
@@ -66,7 +65,7 @@ def order_intent(operation: Operation) -> str:
     return earlier.provider_reference
 
 
-class PaymentIntentCharge(ProviderEffect):
+class PaymentIntentCharge(PaymentIntentEffect):
     """Charge an operation's amount with its payment method, once, on the order's intent."""
 
     #: The audit counts a done charge as a succeeded intent, by its reference.
@@ -130,13 +129,6 @@ class PaymentIntentCharge(ProviderEffect):
                 intent.id,
             )
         return intent
-
-    def retrieve(self, reference: str) -> PaymentIntent:
-        return self.client.retrieve_payment_intent(reference)
-
-    def candidates(self, claim: ClaimView) -> Iterator[PaymentIntent]:
-        since, until = self.created_window(claim)
-        return self.client.list_payment_intents(created_gte=since, created_lte=until)
 
     def outcome(self, intent: PaymentIntent) -> EffectResult | None:
         """SUCCESS, or PERMANENT (declined, cancelled); None in between (processing, ...)."""

@@ -9,6 +9,7 @@ read its objects. Handler authors reach it as `payments.fence.ProviderEffect`.
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -24,7 +25,7 @@ from payments.engine.effects import (
 )
 from payments.engine.outcomes import Outcome
 from payments.exceptions import ConfigurationError
-from payments.provider.client import ProviderClient
+from payments.provider.client import PaymentIntent, ProviderClient
 from payments.provider.errors import ResourceMissing
 
 alerts = logging.getLogger("payments.alerts")
@@ -240,3 +241,15 @@ class ProviderEffect:
                 f"{reference} is {getattr(obj, 'status', 'in progress')}", reference=reference
             )
         return found
+
+
+class PaymentIntentEffect(ProviderEffect):
+    """An effect whose object is a PaymentIntent: retrieved by id, and a lost answer found
+    in the list of intents created in the claim's window (a consistent read)."""
+
+    def retrieve(self, reference: str) -> PaymentIntent:
+        return self.client.retrieve_payment_intent(reference)
+
+    def candidates(self, claim: ClaimView) -> Iterator[PaymentIntent]:
+        since, until = self.created_window(claim)
+        return self.client.list_payment_intents(created_gte=since, created_lte=until)
