@@ -41,19 +41,19 @@ from payments.desk.display import (
     state_badge,
     when,
 )
-from payments.desk.views import (
-    DESK_ACTIONS,
-    DeskViewsMixin,
+from payments.desk.views.actions import DESK_ACTIONS
+from payments.desk.views.mixin import DeskViewsMixin
+from payments.desk.views.queries import (
     attempts_of,
     desk_counts,
     follow_up_kinds,
     follow_up_q,
-    job_link,
     last_error_of,
     stale_q,
     with_attempts,
     with_state_since,
 )
+from payments.desk.views.rq_links import job_link
 from payments.engine.handlers import money_moved
 from payments.models import (
     ApiClient,

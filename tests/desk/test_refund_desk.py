@@ -20,7 +20,7 @@ import pytest
 from django.db import transaction
 from django.urls import reverse
 
-from payments.desk.views import DESK_ACTIONS
+from payments.desk.views.actions import DESK_ACTIONS
 from payments.engine import fence, handlers
 from payments.engine.handlers import DeskHooks, Run, handler
 from payments.models import Operation, OperationState, Order, OrderStatus

@@ -1,0 +1,174 @@
+"""The desk's queries: annotations of operations, follow-ups, stale leases, money per state."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from datetime import datetime
+from typing import TYPE_CHECKING, Any, TypedDict
+
+from django.db.models import BigIntegerField, Count, F, OuterRef, Q, QuerySet, Subquery, Sum
+from django.db.models.fields.json import KT
+from django.db.models.functions import Cast, Coalesce, Greatest, Lower
+from django.urls import reverse
+from django.utils import timezone
+
+from payments.desk.display import reference_link, when
+from payments.engine.handlers import registered_handlers
+from payments.models import Operation, OperationEvent, OperationState, ProviderEvent, StepClaim
+from payments.money import format_totals
+
+if TYPE_CHECKING:
+    from django_stubs_ext import WithAnnotations
+
+
+class StateSince(TypedDict):
+    """The annotation `with_state_since` adds."""
+
+    state_since: datetime
+
+
+def with_state_since(
+    queryset: QuerySet[Operation],
+) -> QuerySet[WithAnnotations[Operation, StateSince]]:
+    """Annotate `state_since`: when the operation entered its current state."""
+    entered = (
+        OperationEvent.objects.filter(operation=OuterRef("pk"), step="", to_state=OuterRef("state"))
+        .filter(~Q(from_state=F("to_state")))  # a note in the same state does not restart it
+        .order_by("-created_at", "-id")
+        .values("created_at")[:1]
+    )
+    return queryset.annotate(state_since=Coalesce(Subquery(entered), F("updated_at")))
+
+
+class ClaimAttempts(TypedDict):
+    """The annotation `with_attempts` adds."""
+
+    all_attempts: int
+
+
+def with_attempts(queryset: QuerySet[Any]) -> QuerySet[Any]:
+    """Annotate `all_attempts`: the operation's attempts or its busiest claim's, the larger.
+
+    A resumed operation starts a fresh budget (attempts 0) while its charge
+    claim remembers every call made under it: an operator must see both.
+    """
+    busiest = (
+        StepClaim.objects.filter(operation=OuterRef("pk"))
+        .order_by("-attempts")
+        .values("attempts")[:1]
+    )
+    return queryset.annotate(all_attempts=Greatest(F("attempts"), Coalesce(Subquery(busiest), 0)))
+
+
+def attempts_of(op: Operation) -> int:
+    """The attempts an operator sees: annotated by `with_attempts`, else read from the claims."""
+    annotated = getattr(op, "all_attempts", None)
+    if annotated is not None:
+        return int(annotated)
+    claims = [c.attempts for c in op.claims.all()]
+    return max([op.attempts, *claims])
+
+
+def follow_up_kinds() -> list[str]:
+    """The kinds registered as message handlers (the follow-ups of a paid order)."""
+    return sorted(kind for kind, spec in registered_handlers().items() if spec.consumer is not None)
+
+
+def follow_up_q() -> Q:
+    """Operations that follow up another one: written by a parent step, or a message handler's."""
+    return Q(parent__isnull=False) | Q(kind__in=follow_up_kinds())
+
+
+def stale_q(now: datetime | None = None) -> Q:
+    """Running operations whose lease has run out: their worker died or hangs."""
+    return Q(state=OperationState.RUNNING, lease_expires_at__lt=now or timezone.now())
+
+
+def last_error_of(op: Operation) -> str:
+    """The operation's last error, else the reason of its last audit row that gives one."""
+    if op.last_error:
+        return op.last_error
+    last = (
+        OperationEvent.objects.filter(operation=op)
+        .exclude(reason="")
+        .order_by("-created_at", "-id")
+        .values_list("reason", flat=True)
+        .first()
+    )
+    return last or ""
+
+
+# --- queries of the desk ------------------------------------------------------------------
+
+
+#: The most provider events listed on an operation's page (the newest).
+PROVIDER_EVENTS_SHOWN = 50
+
+
+def provider_events_of(op: Operation) -> list[dict[str, Any]]:
+    """The provider events that touched `op` (webhooks and catch-up), oldest first, for its page."""
+    rows = ProviderEvent.objects.filter(operation=op).order_by("-created", "-id")
+    return [
+        {
+            "id": row.id,
+            "type": row.type,
+            "object": reference_link(row.object_id),
+            "created": when(row.created),
+            "received": when(row.received_at),
+            "handled": when(row.handled_at),
+            "outcome": row.outcome or "-",
+        }
+        for row in reversed(rows[:PROVIDER_EVENTS_SHOWN])
+    ]
+
+
+def money_by_state_and_kind(
+    queryset: QuerySet[Operation],
+) -> dict[str, dict[str, list[tuple[str, int]]]]:
+    """Sum the params' amounts per state, kind and currency: {state: {kind: [(currency, n)]}}.
+
+    Only operations whose params carry an integer amount count (a checkout or a
+    refund does; a kind without money does not). A refund's amount gives money
+    back, a checkout's takes it: they are never added together.
+    """
+    rows = (
+        queryset.annotate(amount_text=KT("params__amount"), currency=Lower(KT("params__currency")))
+        .filter(amount_text__regex=r"^[0-9]{1,18}$")
+        .exclude(currency__isnull=True)
+        .values("state", "kind", "currency")
+        .annotate(total=Sum(Cast("amount_text", BigIntegerField())))
+        .order_by("state", "kind", "currency")
+    )
+    totals: dict[str, dict[str, list[tuple[str, int]]]] = defaultdict(dict)
+    for row in rows:
+        by_kind = totals[row["state"]].setdefault(row["kind"], [])
+        by_kind.append((row["currency"], int(row["total"] or 0)))
+    return dict(totals)
+
+
+def totals_by_kind(by_kind: dict[str, list[tuple[str, int]]], *, labelled: bool) -> list[str]:
+    """One line per kind ("€25.00 checkout", "€6.00 refund"); unlabelled when one kind has money."""
+    if not by_kind:
+        return ["-"]
+    return [
+        f"{format_totals(totals)} {kind}" if labelled else format_totals(totals)
+        for kind, totals in sorted(by_kind.items())
+    ]
+
+
+def desk_counts() -> list[dict[str, Any]]:
+    """What the admin's home page shows of the desk: unfinished and failed payments per state."""
+    business = Operation.objects.exclude(follow_up_q()).exclude(state=OperationState.SUCCEEDED)
+    counts = dict(business.values_list("state").annotate(n=Count("pk")))
+    changelist = reverse("admin:payments_operation_changelist")
+    rows = [
+        {"state": s, "label": s.label, "count": counts.get(s.value, 0),
+         "url": f"{changelist}?state__exact={s.value}"}
+        for s in OperationState
+        if s != OperationState.SUCCEEDED
+    ]  # fmt: skip
+    rows.append(
+        {"state": "stale", "label": "Stale (lease expired)",
+         "count": business.filter(stale_q()).count(), "url": f"{changelist}?lease=stale"}
+    )  # fmt: skip
+    return rows
