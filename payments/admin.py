@@ -43,6 +43,7 @@ from payments.desk.display import (
 )
 from payments.desk.views.actions import DESK_ACTIONS
 from payments.desk.views.mixin import DeskViewsMixin
+from payments.desk.views.payment import payment_context, refund_urls
 from payments.desk.views.queries import (
     attempts_of,
     desk_counts,
@@ -504,6 +505,19 @@ class OrderAdmin(ReadOnlyAdmin):
     fields = readonly_fields = (
         "id", "amount_display", "status", "customer_email", "created", "updated", "operations",
     )  # fmt: skip
+
+    def get_urls(self) -> list[Any]:
+        return refund_urls(self) + super().get_urls()
+
+    def change_view(
+        self, request: HttpRequest, object_id: str, form_url: str = "", extra_context: Any = None
+    ) -> HttpResponse:
+        """The order's page is its payment's: money, charges, refunds, provider timeline."""
+        order = self.get_object(request, unquote(object_id))
+        extra = dict(extra_context or {})
+        if order is not None and request.user.has_perm("payments.view_operation"):
+            extra["payment"] = payment_context(request, order)
+        return super().change_view(request, object_id, form_url, extra)
 
     @admin.display(description="amount", ordering="amount")
     def amount_display(self, obj: Order) -> str:

@@ -132,6 +132,9 @@ class Order(models.Model):
                 fields=["client", "idempotency_key"], name=ORDER_KEY_CONSTRAINT
             ),
         ]
+        permissions = [
+            ("refund_order", "Can refund an order from the desk (its charge or a duplicate)"),
+        ]
 
     def __str__(self) -> str:
         return f"Order {self.pk}"
