@@ -43,13 +43,14 @@ from payments.desk.display import (
 )
 from payments.desk.views.actions import DESK_ACTIONS
 from payments.desk.views.mixin import DeskViewsMixin
-from payments.desk.views.payment import payment_context, refund_urls
+from payments.desk.views.payment import errors_shown, payment_context, refund_urls
 from payments.desk.views.queries import (
     attempts_of,
     desk_counts,
     follow_up_kinds,
     follow_up_q,
     last_error_of,
+    lookups_of,
     stale_q,
     with_attempts,
     with_state_since,
@@ -348,12 +349,21 @@ class OperationAdmin(NamedPermissionsMixin, DeskViewsMixin, admin.ModelAdmin):
 
     @admin.display(description="attempts", ordering="all_attempts")
     def attempts_shown(self, obj: Operation) -> str:
-        return str(attempts_of(obj))
+        """Requests sent for the work; the reconciler's look-ups apart (they charge nothing)."""
+        lookups = lookups_of(obj)
+        if not lookups:
+            return str(attempts_of(obj))
+        return format_html(
+            '{} <small class="quiet desk-lookups">+&nbsp;{}&nbsp;look-up{}</small>',
+            attempts_of(obj),
+            lookups,
+            "" if lookups == 1 else "s",
+        )
 
     @admin.display(description="last error")
     def last_error_shown(self, obj: Operation) -> str:
         if obj.last_error:
-            return obj.last_error
+            return errors_shown(obj)
         if obj.state not in WAITING_FOR_A_PERSON:
             return "-"  # a resumed or finished operation: its last reason is no error
         reason = last_error_of(obj)

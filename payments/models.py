@@ -329,6 +329,10 @@ class StepClaim(FenceModel):
     provider_view = models.JSONField(null=True, blank=True)
     #: Times a worker acted under this claim (the first call, then each take-over).
     attempts = models.PositiveIntegerField(default=0)
+    #: Requests sent again under the claim's key after the first (replays, not look-ups):
+    #: the desk shows 1 + this as the attempts at the work, and the rest of `attempts`
+    #: as look-ups. A database default: a previous release's INSERT still works.
+    requests_sent = models.PositiveIntegerField(default=0, db_default=0)
     claimed_by = models.CharField(max_length=255)
     claimed_at = models.DateTimeField()
     #: When the last request under the claim's idempotency key was sent (worker, reconciler

@@ -1634,7 +1634,7 @@ def note_provider_view(claim: StepClaim, found: EffectResult | None, *, source: 
 #: recorded before it is sent, by the database's clock, by the claim's owner only.
 NOTE_REQUEST_SENT = """
 UPDATE payments_stepclaim
-SET last_request_at = statement_timestamp()
+SET last_request_at = statement_timestamp(), requests_sent = requests_sent + 1
 WHERE id = %(id)s AND claimed_by = %(actor)s::text AND state IN ('claimed', 'uncertain')
 RETURNING last_request_at
 """

@@ -15,13 +15,13 @@ from django.utils import timezone
 
 from payments.desk.display import AGED_STATES, is_stale, when
 from payments.desk.views.base import VIEW_PERMISSION, DeskBase
-from payments.desk.views.queries import follow_up_kinds
+from payments.desk.views.queries import attempts_of, follow_up_kinds, lookups_of
 from payments.models import Operation, StepClaim
 from payments.money import decimal_amount
 
 CSV_COLUMNS = (
     "key", "kind", "entity_type", "entity_id", "amount", "currency", "state", "stale",
-    "in_state_since", "attempts", "last_error", "provider_references", "follow_up",
+    "in_state_since", "attempts", "lookups", "last_error", "provider_references", "follow_up",
     "created_at", "updated_at",
 )  # fmt: skip
 
@@ -49,13 +49,12 @@ def _csv_lines(operations: Iterable[Operation]) -> Iterator[str]:
         currency = str(params.get("currency") or "")
         shown_amount = decimal_amount(params.get("amount"), currency)
         claims = list(op.claims.all())
-        attempts = max([op.attempts, *(c.attempts for c in claims)])
         references = ";".join(c.provider_reference for c in claims if c.provider_reference)
         values = (
             op.key, op.kind, op.entity_type, op.entity_id, shown_amount, currency.upper(),
             op.state, "yes" if is_stale(op, now) else "",
             when(getattr(op, "state_since", None)) if op.state in AGED_STATES else "",
-            attempts, op.last_error, references,
+            attempts_of(op), lookups_of(op), op.last_error, references,
             "yes" if op.parent_id is not None or op.kind in kinds else "",
             when(op.created_at), when(op.updated_at),
         )  # fmt: skip

@@ -34,6 +34,7 @@ from django.utils.html import format_html
 from payments.desk import refund as desk_refund
 from payments.desk.display import reference_link, state_badge, when
 from payments.desk.views.base import operator_of
+from payments.desk.views.queries import first_error_of, not_found_kind
 from payments.engine.handlers import get_handler, registered_handlers
 from payments.exceptions import ConfigurationError, PaymentsError
 from payments.models import (
@@ -242,6 +243,23 @@ def timeline(ops: list[Operation]) -> list[dict[str, Any]]:
         {**entry, "when": when(at), "at": at.isoformat(), "op_url": _op_url(entry["operation"])}
         for at, _, entry in entries[-TIMELINE_ROWS:]
     ]
+
+
+def errors_shown(op: Operation) -> str:
+    """The operation's last error; beside it the first one, and which "not found" it is."""
+    first = first_error_of(op)
+    kind = not_found_kind(first, op.last_error)
+    if not first or first == op.last_error:
+        return format_html('<span class="desk-last-error">{}</span>', op.last_error)
+    return format_html(
+        '<span class="desk-last-error">{}</span>{}<br><small class="desk-first-error">'
+        "first error: {}</small>",
+        op.last_error,
+        format_html('<br><strong class="desk-not-found-kind">Not found: {}.</strong>', kind)
+        if kind
+        else "",
+        first,
+    )
 
 
 def _op_url(op: Operation | None) -> str:

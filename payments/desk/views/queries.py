@@ -6,7 +6,18 @@ from collections import defaultdict
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, TypedDict
 
-from django.db.models import BigIntegerField, Count, F, OuterRef, Q, QuerySet, Subquery, Sum
+from django.db.models import (
+    BigIntegerField,
+    Count,
+    F,
+    IntegerField,
+    OuterRef,
+    Q,
+    QuerySet,
+    Subquery,
+    Sum,
+    Value,
+)
 from django.db.models.fields.json import KT
 from django.db.models.functions import Cast, Coalesce, Greatest, Lower
 from django.urls import reverse
@@ -14,7 +25,14 @@ from django.utils import timezone
 
 from payments.desk.display import reference_link, when
 from payments.engine.handlers import registered_handlers
-from payments.models import Operation, OperationEvent, OperationState, ProviderEvent, StepClaim
+from payments.models import (
+    ClaimState,
+    Operation,
+    OperationEvent,
+    OperationState,
+    ProviderEvent,
+    StepClaim,
+)
 from payments.money import format_totals
 
 if TYPE_CHECKING:
@@ -41,32 +59,95 @@ def with_state_since(
 
 
 class ClaimAttempts(TypedDict):
-    """The annotation `with_attempts` adds."""
+    """The annotations `with_attempts` adds."""
 
     all_attempts: int
+    lookups: int
 
 
 def with_attempts(queryset: QuerySet[Any]) -> QuerySet[Any]:
-    """Annotate `all_attempts`: the operation's attempts or its busiest claim's, the larger.
+    """Annotate `all_attempts`, the attempts at the work, and `lookups`, the look-ups since.
 
-    A resumed operation starts a fresh budget (attempts 0) while its charge
-    claim remembers every call made under it: an operator must see both.
+    An attempt is a request sent to the provider: the first under a step's
+    key and each replay (`StepClaim.requests_sent`), for the busiest step; an
+    operation without a provider step counts its runs. Every other take-over
+    of a claim was a look-up (a reconciler's pass): counted apart, so one
+    real call never reads as fifteen attempts.
     """
-    busiest = (
-        StepClaim.objects.filter(operation=OuterRef("pk"))
-        .order_by("-attempts")
-        .values("attempts")[:1]
+    external = StepClaim.objects.filter(operation=OuterRef("pk")).exclude(idempotency_key="")
+    sent = external.order_by("-requests_sent").values("requests_sent")[:1]
+    looked = (
+        external.values("operation")
+        .annotate(
+            n=Sum(
+                Greatest(F("attempts") - 1 - F("requests_sent"), Value(0)),
+                output_field=IntegerField(),
+            )
+        )
+        .values("n")
     )
-    return queryset.annotate(all_attempts=Greatest(F("attempts"), Coalesce(Subquery(busiest), 0)))
+    return queryset.annotate(
+        all_attempts=Coalesce(Subquery(sent) + 1, F("attempts"), output_field=IntegerField()),
+        lookups=Coalesce(Subquery(looked), Value(0), output_field=IntegerField()),
+    )
 
 
 def attempts_of(op: Operation) -> int:
-    """The attempts an operator sees: annotated by `with_attempts`, else read from the claims."""
+    """The attempts at the work: annotated by `with_attempts`, else read from the claims."""
     annotated = getattr(op, "all_attempts", None)
     if annotated is not None:
         return int(annotated)
-    claims = [c.attempts for c in op.claims.all()]
-    return max([op.attempts, *claims])
+    external = [c for c in op.claims.all() if c.idempotency_key]
+    return max(1 + c.requests_sent for c in external) if external else op.attempts
+
+
+def lookups_of(op: Operation) -> int:
+    """The look-ups made under the operation's claims (take-overs that sent nothing)."""
+    annotated = getattr(op, "lookups", None)
+    if annotated is not None:
+        return int(annotated)
+    external = [c for c in op.claims.all() if c.idempotency_key]
+    return sum(max(c.attempts - 1 - c.requests_sent, 0) for c in external)
+
+
+#: How the engine words an error that says nothing ran at the provider (a 5xx, a 429,
+#: a refused connection): payments.provider.errors' TransientProviderError, released.
+NOTHING_RAN = ("released after transient failure", "TransientProviderError")
+#: And one after which the provider may have acted (no complete answer, a timeout).
+MAY_HAVE_RUN = ("UncertainProviderError", "ReadTimeout", "JobTimeoutException", "its call may")
+
+
+def first_error_of(op: Operation) -> str:
+    """The first error a step recorded (the audit keeps it; `last_error` is overwritten)."""
+    first = (
+        OperationEvent.objects.filter(operation=op)
+        .exclude(step="")
+        .exclude(reason__in=("", "claimed"))
+        .exclude(to_state=ClaimState.DONE)
+        .exclude(actor__startswith="operator:")
+        .exclude(reason__startswith="taken over from", to_state=F("from_state"))
+        .order_by("created_at", "id")
+        .values_list("reason", flat=True)
+        .first()
+    )
+    return first or ""
+
+
+def not_found_kind(first_error: str, last_error: str) -> str:
+    """Say which "not found" it is, from the first error: never reached, or answer lost."""
+    if "not found" not in last_error:
+        return ""
+    if any(word in first_error for word in MAY_HAVE_RUN):
+        return (
+            "charged and its answer lost? The first request got no complete answer: the "
+            "provider may have acted on it, so a look-up by reference is the safe next step"
+        )
+    if any(word in first_error for word in NOTHING_RAN):
+        return (
+            "never reached the provider: the first request was refused before it ran "
+            "(a 5xx, a 429 or a refused connection), and nothing under its key was found"
+        )
+    return "nothing under its key was found at the provider"
 
 
 def follow_up_kinds() -> list[str]:
