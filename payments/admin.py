@@ -41,7 +41,7 @@ from payments.desk.display import (
     state_badge,
     when,
 )
-from payments.desk.views.actions import DESK_ACTIONS
+from payments.desk.views.actions import DESK_ACTIONS, mark_failed_refusal
 from payments.desk.views.mixin import DeskViewsMixin
 from payments.desk.views.payment import errors_shown, payment_context, refund_urls
 from payments.desk.views.queries import (
@@ -469,15 +469,17 @@ class OperationAdmin(NamedPermissionsMixin, DeskViewsMixin, admin.ModelAdmin):
             return []
         available = desk.available_actions(op)
         info = f"admin:{self.opts.app_label}_{self.opts.model_name}"
+        # Ordered by safety: the look-up first, the one that may lose money last.
         buttons = [_button(info, op, "query_provider", "")]
         buttons.append(_button(info, op, "resume", available.refused.get("resume", "")))
         for step in available.settleable_steps:
             buttons.append(_button(info, op, "mark_succeeded", "", step))
-            buttons.append(_button(info, op, "mark_failed", "", step))
-        if self.has_new_attempt_permission(request):
-            buttons.append(
-                _button(info, op, "new_attempt", available.refused.get("new_attempt", ""))
-            )
+        refused = available.refused.get("new_attempt", "")
+        if not self.has_new_attempt_permission(request):
+            refused = f"it needs the permission {desk.NEW_ATTEMPT_PERMISSION}"
+        buttons.append(_button(info, op, "new_attempt", refused))
+        for step in available.settleable_steps:
+            buttons.append(_button(info, op, "mark_failed", mark_failed_refusal(op, step), step))
         return buttons
 
 

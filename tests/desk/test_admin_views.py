@@ -138,7 +138,12 @@ def test_operation_page__steps_audit_trail_and_rq_job_link(provider, operator, q
     assert "Query provider now" in page
     assert desk_url(op, "mark_succeeded", "charge") in page
     assert "Resume with the same key is unavailable" in page  # with the reason why
-    assert "Start a new attempt" not in page  # alice may not start new attempts
+    # alice may not start new attempts: the button is shown off, naming the permission
+    assert (
+        "Start a new attempt is unavailable: it needs the permission payments.start_new_attempt"
+        in page
+    )
+    assert desk_url(op, "new_attempt") not in page
 
 
 def test_operation_page__viewer_sees_no_buttons_and_nothing_is_editable(provider, viewer):

@@ -261,7 +261,9 @@ def test_attempts_count_requests_sent_and_lookups_apart__last_error_from_the_aud
     page = client.get(change_url(op)).content.decode()
 
     # Three take-overs of a claim whose request was sent once: one attempt, two look-ups.
-    assert re.search(r'<td class="field-attempts_shown">1 <small[^>]*>\+&nbsp;2&nbsp;look-ups', listing)
+    assert re.search(
+        r'<td class="field-attempts_shown">1 <small[^>]*>\+&nbsp;2&nbsp;look-ups', listing
+    )
     assert re.search(r'field-attempts_shown.*?<div class="readonly">1 <small', page, re.S)
     last_error = re.search(
         r'field-last_error_shown.*?<div class="readonly">(.*?)</div>', page, re.S

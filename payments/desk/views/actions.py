@@ -21,6 +21,7 @@ from django.db.models import QuerySet
 from django.http import Http404, HttpRequest, HttpResponse, HttpResponseRedirect
 from django.template.response import TemplateResponse
 from django.urls import reverse
+from django.utils.dateparse import parse_datetime
 from django.utils.html import format_html, format_html_join
 
 from payments.conf import payments_settings
@@ -172,12 +173,29 @@ def _refusal(op: Operation, action: str, step: str) -> str:
     """Say why the state forbids `action` now ("" when it allows it); POST re-checks anyway."""
     available = desk.available_actions(op)
     if step:
-        return (
-            ""
-            if step in available.settleable_steps
-            else f"step {step} is not waiting to be settled"
-        )
+        if step not in available.settleable_steps:
+            return f"step {step} is not waiting to be settled"
+        return mark_failed_refusal(op, step) if action == "mark_failed" else ""
     return available.refused.get(action, "")
+
+
+def asked_in_this_state(op: Operation, step: str) -> bool:
+    """Tell whether the provider was asked about `step` since the operation entered its state."""
+    claim = next((c for c in op.claims.all() if c.step == step), None)
+    view = claim.provider_view if claim is not None else None
+    checked = parse_datetime(str(view.get("checked_at") or "")) if isinstance(view, dict) else None
+    since = getattr(op, "state_since", None) or op.updated_at
+    return checked is not None and checked >= since
+
+
+def mark_failed_refusal(op: Operation, step: str) -> str:
+    """Why "mark failed" waits: nobody asked the provider about the step in this state."""
+    if asked_in_this_state(op, step):
+        return ""
+    return (
+        f"nobody has asked the provider about step {step} since the operation became "
+        f"{op.get_state_display().lower()}: “Query provider now” first"
+    )
 
 
 def action_title(spec: DeskAction, step: str) -> str:
@@ -190,7 +208,7 @@ def _form_for(spec: DeskAction, op: Operation, step: str, data: Any) -> forms.Fo
     form_class = spec.form
     if form_class is NewAttemptForm and "payment_method" not in (op.params or {}):
         form_class = ReasonForm  # this kind's attempts take no payment method (a refund)
-    form = form_class(data)
+    form = form_class(data, initial={"reference": _known_reference(op, step)} if step else None)
     if "reference" in form.fields:
         example = _reference_example(op, step)
         form.fields["reference"].help_text = (
@@ -198,6 +216,15 @@ def _form_for(spec: DeskAction, op: Operation, step: str, data: Any) -> forms.Fo
             "it is checked with the provider before anything changes."
         )
     return form
+
+
+def _known_reference(op: Operation, step: str) -> str:
+    """The step's reference as recorded or last seen at the provider ("" when none is known)."""
+    claim = op.claims.filter(step=step).first()
+    if claim is None:
+        return ""
+    view = claim.provider_view if isinstance(claim.provider_view, dict) else {}
+    return claim.provider_reference or str(view.get("reference") or "")
 
 
 def _reference_example(op: Operation, step: str) -> str:
@@ -273,19 +300,21 @@ class ActionViewsMixin(DeskBase):
             f"admin:{self.opts.app_label}_{self.opts.model_name}_change", args=[op.pk]
         )
         form = _form_for(spec, op, step, request.POST if request.method == "POST" else None)
-        status = 200
+        status, refused_now = 200, ""
         if request.method == "POST" and form.is_valid():
             try:
                 # The desk service owns the transaction (and keeps HTTP calls out of it).
                 message = spec.run(op, step, request, form.cleaned_data)
             except FoundSucceeded as exc:  # the provider's answer was recorded instead
                 form.add_error(None, f"Not marked failed: {exc.detail}")
-                status = 409
+                status, refused_now = 409, f"the provider showed it succeeded: {exc.detail}"
                 op = self.get_object(request, unquote(object_id)) or op
             except PaymentsError as exc:
                 # Refused: the same form again, with what was typed and why nothing changed.
                 form.add_error(None, f"Nothing was changed: {getattr(exc, 'detail', exc)}")
                 status = 409
+                if action == "mark_failed":  # nothing typed would change the answer
+                    refused_now = str(getattr(exc, "detail", exc))
                 op = self.get_object(request, unquote(object_id)) or op  # it may have moved
             else:
                 self.log_change(request, op, message)
@@ -304,8 +333,9 @@ class ActionViewsMixin(DeskBase):
             # How the page words this operation: the handler's steps and money line,
             # never a checkout's (a refund is not a charge).
             "money_line": money_line(op),
-            "provider_steps": sorted(handler.effects),
-            "other_steps": sorted(handler.steps),
+            # In run order, as the handler declares them.
+            "provider_steps": [s for s in handler.step_order if s in handler.effects],
+            "other_steps": [s for s in handler.step_order if s in handler.steps],
             "on_failure": _hook_says(handler.on_failure),
             "on_resume": _hook_says(handler.on_resume),
             "asks_payment_method": isinstance(form, NewAttemptForm),
@@ -324,7 +354,8 @@ class ActionViewsMixin(DeskBase):
             "next_key": _next_key_or_blank(op) if action == "new_attempt" else "",
             **(_mark_failed_plan(op, step) if action == "mark_failed" else {}),
             "change_url": change_url,
-            "refused": _refusal(op, action, step),
+            # A refused mark-failed keeps its button off: pressing again changes nothing.
+            "refused": _refusal(op, action, step) or refused_now,
         }
         request.current_app = self.admin_site.name
         return TemplateResponse(
