@@ -15,7 +15,7 @@ from collections.abc import Callable
 from functools import wraps
 from typing import Any
 
-from django.contrib import admin
+from django.contrib import admin, messages
 from django.contrib.admin.utils import unquote
 from django.core.exceptions import PermissionDenied
 from django.db.models import QuerySet
@@ -56,6 +56,7 @@ from payments.desk.views.queries import (
     with_state_since,
 )
 from payments.desk.views.rq_links import job_link
+from payments.desk.views.search import lead_from_provider
 from payments.engine.handlers import money_moved
 from payments.models import (
     ApiClient,
@@ -306,6 +307,12 @@ class OperationAdmin(NamedPermissionsMixin, DeskViewsMixin, admin.ModelAdmin):
             ids = [str(pk) for pk in orders]
             if ids:
                 found = found | queryset.filter(entity_type="order", entity_id__in=ids)
+        if term and not found.exists():  # a reference no step has: ask the provider
+            lead = lead_from_provider(term)
+            if lead is not None:
+                self.message_user(request, lead.note, messages.WARNING)
+                if lead.query is not None:
+                    found = queryset.filter(lead.query)
         return found, may_have_duplicates
 
     def has_add_permission(self, request: HttpRequest) -> bool:
