@@ -406,9 +406,22 @@ def test_needs_attention__counts_oldest_ages_failed_jobs_and_last_audit(provider
     ctx = response.context
     counts = {row["state"]: row["count"] for row in ctx["states"]}
     assert counts == {
-        "pending": 0, "running": 0, "retrying": 0, "succeeded": 1, "failed": 0,
-        "uncertain": 2, "needs_review": 1,
+        "pending": 0,
+        "running": 0,
+        "retrying": 0,
+        "failed": 0,
+        "uncertain": 2,
+        "needs_review": 1,
+    }  # fmt: skip  (no "succeeded" figure: nothing to do there; the chart counts it)
+    cases = [row["operation"].key for row in ctx["cases"].rows]
+    assert cases == ["review-me", "old-unknown", "new-unknown"]  # oldest in its state first
+    assert (
+        ctx["cases"].rows[0]["age"] == "3\xa0hours" and "€19.99" in ctx["cases"].rows[0]["amount"]
+    )
+    assert {item["label"]: item["total"] for item in ctx["legend"]} == {
+        "succeeded": 1, "declined or failed": 0, "uncertain": 2, "needs review": 1,
     }  # fmt: skip
+    assert '<svg class="desk-chart"' in page
     assert ctx["oldest_uncertain"]["operation"].key == "old-unknown"
     assert ctx["oldest_uncertain"]["age"] == "42\xa0minutes"
     assert ctx["oldest_needs_review"]["age"] == "3\xa0hours"

@@ -6,16 +6,18 @@ from datetime import datetime
 from typing import Any
 
 from django.core.exceptions import PermissionDenied
-from django.db.models import Count, QuerySet
+from django.core.paginator import Paginator
+from django.db.models import Count, Q, QuerySet
 from django.http import HttpRequest, HttpResponse
 from django.template.response import TemplateResponse
 from django.urls import reverse
 from django.utils import timezone
 from django.utils.timesince import timesince
 
-from payments.desk.display import AGED_STATES, is_stale, money_line
+from payments.desk.display import AGED_STATES, is_stale, money_line, state_badge, when
 from payments.desk.views.audit import audit_view
 from payments.desk.views.base import VIEW_PERMISSION, DeskBase
+from payments.desk.views.chart import legend, outcomes_per_hour, outcomes_svg
 from payments.desk.views.queries import (
     follow_up_q,
     money_by_state_and_kind,
@@ -49,6 +51,8 @@ class NeedsAttentionMixin(DeskBase):
         changelist = reverse(f"admin:{self.opts.app_label}_{self.opts.model_name}_changelist")
         states = []
         for s in OperationState:
+            if s == OperationState.SUCCEEDED:
+                continue  # nothing to do there; the chart shows how many succeeded
             lines = totals_by_kind(totals.get(s.value, {}), labelled=len(kinds) > 1)
             states.append(
                 {"state": s, "label": s.label, "count": counts.get(s.value, 0),
@@ -65,6 +69,7 @@ class NeedsAttentionMixin(DeskBase):
             for state in OperationState
             if state in AGED_STATES
         ]
+        bars = outcomes_per_hour(business, now)
         follow_ups = Operation.objects.filter(follow_up_q())
         audit = FenceAuditRun.objects.order_by("-finished_at").first()
         context = {
@@ -85,6 +90,9 @@ class NeedsAttentionMixin(DeskBase):
             "audit": audit,
             "audit_view": audit_view(audit, request),
             "changelist_url": changelist,
+            "cases": cases_page(business, request, now),
+            "chart": outcomes_svg(bars),
+            "legend": legend(bars),
         }
         request.current_app = self.admin_site.name
         return TemplateResponse(request, "admin/payments/operation/needs_attention.html", context)
@@ -103,3 +111,29 @@ def _oldest(
         "stale": is_stale(op, now),
         "url": reverse("admin:payments_operation_change", args=[op.pk]),
     }
+
+
+#: The states an operator works: the provider must be asked, or a person decide.
+CASE_STATES = (OperationState.UNCERTAIN, OperationState.NEEDS_REVIEW)
+CASES_PER_PAGE = 25
+
+
+def cases_page(business: QuerySet[Operation], request: HttpRequest, now: datetime) -> Any:
+    """The cases to work, oldest in their state first, one page of them, with age and money."""
+    cases = with_state_since(business.filter(Q(state__in=CASE_STATES) | stale_q(now)))
+    paginator = Paginator(cases.order_by("state_since", "pk"), CASES_PER_PAGE)
+    page = paginator.get_page(request.GET.get("page"))
+    page.rows = [  # type: ignore[attr-defined]
+        {
+            "operation": op,
+            "url": reverse("admin:payments_operation_change", args=[op.pk]),
+            "badge": state_badge(op.state),
+            "stale": is_stale(op, now),
+            "age": timesince(getattr(op, "state_since", op.updated_at), now),
+            "since": when(getattr(op, "state_since", op.updated_at)),
+            "amount": money_line(op),
+            "error": (op.last_error or "")[:140],
+        }
+        for op in page.object_list
+    ]
+    return page
