@@ -107,6 +107,12 @@ def check_resume(op: Operation, claims: list[StepClaim], *, reopen: bool = False
                 operation_key=op.key,
             )
         if claim.state == ClaimState.FAILED and op.state == OperationState.FAILED:
+            if claim.error.startswith("marked failed by "):  # a person decided; nobody refused
+                raise DeskError(
+                    f"step {claim.step} was marked failed by an operator; its key is closed: "
+                    "start a new attempt instead",
+                    operation_key=op.key,
+                )
             raise DeskError(
                 f"step {claim.step} was refused; the same key would be refused again: "
                 "start a new attempt instead",

@@ -6,8 +6,11 @@ import re
 from datetime import timedelta
 
 import pytest
+from django.contrib import messages
 from django.urls import reverse
 
+from payments.desk.services import QueryOutcome
+from payments.desk.views.actions import query_level, query_words
 from payments.engine import fence
 from payments.engine.effects import EffectResult
 from payments.engine.outcomes import Outcome
@@ -61,3 +64,19 @@ def test_mark_succeeded__reference_prefilled_from_what_the_provider_showed(provi
     page = client_for(make_user("alice", *VIEW, RECONCILE)).get(url).content.decode()
 
     assert re.search(rf'name="reference" value="{reference}"', page)
+
+
+@pytest.mark.parametrize(
+    ("outcome", "before", "after", "words", "success"),
+    [
+        ("done", "uncertain", "retrying", "recorded done; now retrying (the operation runs", True),
+        ("still_uncertain", "uncertain", "uncertain", "still uncertain (state unchanged", False),
+        ("needs_review", "needs_review", "needs_review", "(state unchanged: needs review)", False),
+    ],
+)
+def test_query_words__say_what_the_provider_showed_and_succeed_only_when_settled(
+    outcome, before, after, words, success
+):
+    row = QueryOutcome(1, "k", outcome, before, after)
+    assert words in query_words(row)
+    assert (query_level([row]) == messages.SUCCESS) is success

@@ -260,9 +260,13 @@ def test_desk_action__query_provider_settles_logs_and_redirects(provider, operat
     assert response.status_code == 302 and response.url == change_url(op)
     claim.refresh_from_db()
     assert (claim.state, claim.provider_reference) == (ClaimState.DONE, reference)
-    assert log_messages(op, operator) == ["Queried the provider: done (now retrying)."]
+    assert log_messages(op, operator) == [
+        "Queried the provider: the provider shows the step succeeded; it is recorded done; "
+        "now retrying (the operation runs its next steps)."
+    ]
     page = client.get(response.url).content.decode()
-    assert "Queried the provider: done (now retrying)." in page
+    assert "the step succeeded; it is recorded done; now retrying" in page
+    assert "messagelist" in page and '<li class="success">Queried' in page
     assert 'class="state-badge state-retrying"' in page
     assert "operator:alice" in page
 

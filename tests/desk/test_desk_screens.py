@@ -382,9 +382,10 @@ def test_bulk_query__lists_the_result_of_each_operation(provider, operator):
     rows = re.findall(r'<li class="desk-query-row">(.*?)</li>', report, re.S)
     assert len(rows) == 2
     first_row, second_row = sorted(rows, key=lambda row: "bulk-b" in row)
-    assert "bulk-a</a>: done" in first_row and "state-uncertain" in first_row
+    assert "bulk-a</a>: the provider shows the step succeeded" in first_row
     assert "state-retrying" in first_row
-    assert "bulk-b</a>: failed" in second_row and "state-failed" in second_row
+    assert "bulk-b</a>: the provider refused the step" in second_row
+    assert "state-failed" in second_row
 
 
 def test_csv_export__the_filtered_list(provider, viewer):

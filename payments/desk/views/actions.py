@@ -33,7 +33,7 @@ from payments.engine import fence
 from payments.engine.handlers import get_handler
 from payments.engine.steps import replay_allowed
 from payments.exceptions import PaymentsError
-from payments.models import Operation, StepClaim
+from payments.models import Operation, OperationState, StepClaim
 
 # --- forms -----------------------------------------------------------------------
 
@@ -98,7 +98,39 @@ def _run_query(op: Operation, step: str, request: HttpRequest, data: dict[str, A
     row = report.rows[0] if report.rows else None
     if row is None:
         return "Queried the provider: nothing to settle."
-    return f"Queried the provider: {row.outcome.replace('_', ' ')} (now {row.state_after})."
+    return f"Queried the provider: {query_words(row)}."
+
+
+#: What a look-up's outcome means, in an operator's words (payments.engine.recovery's names).
+QUERY_WORDS = {
+    "done": "the provider shows the step succeeded; it is recorded done",
+    "failed": "the provider refused the step; it is recorded failed",
+    "still_uncertain": "the provider shows nothing decisive yet; still uncertain",
+    "needs_review": "nothing decisive at the provider past the grace period; a person decides",
+    "nothing_to_settle": "nothing was waiting to be settled",
+    "already_settled": "settled meanwhile by someone else",
+    "retry_later": "the provider could not be read; asked again later",
+    "busy": "a worker holds it; not asked",
+}
+#: Outcomes that settled something: the only ones a success message (green ✓) may carry.
+SETTLED = frozenset({"done", "failed", "reversed"})
+
+
+def query_words(row: Any) -> str:
+    """One look-up's result: what the provider showed, then the state it left (if it moved)."""
+    words = QUERY_WORDS.get(row.outcome, row.outcome.replace("_", " "))
+    if row.state_after == row.state_before:
+        return f"{words} (state unchanged: {row.state_after.replace('_', ' ')})"
+    after = row.state_after.replace("_", " ")
+    runs = " (the operation runs its next steps)" if row.state_after in desk.WORKER_STATES else ""
+    return f"{words}; now {after}{runs}"
+
+
+def query_level(rows: list[Any]) -> int:
+    """Success only when every look-up settled something; otherwise a warning."""
+    return (
+        messages.SUCCESS if rows and all(r.outcome in SETTLED for r in rows) else messages.WARNING
+    )
 
 
 def _run_resume(op: Operation, step: str, request: HttpRequest, data: dict[str, Any]) -> str:
@@ -260,13 +292,12 @@ def _query_report_message(rows: list[Any], summary: str) -> str:
     """The bulk query's result: the counts, then each operation with what came back."""
     items = format_html_join(
         "",
-        '<li class="desk-query-row"><a href="{}">{}</a>: {} <small>({} → {})</small></li>',
+        '<li class="desk-query-row"><a href="{}">{}</a>: {} {}</li>',
         (
             (
                 reverse("admin:payments_operation_change", args=[row.operation_id]),
                 row.key,
-                str(row.outcome).replace("_", " "),
-                state_badge(row.state_before),
+                query_words(row),
                 state_badge(row.state_after),
             )
             for row in rows
@@ -318,7 +349,15 @@ class ActionViewsMixin(DeskBase):
                 op = self.get_object(request, unquote(object_id)) or op  # it may have moved
             else:
                 self.log_change(request, op, message)
-                self.message_user(request, message, messages.SUCCESS)
+                level = messages.SUCCESS
+                if action == "query_provider":  # a look-up that settled nothing is no success
+                    op = self.get_object(request, unquote(object_id)) or op
+                    level = (
+                        messages.SUCCESS
+                        if op.state == OperationState.SUCCEEDED or (op.state in desk.WORKER_STATES)
+                        else messages.WARNING
+                    )
+                self.message_user(request, message, level)
                 return HttpResponseRedirect(change_url)
         handler = get_handler(op.kind)
         context = {
@@ -380,7 +419,9 @@ class ActionViewsMixin(DeskBase):
                     request, by_pk[row.operation_id], f"Queried the provider: {row.outcome}"
                 )
             self.message_user(
-                request, _query_report_message(report.rows, report.summary()), messages.SUCCESS
+                request,
+                _query_report_message(report.rows, report.summary()),
+                query_level(report.rows),
             )
             return None  # back to the changelist
         context = {
