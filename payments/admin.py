@@ -41,6 +41,7 @@ from payments.desk.display import (
     state_badge,
     when,
 )
+from payments.desk.filters import DateRangeFilter
 from payments.desk.views.actions import DESK_ACTIONS, mark_failed_refusal
 from payments.desk.views.mixin import DeskViewsMixin
 from payments.desk.views.payment import errors_shown, payment_context, refund_urls
@@ -256,7 +257,7 @@ class OperationAdmin(NamedPermissionsMixin, DeskViewsMixin, admin.ModelAdmin):
         "key", "kind", "order_link", "amount", "badge", "state_age", "attempts_shown", "updated",
     )  # fmt: skip
     list_display_links = ("key",)
-    list_filter = (FollowUpFilter, "state", LeaseFilter, "kind")
+    list_filter = (FollowUpFilter, "state", LeaseFilter, "kind", ("created_at", DateRangeFilter))
     search_fields = (
         "key",
         "=entity_id",
@@ -517,7 +518,7 @@ class ReadOnlyAdmin(NamedPermissionsMixin, admin.ModelAdmin):
 class OrderAdmin(ReadOnlyAdmin):
     # No e-mail in the list: an operator needs it on one order's page at most (and may search it).
     list_display = ("id", "amount_display", "status", "created")
-    list_filter = ("status", "currency")
+    list_filter = ("status", "currency", ("created_at", DateRangeFilter))
     search_fields = ("=id", "=customer_email")
     search_help_text = "Order id or the customer's e-mail (exact)."
     ordering = ("-created_at",)

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from payments.desk.display import when
 from payments.engine import fence
 from payments.engine.effects import ReferenceNotFound
 from payments.engine.handlers import HandlerSpec, get_handler
@@ -165,7 +166,7 @@ def settleable_claim(
         raise DeskError(f"step {step} is settled already ({claim.state})", operation_key=op.key)
     if claim.state == ClaimState.CLAIMED and not fence.claim_expired(claim):
         raise DeskError(
-            f"a worker holds step {step} until {claim.lease_expires_at:%H:%M:%S}",
+            f"a worker holds step {step} until {when(claim.lease_expires_at)}",
             operation_key=op.key,
         )
     return claim
@@ -176,7 +177,7 @@ def check_no_live_lease(op: Operation) -> None:
     if fence.lease_alive(op, fence.db_now()):
         raise DeskError(
             f"a worker runs it now ({op.lease_owner} holds the lease until "
-            f"{op.lease_expires_at:%H:%M:%S})",
+            f"{when(op.lease_expires_at)})",
             operation_key=op.key,
         )
 

@@ -24,6 +24,7 @@ from django.db import transaction
 from django.db.models.functions import Now
 
 from payments.conf import payments_settings
+from payments.desk.display import when
 from payments.desk.rules import (
     DeskActions,
     DeskError,
@@ -132,8 +133,7 @@ def query_provider(operation_ids: list[int], *, user: AbstractBaseUser) -> Query
     for op_id, listed in ops.items():
         if fence.lease_alive(listed, fence.clock_of(listed)):
             outcome_of[op_id] = (
-                f"held by {listed.lease_owner} until {listed.lease_expires_at:%H:%M:%S}; "
-                "not queried"
+                f"held by {listed.lease_owner} until {when(listed.lease_expires_at)}; not queried"
             )
         elif listed.state in WORKER_STATES:
             outcome_of[op_id] = recovery.look_up(listed)
