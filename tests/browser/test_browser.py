@@ -149,7 +149,7 @@ def test_operator_queries_the_provider_and_sees_the_payment_settle(
 
     page.get_by_role("button", name="Yes, query the provider").click()
     page.wait_for_url(f"**/admin/payments/operation/{lost.pk}/change/")
-    assert "Queried the provider: done" in page.locator("ul.messagelist").inner_text()
+    assert "the provider shows the step succeeded" in page.locator("ul.messagelist").inner_text()
     assert badge.inner_text() == "Retrying"
     trail = page.locator("#events-group")
     assert "operator:alice" in trail.inner_text()
@@ -167,8 +167,8 @@ def test_operator_queries_the_provider_and_sees_the_payment_settle(
         state=OperationState.SUCCEEDED, parent__isnull=True, kind="checkout"
     ).count()
     assert succeeded == 2
-    assert page.locator(".state-count-succeeded strong").inner_text() == "2"
-    assert page.locator(".state-count-succeeded .desk-total").inner_text() == "€50.00"
+    assert page.locator(".state-count-succeeded").count() == 0  # nothing to do there
+    assert "succeeded: 2" in page.locator("#desk-chart").inner_text()  # the chart counts them
     assert page.locator(".state-count-uncertain strong").inner_text() == "1"
     assert page.locator(".state-count-uncertain .desk-total").inner_text() == "€25.00"
     assert seen.key in page.locator("#oldest-uncertain").inner_text()
@@ -332,7 +332,7 @@ def test_operator_settles_uncertain_refunds(page, live_server, provider, queue, 
     refund_page(page, "2x-refund-03-confirm-query")
     page.get_by_role("button", name="Yes, query the provider").click()
     page.wait_for_url(f"**/admin/payments/operation/{queried.pk}/change/")
-    assert "Queried the provider: done" in page.locator("ul.messagelist").inner_text()
+    assert "the provider shows the step succeeded" in page.locator("ul.messagelist").inner_text()
     assert badge.inner_text() == "Retrying"
     (first,) = provider.state.refunds(metadata={"operation_key": queried.key})
     view = page.locator("table.desk-provider-view").inner_text()

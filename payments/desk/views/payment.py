@@ -70,6 +70,7 @@ class Movement:
     operation: Operation | None
     step: str
     duplicate: bool = False
+    original: bool = False  # the first of duplicate charges: the one the entity kept
     refunded_by: str = ""  # a duplicate's refund operation key
 
     def row(self) -> dict[str, Any]:
@@ -77,6 +78,7 @@ class Movement:
         return {
             "what": "duplicate charge" if self.duplicate else self.what,
             "duplicate": self.duplicate,
+            "refundable": self.duplicate and not self.original and not self.refunded_by,
             "reference_text": self.reference,
             "reference": reference_link(self.reference),
             "amount": format_money(self.amount, self.currency),
@@ -160,6 +162,7 @@ def movements(entity_type: str, entity_id: int | str, ops: list[Operation]) -> l
     if len(charges) > 1 or (charged and len(charges) > len(charged)):
         for movement in charges:
             movement.duplicate = True
+        charges[0].original = True  # the first success is the payment; the later ones repeat it
     refunds = {
         str(m.operation.params.get("payment_intent")): m.operation.key
         for m in rows
@@ -343,7 +346,9 @@ def refund_view(admin: Any, request: HttpRequest, object_id: str) -> HttpRespons
     ops = entity_operations("order", order.pk)
     rows = movements("order", order.pk, ops)
     charge = str(request.POST.get("charge") or request.GET.get("charge") or "")
-    duplicate = next((m for m in rows if m.duplicate and m.reference == charge), None)
+    duplicate = next(
+        (m for m in rows if m.duplicate and not m.original and m.reference == charge), None
+    )
     change_url = reverse("admin:payments_order_change", args=[order.pk])
     initial = {"charge": charge, "action_id": uuid.uuid4().hex}
     if duplicate is not None and duplicate.amount is not None:  # give the duplicate back whole
