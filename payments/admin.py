@@ -556,10 +556,13 @@ class OrderAdmin(ReadOnlyAdmin):
         ops = Operation.objects.filter(entity_type="order", entity_id=str(obj.pk)).order_by("pk")
         if not ops:
             return "-"
+        # A follow-up's key ("19:record_sale") names its parent's id, not an order: say so.
         return format_html_join(
             mark_safe("<br>"),
-            '<a href="{}">{}</a> {}',
-            ((reverse("admin:payments_operation_change", args=[o.pk]), o.key, state_badge(o.state))
+            '<a href="{}">{}</a> {}{}',
+            ((reverse("admin:payments_operation_change", args=[o.pk]), o.key, state_badge(o.state),
+              format_html(' <small class="quiet">follow-up ({}) of operation {}</small>',
+                          o.kind, o.parent_id) if o.parent_id else "")
              for o in ops),
         )  # fmt: skip
 

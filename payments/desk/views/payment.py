@@ -213,8 +213,11 @@ def timeline(ops: list[Operation]) -> list[dict[str, Any]]:
     """Every provider request (claims and their audit rows) and provider event, oldest first."""
     by_id = {op.pk: op for op in ops}
     entries: list[tuple[datetime, int, dict[str, Any]]] = []
+    requests: dict[int, dict[str, StepClaim]] = {}
     for op in ops:
-        for claim in op.claims.all():
+        # Provider requests only: a local step (an invoice, an e-mail) sends none.
+        requests[op.pk] = {c.step: c for c in op.claims.all() if c.idempotency_key}
+        for claim in requests[op.pk].values():
             keyed = {"operation": op, "step": claim.step, "key": claim.idempotency_key}
             entries.append(
                 (claim.claimed_at, 0, {**keyed, "what": "claimed", "outcome": "claimed, then sent",
@@ -225,10 +228,17 @@ def timeline(ops: list[Operation]) -> list[dict[str, Any]]:
                     (claim.last_request_at, 1, {**keyed, "what": "last request",
                      "outcome": f"request {claim.attempts} under this key", "who": claim.claimed_by})
                 )  # fmt: skip
-    events = OperationEvent.objects.filter(operation__in=list(by_id)).exclude(step="")
+    steps = {step for claims in requests.values() for step in claims}
+    events = (
+        OperationEvent.objects.filter(operation__in=list(by_id), step__in=steps).exclude(
+            reason="claimed"
+        )  # the claim's own row says it
+    )
     for event in events.order_by("created_at", "id")[:TIMELINE_ROWS]:
         op = by_id[event.operation_id]
-        step_claim = next((c for c in op.claims.all() if c.step == event.step), None)
+        step_claim = requests[op.pk].get(event.step)
+        if step_claim is None:
+            continue  # a local step of the same name in another operation
         entries.append(
             (event.created_at, 2, {"operation": op, "step": event.step, "what": "outcome",
              "key": step_claim.idempotency_key if step_claim else "", "who": event.actor,
@@ -279,6 +289,7 @@ def payment_context(request: HttpRequest, order: Any) -> dict[str, Any]:
         "money": money_summary(order, rows),
         "movements": [m.row() for m in rows],
         "has_duplicate": any(m.duplicate for m in rows),
+        "duplicate_open": any(m.duplicate and not m.original and not m.refunded_by for m in rows),
         "timeline": timeline(ops),
         "refund_url": refund_url if desk_refund.refund_hook("order") is not None else "",
         "may_refund": may_refund,
