@@ -160,6 +160,9 @@ def test_desk_pages__cases_chart_actions_and_the_rq_permission(tab, live_server,
         "needs the permission payments.start_new_attempt"
         in tab.locator(".desk-actions").inner_text()
     )
+    for cell in ("#events-group td.field-reason", "#claims-group td.field-outcome"):
+        box = tab.locator(cell).last.bounding_box()
+        assert box["x"] + box["width"] <= tab.width, cell  # the whole trail in sight
     shot(tab, "08-operation-actions")
 
     tab.goto(f"{live_server.url}/admin/rq/queues/0/")
