@@ -178,7 +178,9 @@ def test_operation_page__shows_what_the_provider_showed_with_a_dashboard_link(
 
     page = client_for(viewer).get(change_url(op)).content.decode()
 
-    view = page.split('class="desk-table desk-provider-view"', 1)[1].split("</table>", 1)[0]
+    view = page.split('class="desk-table desk-stack desk-provider-view"', 1)[1].split(
+        "</table>", 1
+    )[0]
     assert "succeeded" in view and "€19.99" in view and "fence_audit" in view
     assert reference in view
     assert f'href="https://dashboard.example/payments/{reference}"' in view
