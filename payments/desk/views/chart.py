@@ -67,7 +67,7 @@ def outcomes_svg(bars: list[HourBar]) -> SafeString:
             if h:
                 y -= h
                 shapes.append((x, y, BAR, h, BADGE_COLOURS[state]))
-        if i % 6 == 0:
+        if i % 6 == 0 and i < len(bars) - 4:
             local = timezone.localtime(bar.start)
             shapes.append((x, HEIGHT + 12, 0, 0, f"{local:%H:%M}"))
     rects = format_html_join(
@@ -85,14 +85,20 @@ def outcomes_svg(bars: list[HourBar]) -> SafeString:
         '<rect x="{}" y="0" width="{}" height="{}" fill="transparent"><title>{}</title></rect>',
         ((i * (BAR + GAP), BAR, HEIGHT, _title(bar)) for i, bar in enumerate(bars)),
     )
+    now = format_html(
+        '<text x="{}" y="{}" font-size="10" text-anchor="end" fill="currentColor">now</text>',
+        width,
+        HEIGHT + 12,
+    )
     return format_html(
         '<svg class="desk-chart" role="img" viewBox="0 0 {} {}" width="100%" '
-        'preserveAspectRatio="xMinYMin meet" aria-label="{}">{}{}{}</svg>',
+        'preserveAspectRatio="xMinYMin meet" aria-label="{}">{}{}{}{}</svg>',
         width,
         HEIGHT + AXIS,
         f"Outcomes per hour over the last {HOURS} hours",
         rects,
         ticks,
+        now,
         titles,
     )
 
