@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 from django.db import transaction
 
 from payments.desk.rules import DeskError
-from payments.desk.services import _reason, _require, actor_of
+from payments.desk.services import actor_of, require_permission, required_reason
 from payments.engine import fence
 from payments.engine.handlers import DeskHooks, registered_handlers
 from payments.exceptions import InvalidTransition, OperationConflict
@@ -68,8 +68,8 @@ def refund_entity(
     "" the entity's own. The handler's hook opens its transaction (it may ask
     the provider before it); the audit row with the reason follows in another.
     """
-    _require(user, refund_permission(entity_type))
-    reason = _reason(reason)
+    require_permission(user, refund_permission(entity_type))
+    reason = required_reason(reason)
     if not ACTION_ID.match(action_id):
         raise DeskError("this confirmation page has no valid token: open it again")
     hooks = refund_hook(entity_type)
