@@ -17,6 +17,7 @@ import pytest
 from django.core.management import call_command
 from django.core.management.base import CommandError
 from django.db import connections
+from django.utils import timezone
 
 from payments.models import Operation, OperationState, OrderStatus
 from tests.support import flows
@@ -141,6 +142,19 @@ def test_desk_pages__cases_chart_actions_and_the_rq_permission(tab, live_server,
     assert box["x"] + box["width"] <= tab.width  # amount and state in sight, no sideways scroll
     shot(tab, "06-operations")
 
+    # The date range filter: a day long past lists nothing; today lists both again.
+    today = timezone.localdate().isoformat()
+    tab.fill(".desk-date-range input[name=created_at__to]", "2020-01-01")
+    tab.locator(".desk-date-range input[type=submit]").click()
+    tab.wait_for_url("**created_at__to=2020-01-01**")
+    assert "0 operations" in tab.locator("#changelist").inner_text()
+    tab.fill(".desk-date-range input[name=created_at__from]", today)
+    tab.fill(".desk-date-range input[name=created_at__to]", today)
+    tab.locator(".desk-date-range input[type=submit]").click()
+    tab.wait_for_url(f"**created_at__to={today}**")
+    assert tab.locator("#result_list tbody tr").count() == 2
+    shot(tab, "06b-operations-dated-today")
+
     tab.goto(f"{live_server.url}/admin/payments/operation/needs-attention/")
     cases = tab.locator("#desk-cases")
     assert lost.key in cases.inner_text() and "€25.00" in cases.inner_text()
@@ -150,6 +164,8 @@ def test_desk_pages__cases_chart_actions_and_the_rq_permission(tab, live_server,
 
     tab.goto(f"{live_server.url}/admin/payments/operation/{lost.pk}/change/")
     buttons = tab.locator(".desk-buttons > *")
+    # Attempts count requests sent: one call, whatever look-ups followed.
+    assert tab.locator("div.field-attempts_shown .readonly").inner_text().startswith("1")
     labels = buttons.all_inner_texts()
     assert labels[0] == "Query provider now" and labels[-1] == "Mark charge failed"
     mark_failed = buttons.last
