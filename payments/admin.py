@@ -44,7 +44,7 @@ from payments.desk.display import (
 from payments.desk.filters import DateRangeFilter
 from payments.desk.views.actions import DESK_ACTIONS, mark_failed_refusal
 from payments.desk.views.mixin import DeskViewsMixin
-from payments.desk.views.payment import errors_shown, payment_context, refund_urls
+from payments.desk.views.payment import errors_shown, payment_context
 from payments.desk.views.queries import (
     attempts_of,
     desk_counts,
@@ -56,6 +56,7 @@ from payments.desk.views.queries import (
     with_attempts,
     with_state_since,
 )
+from payments.desk.views.refund import refund_urls
 from payments.desk.views.rq_links import job_link
 from payments.desk.views.search import lead_from_provider
 from payments.engine.handlers import money_moved
