@@ -14,7 +14,7 @@ __all__ = ["BADGE_COLOURS", "InvoiceAdmin", "OperationAdmin", "OrderAdmin"]
 from collections.abc import Callable
 from typing import Any
 
-from django.contrib import admin
+from django.contrib import admin, messages
 from django.contrib.admin.utils import unquote
 from django.core.exceptions import PermissionDenied
 from django.db.models import Exists, OuterRef, Q, QuerySet
@@ -40,6 +40,7 @@ from payments.desk.display import (
     state_badge,
     when,
 )
+from payments.desk.filters import DateRangeFilter
 from payments.desk.lists import (
     BoundedListMixin,
     KindFilter,
@@ -47,18 +48,22 @@ from payments.desk.lists import (
     search_operations,
     search_orders,
 )
-from payments.desk.views import (
-    DESK_ACTIONS,
-    DeskViewsMixin,
+from payments.desk.views.actions import DESK_ACTIONS, mark_failed_refusal
+from payments.desk.views.mixin import DeskViewsMixin
+from payments.desk.views.payment import errors_shown, payment_context
+from payments.desk.views.queries import (
     attempts_of,
     follow_up_kinds,
     follow_up_q,
-    job_link,
     last_error_of,
+    lookups_of,
     stale_q,
     with_attempts,
     with_state_since,
 )
+from payments.desk.views.refund import refund_urls
+from payments.desk.views.rq_links import job_link
+from payments.desk.views.search import lead_from_provider
 from payments.engine.handlers import money_moved
 from payments.models import (
     ApiClient,
@@ -258,7 +263,9 @@ class OperationAdmin(NamedPermissionsMixin, DeskViewsMixin, BoundedListMixin, ad
         "key", "kind", "order_link", "amount", "badge", "state_age", "attempts_shown", "updated",
     )  # fmt: skip
     list_display_links = ("key",)
-    list_filter = (FollowUpFilter, "state", LeaseFilter, KindFilter)
+    list_filter = (
+        FollowUpFilter, "state", LeaseFilter, KindFilter, ("created_at", DateRangeFilter)
+    )  # fmt: skip
     # The search is routed by the term's shape (get_search_results); this shows the box.
     search_fields = ("key",)
     search_help_text = (
@@ -307,6 +314,12 @@ class OperationAdmin(NamedPermissionsMixin, DeskViewsMixin, BoundedListMixin, ad
         if found is None:
             keyed = StepClaim.objects.filter(operation=OuterRef("pk"), idempotency_key=term)
             found = queryset.filter(Q(key=term) | Exists(keyed))
+        if not found.exists():  # a reference no step has: ask the provider
+            lead = lead_from_provider(term)
+            if lead is not None:
+                self.message_user(request, lead.note, messages.WARNING)
+                if lead.query is not None:
+                    found = queryset.filter(lead.query)
         return found, False
 
     def has_add_permission(self, request: HttpRequest) -> bool:
@@ -350,12 +363,21 @@ class OperationAdmin(NamedPermissionsMixin, DeskViewsMixin, BoundedListMixin, ad
 
     @admin.display(description="attempts", ordering="all_attempts")
     def attempts_shown(self, obj: Operation) -> str:
-        return str(attempts_of(obj))
+        """Requests sent for the work; the reconciler's look-ups apart (they charge nothing)."""
+        lookups = lookups_of(obj)
+        if not lookups:
+            return str(attempts_of(obj))
+        return format_html(
+            '{} <small class="quiet desk-lookups">+&nbsp;{}&nbsp;look-up{}</small>',
+            attempts_of(obj),
+            lookups,
+            "" if lookups == 1 else "s",
+        )
 
     @admin.display(description="last error")
     def last_error_shown(self, obj: Operation) -> str:
         if obj.last_error:
-            return obj.last_error
+            return errors_shown(obj)
         if obj.state not in WAITING_FOR_A_PERSON:
             return "-"  # a resumed or finished operation: its last reason is no error
         reason = last_error_of(obj)
@@ -461,15 +483,17 @@ class OperationAdmin(NamedPermissionsMixin, DeskViewsMixin, BoundedListMixin, ad
             return []
         available = desk.available_actions(op)
         info = f"admin:{self.opts.app_label}_{self.opts.model_name}"
+        # Ordered by safety: the look-up first, the one that may lose money last.
         buttons = [_button(info, op, "query_provider", "")]
         buttons.append(_button(info, op, "resume", available.refused.get("resume", "")))
         for step in available.settleable_steps:
             buttons.append(_button(info, op, "mark_succeeded", "", step))
-            buttons.append(_button(info, op, "mark_failed", "", step))
-        if self.has_new_attempt_permission(request):
-            buttons.append(
-                _button(info, op, "new_attempt", available.refused.get("new_attempt", ""))
-            )
+        refused = available.refused.get("new_attempt", "")
+        if not self.has_new_attempt_permission(request):
+            refused = f"it needs the permission {desk.NEW_ATTEMPT_PERMISSION}"
+        buttons.append(_button(info, op, "new_attempt", refused))
+        for step in available.settleable_steps:
+            buttons.append(_button(info, op, "mark_failed", mark_failed_refusal(op, step), step))
         return buttons
 
 
@@ -500,7 +524,7 @@ class ReadOnlyAdmin(NamedPermissionsMixin, admin.ModelAdmin):
 class OrderAdmin(BoundedListMixin, ReadOnlyAdmin):
     # No e-mail in the list: an operator needs it on one order's page at most (and may search it).
     list_display = ("id", "amount_display", "status", "created")
-    list_filter = ("status", RecentCurrencyFilter)
+    list_filter = ("status", RecentCurrencyFilter, ("created_at", DateRangeFilter))
     search_fields = ("=id",)  # routed by the term's shape: get_search_results
     search_help_text = "Order id or the customer's e-mail (exact, any case)."
     ordering = ("-pk",)  # newest first, on the primary key
@@ -517,6 +541,19 @@ class OrderAdmin(BoundedListMixin, ReadOnlyAdmin):
             return queryset, False
         found = search_orders(queryset, term)
         return (queryset.none() if found is None else found), False
+
+    def get_urls(self) -> list[Any]:
+        return refund_urls(self) + super().get_urls()
+
+    def change_view(
+        self, request: HttpRequest, object_id: str, form_url: str = "", extra_context: Any = None
+    ) -> HttpResponse:
+        """The order's page is its payment's: money, charges, refunds, provider timeline."""
+        order = self.get_object(request, unquote(object_id))
+        extra = dict(extra_context or {})
+        if order is not None and request.user.has_perm("payments.view_operation"):
+            extra["payment"] = payment_context(request, order)
+        return super().change_view(request, object_id, form_url, extra)
 
     @admin.display(description="amount", ordering="amount")
     def amount_display(self, obj: Order) -> str:
@@ -535,10 +572,13 @@ class OrderAdmin(BoundedListMixin, ReadOnlyAdmin):
         ops = Operation.objects.filter(entity_type="order", entity_id=str(obj.pk)).order_by("pk")
         if not ops:
             return "-"
+        # A follow-up's key ("19:record_sale") names its parent's id, not an order: say so.
         return format_html_join(
             mark_safe("<br>"),
-            '<a href="{}">{}</a> {}',
-            ((reverse("admin:payments_operation_change", args=[o.pk]), o.key, state_badge(o.state))
+            '<a href="{}">{}</a> {}{}',
+            ((reverse("admin:payments_operation_change", args=[o.pk]), o.key, state_badge(o.state),
+              format_html(' <small class="quiet">follow-up ({}) of operation {}</small>',
+                          o.kind, o.parent_id) if o.parent_id else "")
              for o in ops),
         )  # fmt: skip
 

@@ -137,6 +137,9 @@ class Order(models.Model):
             # The desk's search by e-mail, any case (payments.desk.lists; migration 0017).
             models.Index(Lower("customer_email"), name="payments_order_email_lower"),
         ]
+        permissions = [
+            ("refund_order", "Can refund an order from the desk (its charge or a duplicate)"),
+        ]
 
     def __str__(self) -> str:
         return f"Order {self.pk}"
@@ -357,6 +360,10 @@ class StepClaim(FenceModel):
     provider_view = models.JSONField(null=True, blank=True)
     #: Times a worker acted under this claim (the first call, then each take-over).
     attempts = models.PositiveIntegerField(default=0)
+    #: Requests sent again under the claim's key after the first (replays, not look-ups):
+    #: the desk shows 1 + this as the attempts at the work, and the rest of `attempts`
+    #: as look-ups. A database default: a previous release's INSERT still works.
+    requests_sent = models.PositiveIntegerField(default=0, db_default=0)
     claimed_by = models.CharField(max_length=255)
     claimed_at = models.DateTimeField()
     #: When the last request under the claim's idempotency key was sent (worker, reconciler

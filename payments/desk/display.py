@@ -205,7 +205,9 @@ def provider_view_table(claims: Any, params: dict[str, Any] | None, *, what: str
         return ""
     body = format_html_join(
         "",
-        "<tr><td>{}</td><td>{}</td><td>{}{}</td><td>{}</td><td>{}</td><td>{}</td></tr>",
+        '<tr><td data-label="step">{}</td><td data-label="status">{}</td>'
+        '<td data-label="amount">{}{}</td><td data-label="reference">{}</td>'
+        '<td data-label="checked at">{}</td><td data-label="by">{}</td></tr>',
         (
             (
                 r["step"],
@@ -230,7 +232,7 @@ def provider_view_table(claims: Any, params: dict[str, Any] | None, *, what: str
          for r in rows if r["charged_unrecorded"]),
     )  # fmt: skip
     return format_html(
-        '<table class="desk-table desk-provider-view"><thead><tr><th>Step</th><th>Status</th>'
+        '<table class="desk-table desk-stack desk-provider-view"><thead><tr><th>Step</th><th>Status</th>'
         "<th>Amount</th><th>Reference</th><th>Checked at</th><th>By</th></tr></thead>"
         "<tbody>{}</tbody></table>{}",
         body,

@@ -30,6 +30,7 @@ Django imports this module while it loads the apps.
 from __future__ import annotations
 
 import hmac
+import re
 from collections.abc import Callable, Iterable
 from functools import wraps
 from typing import Any
@@ -245,7 +246,7 @@ def guard(view: View, name: str) -> View:
     def guarded(request: HttpRequest, *args: Any, **kwargs: Any) -> HttpResponse:
         allowed = may_manage_queues if manage else may_view_queues
         if not allowed(request.user):
-            raise PermissionDenied
+            raise PermissionDenied(MANAGE_QUEUES if manage else VIEW_OPERATION)
         _check_indexes(kwargs)
         _check_objects(kwargs)
         _sanitise_redirects(request)
@@ -255,12 +256,36 @@ def guard(view: View, name: str) -> View:
             if unfinished:
                 return _refuse_deletion(request, kwargs, unfinished)
         try:
-            return view(request, *args, **kwargs)
+            response = view(request, *args, **kwargs)
         except NoSuchJobError as exc:  # a job that vanished between the check and the view
             raise Http404("No such job") from exc
+        if not manage and not may_manage_queues(request.user):
+            _disable_managing_links(response)
+        return response
 
     # Not staff at all: the admin's login page, as django-rq itself does.
     return staff_member_required(guarded)
+
+
+#: django-rq's links that change the queue ("Empty Queue" and the like), as its pages write them.
+_MANAGING_LINK = re.compile(
+    r'<a href="[^"]*" class="(deletelink|requeuelink)">(Empty Queue|Requeue All|Delete All)</a>'
+)
+
+
+def _disable_managing_links(response: HttpResponse) -> None:
+    """Show a user who may not manage queues its links off, naming the permission they need."""
+    if getattr(response, "streaming", False) or "html" not in response.get("Content-Type", ""):
+        return
+    if hasattr(response, "render") and not getattr(response, "is_rendered", True):
+        response.render()
+    html = response.content.decode()
+    off = (
+        r'<span class="\1 desk-button-off" aria-disabled="true" style="opacity:.5;'
+        rf'cursor:not-allowed" title="needs the permission {MANAGE_QUEUES}">\2 '
+        rf"(needs {MANAGE_QUEUES})</span>"
+    )
+    response.content = _MANAGING_LINK.sub(off, html).encode()
 
 
 def _bearer(request: HttpRequest) -> str:

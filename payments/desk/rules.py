@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from payments.desk.display import when
 from payments.engine import fence
 from payments.engine.effects import ReferenceNotFound
 from payments.engine.handlers import HandlerSpec, get_handler
@@ -107,6 +108,12 @@ def check_resume(op: Operation, claims: list[StepClaim], *, reopen: bool = False
                 operation_key=op.key,
             )
         if claim.state == ClaimState.FAILED and op.state == OperationState.FAILED:
+            if claim.error.startswith("marked failed by "):  # a person decided; nobody refused
+                raise DeskError(
+                    f"step {claim.step} was marked failed by an operator; its key is closed: "
+                    "start a new attempt instead",
+                    operation_key=op.key,
+                )
             raise DeskError(
                 f"step {claim.step} was refused; the same key would be refused again: "
                 "start a new attempt instead",
@@ -159,7 +166,7 @@ def settleable_claim(
         raise DeskError(f"step {step} is settled already ({claim.state})", operation_key=op.key)
     if claim.state == ClaimState.CLAIMED and not fence.claim_expired(claim):
         raise DeskError(
-            f"a worker holds step {step} until {claim.lease_expires_at:%H:%M:%S}",
+            f"a worker holds step {step} until {when(claim.lease_expires_at)}",
             operation_key=op.key,
         )
     return claim
@@ -170,7 +177,7 @@ def check_no_live_lease(op: Operation) -> None:
     if fence.lease_alive(op, fence.db_now()):
         raise DeskError(
             f"a worker runs it now ({op.lease_owner} holds the lease until "
-            f"{op.lease_expires_at:%H:%M:%S})",
+            f"{when(op.lease_expires_at)})",
             operation_key=op.key,
         )
 

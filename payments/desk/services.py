@@ -24,6 +24,7 @@ from django.db import transaction
 from django.db.models.functions import Now
 
 from payments.conf import payments_settings
+from payments.desk.display import when
 from payments.desk.rules import (
     DeskActions,
     DeskError,
@@ -121,7 +122,7 @@ def query_provider(operation_ids: list[int], *, user: AbstractBaseUser) -> Query
     lease is refused, naming who holds it and until when. Each operation gets
     one audit row saying the operator asked and what came back.
     """
-    _require(user, RECONCILE_PERMISSION)
+    require_permission(user, RECONCILE_PERMISSION)
     ids = sorted({int(i) for i in operation_ids})
     if not ids:
         raise DeskError("select at least one operation", action="query_provider")
@@ -132,8 +133,7 @@ def query_provider(operation_ids: list[int], *, user: AbstractBaseUser) -> Query
     for op_id, listed in ops.items():
         if fence.lease_alive(listed, fence.clock_of(listed)):
             outcome_of[op_id] = (
-                f"held by {listed.lease_owner} until {listed.lease_expires_at:%H:%M:%S}; "
-                "not queried"
+                f"held by {listed.lease_owner} until {when(listed.lease_expires_at)}; not queried"
             )
         elif listed.state in WORKER_STATES:
             outcome_of[op_id] = recovery.look_up(listed)
@@ -199,8 +199,8 @@ def resume(operation: Operation | int, *, user: AbstractBaseUser, reason: str) -
     A failed operation gets a fresh budget of attempts and its order goes back
     to processing, so that no second checkout can start beside it.
     """
-    _require(user, RECONCILE_PERMISSION)
-    reason = _reason(reason)
+    require_permission(user, RECONCILE_PERMISSION)
+    reason = required_reason(reason)
     actor = actor_of(user)
     with transaction.atomic():
         op = fence.locked_operation_in_tx(_pk(operation))
@@ -231,8 +231,8 @@ def mark_step_succeeded(
     the claim's amount and currency. A reference that another claim already
     carries is refused: one charge pays for one step.
     """
-    _require(user, RECONCILE_PERMISSION)
-    reason = _reason(reason)
+    require_permission(user, RECONCILE_PERMISSION)
+    reason = required_reason(reason)
     reference = (reference or "").strip()
     actor = actor_of(user)
     op = Operation.objects.get(pk=_pk(operation))
@@ -291,8 +291,8 @@ def mark_step_failed(
       window is empty), "not found" counts only once RECONCILE_GRACE has
       passed since the last request sent under the key, whoever sent it.
     """
-    _require(user, RECONCILE_PERMISSION)
-    reason = _reason(reason)
+    require_permission(user, RECONCILE_PERMISSION)
+    reason = required_reason(reason)
     actor = actor_of(user)
     op = Operation.objects.get(pk=_pk(operation))
     spec = get_handler(op.kind)
@@ -433,9 +433,9 @@ def start_new_attempt(
     failed or absent (none uncertain, claimed or done), no new attempt exists
     yet, and the order is open for checkout again (payment failed).
     """
-    _require(user, RECONCILE_PERMISSION)
-    _require(user, NEW_ATTEMPT_PERMISSION)
-    reason = _reason(reason)
+    require_permission(user, RECONCILE_PERMISSION)
+    require_permission(user, NEW_ATTEMPT_PERMISSION)
+    reason = required_reason(reason)
     actor = actor_of(user)
     _check_earlier_attempts_failed_at_provider(Operation.objects.get(pk=_pk(operation)), actor)
     with transaction.atomic():
@@ -568,13 +568,15 @@ def _unchanged_claim_in_tx(claim: StepClaim) -> StepClaim:
 # --- small helpers ---------------------------------------------------------------
 
 
-def _require(user: AbstractBaseUser, permission: str) -> None:
+def require_permission(user: AbstractBaseUser, permission: str) -> None:
+    """Raise PermissionDenied naming `permission` unless an active staff user holds it."""
     staff = user.is_active and getattr(user, "is_staff", False)
     if not (staff and isinstance(user, PermissionsMixin) and user.has_perm(permission)):
         raise PermissionDenied(f"{permission} is required")
 
 
-def _reason(reason: str) -> str:
+def required_reason(reason: str) -> str:
+    """Return the reason stripped (at most 1,000 characters); raise ReasonRequired if blank."""
     cleaned = (reason or "").strip()
     if not cleaned:
         raise ReasonRequired("a reason is required for this decision")

@@ -14,7 +14,7 @@ from django.contrib.admin import AdminSite
 from django.http import HttpRequest
 from django.template.response import TemplateResponse
 
-from payments.desk.views import desk_counts
+from payments.desk.views.queries import desk_counts
 
 
 class DeskAdminSite(AdminSite):

@@ -70,6 +70,11 @@ class DeskHooks:
       this kind has no new attempt, and the desk says so.
     - `refuse_new_attempt(op)`: why the entity is not open for a new attempt, or None.
     - `describe(op)`: one line naming the money at stake ("€49.99 charge of order 42").
+    - `refund(entity_id, key, amount, actor, options)`: write a refund of the handler's
+      entity (an order) through the same service the API uses; (operation, created).
+      Declared by the handler that owns refunds; it opens its own transaction (it may
+      ask the provider first) and takes the entity's lock there. `options["charge"]`
+      names a charge other than the one recorded (a duplicate) to give back.
     """
 
     lock_entity: EntityHook
@@ -79,6 +84,7 @@ class DeskHooks:
         None
     )
     refuse_new_attempt: Callable[[Operation], str | None] = lambda op: None
+    refund: Callable[[int, str, int, str, dict[str, Any]], tuple[Operation, bool]] | None = None
 
 
 @dataclass(frozen=True)

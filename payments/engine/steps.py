@@ -181,7 +181,10 @@ def call_effect(
     except Exception as exc:  # classified below; an unclassified error may follow a send
         outcome = getattr(exc, "outcome", Outcome.UNCERTAIN)
         code = str(getattr(exc, "code", "") or "")
-        reason = f"{type(exc).__name__}: {exc}"[:500]
+        # The provider's request id, when it answered: what its support asks for first.
+        request_id = getattr(exc, "request_id", None)
+        reason = f"{type(exc).__name__}: {exc}" + (f" [request {request_id}]" if request_id else "")
+        reason = reason[:500]
         if outcome == Outcome.TRANSIENT:
             # Nothing was executed: the grace still counts from the request sent before.
             unsent = {} if first else {"last_request_at": sent_before}

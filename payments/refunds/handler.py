@@ -5,6 +5,11 @@ order's lock it checks that the refund fits in what is left of the charge,
 counting every refund already asked for and not failed, and writes the
 operation in the same transaction; the job is enqueued on commit. The
 provider checks the limit again (an over-refund is a 400: the step fails).
+
+A duplicate charge (a second provider success for an order already paid,
+which the fence audit reports) is given back by `request_duplicate_refund`:
+a refund of that other payment intent, limited by what it charged, which
+leaves the order's refunded total alone (the customer paid the order once).
 """
 
 from __future__ import annotations
@@ -28,6 +33,8 @@ from payments.models import (
     OrderStatus,
 )
 from payments.money import format_money
+from payments.provider.client import ProviderClient
+from payments.provider.errors import ProviderError
 from payments.refunds.effect import RefundEffect
 from payments.refunds.names import CREDIT_NOTE, REFUND, REFUND_REVERSED, REFUND_STEP
 
@@ -44,12 +51,21 @@ class RefundNotAllowed(InvalidTransition):
 def reserved_amount_in_tx(order: Order) -> int:
     """Minor units given back or asked for: refund operations not failed, and not reversed by
     the provider since (a refund that failed after it succeeded gave nothing back). In the tx."""
+    return _reserved_in_tx(order, lambda params: not params.get("duplicate"))
+
+
+def _reserved_in_tx(order: Order, counts: Any) -> int:
+    """Sum the amounts of the order's refunds not failed nor reversed whose params `counts`."""
     refunds = (
         Operation.objects.filter(kind=REFUND, entity_type="order", entity_id=str(order.pk))
         .exclude(state=OperationState.FAILED)
         .exclude(claims__step=REFUND_REVERSED)
     )
-    return sum(int(params.get("amount", 0)) for params in refunds.values_list("params", flat=True))
+    return sum(
+        int(params.get("amount", 0))
+        for params in refunds.values_list("params", flat=True)
+        if counts(params)
+    )
 
 
 def charged_amount(order: Order) -> int:
@@ -108,6 +124,72 @@ def request_refund(
     return op, created
 
 
+class DuplicateNotFound(RefundNotAllowed):
+    """The payment intent named is not a succeeded duplicate charge of the order."""
+
+
+def request_duplicate_refund(
+    *,
+    order_id: int,
+    payment_intent: str,
+    key: str,
+    amount: int,
+    actor: str,
+    retry_of: Operation | None = None,
+) -> tuple[Operation, bool]:
+    """Give back `amount` of a duplicate charge of an order; (operation, created).
+
+    The provider is asked first, outside any transaction, that `payment_intent`
+    succeeded, names the order in its metadata and is not the charge the order
+    was invoiced for; then, under the order's lock, that `amount` fits in what
+    that intent charged less its refunds in flight. The order's refunded total
+    does not move (see issue_credit_note). Raises DuplicateNotFound or
+    RefundNotAllowed.
+    """
+    try:
+        with ProviderClient.from_settings() as client:
+            intent = client.retrieve_payment_intent(payment_intent)
+    except ProviderError as exc:
+        raise DuplicateNotFound(f"the provider did not show {payment_intent}: {exc}") from exc
+    with transaction.atomic():
+        order = Order.objects.select_for_update().get(pk=order_id)
+        invoice = Invoice.objects.filter(order=order).first()
+        if intent.status != "succeeded" or intent.metadata.get("order_id") != str(order.pk):
+            raise DuplicateNotFound(
+                f"{payment_intent} is not a succeeded charge of order {order.pk}"
+            )
+        if invoice is None or invoice.provider_reference == payment_intent:
+            raise DuplicateNotFound(f"{payment_intent} is the order's own charge, not a duplicate")
+        if intent.currency.lower() != order.currency.lower():
+            raise DuplicateNotFound(
+                f"{payment_intent} is in {intent.currency}, not {order.currency}"
+            )
+        charged = intent.amount_received or intent.amount
+        left = charged - _reserved_in_tx(order, lambda p: p.get("payment_intent") == payment_intent)
+        if not Operation.objects.filter(scope=KeyScope.DERIVED, key=key).exists():
+            if not 0 < amount <= left:
+                raise RefundNotAllowed(
+                    f"{payment_intent} has {left} (minor units) left to refund, not {amount}"
+                )
+        params = {
+            "order_id": order.pk,
+            "amount": int(amount),
+            "currency": order.currency,
+            "payment_intent": payment_intent,
+            "duplicate": True,
+        }
+        return create_operation_in_tx(
+            key=key,
+            kind=REFUND,
+            entity_type="order",
+            entity_id=order.pk,
+            params=params,
+            actor=actor,
+            retry_of=retry_of,
+            scope=KeyScope.DERIVED,
+        )
+
+
 def issue_credit_note(operation: Operation, reference: str) -> dict[str, Any]:
     """Write the refund's credit note and the order's refunded total. Runs in the step's tx.
 
@@ -127,6 +209,8 @@ def issue_credit_note(operation: Operation, reference: str) -> dict[str, Any]:
         currency=order.currency,
         provider_reference=reference,
     )
+    if operation.params.get("duplicate"):  # the order was paid once: its totals stay
+        return {"credit_note": note.number, "duplicate": True, "order_status": order.status}
     order.refunded_amount += amount
     charged = charged_amount(order)
     order.status = (
@@ -151,6 +235,8 @@ def reverse_refund(operation: Operation, found: EffectResult) -> None:
     order = Order.objects.select_for_update().get(pk=operation.params["order_id"])
     if not CreditNote.objects.filter(number=credit_note_number(operation)).exists():
         return  # the refund's later step has not run: it will see the reversal
+    if operation.params.get("duplicate"):
+        return  # a duplicate's refund never counted in the order's totals
     amount = int(operation.params["amount"])
     if order.refunded_amount < amount:  # the books disagree: stop, let a person look
         raise InvalidTransition(
@@ -181,6 +267,8 @@ def refund_no_longer_fits(operation: Operation) -> str | None:
     order = Order.objects.filter(pk=operation.params.get("order_id")).first()
     if order is None:
         return "the order is missing"
+    if operation.params.get("duplicate"):
+        return None  # request_duplicate_refund checks that intent's own limit again
     left = charged_amount(order) - reserved_amount_in_tx(order)
     if int(operation.params["amount"]) > left:
         return f"only {format_money(left, order.currency)} is left to refund"
@@ -191,6 +279,15 @@ def new_refund_attempt(
     operation: Operation, key: str, actor: str, options: dict[str, Any]
 ) -> tuple[Operation, bool]:
     """Ask again for the same refund under a new key. In the desk's tx."""
+    if operation.params.get("duplicate"):
+        return request_duplicate_refund(
+            order_id=int(operation.params["order_id"]),
+            payment_intent=str(operation.params["payment_intent"]),
+            key=key,
+            amount=int(operation.params["amount"]),
+            actor=actor,
+            retry_of=operation,
+        )
     return request_refund(
         order_id=int(operation.params["order_id"]),
         key=key,
@@ -202,6 +299,20 @@ def new_refund_attempt(
     )
 
 
+def refund_from_desk(
+    order_id: int, key: str, amount: int, actor: str, options: dict[str, Any]
+) -> tuple[Operation, bool]:
+    """Refund an order from the desk: its charge, or the duplicate `options["charge"]` names."""
+    duplicate = str(options.get("charge") or "")
+    if duplicate:
+        return request_duplicate_refund(
+            order_id=order_id, payment_intent=duplicate, key=key, amount=amount, actor=actor
+        )
+    return request_refund(
+        order_id=order_id, key=key, amount=amount, actor=actor, scope=KeyScope.DERIVED
+    )
+
+
 def describe_refund(operation: Operation) -> str:
     """One line for the desk: the money at stake."""
     return money_line(operation, "refund")
@@ -209,6 +320,7 @@ def describe_refund(operation: Operation) -> str:
 
 @operation(
     REFUND,
+    entity=Order,
     steps={REFUND_STEP: RefundEffect, CREDIT_NOTE: None},
     on_reversal=reverse_refund,
     desk=Desk(
@@ -216,6 +328,7 @@ def describe_refund(operation: Operation) -> str:
         describe=describe_refund,
         refuse_rerun=refund_no_longer_fits,
         new_attempt=new_refund_attempt,
+        refund=refund_from_desk,
     ),
 )
 def refund(run: Run) -> None:

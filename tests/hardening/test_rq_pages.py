@@ -303,3 +303,26 @@ def test_stats_json__staff_without_permission_and_non_ascii_tokens_get_401(
     )
     assert response.status_code == 200
     assert "queues" in response.json()
+
+
+# --- what a viewer sees ---------------------------------------------------------------
+
+
+def test_queue_pages__a_viewer_sees_empty_queue_off_naming_the_permission(
+    rq_queue, queue_index, viewer_client, manager_client
+):
+    queued_job(rq_queue)
+    url = rq("jobs", queue_index)
+
+    seen = viewer_client.get(url).content.decode()
+    managed = manager_client.get(url).content.decode()
+
+    assert f'href="{rq("clear", queue_index)}"' not in seen
+    assert "Empty Queue (needs payments.manage_queues)" in seen
+    assert f'href="{rq("clear", queue_index)}"' in managed
+
+
+def test_changes__the_403_names_the_missing_permission(rq_queue, queue_index, viewer_client):
+    response = viewer_client.get(rq("clear", queue_index))
+    assert response.status_code == 403
+    assert "payments.manage_queues" in response.content.decode()

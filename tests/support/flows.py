@@ -83,3 +83,37 @@ def uncertain_after_read_timeout(provider, queue, key: str = "chk-1") -> Operati
     assert provider.state.wait_idle(timeout=5)  # the charge is stored at the provider
     op.refresh_from_db()
     return op
+
+
+def charged_twice(queue, key: str = "twice-1") -> tuple[Order, str, str]:
+    """An order charged twice at the provider: (order, fenced reference, duplicate reference).
+
+    Its checkout runs in a real worker; the second charge is a real payment
+    intent at the fake provider naming the order in its metadata (a call made
+    outside the fence, as a script or a second system would), and the fence
+    audit then reports the order charged twice. Transactional tests only.
+    """
+    import io
+
+    from django.core.management import call_command
+    from django.core.management.base import CommandError
+
+    from payments.provider.client import ProviderClient
+
+    order, op = order_and_checkout(key=key)
+    run_worker(queue)
+    fenced = op.claims.get(step="charge").provider_reference
+    with ProviderClient.from_settings() as client:
+        intent = client.create_payment_intent(
+            amount=order.amount,
+            currency=order.currency,
+            payment_method="pm_card_visa",
+            metadata={"order_id": str(order.pk), "operation_key": f"{key}-elsewhere"},
+            idempotency_key=f"{key}-outside-the-fence",
+        )
+    assert intent.status == "succeeded"
+    try:
+        call_command("fence_audit", stdout=io.StringIO())
+    except CommandError:
+        pass  # exit 1: it found the double charge, as meant
+    return Order.objects.get(pk=order.pk), fenced, intent.id

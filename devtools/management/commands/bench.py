@@ -16,6 +16,7 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.db import connection
 
 from devtools.bench import instructions
+from devtools.bench.desk import desk_pages, desk_rows
 from devtools.bench.runner import (
     WORKER_CLASSES,
     Bench,
@@ -54,6 +55,8 @@ class BenchOptions(TypedDict):
     web_concurrency: int
     web_pool_sizes: str | None
     web_rounds: int
+    desk_operations: int
+    desk_samples: int
     output: str | None
 
 
@@ -119,9 +122,19 @@ class Command(BaseCommand):
         )
         parser.add_argument(
             "--only",
-            choices=["web"],
+            choices=["web", "desk"],
             default=None,
-            help="Run one section only (web: the web tier's load, direct vs PgBouncer).",
+            help="Run one section only (web: the web tier's load, direct vs PgBouncer; desk: "
+            "the desk's pages with --desk-operations operations).",
+        )
+        parser.add_argument(
+            "--desk-operations",
+            type=int,
+            default=10_000,
+            help="Operations bulk-inserted before the desk's pages are timed.",
+        )
+        parser.add_argument(
+            "--desk-samples", type=int, default=20, help="Requests per desk page (p50, p95)."
         )
         parser.add_argument(
             "--web-workers", type=int, default=4, help="gunicorn workers for the web tier."
@@ -155,11 +168,12 @@ class Command(BaseCommand):
                 "_bench (make bench sets DATABASE_URL for you)"
             )
         try:  # the web tier's PgBouncer: say so now, not after the other sections
-            binary("pgbouncer")
+            if options["only"] != "desk":
+                binary("pgbouncer")
         except MissingBinary as exc:
             raise CommandError(str(exc)) from None
         only = options["only"]
-        default_out = "results-web.json" if only == "web" else "results.json"
+        default_out = f"results-{only}.json" if only else "results.json"
         out = Path(options["output"] or Path(settings.BASE_DIR) / "var" / "bench" / default_out)
         n, say = options["orders"], self.stdout.write
         # The reconciler runs in this process: its step records would bury the table.
@@ -171,6 +185,15 @@ class Command(BaseCommand):
             "provider_latency_seconds": options["latency"],
         }
         log_dir = Path(settings.BASE_DIR) / "var" / "log" / "bench"
+        if only == "desk":
+            with Bench(latency=options["latency"], log_dir=log_dir, say=say) as bench:
+                bench.reset()
+                figures["desk"] = desk_pages(
+                    options["desk_operations"], options["desk_samples"], say
+                )
+                bench.reset()
+            self._report(figures, out)
+            return
         if only == "web":
             with Bench(latency=options["latency"], log_dir=log_dir, say=say) as bench:
                 figures["web_tier"] = self._web_tier(bench, options, log_dir)
@@ -248,6 +271,9 @@ class Command(BaseCommand):
             figures["purge"] = purge_rate(options["purge_rows"], options["purge_batch"])
             bench.reset()
             figures["web_tier"] = self._web_tier(bench, options, log_dir)
+            bench.reset()
+            figures["desk"] = desk_pages(options["desk_operations"], options["desk_samples"], say)
+            bench.reset()
         with Bench(latency=options["latency"], log_dir=log_dir, say=say, tls=True) as bench:
             say(f"over TLS: fenced vs unfenced with {best}, 2 workers, session reuse...")
             compared = _side_by_side(
@@ -441,6 +467,8 @@ def _table(f: dict) -> list[str]:
         rows += _queue_rows(f)
     if "web_tier" in f:
         rows += _web_rows(f["web_tier"])
+    if "desk" in f:
+        rows += desk_rows(f["desk"])
     width = max(len(a) for a, _ in rows)
     return [""] + [f"  {a:<{width}}  {b}" for a, b in rows]
 

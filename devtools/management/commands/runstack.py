@@ -45,6 +45,12 @@ class RunstackOptions(TypedDict):
     workers: int
 
 
+#: docs/operators.md, "Permissions": what an operator holds, and what a senior adds.
+OPERATOR_PERMISSIONS = ("view_operation", "view_order", "view_invoice", "reconcile_operation")
+SENIOR_PERMISSIONS = (*OPERATOR_PERMISSIONS, "start_new_attempt", "refund_order", "manage_queues")
+DEMO_USERS = {"operator": OPERATOR_PERMISSIONS, "senior": SENIOR_PERMISSIONS}
+
+
 class Command(BaseCommand):
     help = (
         "Start the API and admin server, RQ workers (one process per queue, with the "
@@ -68,7 +74,7 @@ class Command(BaseCommand):
         provider_url = f"http://127.0.0.1:{options['provider_port']}"
         env = {**os.environ, "PAYMENT_PROVIDER_URL": provider_url}
         stack = Stack(env=env, log_dir=Path(settings.BASE_DIR) / "var" / "log" / "run")
-        password = self._operator()
+        passwords = self._demo_users()
         stop = threading.Event()
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: stop.set())
@@ -83,11 +89,11 @@ class Command(BaseCommand):
             self.stdout.write(
                 f"  API          {base}/api/  (Authorization: Bearer {settings.API_TOKEN})"
             )
-            self.stdout.write(
-                f"  Admin        {base}/admin/  (operator / {password})"
-                if password
-                else f"  Admin        {base}/admin/"
-            )
+            self.stdout.write(f"  Admin        {base}/admin/")
+            for username, password in passwords.items():
+                self.stdout.write(
+                    f"    {username:<10} {password}  ({', '.join(DEMO_USERS[username])})"
+                )
             self.stdout.write(f"  RQ dashboard {base}/admin/rq/")
             self.stdout.write(
                 f"  Provider     {provider_url}  (control: {provider_url}/_fake/stats)"
@@ -98,16 +104,23 @@ class Command(BaseCommand):
         finally:
             stack.stop()
 
-    def _operator(self) -> str | None:
-        """Create a development operator with the reconciliation permissions, once."""
+    def _demo_users(self) -> dict[str, str]:
+        """Create the development operator and senior, once; {username: password} of new ones.
+
+        `operator` holds exactly what docs/operators.md gives an operator, so that
+        trying the desk meets its permission boundary; `senior` holds the rest.
+        """
         user_model = get_user_model()
-        if user_model.objects.filter(username="operator").exists():
-            return None
-        password = secrets.token_urlsafe(9)
-        user = user_model.objects.create_user("operator", password=password, is_staff=True)
-        user.user_permissions.set(
-            Permission.objects.filter(content_type__app_label__in=["payments", "inbox"])
-            .exclude(codename__startswith=("add_"))
-            .exclude(codename__startswith="delete_")
-        )
-        return password
+        created = {}
+        for username, codenames in DEMO_USERS.items():
+            if user_model.objects.filter(username=username).exists():
+                continue
+            password = secrets.token_urlsafe(9)
+            user = user_model.objects.create_user(username, password=password, is_staff=True)
+            user.user_permissions.set(
+                Permission.objects.filter(
+                    content_type__app_label="payments", codename__in=codenames
+                )
+            )
+            created[username] = password
+        return created

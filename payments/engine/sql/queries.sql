@@ -232,7 +232,7 @@ WITH inserted AS (
     ON CONFLICT ON CONSTRAINT payments_stepclaim_operation_step_uniq DO NOTHING
     RETURNING id, operation_id, step, state, idempotency_key, provider_reference, request,
               result, error, provider_view, attempts, claimed_by, claimed_at, last_request_at,
-              lease_expires_at, settled_at, updated_at
+              lease_expires_at, settled_at, updated_at, requests_sent
 ), audit AS (
     INSERT INTO payments_operationevent
         (operation_id, step, from_state, to_state, actor, reason, created_at)
@@ -241,7 +241,7 @@ WITH inserted AS (
 )
 SELECT id, operation_id, step, state, idempotency_key, provider_reference, request,
        result, error, provider_view, attempts, claimed_by, claimed_at, last_request_at,
-       lease_expires_at, settled_at, updated_at
+       lease_expires_at, settled_at, updated_at, requests_sent
 FROM inserted
 
 -- insert_claim_or_fail --
@@ -265,7 +265,7 @@ WITH inserted AS (
     )
     RETURNING id, operation_id, step, state, idempotency_key, provider_reference, request,
               result, error, provider_view, attempts, claimed_by, claimed_at, last_request_at,
-              lease_expires_at, settled_at, updated_at
+              lease_expires_at, settled_at, updated_at, requests_sent
 ), audit AS (
     INSERT INTO payments_operationevent
         (operation_id, step, from_state, to_state, actor, reason, created_at)
@@ -274,7 +274,7 @@ WITH inserted AS (
 )
 SELECT id, operation_id, step, state, idempotency_key, provider_reference, request,
        result, error, provider_view, attempts, claimed_by, claimed_at, last_request_at,
-       lease_expires_at, settled_at, updated_at
+       lease_expires_at, settled_at, updated_at, requests_sent
 FROM inserted
 
 -- settle_claim --
@@ -299,7 +299,7 @@ WITH old AS (
               claim.provider_reference, claim.request, claim.result, claim.error,
               claim.provider_view, claim.attempts, claim.claimed_by, claim.claimed_at,
               claim.last_request_at, claim.lease_expires_at, claim.settled_at,
-              claim.updated_at, old.state AS from_state
+              claim.updated_at, claim.requests_sent, old.state AS from_state
 ), audit AS (
     INSERT INTO payments_operationevent
         (operation_id, step, from_state, to_state, actor, reason, created_at)
@@ -309,7 +309,7 @@ WITH old AS (
 )
 SELECT id, operation_id, step, state, idempotency_key, provider_reference, request,
        result, error, provider_view, attempts, claimed_by, claimed_at, last_request_at,
-       lease_expires_at, settled_at, updated_at, from_state
+       lease_expires_at, settled_at, updated_at, requests_sent, from_state
 FROM settled
 
 -- settle_claim_or_refuse --
@@ -337,7 +337,7 @@ WITH old AS (
               claim.provider_reference, claim.request, claim.result, claim.error,
               claim.provider_view, claim.attempts, claim.claimed_by, claim.claimed_at,
               claim.last_request_at, claim.lease_expires_at, claim.settled_at,
-              claim.updated_at, old.state AS from_state
+              claim.updated_at, claim.requests_sent, old.state AS from_state
 ), audit AS (
     INSERT INTO payments_operationevent
         (operation_id, step, from_state, to_state, actor, reason, created_at)
@@ -349,7 +349,7 @@ SELECT settled.id, settled.operation_id, settled.step, settled.state,
        settled.idempotency_key, settled.provider_reference, settled.request, settled.result,
        settled.error, settled.provider_view, settled.attempts, settled.claimed_by,
        settled.claimed_at, settled.last_request_at, settled.lease_expires_at,
-       settled.settled_at, settled.updated_at, settled.from_state
+       settled.settled_at, settled.updated_at, settled.requests_sent, settled.from_state
 FROM (SELECT 1) AS one LEFT JOIN settled ON true
 WHERE CASE WHEN settled.id IS NOT NULL THEN true
            ELSE payments_fence_refuse(%(refusal)s) END
@@ -358,6 +358,6 @@ WHERE CASE WHEN settled.id IS NOT NULL THEN true
 -- A request goes out again under a claim's key (a replay, a confirm after a lost answer):
 -- recorded before it is sent, by the database's clock, by the claim's owner only.
 UPDATE payments_stepclaim
-SET last_request_at = statement_timestamp()
+SET last_request_at = statement_timestamp(), requests_sent = requests_sent + 1
 WHERE id = %(id)s AND claimed_by = %(actor)s::text AND state IN ('claimed', 'uncertain')
 RETURNING last_request_at

@@ -1,0 +1,97 @@
+"""Refund an entity (an order) from the desk, through the service its handler declares.
+
+The desk knows no business: the handler that owns refunds declares a
+`refund` hook (`payments.fence.Desk`), which writes the refund as the API
+does (the entity's lock, its limits, the job on commit). The desk adds the
+permission check, a key derived from the confirmation page (a second press
+of the same page, or a retried POST, replays the same refund instead of
+asking twice), and the audit row with the operator's reason.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from typing import TYPE_CHECKING
+
+from django.db import transaction
+
+from payments.desk.rules import DeskError
+from payments.desk.services import actor_of, require_permission, required_reason
+from payments.engine import fence
+from payments.engine.handlers import DeskHooks, registered_handlers
+from payments.exceptions import InvalidTransition, OperationConflict
+from payments.models import Operation
+
+if TYPE_CHECKING:
+    from django.contrib.auth.models import AbstractBaseUser
+
+logger = logging.getLogger("payments.desk.services")
+
+#: A confirmation page's token: what makes one press of "Refund" one refund.
+ACTION_ID = re.compile(r"^[0-9a-f]{32}$")
+
+
+def refund_permission(entity_type: str) -> str:
+    """The permission a desk refund of this entity needs ("payments.refund_order")."""
+    return f"payments.refund_{entity_type}"
+
+
+def refund_hook(entity_type: str) -> DeskHooks | None:
+    """The desk hooks of the handler that refunds entities of this type, if one declares it."""
+    for spec in registered_handlers().values():
+        entity = spec.entity
+        if spec.desk is not None and spec.desk.refund is not None and entity is not None:
+            if entity._meta.model_name == entity_type:
+                return spec.desk
+    return None
+
+
+def desk_refund_key(entity_type: str, entity_id: int, action_id: str) -> str:
+    """The refund's key, derived from the confirmation page it was asked on."""
+    return f"desk-refund:{entity_type}:{entity_id}:{action_id}"
+
+
+def refund_entity(
+    entity_type: str,
+    entity_id: int,
+    *,
+    user: AbstractBaseUser,
+    amount: int,
+    reason: str,
+    action_id: str,
+    charge: str = "",
+) -> tuple[Operation, bool]:
+    """Ask for a refund of `amount` (minor units) of an entity; (operation, created).
+
+    `charge` names a duplicate charge to give back (its provider reference),
+    "" the entity's own. The handler's hook opens its transaction (it may ask
+    the provider before it); the audit row with the reason follows in another.
+    """
+    require_permission(user, refund_permission(entity_type))
+    reason = required_reason(reason)
+    if not ACTION_ID.match(action_id):
+        raise DeskError("this confirmation page has no valid token: open it again")
+    hooks = refund_hook(entity_type)
+    if hooks is None or hooks.refund is None:
+        raise DeskError(f"no handler refunds {entity_type}s")
+    actor = actor_of(user)
+    key = desk_refund_key(entity_type, entity_id, action_id)
+    options = {"charge": charge} if charge else {}
+    try:
+        op, created = hooks.refund(int(entity_id), key, int(amount), actor, options)
+    except OperationConflict as exc:
+        raise DeskError(f"this page already asked for another refund ({key})") from exc
+    except InvalidTransition as exc:  # the business refused: not paid, over the limit
+        raise DeskError(str(exc), action="refund") from exc
+    if created:
+        with transaction.atomic():
+            what = f"duplicate charge {charge}" if charge else f"{entity_type} {entity_id}"
+            fence.record_event_in_tx(
+                op,
+                to_state=op.state,
+                actor=actor,
+                reason=f"refund of {what} from the desk: {reason}",
+            )
+        logger.info("%s %s: refund %s asked from the desk", entity_type, entity_id, op.key)
+    return op, created

@@ -1,0 +1,441 @@
+"""One desk action on one operation, and the bulk query: confirmation, service, log.
+
+Each action follows django's `user_change_password`: explicit permission
+checks, GET shows what will happen with the operation's steps and a reason
+field, POST calls one service of `payments.desk.services` (which owns the transaction
+and the audit row), then `log_change`, `message_user` and a redirect. A
+refused action shows the form again with what was typed and why nothing
+changed. Nothing here edits a row itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from django import forms
+from django.contrib import admin, messages
+from django.contrib.admin.utils import unquote
+from django.db.models import QuerySet
+from django.http import Http404, HttpRequest, HttpResponse, HttpResponseRedirect
+from django.template.response import TemplateResponse
+from django.urls import reverse
+from django.utils.dateparse import parse_datetime
+from django.utils.html import format_html, format_html_join
+
+from payments.conf import payments_settings
+from payments.desk import services as desk
+from payments.desk.display import money_line, provider_view_table, reference_link, state_badge
+from payments.desk.rules import FoundSucceeded
+from payments.desk.views.base import DeskBase, operator_of
+from payments.engine import fence
+from payments.engine.handlers import get_handler
+from payments.engine.steps import replay_allowed
+from payments.exceptions import PaymentsError
+from payments.models import Operation, OperationState, StepClaim
+
+# --- forms -----------------------------------------------------------------------
+
+
+class ReasonForm(forms.Form):
+    reason = forms.CharField(
+        widget=forms.Textarea(attrs={"rows": 3, "cols": 60}),
+        max_length=1000,
+        help_text="Why you decide this (kept in the audit trail forever).",
+    )
+
+
+class QueryForm(forms.Form):
+    """Querying the provider is not a judgement: no reason is asked."""
+
+
+class NewAttemptForm(ReasonForm):
+    payment_method = forms.CharField(
+        max_length=255,
+        required=False,
+        label="Payment method",
+        help_text="The payment method the customer authorised (pm_…); blank: the same as before.",
+    )
+
+    field_order = ["payment_method", "reason"]
+
+
+class MarkSucceededForm(ReasonForm):
+    reference = forms.CharField(
+        max_length=255,
+        label="Provider reference",
+        # Wide enough for a whole `pi_…` id (27 characters at Stripe) and then some.
+        widget=forms.TextInput(
+            attrs={
+                "class": "vTextField desk-reference",
+                "size": 48,
+                "style": "width: 48ch; max-width: 100%",
+                "spellcheck": "false",
+                "autocomplete": "off",
+            }
+        ),
+        help_text="The step's id at the provider; it is checked before anything changes.",
+    )
+
+    field_order = ["reference", "reason"]
+
+
+@dataclass(frozen=True)
+class DeskAction:
+    """One button of the desk: its confirmation page and the service it calls."""
+
+    name: str
+    title: str
+    verb: str
+    form: type[forms.Form]
+    permissions: tuple[str, ...]
+    run: Callable[[Operation, str, HttpRequest, dict[str, Any]], str]
+
+
+def _run_query(op: Operation, step: str, request: HttpRequest, data: dict[str, Any]) -> str:
+    report = desk.query_provider([op.pk], user=operator_of(request))
+    row = report.rows[0] if report.rows else None
+    if row is None:
+        return "Queried the provider: nothing to settle."
+    return f"Queried the provider: {query_words(row)}."
+
+
+#: What a look-up's outcome means, in an operator's words (payments.engine.recovery's names).
+QUERY_WORDS = {
+    "done": "the provider shows the step succeeded; it is recorded done",
+    "failed": "the provider refused the step; it is recorded failed",
+    "still_uncertain": "the provider shows nothing decisive yet; still uncertain",
+    "needs_review": "nothing decisive at the provider past the grace period; a person decides",
+    "nothing_to_settle": "nothing was waiting to be settled",
+    "already_settled": "settled meanwhile by someone else",
+    "retry_later": "the provider could not be read; asked again later",
+    "busy": "a worker holds it; not asked",
+}
+#: Outcomes that settled something: the only ones a success message (green ✓) may carry.
+SETTLED = frozenset({"done", "failed", "reversed"})
+
+
+def query_words(row: Any) -> str:
+    """One look-up's result: what the provider showed, then the state it left (if it moved)."""
+    words = QUERY_WORDS.get(row.outcome, row.outcome.replace("_", " "))
+    if row.state_after == row.state_before:
+        return f"{words} (state unchanged: {row.state_after.replace('_', ' ')})"
+    after = row.state_after.replace("_", " ")
+    runs = " (the operation runs its next steps)" if row.state_after in desk.WORKER_STATES else ""
+    return f"{words}; now {after}{runs}"
+
+
+def query_level(rows: list[Any]) -> int:
+    """Success only when every look-up settled something; otherwise a warning."""
+    return (
+        messages.SUCCESS if rows and all(r.outcome in SETTLED for r in rows) else messages.WARNING
+    )
+
+
+def _run_resume(op: Operation, step: str, request: HttpRequest, data: dict[str, Any]) -> str:
+    desk.resume(op, user=operator_of(request), reason=data["reason"])
+    return f"Resumed with the same key: {data['reason']}"
+
+
+def _run_mark_succeeded(op: Operation, step: str, request: HttpRequest, data: dict) -> str:
+    ref = data["reference"]
+    desk.mark_step_succeeded(
+        op, step, reference=ref, user=operator_of(request), reason=data["reason"]
+    )
+    return f"Marked step {step} succeeded with {ref}: {data['reason']}"
+
+
+def _run_mark_failed(op: Operation, step: str, request: HttpRequest, data: dict) -> str:
+    desk.mark_step_failed(op, step, user=operator_of(request), reason=data["reason"])
+    return f"Marked step {step} failed: {data['reason']}"
+
+
+def _run_new_attempt(op: Operation, step: str, request: HttpRequest, data: dict) -> str:
+    new = desk.start_new_attempt(
+        op,
+        user=operator_of(request),
+        reason=data["reason"],
+        payment_method=data.get("payment_method") or None,
+    )
+    return f"Started a new attempt {new.key}: {data['reason']}"
+
+
+RECONCILE = ("payments.reconcile_operation",)
+DESK_ACTIONS = {
+    a.name: a
+    for a in (
+        DeskAction("query_provider", "Query provider now", "Query the provider", QueryForm,
+                   RECONCILE, _run_query),
+        DeskAction("resume", "Resume with the same key", "Resume", ReasonForm, RECONCILE,
+                   _run_resume),
+        DeskAction("mark_succeeded", "Mark step succeeded", "Check and mark succeeded",
+                   MarkSucceededForm, RECONCILE, _run_mark_succeeded),
+        DeskAction("mark_failed", "Mark step failed", "Check and mark failed", ReasonForm,
+                   RECONCILE, _run_mark_failed),
+        DeskAction("new_attempt", "Start a new attempt", "Start a new attempt", NewAttemptForm,
+                   (*RECONCILE, "payments.start_new_attempt"), _run_new_attempt),
+    )
+}  # fmt: skip
+
+
+def _mark_failed_plan(op: Operation, step: str) -> dict[str, Any]:
+    """What "mark failed" will do for this step, for its confirmation page to say."""
+    claim = op.claims.filter(step=step).first()
+    if claim is None:
+        return {}
+    request = claim.request or {}
+    effect = get_handler(op.kind).effects.get(step)
+    voids = str(getattr(effect, "VOIDS", ""))
+    # The provider's object the step works on, voided first (an intent is cancelled).
+    target = claim.provider_reference or str(request.get("payment_intent") or "")
+    return {
+        "may_have_happened": str(getattr(effect, "MAY_HAVE_HAPPENED", "")),
+        "voids": voids,
+        "void_target": target if voids else claim.provider_reference,
+        "last_request_at": fence.last_request_at(claim),
+        "grace_minutes": payments_settings().reconcile_grace // 60,
+        "replay_first": op.state not in desk.WORKER_STATES
+        and not claim.provider_reference
+        and replay_allowed(claim),
+    }
+
+
+def _refusal(op: Operation, action: str, step: str) -> str:
+    """Say why the state forbids `action` now ("" when it allows it); POST re-checks anyway."""
+    available = desk.available_actions(op)
+    if step:
+        if step not in available.settleable_steps:
+            return f"step {step} is not waiting to be settled"
+        return mark_failed_refusal(op, step) if action == "mark_failed" else ""
+    return available.refused.get(action, "")
+
+
+def asked_in_this_state(op: Operation, step: str) -> bool:
+    """Tell whether the provider was asked about `step` since the operation entered its state."""
+    claim = next((c for c in op.claims.all() if c.step == step), None)
+    view = claim.provider_view if claim is not None else None
+    checked = parse_datetime(str(view.get("checked_at") or "")) if isinstance(view, dict) else None
+    since = getattr(op, "state_since", None) or op.updated_at
+    return checked is not None and checked >= since
+
+
+def mark_failed_refusal(op: Operation, step: str) -> str:
+    """Why "mark failed" waits: nobody asked the provider about the step in this state."""
+    if asked_in_this_state(op, step):
+        return ""
+    return (
+        f"nobody has asked the provider about step {step} since the operation became "
+        f"{op.get_state_display().lower()}: “Query provider now” first"
+    )
+
+
+def action_title(spec: DeskAction, step: str) -> str:
+    """The action as its button names it: "Mark refund succeeded" for step refund."""
+    return spec.title.replace("step", step) if step else spec.title
+
+
+def _form_for(spec: DeskAction, op: Operation, step: str, data: Any) -> forms.Form:
+    """The action's form, worded for this operation's kind and step."""
+    form_class = spec.form
+    if form_class is NewAttemptForm and "payment_method" not in (op.params or {}):
+        form_class = ReasonForm  # this kind's attempts take no payment method (a refund)
+    form = form_class(data, initial={"reference": _known_reference(op, step)} if step else None)
+    if "reference" in form.fields:
+        example = _reference_example(op, step)
+        form.fields["reference"].help_text = (
+            f"The id of step {step} at the provider{f' ({example})' if example else ''}; "
+            "it is checked with the provider before anything changes."
+        )
+    return form
+
+
+def _known_reference(op: Operation, step: str) -> str:
+    """The step's reference as recorded or last seen at the provider ("" when none is known)."""
+    claim = op.claims.filter(step=step).first()
+    if claim is None:
+        return ""
+    view = claim.provider_view if isinstance(claim.provider_view, dict) else {}
+    return claim.provider_reference or str(view.get("reference") or "")
+
+
+def _reference_example(op: Operation, step: str) -> str:
+    """What a reference of this kind's step looks like ("re_…"), from one already recorded."""
+    known = (
+        StepClaim.objects.filter(operation__kind=op.kind, step=step)
+        .exclude(provider_reference="")
+        .order_by("-pk")
+        .values_list("provider_reference", flat=True)
+        .first()
+    )
+    prefix, underscore, _ = (known or "").partition("_")
+    return f"{prefix}_…" if underscore and prefix else ""
+
+
+def _hook_says(hook: Callable[..., Any] | None) -> str:
+    """What a handler's hook does, in its own words (the first sentence of its docstring)."""
+    if hook is None:
+        return ""
+    doc = (hook.__doc__ or "").strip()
+    first = doc.split(". ", 1)[0].splitlines()[0].strip().rstrip(".") if doc else ""
+    return first or hook.__name__.replace("_", " ")
+
+
+def _next_key_or_blank(op: Operation) -> str:
+    try:
+        return desk.next_attempt_key(op)
+    except desk.DeskError:
+        return ""
+
+
+def _query_report_message(rows: list[Any], summary: str) -> str:
+    """The bulk query's result: the counts, then each operation with what came back."""
+    items = format_html_join(
+        "",
+        '<li class="desk-query-row"><a href="{}">{}</a>: {} {}</li>',
+        (
+            (
+                reverse("admin:payments_operation_change", args=[row.operation_id]),
+                row.key,
+                query_words(row),
+                state_badge(row.state_after),
+            )
+            for row in rows
+        ),
+    )
+    return format_html(
+        'Queried the provider for {} operation(s): {}.<ul class="desk-query-report">{}</ul>',
+        len(rows),
+        summary,
+        items,
+    )
+
+
+class ActionViewsMixin(DeskBase):
+    """The confirmation pages of the desk's buttons, and the changelist's bulk query."""
+
+    # --- one action on one operation -------------------------------------------
+
+    def desk_action_view(
+        self, request: HttpRequest, object_id: str, action: str, step: str = ""
+    ) -> HttpResponse:
+        """GET: confirm what will happen; POST: do it through the desk, log, redirect."""
+        spec = DESK_ACTIONS.get(action)
+        if spec is None or (action in ("mark_succeeded", "mark_failed")) != bool(step):
+            raise Http404("no such desk action")
+        self._check_permissions(request, spec.permissions)
+        op = self.get_object(request, unquote(object_id))
+        if op is None:
+            raise Http404(f"operation {object_id!r} does not exist")
+        change_url = reverse(
+            f"admin:{self.opts.app_label}_{self.opts.model_name}_change", args=[op.pk]
+        )
+        form = _form_for(spec, op, step, request.POST if request.method == "POST" else None)
+        status, refused_now = 200, ""
+        if request.method == "POST" and form.is_valid():
+            try:
+                # The desk service owns the transaction (and keeps HTTP calls out of it).
+                message = spec.run(op, step, request, form.cleaned_data)
+            except FoundSucceeded as exc:  # the provider's answer was recorded instead
+                form.add_error(None, f"Not marked failed: {exc.detail}")
+                status, refused_now = 409, f"the provider showed it succeeded: {exc.detail}"
+                op = self.get_object(request, unquote(object_id)) or op
+            except PaymentsError as exc:
+                # Refused: the same form again, with what was typed and why nothing changed.
+                form.add_error(None, f"Nothing was changed: {getattr(exc, 'detail', exc)}")
+                status = 409
+                if action == "mark_failed":  # nothing typed would change the answer
+                    refused_now = str(getattr(exc, "detail", exc))
+                op = self.get_object(request, unquote(object_id)) or op  # it may have moved
+            else:
+                self.log_change(request, op, message)
+                level = messages.SUCCESS
+                if action == "query_provider":  # a look-up that settled nothing is no success
+                    op = self.get_object(request, unquote(object_id)) or op
+                    level = (
+                        messages.SUCCESS
+                        if op.state == OperationState.SUCCEEDED or (op.state in desk.WORKER_STATES)
+                        else messages.WARNING
+                    )
+                self.message_user(request, message, level)
+                return HttpResponseRedirect(change_url)
+        handler = get_handler(op.kind)
+        context = {
+            **self.admin_site.each_context(request),
+            "title": f"{action_title(spec, step)}: {op.key}",
+            "action_title": action_title(spec, step),
+            "opts": self.opts,
+            "original": op,
+            "action": spec,
+            "step": step,
+            "form": form,
+            # How the page words this operation: the handler's steps and money line,
+            # never a checkout's (a refund is not a charge).
+            "money_line": money_line(op),
+            # In run order, as the handler declares them.
+            "provider_steps": [s for s in handler.step_order if s in handler.effects],
+            "other_steps": [s for s in handler.step_order if s in handler.steps],
+            "on_failure": _hook_says(handler.on_failure),
+            "on_resume": _hook_says(handler.on_resume),
+            "asks_payment_method": isinstance(form, NewAttemptForm),
+            "claims": [
+                {
+                    "claim": c,
+                    "badge": state_badge(c.state),
+                    "reference": reference_link(c.provider_reference),
+                }
+                for c in op.claims.order_by("claimed_at", "pk")
+            ],
+            "state_badge": state_badge(op.state),
+            "provider_view": provider_view_table(
+                op.claims.order_by("claimed_at", "pk"), op.params, what=money_line(op)
+            ),
+            "next_key": _next_key_or_blank(op) if action == "new_attempt" else "",
+            **(_mark_failed_plan(op, step) if action == "mark_failed" else {}),
+            "change_url": change_url,
+            # A refused mark-failed keeps its button off: pressing again changes nothing.
+            "refused": _refusal(op, action, step) or refused_now,
+        }
+        request.current_app = self.admin_site.name
+        return TemplateResponse(
+            request, "admin/payments/operation/desk_confirm.html", context, status=status
+        )
+
+    # --- the changelist bulk action ------------------------------------------------
+
+    @admin.action(description="Query provider now", permissions=["reconcile"])
+    def query_selected(self, request: HttpRequest, queryset: QuerySet[Operation]):
+        """Ask the provider about the selected operations, after a confirmation page."""
+        if request.POST.get("post"):
+            ops = list(queryset)
+            try:
+                report = desk.query_provider([op.pk for op in ops], user=operator_of(request))
+            except PaymentsError as exc:
+                self.message_user(request, f"Nothing was changed: {exc}", messages.ERROR)
+                return None
+            by_pk = {op.pk: op for op in ops}
+            for row in report.rows:
+                self.log_change(
+                    request, by_pk[row.operation_id], f"Queried the provider: {row.outcome}"
+                )
+            self.message_user(
+                request,
+                _query_report_message(report.rows, report.summary()),
+                query_level(report.rows),
+            )
+            return None  # back to the changelist
+        context = {
+            **self.admin_site.each_context(request),
+            "title": "Query provider now",
+            "opts": self.opts,
+            "queryset": queryset,
+            "rows": [
+                {"op": op, "badge": state_badge(op.state), "amount": money_line(op)}
+                for op in queryset
+            ],
+            "action_checkbox_name": "_selected_action",
+        }
+        request.current_app = self.admin_site.name
+        return TemplateResponse(
+            request, "admin/payments/operation/query_selected_confirmation.html", context
+        )

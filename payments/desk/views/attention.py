@@ -1,0 +1,139 @@
+"""Needs attention: counts and money by state, the oldest waits, failed jobs, the last audit."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+from django.core.exceptions import PermissionDenied
+from django.core.paginator import Paginator
+from django.db.models import Count, Q, QuerySet
+from django.http import HttpRequest, HttpResponse
+from django.template.response import TemplateResponse
+from django.urls import reverse
+from django.utils import timezone
+from django.utils.timesince import timesince
+
+from payments.desk.display import AGED_STATES, is_stale, money_line, state_badge, when
+from payments.desk.views.audit import audit_view
+from payments.desk.views.base import VIEW_PERMISSION, DeskBase
+from payments.desk.views.chart import legend, outcomes_per_hour, outcomes_svg
+from payments.desk.views.queries import (
+    follow_up_q,
+    money_by_state_and_kind,
+    stale_q,
+    totals_by_kind,
+    with_state_since,
+)
+from payments.desk.views.rq_links import failed_jobs
+from payments.models import FenceAuditRun, Operation, OperationState
+
+
+class NeedsAttentionMixin(DeskBase):
+    """The Needs attention page of the operations admin."""
+
+    # --- Needs attention -----------------------------------------------------------
+
+    def needs_attention_view(self, request: HttpRequest) -> HttpResponse:
+        """Counts and money by state, the oldest waits, RQ's failed jobs, the last fence audit.
+
+        Follow-ups (ledger, sales counter) are counted apart: the headline
+        figures are the customers' payments.
+        """
+        if not self.has_view_permission(request):
+            raise PermissionDenied(VIEW_PERMISSION)
+        now = timezone.now()
+        business = Operation.objects.exclude(follow_up_q())
+        counts = dict(business.values_list("state").annotate(n=Count("pk")))
+        totals = money_by_state_and_kind(business)
+        # A refund's money is not a charge's: with more than one kind, one total per kind.
+        kinds = sorted({kind for by_kind in totals.values() for kind in by_kind})
+        changelist = reverse(f"admin:{self.opts.app_label}_{self.opts.model_name}_changelist")
+        states = []
+        for s in OperationState:
+            if s == OperationState.SUCCEEDED:
+                continue  # nothing to do there; the chart shows how many succeeded
+            lines = totals_by_kind(totals.get(s.value, {}), labelled=len(kinds) > 1)
+            states.append(
+                {"state": s, "label": s.label, "count": counts.get(s.value, 0),
+                 "totals": lines, "total": " · ".join(lines),
+                 "url": f"{changelist}?state__exact={s.value}"}
+            )  # fmt: skip
+        oldest = [
+            {
+                "state": state,
+                "id": state.replace("_", "-"),
+                "label": state.label,
+                "oldest": _oldest(business, state, now),
+            }
+            for state in OperationState
+            if state in AGED_STATES
+        ]
+        bars = outcomes_per_hour(business, now)
+        follow_ups = Operation.objects.filter(follow_up_q())
+        audit = FenceAuditRun.objects.order_by("-finished_at").first()
+        context = {
+            **self.admin_site.each_context(request),
+            "title": "Needs attention",
+            "opts": self.opts,
+            "states": states,
+            "stale_count": business.filter(stale_q(now)).count(),
+            "stale_url": f"{changelist}?lease=stale",
+            "oldest": oldest,
+            "oldest_uncertain": next(o["oldest"] for o in oldest if o["state"] == "uncertain"),
+            "oldest_needs_review": next(
+                o["oldest"] for o in oldest if o["state"] == "needs_review"
+            ),
+            "follow_ups_open": follow_ups.exclude(state=OperationState.SUCCEEDED).count(),
+            "follow_ups_url": f"{changelist}?followups=only",
+            "failed_jobs": failed_jobs(),
+            "audit": audit,
+            "audit_view": audit_view(audit, request),
+            "changelist_url": changelist,
+            "cases": cases_page(business, request, now),
+            "chart": outcomes_svg(bars),
+            "legend": legend(bars),
+        }
+        request.current_app = self.admin_site.name
+        return TemplateResponse(request, "admin/payments/operation/needs_attention.html", context)
+
+
+def _oldest(
+    queryset: QuerySet[Operation], state: OperationState, now: datetime
+) -> dict[str, Any] | None:
+    op = with_state_since(queryset.filter(state=state)).order_by("state_since").first()
+    if op is None:
+        return None
+    return {
+        "operation": op,
+        "age": timesince(op.state_since, now),
+        "amount": money_line(op),
+        "stale": is_stale(op, now),
+        "url": reverse("admin:payments_operation_change", args=[op.pk]),
+    }
+
+
+#: The states an operator works: the provider must be asked, or a person decide.
+CASE_STATES = (OperationState.UNCERTAIN, OperationState.NEEDS_REVIEW)
+CASES_PER_PAGE = 25
+
+
+def cases_page(business: QuerySet[Operation], request: HttpRequest, now: datetime) -> Any:
+    """The cases to work, oldest in their state first, one page of them, with age and money."""
+    cases = with_state_since(business.filter(Q(state__in=CASE_STATES) | stale_q(now)))
+    paginator = Paginator(cases.order_by("state_since", "pk"), CASES_PER_PAGE)
+    page = paginator.get_page(request.GET.get("page"))
+    page.rows = [  # type: ignore[attr-defined]
+        {
+            "operation": op,
+            "url": reverse("admin:payments_operation_change", args=[op.pk]),
+            "badge": state_badge(op.state),
+            "stale": is_stale(op, now),
+            "age": timesince(getattr(op, "state_since", op.updated_at), now),
+            "since": when(getattr(op, "state_since", op.updated_at)),
+            "amount": money_line(op),
+            "error": (op.last_error or "")[:140],
+        }
+        for op in page.object_list
+    ]
+    return page

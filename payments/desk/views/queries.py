@@ -1,0 +1,260 @@
+"""The desk's queries: annotations of operations, follow-ups, stale leases, money per state."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from datetime import datetime
+from typing import TYPE_CHECKING, Any, TypedDict
+
+from django.db.models import (
+    BigIntegerField,
+    Count,
+    F,
+    IntegerField,
+    OuterRef,
+    Q,
+    QuerySet,
+    Subquery,
+    Sum,
+    Value,
+)
+from django.db.models.fields.json import KT
+from django.db.models.functions import Cast, Coalesce, Greatest, Lower
+from django.urls import reverse
+from django.utils import timezone
+
+from payments.desk.display import reference_link, when
+from payments.engine.handlers import registered_handlers
+from payments.models import (
+    UNFINISHED_OPERATION_STATES,
+    ClaimState,
+    Operation,
+    OperationEvent,
+    OperationState,
+    ProviderEvent,
+    StepClaim,
+)
+from payments.money import format_totals
+
+if TYPE_CHECKING:
+    from django_stubs_ext import WithAnnotations
+
+
+class StateSince(TypedDict):
+    """The annotation `with_state_since` adds."""
+
+    state_since: datetime
+
+
+def with_state_since(
+    queryset: QuerySet[Operation],
+) -> QuerySet[WithAnnotations[Operation, StateSince]]:
+    """Annotate `state_since`: when the operation entered its current state."""
+    entered = (
+        OperationEvent.objects.filter(operation=OuterRef("pk"), step="", to_state=OuterRef("state"))
+        .filter(~Q(from_state=F("to_state")))  # a note in the same state does not restart it
+        .order_by("-created_at", "-id")
+        .values("created_at")[:1]
+    )
+    return queryset.annotate(state_since=Coalesce(Subquery(entered), F("updated_at")))
+
+
+class ClaimAttempts(TypedDict):
+    """The annotations `with_attempts` adds."""
+
+    all_attempts: int
+    lookups: int
+
+
+def with_attempts(queryset: QuerySet[Any]) -> QuerySet[Any]:
+    """Annotate `all_attempts`, the attempts at the work, and `lookups`, the look-ups since.
+
+    An attempt is a request sent to the provider: the first under a step's
+    key and each replay (`StepClaim.requests_sent`), for the busiest step; an
+    operation without a provider step counts its runs. Every other take-over
+    of a claim was a look-up (a reconciler's pass): counted apart, so one
+    real call never reads as fifteen attempts.
+    """
+    external = StepClaim.objects.filter(operation=OuterRef("pk")).exclude(idempotency_key="")
+    sent = external.order_by("-requests_sent").values("requests_sent")[:1]
+    looked = (
+        external.values("operation")
+        .annotate(
+            n=Sum(
+                Greatest(F("attempts") - 1 - F("requests_sent"), Value(0)),
+                output_field=IntegerField(),
+            )
+        )
+        .values("n")
+    )
+    return queryset.annotate(
+        all_attempts=Coalesce(Subquery(sent) + 1, F("attempts"), output_field=IntegerField()),
+        lookups=Coalesce(Subquery(looked), Value(0), output_field=IntegerField()),
+    )
+
+
+def attempts_of(op: Operation) -> int:
+    """The attempts at the work: annotated by `with_attempts`, else read from the claims."""
+    annotated = getattr(op, "all_attempts", None)
+    if annotated is not None:
+        return int(annotated)
+    external = [c for c in op.claims.all() if c.idempotency_key]
+    return max(1 + c.requests_sent for c in external) if external else op.attempts
+
+
+def lookups_of(op: Operation) -> int:
+    """The look-ups made under the operation's claims (take-overs that sent nothing)."""
+    annotated = getattr(op, "lookups", None)
+    if annotated is not None:
+        return int(annotated)
+    external = [c for c in op.claims.all() if c.idempotency_key]
+    return sum(max(c.attempts - 1 - c.requests_sent, 0) for c in external)
+
+
+#: How the engine words an error that says nothing ran at the provider (a 5xx, a 429,
+#: a refused connection): payments.provider.errors' TransientProviderError, released.
+NOTHING_RAN = ("released after transient failure", "TransientProviderError")
+#: And one after which the provider may have acted (no complete answer, a timeout).
+MAY_HAVE_RUN = ("UncertainProviderError", "ReadTimeout", "JobTimeoutException", "its call may")
+
+
+def first_error_of(op: Operation) -> str:
+    """The first error a step recorded (the audit keeps it; `last_error` is overwritten)."""
+    first = (
+        OperationEvent.objects.filter(operation=op)
+        .exclude(step="")
+        .exclude(reason__in=("", "claimed"))
+        .exclude(to_state=ClaimState.DONE)
+        .exclude(actor__startswith="operator:")
+        .exclude(reason__startswith="taken over from", to_state=F("from_state"))
+        .order_by("created_at", "id")
+        .values_list("reason", flat=True)
+        .first()
+    )
+    return first or ""
+
+
+def not_found_kind(first_error: str, last_error: str) -> str:
+    """Say which "not found" it is, from the first error: never reached, or answer lost."""
+    if "not found" not in last_error:
+        return ""
+    if any(word in first_error for word in MAY_HAVE_RUN):
+        return (
+            "charged and its answer lost? The first request got no complete answer: the "
+            "provider may have acted on it, so a look-up by reference is the safe next step"
+        )
+    if any(word in first_error for word in NOTHING_RAN):
+        return (
+            "never reached the provider: the first request was refused before it ran "
+            "(a 5xx, a 429 or a refused connection), and nothing under its key was found"
+        )
+    return "nothing under its key was found at the provider"
+
+
+def follow_up_kinds() -> list[str]:
+    """The kinds registered as message handlers (the follow-ups of a paid order)."""
+    return sorted(kind for kind, spec in registered_handlers().items() if spec.consumer is not None)
+
+
+def follow_up_q() -> Q:
+    """Operations that follow up another one: written by a parent step, or a message handler's."""
+    return Q(parent__isnull=False) | Q(kind__in=follow_up_kinds())
+
+
+def stale_q(now: datetime | None = None) -> Q:
+    """Running operations whose lease has run out: their worker died or hangs."""
+    return Q(state=OperationState.RUNNING, lease_expires_at__lt=now or timezone.now())
+
+
+def last_error_of(op: Operation) -> str:
+    """The operation's last error, else the reason of its last audit row that gives one."""
+    if op.last_error:
+        return op.last_error
+    last = (
+        OperationEvent.objects.filter(operation=op)
+        .exclude(reason="")
+        .order_by("-created_at", "-id")
+        .values_list("reason", flat=True)
+        .first()
+    )
+    return last or ""
+
+
+# --- queries of the desk ------------------------------------------------------------------
+
+
+#: The most provider events listed on an operation's page (the newest).
+PROVIDER_EVENTS_SHOWN = 50
+
+
+def provider_events_of(op: Operation) -> list[dict[str, Any]]:
+    """The provider events that touched `op` (webhooks and catch-up), oldest first, for its page."""
+    rows = ProviderEvent.objects.filter(operation=op).order_by("-created", "-id")
+    return [
+        {
+            "id": row.id,
+            "type": row.type,
+            "object": reference_link(row.object_id),
+            "created": when(row.created),
+            "received": when(row.received_at),
+            "handled": when(row.handled_at),
+            "outcome": row.outcome or "-",
+        }
+        for row in reversed(rows[:PROVIDER_EVENTS_SHOWN])
+    ]
+
+
+def money_by_state_and_kind(
+    queryset: QuerySet[Operation],
+) -> dict[str, dict[str, list[tuple[str, int]]]]:
+    """Sum the params' amounts per state, kind and currency: {state: {kind: [(currency, n)]}}.
+
+    Only operations whose params carry an integer amount count (a checkout or a
+    refund does; a kind without money does not). A refund's amount gives money
+    back, a checkout's takes it: they are never added together.
+    """
+    rows = (
+        queryset.annotate(amount_text=KT("params__amount"), currency=Lower(KT("params__currency")))
+        .filter(amount_text__regex=r"^[0-9]{1,18}$")
+        .exclude(currency__isnull=True)
+        .values("state", "kind", "currency")
+        .annotate(total=Sum(Cast("amount_text", BigIntegerField())))
+        .order_by("state", "kind", "currency")
+    )
+    totals: dict[str, dict[str, list[tuple[str, int]]]] = defaultdict(dict)
+    for row in rows:
+        by_kind = totals[row["state"]].setdefault(row["kind"], [])
+        by_kind.append((row["currency"], int(row["total"] or 0)))
+    return dict(totals)
+
+
+def totals_by_kind(by_kind: dict[str, list[tuple[str, int]]], *, labelled: bool) -> list[str]:
+    """One line per kind ("€25.00 checkout", "€6.00 refund"); unlabelled when one kind has money."""
+    if not by_kind:
+        return ["-"]
+    return [
+        f"{format_totals(totals)} {kind}" if labelled else format_totals(totals)
+        for kind, totals in sorted(by_kind.items())
+    ]
+
+
+def desk_counts() -> list[dict[str, Any]]:
+    """What the admin's home page shows of the desk: unfinished and failed payments per state."""
+    # Each state named, so that each count reads a partial index (unfinished or failed
+    # operations), never every operation.
+    business = Operation.objects.exclude(follow_up_q())
+    unfinished = business.filter(state__in=UNFINISHED_OPERATION_STATES)
+    counts = dict(unfinished.values_list("state").annotate(n=Count("pk")))
+    counts[OperationState.FAILED.value] = business.filter(state=OperationState.FAILED).count()
+    changelist = reverse("admin:payments_operation_changelist")
+    rows = [
+        {"state": s, "label": s.label, "count": counts.get(s.value, 0),
+         "url": f"{changelist}?state__exact={s.value}"}
+        for s in OperationState
+        if s != OperationState.SUCCEEDED
+    ]  # fmt: skip
+    rows.append(
+        {"state": "stale", "label": "Stale (lease expired)",
+         "count": unfinished.filter(stale_q()).count(), "url": f"{changelist}?lease=stale"}
+    )  # fmt: skip
+    return rows

@@ -1,0 +1,141 @@
+"""Refund an order from its page: the confirmation, then the refund handler's desk hook.
+
+GET shows what will be refunded (a duplicate charge's whole amount filled in)
+and asks a reason; POST calls `payments.desk.refund.refund_entity`, which
+owns the permission check, the derived key and the audit row; then the
+admin's log entry, a message and a redirect to the order's page.
+"""
+
+from __future__ import annotations
+
+import uuid
+from decimal import Decimal, InvalidOperation
+from typing import Any
+
+from django import forms
+from django.contrib import messages
+from django.contrib.admin.utils import unquote
+from django.core.exceptions import PermissionDenied
+from django.http import Http404, HttpRequest, HttpResponse, HttpResponseRedirect
+from django.template.response import TemplateResponse
+from django.urls import URLPattern, path, reverse
+from django.utils.html import format_html
+
+from payments.desk import refund as desk_refund
+from payments.desk.views.base import operator_of
+from payments.desk.views.payment import entity_operations, money_summary, movements
+from payments.engine.handlers import registered_handlers
+from payments.exceptions import PaymentsError
+from payments.money import format_money, major_units
+
+
+class RefundForm(forms.Form):
+    amount = forms.CharField(
+        max_length=32,
+        label="Amount",
+        help_text="In the order's currency, in its usual units (49.99).",
+    )
+    reason = forms.CharField(
+        widget=forms.Textarea(attrs={"rows": 3, "cols": 60}),
+        max_length=1000,
+        help_text="Why you refund (kept in the audit trail forever).",
+    )
+    charge = forms.CharField(max_length=255, required=False, widget=forms.HiddenInput)
+    action_id = forms.CharField(max_length=32, widget=forms.HiddenInput)
+
+    def __init__(self, *args: Any, currency: str, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.currency = currency
+
+    def clean_amount(self) -> int:
+        """Minor units, from what was typed in major units ("49.99" -> 4999)."""
+        try:
+            value = Decimal(self.cleaned_data["amount"].replace(",", "").strip())
+        except InvalidOperation as exc:
+            raise forms.ValidationError("Type an amount such as 49.99.") from exc
+        unit = major_units(1, self.currency)  # one minor unit in major units (0.01, 1 for ¥)
+        minor = value / unit
+        if minor != minor.to_integral_value() or minor <= 0:
+            raise forms.ValidationError(f"Type a positive amount in steps of {unit}.")
+        return int(minor)
+
+
+def refund_urls(admin: Any) -> list[URLPattern]:
+    """The refund confirmation's URL, for the order admin's get_urls."""
+    return [
+        path(
+            "<path:object_id>/refund/",
+            admin.admin_site.admin_view(
+                lambda request, object_id: refund_view(admin, request, object_id)
+            ),
+            name="payments_order_refund",
+        )
+    ]
+
+
+def refund_view(admin: Any, request: HttpRequest, object_id: str) -> HttpResponse:
+    """GET: what will be refunded and a reason; POST: ask the refund hook, log, redirect."""
+    permission = desk_refund.refund_permission("order")
+    if not request.user.has_perm("payments.view_order"):
+        raise PermissionDenied("payments.view_order")
+    if not request.user.has_perm(permission):
+        raise PermissionDenied(permission)
+    order = admin.get_object(request, unquote(object_id))
+    if order is None:
+        raise Http404(f"order {object_id!r} does not exist")
+    ops = entity_operations("order", order.pk)
+    rows = movements("order", order.pk, ops)
+    charge = str(request.POST.get("charge") or request.GET.get("charge") or "")
+    duplicate = next(
+        (m for m in rows if m.duplicate and not m.original and m.reference == charge), None
+    )
+    change_url = reverse("admin:payments_order_change", args=[order.pk])
+    initial = {"charge": charge, "action_id": uuid.uuid4().hex}
+    if duplicate is not None and duplicate.amount is not None:  # give the duplicate back whole
+        initial["amount"] = str(major_units(duplicate.amount, order.currency))
+    data = request.POST if request.method == "POST" else None
+    form = RefundForm(data, initial=initial, currency=order.currency)
+    status = 200
+    if request.method == "POST" and form.is_valid():
+        try:
+            op, created = desk_refund.refund_entity(
+                "order",
+                order.pk,
+                user=operator_of(request),
+                amount=form.cleaned_data["amount"],
+                reason=form.cleaned_data["reason"],
+                action_id=form.cleaned_data["action_id"],
+                charge=form.cleaned_data["charge"],
+            )
+        except PaymentsError as exc:
+            form.add_error(None, f"Nothing was refunded: {getattr(exc, 'detail', exc)}")
+            status = 409
+        else:
+            what = format_money(form.cleaned_data["amount"], order.currency)
+            message = (
+                f"Refund {op.key} of {what} asked: {form.cleaned_data['reason']}"
+                if created
+                else f"This page had already asked for refund {op.key}; nothing was asked twice."
+            )
+            admin.log_change(request, order, message)
+            admin.message_user(request, message, messages.SUCCESS if created else messages.WARNING)
+            return HttpResponseRedirect(change_url)
+    context = {
+        **admin.admin_site.each_context(request),
+        "title": f"Refund order {order.pk}",
+        "opts": admin.opts,
+        "original": order,
+        "form": form,
+        "money": money_summary(order, rows),
+        "duplicate": duplicate.row() if duplicate else None,
+        "charge": charge,
+        "change_url": change_url,
+        "refund_kinds": sorted(
+            kind for kind, spec in registered_handlers().items() if spec.desk and spec.desk.refund
+        ),
+        "amount_label": format_html("Amount ({})", order.currency.upper()),
+    }
+    request.current_app = admin.admin_site.name
+    return TemplateResponse(
+        request, "admin/payments/order/refund_confirm.html", context, status=status
+    )

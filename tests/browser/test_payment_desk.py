@@ -1,0 +1,186 @@
+"""Issue 31 in a real browser, at 1280 and 390 px: a payment's page, its refund, the desk's words.
+
+Headless Chromium (Playwright) against pytest-django's live server, with
+the real worker, PostgreSQL, Redis and fake provider. The order charged
+twice is made through the fake's real flows (a second payment intent naming
+the order, outside the fence), found by the fence audit, shown with both
+charges in red and refunded from its page through the refund handler.
+Screenshots land in artifacts/screenshots/ (gitignored), named by width.
+"""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import pytest
+from django.core.management import call_command
+from django.core.management.base import CommandError
+from django.db import connections
+from django.utils import timezone
+
+from payments.models import Operation, OperationState, OrderStatus
+from tests.support import flows
+from tests.support.users import NEW_ATTEMPT, RECONCILE, VIEW, make_user
+from tests.support.workers import run_worker
+
+pytestmark = [pytest.mark.browser, pytest.mark.django_db(transaction=True)]
+
+CHROMIUM = "/usr/bin/chromium"
+ARGS = [
+    "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+    "--disable-component-update", "--disable-sync",
+]  # fmt: skip
+SHOTS = Path(__file__).resolve().parents[2] / "artifacts" / "screenshots"
+PASSWORD = "correct-horse-battery-9"
+RED = "rgb(176, 42, 55)"  # the desk's warning colour, #b02a37
+
+
+@pytest.fixture(params=[1280, 390], ids=["1280px", "390px"])
+def tab(request, monkeypatch):
+    assert Path(CHROMIUM).exists(), "Debian's chromium is missing: apt-get install chromium"
+    from playwright import sync_api
+
+    monkeypatch.setenv("DJANGO_ALLOW_ASYNC_UNSAFE", "true")  # see test_browser.py
+    SHOTS.mkdir(parents=True, exist_ok=True)
+    width = request.param
+    with sync_api.sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=ARGS)
+        # An operator in Paris: the desk's UTC times get their local time beside them.
+        context = browser.new_context(
+            viewport={"width": width, "height": 900}, timezone_id="Europe/Paris"
+        )
+        page = context.new_page()
+        page.set_default_timeout(15_000)
+        page.width = width
+        try:
+            yield page
+        finally:
+            browser.close()
+            connections.close_all()
+
+
+def shot(page, name: str) -> None:
+    """Save a full-page screenshot after checking nothing makes the page scroll sideways."""
+    assert page.evaluate("document.documentElement.scrollWidth") <= page.width, name
+    page.screenshot(path=str(SHOTS / f"31-{page.width}-{name}.png"), full_page=True)
+
+
+def sign_in(page, live_server, username: str, *perms: str, then: str) -> None:
+    user = make_user(username, *perms)
+    user.set_password(PASSWORD)
+    user.save()
+    page.goto(f"{live_server.url}/admin/login/?next={then}")
+    page.fill("#id_username", username)
+    page.fill("#id_password", PASSWORD)
+    page.click("input[type=submit]")
+    page.wait_for_url(f"**{then}")
+
+
+def test_order_charged_twice__both_red_refunded_from_its_page(tab, live_server, provider, queue):
+    order, fenced, duplicate = flows.charged_twice(queue, key="web-twice")
+    url = f"/admin/payments/order/{order.pk}/change/"
+    sign_in(
+        tab, live_server, "sam", *VIEW, RECONCILE, NEW_ATTEMPT, "payments.refund_order", then=url
+    )
+
+    red = tab.locator("tr.desk-duplicate")
+    assert red.count() == 2
+    assert {fenced, duplicate} <= set(tab.locator("#desk-movements").inner_text().split())
+    assert red.first.locator("td").first.evaluate("e => getComputedStyle(e).color") == RED
+    assert "Charged more than once" in tab.locator(".desk-duplicate-warning").inner_text()
+    assert "€39.98" in tab.locator("#desk-charged").inner_text()
+    timeline = tab.locator("#desk-timeline").inner_text()
+    charge = Operation.objects.get(key="web-twice").claims.get(step="charge")
+    assert charge.idempotency_key in timeline
+    assert "UTC (" in timeline  # the local time beside (Europe/Paris)
+    shot(tab, "01-order-charged-twice")
+
+    tab.locator("a.desk-refund-duplicate").click()
+    assert tab.locator("#id_amount").input_value() == "19.99"  # the duplicate, whole
+    assert duplicate in tab.locator(".desk-refund-plan").inner_text()
+    tab.fill("#id_reason", "charged twice: the fence audit's finding")
+    shot(tab, "02-refund-duplicate-confirm")
+    tab.get_by_role("button", name="Yes, refund").click()
+    tab.wait_for_url(f"**{url}")
+    assert "Refund desk-refund:order:" in tab.locator("ul.messagelist").inner_text()
+    shot(tab, "03-refund-asked")
+
+    run_worker(queue)  # the refund runs through the fence
+    refund = Operation.objects.get(kind="refund", entity_id=str(order.pk))
+    assert refund.state == OperationState.SUCCEEDED
+    assert refund.claims.get(step="refund").idempotency_key  # a fenced provider call
+    given_back = provider.state.refunds(payment_intent=duplicate)
+    assert [(r["amount"], r["status"]) for r in given_back] == [(order.amount, "succeeded")]
+    assert provider.state.refunds(payment_intent=fenced) == []  # the order's own charge stays
+    order.refresh_from_db()
+    assert (order.status, order.refunded_amount) == (OrderStatus.PAID, 0)  # paid once
+    tab.reload()
+    assert "€19.99" in tab.locator("#desk-refunded").inner_text()
+    assert "€19.99" in tab.locator("#desk-net").inner_text()
+    assert "refund" in tab.locator("#desk-movements").inner_text()
+    shot(tab, "04-duplicate-refunded")
+
+    tab.goto(f"{live_server.url}/admin/payments/operation/?q={duplicate}")
+    assert f"No step has {duplicate}" in tab.locator("ul.messagelist").inner_text()
+    assert "web-twice" in tab.locator("#result_list").inner_text()
+    shot(tab, "05-search-a-reference-no-step-has")
+
+
+def test_desk_pages__cases_chart_actions_and_the_rq_permission(tab, live_server, provider, queue):
+    lost = flows.uncertain_after_read_timeout(provider, queue, key="web-lost")
+    flows.checkout(key="web-paid")
+    run_worker(queue)
+    with pytest.raises(CommandError):
+        call_command("fence_audit", stdout=io.StringIO())
+    sign_in(tab, live_server, "alice", *VIEW, RECONCILE, then="/admin/payments/operation/")
+
+    listed = tab.locator("#result_list")
+    assert listed.locator(".state-badge").first.is_visible()
+    amount = listed.locator("td.field-amount").first
+    box = amount.bounding_box()
+    assert box["x"] + box["width"] <= tab.width  # amount and state in sight, no sideways scroll
+    shot(tab, "06-operations")
+
+    # The date range filter: a day long past lists nothing; today lists both again.
+    today = timezone.localdate().isoformat()
+    tab.fill(".desk-date-range input[name=created_at__to]", "2020-01-01")
+    tab.locator(".desk-date-range input[type=submit]").click()
+    tab.wait_for_url("**created_at__to=2020-01-01**")
+    assert "0 operations" in tab.locator("#changelist").inner_text()
+    tab.fill(".desk-date-range input[name=created_at__from]", today)
+    tab.fill(".desk-date-range input[name=created_at__to]", today)
+    tab.locator(".desk-date-range input[type=submit]").click()
+    tab.wait_for_url(f"**created_at__to={today}**")
+    assert tab.locator("#result_list tbody tr").count() == 2
+    shot(tab, "06b-operations-dated-today")
+
+    tab.goto(f"{live_server.url}/admin/payments/operation/needs-attention/")
+    cases = tab.locator("#desk-cases")
+    assert lost.key in cases.inner_text() and "€25.00" in cases.inner_text()
+    assert tab.locator("svg.desk-chart").is_visible()
+    assert "succeeded: 1" in tab.locator("#desk-chart").inner_text()
+    shot(tab, "07-needs-attention")
+
+    tab.goto(f"{live_server.url}/admin/payments/operation/{lost.pk}/change/")
+    buttons = tab.locator(".desk-buttons > *")
+    # Attempts count requests sent: one call, whatever look-ups followed.
+    assert tab.locator("div.field-attempts_shown .readonly").inner_text().startswith("1")
+    labels = buttons.all_inner_texts()
+    assert labels[0] == "Query provider now" and labels[-1] == "Mark charge failed"
+    mark_failed = buttons.last
+    if lost.claims.get(step="charge").provider_view is None:
+        assert mark_failed.get_attribute("aria-disabled") == "true"
+    assert mark_failed.evaluate("e => getComputedStyle(e).backgroundColor") == RED
+    assert (
+        "needs the permission payments.start_new_attempt"
+        in tab.locator(".desk-actions").inner_text()
+    )
+    for cell in ("#events-group td.field-reason", "#claims-group td.field-outcome"):
+        box = tab.locator(cell).last.bounding_box()
+        assert box["x"] + box["width"] <= tab.width, cell  # the whole trail in sight
+    shot(tab, "08-operation-actions")
+
+    tab.goto(f"{live_server.url}/admin/rq/queues/0/")
+    assert "Empty Queue (needs payments.manage_queues)" in tab.locator("#content").inner_text()
+    shot(tab, "09-rq-queue")

@@ -1,0 +1,47 @@
+"""Attempts count requests sent for the work; look-ups apart; the first error beside the last."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from django.urls import reverse
+
+from payments.engine import fence
+from payments.models import OperationState, StepClaim
+from tests.support import builders
+from tests.support.users import VIEW, client_for, make_user
+
+pytestmark = pytest.mark.django_db
+
+
+def page_of(op) -> str:
+    client = client_for(make_user("vera", *VIEW))
+    return client.get(reverse("admin:payments_operation_change", args=[op.pk])).content.decode()
+
+
+def test_note_request_sent__counts_a_replay_as_an_attempt(provider):
+    op = builders.new_checkout("replayed-once")
+    claim = builders.claim_charge(op)
+    fence.take_over_claim(claim, owner=builders.WORKER, lease_seconds=30)
+    fence.note_request_sent(claim, actor=builders.WORKER)
+
+    claim.refresh_from_db()
+    assert claim.requests_sent == 1
+    assert re.search(r'field-attempts_shown.*?<div class="readonly">2</div>', page_of(op), re.S)
+
+
+def test_not_found_after_a_lost_answer__says_charged_and_answer_lost_beside_the_first_error(
+    provider,
+):
+    op, claim, _ = builders.uncertain(key="lost-answer", charged=False)
+    builders.move(op, OperationState.NEEDS_REVIEW, reason="not found", last_error="not found at "
+                  "the provider (consistent list) a grace period after the last request")  # fmt: skip
+
+    page = page_of(op)
+
+    shown = re.search(r'field-last_error_shown.*?<div class="readonly">(.*?)</div>', page, re.S)
+    assert "not found at the provider" in shown.group(1)
+    assert "first error: ReadTimeout" in shown.group(1)
+    assert "Not found: charged and its answer lost?" in shown.group(1)
+    assert StepClaim.objects.get(pk=claim.pk).error == "ReadTimeout"

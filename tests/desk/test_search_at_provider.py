@@ -1,0 +1,44 @@
+"""Search by a provider reference no step has: the provider is asked, its metadata leads."""
+
+from __future__ import annotations
+
+import pytest
+
+from payments.models import StepClaim
+from tests.support import builders, flows
+from tests.support.users import VIEW, client_for, make_user
+
+CHANGELIST = "/admin/payments/operation/"
+
+
+def search(term: str) -> str:
+    client = client_for(make_user("vera", *VIEW))
+    return client.get(CHANGELIST, {"q": term}, follow=True).content.decode()
+
+
+@pytest.mark.django_db
+def test_search__a_lost_answer_s_reference_leads_to_its_operation(provider):
+    op, claim, reference = builders.uncertain(key="lost-pi", charged=True)
+    assert not StepClaim.objects.filter(provider_reference=reference).exists()
+
+    page = search(reference)
+
+    assert f"No step has {reference}" in page and "operation lost-pi" in page
+    assert f'href="/admin/payments/operation/{op.pk}/change/' in page
+
+
+# Transactional: the checkout runs in a real worker (a claim must commit before its call).
+@pytest.mark.django_db(transaction=True)
+def test_search__a_charge_outside_the_fence_leads_to_its_order_s_operations(provider, queue):
+    order, _, duplicate = flows.charged_twice(queue)
+
+    page = search(duplicate)
+
+    assert f"No step has {duplicate}" in page and f"order {order.pk}" in page
+    assert "twice-1" in page  # the order's checkout
+
+
+@pytest.mark.django_db
+def test_search__an_unknown_provider_id_says_the_provider_does_not_know_it(provider):
+    page = search("pi_doesnotexist0000")
+    assert "the provider does not know it" in page
