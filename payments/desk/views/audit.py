@@ -90,7 +90,8 @@ def audit_view(run: FenceAuditRun | None, request: HttpRequest) -> dict[str, Any
     for item in _listed(summary.get("stale_uncertain")):
         key, _, step = str(item).rpartition("/")
         stale.append({"operation": links.link(key or str(item)), "step": step if key else "-"})
-    known = {name for name, _ in AUDIT_FIGURES} | set(AUDIT_TABLES)
+    # "counts" is shown as each table's total; the rest is a figure or a table of its own.
+    known = {name for name, _ in AUDIT_FIGURES} | set(AUDIT_TABLES) | {"counts"}
     return {
         "clean": summary.get("clean"),
         "finished": when(run.finished_at),
@@ -168,6 +169,8 @@ def _key_of(item: Any) -> str:
 def _plain(value: Any) -> str:
     if isinstance(value, list | tuple):
         return ", ".join(str(v) for v in value) or "-"
+    if isinstance(value, dict):  # a figure per name (the audit's checkpoint, ...)
+        return ", ".join(f"{k.replace('_', ' ')}: {_plain(v)}" for k, v in value.items()) or "-"
     if value is None or value == "":
         return "-"
     return str(value)
