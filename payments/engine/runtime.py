@@ -189,14 +189,17 @@ def _give_up_state_in_tx(
     external = list(StepClaim.objects.filter(operation=op, step__in=list(spec.effects)))
     if any(claim.state == ClaimState.DONE for claim in external):
         return OperationState.NEEDS_REVIEW
-    in_doubt = [
-        claim
-        for claim in external
-        if claim.state != ClaimState.FAILED and not fence.released_by(claim, worker_id)
-    ]
-    if in_flight or in_doubt:
+    if in_flight or any(_in_doubt(claim, worker_id) for claim in external):
         return OperationState.UNCERTAIN
     return OperationState.FAILED
+
+
+def _in_doubt(claim: StepClaim, worker_id: str) -> bool:
+    """Tell whether an external claim's call may have run unseen: neither settled nor released
+    by this very worker after a refusal (uncertain, never released, or someone else's now)."""
+    return claim.state not in (ClaimState.DONE, ClaimState.FAILED) and not fence.released_by(
+        claim, worker_id
+    )
 
 
 def _compensation_due(op: Operation, spec: HandlerSpec, worker_id: str) -> bool:
@@ -206,14 +209,8 @@ def _compensation_due(op: Operation, spec: HandlerSpec, worker_id: str) -> bool:
     if spec.on_give_up is None:
         return False
     external = list(StepClaim.objects.filter(operation=op, step__in=list(spec.effects)))
-    done = [claim for claim in external if claim.state == ClaimState.DONE]
-    in_doubt = [
-        claim
-        for claim in external
-        if claim.state not in (ClaimState.DONE, ClaimState.FAILED)
-        and not fence.released_by(claim, worker_id)
-    ]
-    return bool(done) and not in_doubt
+    done = any(claim.state == ClaimState.DONE for claim in external)
+    return done and not any(_in_doubt(claim, worker_id) for claim in external)
 
 
 def _compensating(op: Operation, claimed: frozenset[str] | None) -> bool:
