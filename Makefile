@@ -83,13 +83,18 @@ valgrind:
 # `make test-fast` runs the fast tier; `make test` runs every tier, their binaries installed
 # first (a missing one fails its tests there instead of skipping them). One tier alone:
 # `.venv/bin/python -m pytest -m crash`.
+# Both run on TEST_RUNNERS pytest-xdist runners, a module to a runner (most tests wait on
+# workers, the provider or a grace period, not on a core); each runner has its own test
+# database and Redis database (tests/support/config.py). TEST_RUNNERS=0: one process.
 FAST_TIER := not crash and not topology and not browser and not bench and not slow
+TEST_RUNNERS ?= 2
+RUNNERS := $(if $(filter 0,$(TEST_RUNNERS)),,-n $(TEST_RUNNERS) --dist loadfile)
 
 test-fast: db
-	$(PY) -m pytest -m "$(FAST_TIER)" --durations=10
+	$(PY) -m pytest $(RUNNERS) -m "$(FAST_TIER)" --durations=10
 
 test: db browser topology valgrind
-	REQUIRE_TOPOLOGY_BINARIES=1 $(PY) -m pytest --durations=25
+	REQUIRE_TOPOLOGY_BINARIES=1 $(PY) -m pytest $(RUNNERS) --durations=25
 
 # Style, the layers (import-linter contracts in pyproject.toml) and the types (mypy).
 lint: install env

@@ -3,12 +3,29 @@
 from __future__ import annotations
 
 import os
+import re
 
 # The fake provider's plugin applies these to settings.PAYMENTS; worker processes get them too.
 from devtools.fake_provider.testing import TEST_PAYMENTS
 
 __all__ = ["TEST_PAYMENTS", "TEST_REDIS_URL"]
 
-#: One Redis database for every test (payments queues and the inbox test queue), flushed
-#: around each test that uses it. Give each concurrent run its own database.
-TEST_REDIS_URL = os.environ.get("TEST_REDIS_URL", "redis://127.0.0.1:6379/15")
+
+def _redis_url_of_this_runner(base: str, runner: str) -> str:
+    """The Redis database of one pytest-xdist runner (`gw0`, `gw1`...): the base's number
+    less the runner's, so that runners in one `make test` never flush each other's
+    queues. Outside xdist (no runner), the base itself."""
+    index = int(runner.removeprefix("gw")) if runner.startswith("gw") else 0
+    found = re.fullmatch(r"(.*/)(\d+)", base)
+    if found is None or int(found[2]) < index:
+        raise ValueError(f"TEST_REDIS_URL {base!r}: no Redis database number for runner {runner!r}")
+    return f"{found[1]}{int(found[2]) - index}"
+
+
+#: One Redis database for every test of a runner (payments queues and the inbox test queue),
+#: flushed around each test that uses it. Give each concurrent run its own base database:
+#: `make test` runs two runners, on this database and the one below it.
+TEST_REDIS_URL = _redis_url_of_this_runner(
+    os.environ.get("TEST_REDIS_URL", "redis://127.0.0.1:6379/15"),
+    os.environ.get("PYTEST_XDIST_WORKER", ""),
+)
