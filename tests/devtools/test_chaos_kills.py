@@ -12,7 +12,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 from rq.worker import Worker
 
-from devtools.chaos import started_workers
+from devtools.chaos.run import started_workers
 from devtools.stack import Proc, free_port
 
 

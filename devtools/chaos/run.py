@@ -30,8 +30,8 @@ from redis import Redis
 from redis.exceptions import RedisError
 from rq.worker import Worker
 
-from devtools.chaos_webhooks import Webhooks, latencies
-from devtools.reckless import RecklessOperator
+from devtools.chaos.reckless import RecklessOperator
+from devtools.chaos.webhooks import Webhooks, latencies
 from devtools.scratch import claim_scratch, flush_scratch
 from devtools.stack import Proc, Stack, free_port
 from payments.conf import payments_settings

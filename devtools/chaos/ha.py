@@ -39,7 +39,7 @@ from django.conf import settings
 from django.db import close_old_connections, connection, connections
 from django.db.models import Min, Q
 
-from devtools.chaos import SETTLED, ChaosConfig, ChaosResult, read_db, run_chaos
+from devtools.chaos.run import SETTLED, ChaosConfig, ChaosResult, read_db, run_chaos
 from devtools.stack import ROOT, Stack
 from devtools.topology import PgBouncer, PostgresCluster, RedisHA, wait_until
 from payments.conf import payments_settings
