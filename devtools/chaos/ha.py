@@ -40,8 +40,8 @@ from django.db import close_old_connections, connection, connections
 from django.db.models import Min, Q
 
 from devtools.chaos.run import SETTLED, ChaosConfig, ChaosResult, read_db, run_chaos
-from devtools.stack import ROOT, Stack
-from devtools.topology import PgBouncer, PostgresCluster, RedisHA, wait_until
+from devtools.topology.servers import PgBouncer, PostgresCluster, RedisHA, wait_until
+from devtools.topology.stack import ROOT, Stack
 from payments.conf import payments_settings
 from payments.models import Operation, OperationEvent
 

@@ -13,7 +13,7 @@ from redis.retry import Retry
 from rq.worker import Worker
 
 from devtools.chaos.run import started_workers
-from devtools.stack import Proc, free_port
+from devtools.topology.stack import Proc, free_port
 
 
 def proc(name: str) -> Proc:

@@ -29,7 +29,7 @@ from psycopg import ClientCursor
 from redis import Redis
 from redis.sentinel import MasterNotFoundError, Sentinel
 
-from devtools.stack import free_port
+from devtools.topology.stack import free_port
 
 
 class MissingBinary(RuntimeError):
