@@ -32,7 +32,7 @@ from rq.worker import Worker
 
 from devtools.chaos.reckless import RecklessOperator
 from devtools.chaos.webhooks import Webhooks, latencies
-from devtools.scratch import claim_scratch, flush_scratch
+from devtools.databases.scratch import claim_scratch, flush_scratch
 from devtools.topology.stack import Proc, Stack, free_port
 from payments.conf import payments_settings
 from payments.engine.queues import payments_queue
