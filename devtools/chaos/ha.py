@@ -10,7 +10,7 @@ The run starts its own parts, on free ports of 127.0.0.1, and owns them:
 * a Redis master, a replica and three sentinels: every process finds the queue
   through them (`REDIS_SENTINELS`);
 * three `run_recovery` processes, the usual workers, worker SIGKILLs and the
-  fake provider's faults (devtools/chaos.py).
+  fake provider's faults (devtools/chaos/run.py).
 
 While checkouts are posted and charges are in flight it breaks, one after the
 other: the Redis master (SIGKILL; Sentinel promotes the replica), PgBouncer
