@@ -22,7 +22,7 @@ install: $(VENV)/.installed
 env: .env
 
 db: install env
-	$(PY) -m devtools.ensure_database
+	$(PY) -m devtools.databases.ensure
 
 migrate: db
 	$(PY) manage.py migrate --noinput -v 0
@@ -34,7 +34,7 @@ DEMO_ENV := DATABASE_URL=postgres://postgres@127.0.0.1:5432/fence_demo REDIS_URL
 DEMO_ARGS ?=
 
 demo: install env
-	$(DEMO_ENV) $(PY) -m devtools.ensure_database
+	$(DEMO_ENV) $(PY) -m devtools.databases.ensure
 	$(DEMO_ENV) $(PY) manage.py migrate --noinput -v 0
 	$(DEMO_ENV) $(PY) manage.py demo $(DEMO_ARGS)
 
@@ -112,7 +112,7 @@ format: install
 BENCH_ENV := DATABASE_URL=postgres://postgres@127.0.0.1:5432/fence_bench REDIS_URL=redis://127.0.0.1:6379/2
 
 bench: install env topology valgrind
-	$(BENCH_ENV) $(PY) -m devtools.ensure_database
+	$(BENCH_ENV) $(PY) -m devtools.databases.ensure
 	$(BENCH_ENV) $(PY) manage.py migrate --noinput -v 0
 	$(BENCH_ENV) $(PY) manage.py bench
 
@@ -122,7 +122,7 @@ HISTORY_ENV := DATABASE_URL=postgres://postgres@127.0.0.1:5432/fence_history_ben
 HISTORY_OPERATIONS ?= 1000000
 
 bench-history: install env
-	$(HISTORY_ENV) $(PY) -m devtools.ensure_database
+	$(HISTORY_ENV) $(PY) -m devtools.databases.ensure
 	$(HISTORY_ENV) $(PY) manage.py migrate --noinput -v 0
 	$(HISTORY_ENV) $(PY) manage.py bench_history --operations $(HISTORY_OPERATIONS)
 

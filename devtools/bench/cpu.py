@@ -16,7 +16,7 @@ from pathlib import Path
 
 from django.db import connection
 
-from devtools.stack import descendants
+from devtools.topology.stack import descendants
 
 _TICKS = os.sysconf("SC_CLK_TCK")
 

@@ -28,7 +28,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from devtools.bench.runner import Bench
-from devtools.stack import ROOT
+from devtools.topology.stack import ROOT
 
 #: What must be installed (Debian's valgrind package has both).
 TOOLS = ("valgrind", "callgrind_control")

@@ -32,8 +32,8 @@ from rq.worker import Worker
 from devtools.bench import jobs
 from devtools.bench.cpu import CpuMeter, processes_named, tree_pids
 from devtools.bench.dbcount import RoundTrips, counting, recorded
-from devtools.scratch import claim_scratch, flush_scratch
-from devtools.stack import Stack, free_port
+from devtools.databases.scratch import claim_scratch, flush_scratch
+from devtools.topology.stack import Stack, free_port
 from payments.checkout.handler import request_checkout
 from payments.checkout.orders import create_order
 from payments.conf import payments_settings

@@ -37,8 +37,8 @@ from django.db import connection
 from django.db.models import Count
 
 from devtools.bench.cpu import CpuMeter, backend_pids, tree_pids
-from devtools.stack import ROOT, free_port
-from devtools.topology import PgBouncer, port_open, stop_process, wait_until
+from devtools.topology.servers import PgBouncer, port_open, stop_process, wait_until
+from devtools.topology.stack import ROOT, free_port
 from payments.checkout.orders import create_order
 from payments.models import Operation
 

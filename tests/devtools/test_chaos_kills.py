@@ -12,8 +12,8 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 from rq.worker import Worker
 
-from devtools.chaos import started_workers
-from devtools.stack import Proc, free_port
+from devtools.chaos.run import started_workers
+from devtools.topology.stack import Proc, free_port
 
 
 def proc(name: str) -> Proc:

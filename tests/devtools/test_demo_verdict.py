@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from devtools.chaos import ChaosConfig, ChaosResult, _violations, never_claimed
+from devtools.chaos.run import ChaosConfig, ChaosResult, _violations, never_claimed
 from tests.support import builders
 
 CLEAN = {

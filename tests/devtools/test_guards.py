@@ -7,7 +7,7 @@ from django.core.management import call_command
 from django.core.management.base import CommandError
 
 from devtools.checks import check_devtools_not_in_production
-from devtools.scratch import MARKER, NotScratch, claim_scratch, flush_scratch
+from devtools.databases.scratch import MARKER, NotScratch, claim_scratch, flush_scratch
 
 
 def test_demo__refuses_to_run_with_debug_off(settings, redis_conn):

@@ -1,6 +1,6 @@
 """The topology tests' side of real PgBouncer, Redis (master + replica) and Sentinel processes.
 
-The processes themselves are devtools/topology.py's (the chaos run's
+The processes themselves are devtools/topology/servers.py's (the chaos run's
 `--topology ha` starts the same ones); here: skipping a test whose binary is
 missing (failing it under make test), the web tier, a fleet of workers and
 recovery loops, and when a run has settled (what it must end with: flows.assert_paid_once).
@@ -19,8 +19,7 @@ import pytest
 import requests
 from django.db.models import Q
 
-from devtools.stack import free_port
-from devtools.topology import (
+from devtools.topology.servers import (
     MissingBinary,
     PgBouncer,
     PostgresCluster,
@@ -29,7 +28,8 @@ from devtools.topology import (
     stop_process,
     wait_until,
 )
-from devtools.topology import binary as find_binary
+from devtools.topology.servers import binary as find_binary
+from devtools.topology.stack import free_port
 from payments.models import Operation, OperationState
 from tests.support.workers import ROOT
 

@@ -1,7 +1,7 @@
 """Fixtures of the topology tests: a PgBouncer and a Redis master, replica and sentinels.
 
 Each is a set of real processes on free ports of 127.0.0.1, started for one test
-and stopped after it (devtools/topology.py, which the chaos run's `--topology ha`
+and stopped after it (devtools/topology/servers.py, which the chaos run's `--topology ha`
 uses too; a missing binary skips the test, or fails it under make test).
 """
 

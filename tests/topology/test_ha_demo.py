@@ -18,7 +18,7 @@ import sys
 
 from django.conf import settings
 
-from devtools.ha import FAULTS
+from devtools.chaos.ha import FAULTS
 from tests.support.topology import binary
 from tests.support.workers import ROOT
 

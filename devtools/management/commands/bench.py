@@ -30,7 +30,7 @@ from devtools.bench.runner import (
     unfenced,
 )
 from devtools.bench.webload import LoadShape, web_tier
-from devtools.topology import MissingBinary, binary
+from devtools.topology.servers import MissingBinary, binary
 
 
 class BenchOptions(TypedDict):

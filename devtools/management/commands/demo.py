@@ -8,9 +8,9 @@ from typing import TypedDict, Unpack
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from devtools.chaos import ChaosConfig, pending_work, run_chaos
-from devtools.chaos_report import table, write_files
-from devtools.ha import HaSchedule, run_ha, timeline_lines
+from devtools.chaos.ha import HaSchedule, run_ha, timeline_lines
+from devtools.chaos.report import table, write_files
+from devtools.chaos.run import ChaosConfig, pending_work, run_chaos
 
 
 def _rate(value: str) -> float:

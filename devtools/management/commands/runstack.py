@@ -15,7 +15,7 @@ from django.contrib.auth import get_user_model
 from django.contrib.auth.models import Permission
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from devtools.stack import Stack
+from devtools.topology.stack import Stack
 
 #: The order the printed curl creates (an order is the first call a shop makes).
 TRY_ORDER = '{"amount": 1999, "currency": "eur", "email": "a@example.com"}'

@@ -30,10 +30,10 @@ from redis import Redis
 from redis.exceptions import RedisError
 from rq.worker import Worker
 
-from devtools.chaos_webhooks import Webhooks, latencies
-from devtools.reckless import RecklessOperator
-from devtools.scratch import claim_scratch, flush_scratch
-from devtools.stack import Proc, Stack, free_port
+from devtools.chaos.reckless import RecklessOperator
+from devtools.chaos.webhooks import Webhooks, latencies
+from devtools.databases.scratch import claim_scratch, flush_scratch
+from devtools.topology.stack import Proc, Stack, free_port
 from payments.conf import payments_settings
 from payments.engine.queues import payments_queue
 from payments.models import (
@@ -84,13 +84,13 @@ class ChaosConfig:
     seed: int = 1
     timeout: float = 300.0
     worker_class: str | None = None
-    #: The provider's signed events to a web process of their own (devtools.chaos_webhooks).
+    #: The provider's signed events to a web process of their own (devtools.chaos.webhooks).
     webhooks: bool = True
     #: Seconds that web process is down (SIGKILLed, then started again) mid-run; 0: never.
     endpoint_down: float = 5.0
     recoveries: int = 1  # run_recovery processes (--topology ha: 3, one per host)
     checkout_interval: float = 0.0  # seconds between checkouts (spreads them over the faults)
-    #: An operator who presses every desk action offered, in the worst order (devtools.reckless).
+    #: An operator who presses every desk action offered, in the worst order (devtools.chaos.reckless).
     reckless: bool = True
     #: Seconds the provider's search lags behind its writes (it must decide nothing).
     search_lag: float = 120.0
@@ -126,7 +126,7 @@ class ChaosResult:
 
 
 class Topology(Protocol):
-    """What a deployment past one host adds to the run (devtools/ha.py: `--topology ha`)."""
+    """What a deployment past one host adds to the run (devtools/chaos/ha.py: `--topology ha`)."""
 
     def env(self) -> dict[str, str]:
         """Settings every process of the run gets on top of the single host's."""

@@ -8,8 +8,9 @@ from html import escape
 from pathlib import Path
 from typing import cast
 
-from devtools.chaos import ChaosResult
-from devtools.chaos_webhooks import (
+from devtools.chaos.ha import timeline_html
+from devtools.chaos.run import ChaosResult
+from devtools.chaos.webhooks import (
     ANSWER_LATE,
     ANSWER_LOST,
     CAUSES,
@@ -17,7 +18,6 @@ from devtools.chaos_webhooks import (
     OWNER_KILLED,
     SETTLER_ORDER,
 )
-from devtools.ha import timeline_html
 
 ROWS = [
     ("orders", "orders"),

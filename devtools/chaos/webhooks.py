@@ -38,7 +38,7 @@ from typing import Literal, TypedDict
 import requests
 from django.db.models import Q
 
-from devtools.stack import ROOT, Proc, Stack, free_port
+from devtools.topology.stack import ROOT, Proc, Stack, free_port
 from payments.models import ClaimState, Operation, OperationEvent, OperationState, StepClaim
 
 #: Who settled a claim, by the prefix of the actor on its `done` audit row.

@@ -1,6 +1,6 @@
 """Real PostgreSQL, PgBouncer, Redis (master + replica) and Sentinel processes on 127.0.0.1.
 
-The chaos run's `--topology ha` (devtools/ha.py) and the topology tests
+The chaos run's `--topology ha` (devtools/chaos/ha.py) and the topology tests
 (tests/topology) start them from here. Each runs from a temporary directory on
 free ports and is stopped (SIGTERM, then SIGKILL) by whoever started it. The
 system's own PostgreSQL and Redis are never reconfigured: a PgBouncer points at
@@ -29,7 +29,7 @@ from psycopg import ClientCursor
 from redis import Redis
 from redis.sentinel import MasterNotFoundError, Sentinel
 
-from devtools.stack import free_port
+from devtools.topology.stack import free_port
 
 
 class MissingBinary(RuntimeError):

@@ -11,7 +11,7 @@ import environ
 import psycopg
 from psycopg import sql
 
-BASE_DIR = Path(__file__).resolve().parent.parent
+BASE_DIR = Path(__file__).resolve().parents[2]
 
 
 class ConnInfo(TypedDict):

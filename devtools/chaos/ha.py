@@ -10,7 +10,7 @@ The run starts its own parts, on free ports of 127.0.0.1, and owns them:
 * a Redis master, a replica and three sentinels: every process finds the queue
   through them (`REDIS_SENTINELS`);
 * three `run_recovery` processes, the usual workers, worker SIGKILLs and the
-  fake provider's faults (devtools/chaos.py).
+  fake provider's faults (devtools/chaos/run.py).
 
 While checkouts are posted and charges are in flight it breaks, one after the
 other: the Redis master (SIGKILL; Sentinel promotes the replica), PgBouncer
@@ -39,9 +39,9 @@ from django.conf import settings
 from django.db import close_old_connections, connection, connections
 from django.db.models import Min, Q
 
-from devtools.chaos import SETTLED, ChaosConfig, ChaosResult, read_db, run_chaos
-from devtools.stack import ROOT, Stack
-from devtools.topology import PgBouncer, PostgresCluster, RedisHA, wait_until
+from devtools.chaos.run import SETTLED, ChaosConfig, ChaosResult, read_db, run_chaos
+from devtools.topology.servers import PgBouncer, PostgresCluster, RedisHA, wait_until
+from devtools.topology.stack import ROOT, Stack
 from payments.conf import payments_settings
 from payments.models import Operation, OperationEvent
 
