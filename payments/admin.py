@@ -34,6 +34,7 @@ from payments.desk.display import (
     key_values,
     money_line,
     pretty_json,
+    provider_requests,
     provider_view_table,
     reference_link,
     stale_badge,
@@ -193,7 +194,15 @@ class OperationEventInline(ReadOnlyInline):
     verbose_name = "audit event"
     verbose_name_plural = "Audit trail"
     ordering = ("created_at", "id")
-    fields = readonly_fields = ("event_time", "step", "from_badge", "to_badge", "actor", "reason")
+    fields = readonly_fields = (
+        "event_time",
+        "step",
+        "from_badge",
+        "to_badge",
+        "actor",
+        "reason",
+        "requests_shown",
+    )
 
     @admin.display(description="when")
     def event_time(self, obj: OperationEvent) -> str:
@@ -206,6 +215,10 @@ class OperationEventInline(ReadOnlyInline):
     @admin.display(description="to")
     def to_badge(self, obj: OperationEvent) -> str:
         return state_badge(obj.to_state)
+
+    @admin.display(description="provider requests (HTTP status, request id)")
+    def requests_shown(self, obj: OperationEvent) -> str:
+        return provider_requests(obj.requests)
 
 
 #: States a person must look at: there, an empty last error is filled from the audit trail.

@@ -410,6 +410,10 @@ class OperationEvent(FenceModel):
     to_state = models.CharField(max_length=20)
     actor = models.CharField(max_length=255)
     reason = models.TextField(blank=True)
+    #: The provider requests that led to this change, as the actor sent them: method, path,
+    #: HTTP status (None: no answer), request id, idempotency key (payments.engine.
+    #: exchanges). Written in the row's own statement; NULL when none was sent.
+    requests = models.JSONField(null=True, blank=True)
     #: Not indexed: every read of the audit is one operation's rows (its own index).
     created_at = models.DateTimeField(auto_now_add=True)
 

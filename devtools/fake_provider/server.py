@@ -6,7 +6,7 @@ tests and the demo can compare what the provider did with what the fence
 recorded.
 
 Provider API (`Authorization: Bearer sk_...`, form-encoded POST, JSON answers,
-a `Request-Id` header on every answer):
+a `Request-Id` header on every answer, `req_` and 14 letters or digits as Stripe's):
 
 - `POST /v1/payment_intents`: `amount`, `currency`, `confirm`, `payment_method`
   (`pm_card_visa` succeeds, `pm_card_chargeDeclined` answers 402),
@@ -109,6 +109,7 @@ import re
 import secrets
 import socket
 import ssl
+import string
 import threading
 import time
 from collections.abc import Callable
@@ -134,6 +135,8 @@ from devtools.fake_provider.webhooks import WebhookSender
 logger = logging.getLogger(__name__)
 
 _PI_PATH = "/v1/payment_intents"
+#: Stripe's request ids: `req_` and 14 letters or digits, a new one on every answer.
+_REQUEST_ID_ALPHABET = string.ascii_letters + string.digits
 _REFUNDS_PATH = "/v1/refunds"
 _EVENTS_PATH = "/v1/events"
 _INTENT_ACTION = re.compile(r"/v1/payment_intents/(?P<id>[^/]+)/(?P<action>confirm|cancel|capture)")
@@ -321,6 +324,11 @@ def parse_refund(params: list[tuple[str, str]]) -> dict[str, Any] | Reply:
     }
 
 
+def _request_id() -> str:
+    """A new request id, shaped as Stripe's (`req_` and 14 letters or digits)."""
+    return "req_" + "".join(secrets.choice(_REQUEST_ID_ALPHABET) for _ in range(14))
+
+
 class _Server(ThreadingHTTPServer):
     """Threading server that remembers open connections so stop() can close them."""
 
@@ -411,7 +419,7 @@ class _Handler(BaseHTTPRequestHandler):
             self.send_response(reply.status)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(payload)))
-            self.send_header("Request-Id", "req_" + secrets.token_hex(8))
+            self.send_header("Request-Id", _request_id())
             for name, value in reply.headers:
                 self.send_header(name, value)
             self.end_headers()

@@ -162,6 +162,46 @@ def provider_status(view: dict[str, Any]) -> str:
     )
 
 
+def provider_requests(requests: Any) -> str:
+    """The provider requests a row carries, one a line: HTTP status, request id, method, path.
+
+    A request without an answer says why (`no answer: ReadTimeout`); "-" when none.
+    """
+    if not isinstance(requests, list) or not requests:
+        return "-"
+    lines = []
+    for sent in requests:
+        if not isinstance(sent, dict):
+            continue
+        status = sent.get("status")
+        lines.append(
+            (
+                status if status is not None else f"no answer: {sent.get('error') or 'unknown'}",
+                sent.get("request_id") or "no request id",
+                sent.get("method", ""),
+                sent.get("path", ""),
+                " (replayed)" if sent.get("replayed") else "",
+            )
+        )
+    return format_html(
+        '<ul class="desk-requests">{}</ul>',
+        format_html_join(
+            "",
+            '<li><span class="desk-http" title="HTTP status">{}</span> '
+            '<code class="desk-request-id">{}</code> '
+            '<small class="desk-request-path">{} {}{}</small></li>',
+            lines,
+        ),
+    )
+
+
+def request_ids(requests: Any) -> set[str]:
+    """The provider request ids a row's `requests` name."""
+    if not isinstance(requests, list):
+        return set()
+    return {str(r["request_id"]) for r in requests if isinstance(r, dict) and r.get("request_id")}
+
+
 def provider_view_rows(claims: Any, params: dict[str, Any] | None) -> list[dict[str, Any]]:
     """What the provider showed at the last lookup of each step, ready for a table.
 
@@ -188,10 +228,17 @@ def provider_view_rows(claims: Any, params: dict[str, Any] | None) -> list[dict[
                 "amount_differs": amount is not None and ours[0] is not None and theirs != ours,
                 "reference": reference_link(str(view.get("reference") or "")),
                 "checked_at": when(view.get("checked_at")),
-                "source": str(view.get("source") or "-"),
+                "source": _asked_by(view),
+                "requests": provider_requests(view.get("requests")),
             }
         )
     return rows
+
+
+def _asked_by(view: dict[str, Any]) -> str:
+    """Which lookup it was and who asked ("reconciler, reconciler:host:12:ab")."""
+    source, actor = str(view.get("source") or "-"), str(view.get("actor") or "")
+    return f"{source}, {actor}" if actor and actor not in source else source
 
 
 def provider_view_table(claims: Any, params: dict[str, Any] | None, *, what: str = "") -> str:
@@ -207,7 +254,8 @@ def provider_view_table(claims: Any, params: dict[str, Any] | None, *, what: str
         "",
         '<tr><td data-label="step">{}</td><td data-label="status">{}</td>'
         '<td data-label="amount">{}{}</td><td data-label="reference">{}</td>'
-        '<td data-label="checked at">{}</td><td data-label="by">{}</td></tr>',
+        '<td data-label="checked at">{}</td><td data-label="by">{}</td>'
+        '<td data-label="requests">{}</td></tr>',
         (
             (
                 r["step"],
@@ -219,6 +267,7 @@ def provider_view_table(claims: Any, params: dict[str, Any] | None, *, what: str
                 r["reference"],
                 r["checked_at"],
                 r["source"],
+                r["requests"],
             )
             for r in rows
         ),
@@ -233,7 +282,8 @@ def provider_view_table(claims: Any, params: dict[str, Any] | None, *, what: str
     )  # fmt: skip
     return format_html(
         '<table class="desk-table desk-stack desk-provider-view"><thead><tr><th>Step</th><th>Status</th>'
-        "<th>Amount</th><th>Reference</th><th>Checked at</th><th>By</th></tr></thead>"
+        "<th>Amount</th><th>Reference</th><th>Checked at</th><th>By</th><th>Requests</th>"
+        "</tr></thead>"
         "<tbody>{}</tbody></table>{}",
         body,
         warnings,

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from django.contrib.auth.models import PermissionsMixin
 from django.core.exceptions import PermissionDenied
@@ -40,7 +40,7 @@ from payments.desk.rules import (
     settleable_claim,
     verified_success,
 )
-from payments.engine import fence, recovery
+from payments.engine import exchanges, fence, recovery
 from payments.engine.dispatch import dispatch_on_commit
 from payments.engine.effects import EffectResult, StillInProgress
 from payments.engine.handlers import HandlerSpec, get_handler
@@ -129,24 +129,21 @@ def query_provider(operation_ids: list[int], *, user: AbstractBaseUser) -> Query
     actor = actor_of(user)
     ops = {op.pk: op for op in Operation.objects.filter(pk__in=ids).annotate(db_now=Now())}
     outcome_of: dict[int, str] = {}
-    settle_ids = []
+    # The requests each operation's lookups sent that no settled step's row took: its
+    # "queried the provider" row carries them (one recording per operation).
+    sent_for: dict[int, list[dict[str, Any]] | None] = {}
     for op_id, listed in ops.items():
         if fence.lease_alive(listed, fence.clock_of(listed)):
             outcome_of[op_id] = (
                 f"held by {listed.lease_owner} until {when(listed.lease_expires_at)}; not queried"
             )
-        elif listed.state in WORKER_STATES:
-            outcome_of[op_id] = recovery.look_up(listed)
-        else:
-            settle_ids.append(op_id)
-    if settle_ids:
-        claims = StepClaim.objects.filter(operation_id__in=settle_ids).count()
-        report = recovery.reconcile(
-            actor=actor, operation_ids=settle_ids, batch_size=max(claims, 1)
-        )
-        by_key = {key: outcome for outcome, keys in report.outcomes.items() for key in keys}
-        for op_id in settle_ids:
-            outcome_of[op_id] = by_key.get(ops[op_id].key, "nothing_to_settle")
+            continue
+        with exchanges.recording():
+            if listed.state in WORKER_STATES:
+                outcome_of[op_id] = recovery.look_up(listed, actor=actor)
+            else:
+                outcome_of[op_id] = _reconciled(listed, actor)
+            sent_for[op_id] = exchanges.take()
     result = QueryReport()
     for op_id in ids:
         if op_id not in ops:
@@ -160,10 +157,19 @@ def query_provider(operation_ids: list[int], *, user: AbstractBaseUser) -> Query
                 to_state=op.state,
                 actor=actor,
                 reason=f"queried the provider: {outcome.replace('_', ' ')}"[:1000],
+                requests=sent_for.get(op_id) or [],
             )
         result.rows.append(QueryOutcome(op.pk, op.key, outcome, ops[op_id].state, op.state))
     logger.info("operator queried the provider for %s operations: %s", len(ids), result.summary())
     return result
+
+
+def _reconciled(op: Operation, actor: str) -> str:
+    """Reconcile one operation no worker will run, as the reconciler does; its outcome."""
+    claims = StepClaim.objects.filter(operation=op).count()
+    report = recovery.reconcile(actor=actor, operation_ids=[op.pk], batch_size=max(claims, 1))
+    by_key = {key: outcome for outcome, keys in report.outcomes.items() for key in keys}
+    return by_key.get(op.key, "nothing_to_settle")
 
 
 # --- resume ----------------------------------------------------------------------
@@ -246,7 +252,8 @@ def mark_step_succeeded(
             operation_key=op.key,
         )
     check_reference_unused(op, claim, reference)
-    intent = verified_success(op, claim, spec, reference)
+    with exchanges.collected() as sent:  # the check's requests: the decision's audit row
+        intent = verified_success(op, claim, spec, reference)
     with transaction.atomic():
         locked = fence.locked_operation_in_tx(op.pk)
         row = _unchanged_claim_in_tx(claim)
@@ -262,6 +269,7 @@ def mark_step_succeeded(
             reason=f"marked succeeded ({reference}): {reason}",
             reference=reference,
             result={"reference": reference, **intent, "settled_by": actor},
+            requests=sent,
         )
         _resume_in_tx(
             locked, actor=actor, reason=f"step {step} marked succeeded; resuming: {reason}"
@@ -314,25 +322,37 @@ def mark_step_failed(
     # The operator owns the claim while the provider is asked and told: no worker,
     # reconciler or event settles it meanwhile (they find it leased).
     claim = _taken_by_operator(claim, actor, f"to mark it failed: {reason}")
+    # What the provider was asked (replays, a cancel, lookups): on the row written next.
+    sent: list[dict[str, Any]] = []
     try:
-        now = spec.effect(step, op).void(view_of(claim))
+        with exchanges.collected() as sent:
+            now = spec.effect(step, op).void(view_of(claim))
     except StillInProgress as exc:
-        fence.release_claim(claim, actor=actor, reason="mark failed refused: still in progress")
+        fence.release_claim(
+            claim, actor=actor, reason="mark failed refused: still in progress", requests=sent
+        )
         raise DeskError(
             f"step {step} is still in progress at the provider ({exc}): it may still "
             "succeed, so it cannot be marked failed now; nothing was changed",
             operation_key=op.key,
         ) from exc
     except Exception as exc:  # provider down: nothing is decided on a guess
-        fence.release_claim(claim, actor=actor, reason=f"mark failed refused: {type(exc).__name__}")
+        fence.release_claim(
+            claim,
+            actor=actor,
+            reason=f"mark failed refused: {type(exc).__name__}",
+            requests=sent,
+        )
         raise DeskError(
             f"could not check step {step} with the provider ({type(exc).__name__}); "
             "nothing was changed",
             operation_key=op.key,
         ) from exc
-    fence.note_provider_view(claim, now, source=f"mark failed by {actor}")
+    fence.note_provider_view(
+        claim, now, source=f"mark failed by {actor}", actor=actor, requests=sent
+    )
     if now is not None and now.outcome == Outcome.SUCCESS:
-        _settle_done_and_resume(op, claim, spec, now, actor=actor, reason=reason)
+        _settle_done_and_resume(op, claim, spec, now, actor=actor, reason=reason, requests=sent)
         raise FoundSucceeded(
             f"the provider shows step {step} succeeded ({now.reference}) and refused to "
             "cancel it: it is recorded as done and the operation resumes; nothing was "
@@ -340,12 +360,14 @@ def mark_step_failed(
             operation_key=op.key,
         )
     if now is None and not past_grace(claim):
-        fence.release_claim(claim, actor=actor, reason="mark failed refused: within the grace")
+        fence.release_claim(
+            claim, actor=actor, reason="mark failed refused: within the grace", requests=sent
+        )
         grace = payments_settings().reconcile_grace // 60
-        sent = fence.last_request_at(claim)
+        last = fence.last_request_at(claim)
         raise DeskError(
             f"step {step} is not found at the provider, but a request under its key was sent "
-            f"at {sent:%Y-%m-%d %H:%M:%S %Z}, less than {grace} min ago: it may still be "
+            f"at {last:%Y-%m-%d %H:%M:%S %Z}, less than {grace} min ago: it may still be "
             "executed. Try again after the grace period; nothing was changed",
             operation_key=op.key,
         )
@@ -361,6 +383,7 @@ def mark_step_failed(
             reference=now.reference if now is not None else None,
             result=now.as_result() if now is not None else {"status": "not_found"},
             error=f"marked failed by {actor} ({_voided(now)}): {reason}",
+            requests=sent,
         )
         if locked.state != OperationState.FAILED:
             fence.release_in_tx(
@@ -392,8 +415,10 @@ def _settle_done_and_resume(
     *,
     actor: str,
     reason: str,
+    requests: list[dict[str, Any]],
 ) -> None:
-    """Record the operator-held claim done with what the provider showed; resume the operation."""
+    """Record the operator-held claim done with what the provider showed (its `requests`
+    on the audit row); resume the operation."""
     with transaction.atomic():
         locked = fence.locked_operation_in_tx(op.pk)
         check_no_live_lease(locked)
@@ -407,6 +432,7 @@ def _settle_done_and_resume(
             reason=f"the provider shows {found.reference} succeeded: {reason}",
             reference=found.reference,
             result=found.as_result(),
+            requests=requests,
         )
         _resume_in_tx(
             locked, actor=actor, reason=f"step {claim.step} succeeded at the provider; resuming"
@@ -486,7 +512,8 @@ def _check_earlier_attempts_failed_at_provider(op: Operation, actor: str) -> Non
     ).select_related("operation")
     for claim in earlier:
         try:
-            found = spec.effect(claim.step, claim.operation).find(view_of(claim))
+            with exchanges.collected() as sent:
+                found = spec.effect(claim.step, claim.operation).find(view_of(claim))
         except Exception as exc:  # provider down: no new key on a guess
             raise DeskError(
                 f"could not check the earlier attempt {claim.operation.key} with the provider "
@@ -494,7 +521,9 @@ def _check_earlier_attempts_failed_at_provider(op: Operation, actor: str) -> Non
                 operation_key=op.key,
                 action="new_attempt",
             ) from exc
-        fence.note_provider_view(claim, found, source=f"new attempt check by {actor}")
+        fence.note_provider_view(
+            claim, found, source=f"new attempt check by {actor}", actor=actor, requests=sent
+        )
         if found is not None and found.outcome == Outcome.SUCCESS:
             alerts.error(
                 "operation %s step %s was settled failed but the provider shows %s succeeded",

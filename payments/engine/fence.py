@@ -28,7 +28,7 @@ from django.utils import timezone
 from psycopg.sql import SQL, Identifier
 
 from payments.conf import payments_settings
-from payments.engine import driver, transitions
+from payments.engine import driver, exchanges, transitions
 
 # Re-exported (`X as X`): the engine's modules (unit, worker, handlers) ask the fence.
 from payments.engine.driver import KEEP_CURSORS as KEEP_CURSORS
@@ -163,6 +163,9 @@ SETTLE_CLAIM_OR_REFUSE = QUERIES["settle_claim_or_refuse"]
 NOTE_REQUEST_SENT = QUERIES["note_request_sent"]
 #: The SQLSTATE payments_fence_refuse() raises (SETTLE_CLAIM_OR_REFUSE).
 REFUSAL_SQLSTATE = "PF001"
+#: The provider requests an audit row carries (payments.engine.exchanges): what was sent
+#: in the caller's `recording()` block since the last row took them, unless given.
+Requests = list[dict[str, Any]] | None
 
 
 @fence_writer
@@ -237,6 +240,13 @@ def _json(value: Any) -> str | None:
     return None if value is None else json.dumps(value)
 
 
+def _requests_json(requests: Requests) -> str | None:
+    """An audit row's `requests`: those given, else the ones sent since the last row took
+    them (exchanges.take); SQL NULL when there are none."""
+    sent = requests if requests is not None else exchanges.take()
+    return _json(exchanges.bounded(sent) if sent else None)
+
+
 # --- audit -----------------------------------------------------------------------
 
 
@@ -249,12 +259,14 @@ def record_event_in_tx(
     from_state: str = "",
     step: str = "",
     reason: str = "",
+    requests: Requests = None,
 ) -> None:
     """Write one audit row. Runs inside the caller's transaction.
 
     Stamped with PostgreSQL's clock, as the one-statement transitions stamp
     theirs: the trail's order (created_at, id) never depends on which host
-    wrote a row or how far its clock drifts.
+    wrote a row or how far its clock drifts. It carries `requests`, else the
+    provider requests sent since the last row took them (exchanges.take).
     """
     with connection.cursor() as cursor:
         cursor.execute(
@@ -266,6 +278,7 @@ def record_event_in_tx(
                 "to_state": to_state,
                 "actor": actor[:255],
                 "reason": reason,
+                "requests": _requests_json(requests),
             },
         )
 
@@ -978,8 +991,12 @@ def settle_claim(
     reference: str | None = None,
     result: dict[str, Any] | None = None,
     error: str = "",
+    requests: Requests = None,
 ) -> StepClaim:
     """Record a claim's outcome (done, failed, uncertain) with its reference, audited.
+
+    The audit row carries the provider requests that told it (`requests`, else
+    those sent since the last row took them: payments.engine.exchanges).
 
     Only the claim's current owner may settle it (compare-and-set on owner and
     state, through the transition table): anyone else gets NotClaimOwner or
@@ -989,7 +1006,8 @@ def settle_claim(
     if state == ClaimState.DONE:
         # Killed here, the outcome is not recorded: what a crash before the commit leaves.
         failpoint(BEFORE_RECORD_COMMIT)
-    row = _settled(claim, _settle_params(claim, state, actor, reason, reference, result, error))
+    params = _settle_params(claim, state, actor, reason, reference, result, error, requests)
+    row = _settled(claim, params)
     if row is None:
         # Refused: say why, with the row as it is now (an illegal move, or another owner).
         current = StepClaim.objects.select_related("operation").get(pk=claim.pk)
@@ -1008,11 +1026,13 @@ def settle_claim_again(
     reason: str = "",
     reference: str | None = None,
     result: dict[str, Any] | None = None,
+    requests: Requests = None,
 ) -> StepClaim | None:
     """settle_claim for an outcome queued in a transaction that rolled back: written on
     its own now, or, when the claim is no longer the actor's to settle (taken over,
     settled meanwhile), nothing: None, with a warning (its owner settles it)."""
-    row = _settled(claim, _settle_params(claim, state, actor, reason, reference, result, ""))
+    params = _settle_params(claim, state, actor, reason, reference, result, "", requests)
+    row = _settled(claim, params)
     if row is None:
         logger.warning(
             "outcome of %s:%s not written again after a rollback: the claim is no longer "
@@ -1040,6 +1060,7 @@ def _settle_params(
     reference: str | None,
     result: dict[str, Any] | None,
     error: str,
+    requests: Requests,
 ) -> dict[str, Any]:
     return {
         "id": claim.pk,
@@ -1051,6 +1072,7 @@ def _settle_params(
         "result": _json(result),
         "error": error[:2000],
         "reason": reason or error[:500],
+        "requests": _requests_json(requests),
     }
 
 
@@ -1062,6 +1084,7 @@ def queue_outcome_in_tx(
     reason: str = "",
     reference: str | None = None,
     result: dict[str, Any] | None = None,
+    requests: Requests = None,
 ) -> None:
     """Queue a claim's outcome, known outside (a call answered, an e-mail sent), in the
     open transaction: settle_claim's change, sent ahead of its answer.
@@ -1080,7 +1103,7 @@ def queue_outcome_in_tx(
         # Killed here, the outcome is not recorded: what a crash before the commit leaves.
         failpoint(BEFORE_RECORD_COMMIT)
     key, step = claim.operation.key, claim.step
-    params = _settle_params(claim, state, actor, reason, reference, result, "")
+    params = _settle_params(claim, state, actor, reason, reference, result, "", requests)
     params["refusal"] = (
         f"claim {key}:{step} was not settled {state} by {actor[:255]}: "
         "taken over, or settled by someone else meanwhile"
@@ -1089,9 +1112,26 @@ def queue_outcome_in_tx(
 
 
 @fence_writer
-def note_provider_view(claim: StepClaim, found: EffectResult | None, *, source: str) -> None:
-    """Remember what the provider showed for a claim (None: not found). Not a state change."""
+def note_provider_view(
+    claim: StepClaim,
+    found: EffectResult | None,
+    *,
+    source: str,
+    actor: str = "",
+    requests: Requests = None,
+) -> None:
+    """Remember what the provider showed for a claim (None: not found). Not a state change.
+
+    With who asked (`actor`) and the requests the lookup sent (`requests`, else
+    exchanges.peek: they stay for the audit row a change of state writes next; a lookup
+    that changes nothing has only this view, which the next lookup replaces).
+    """
     view: dict[str, Any] = {"source": source, "checked_at": db_now().isoformat()}
+    if actor:
+        view["actor"] = actor[:255]
+    sent = requests if requests is not None else exchanges.peek()
+    if sent:
+        view["requests"] = exchanges.bounded(sent)
     if found is None:
         view["status"] = "not_found"
     else:
@@ -1129,14 +1169,20 @@ _UNCHANGED: Any = object()
 
 @fence_writer
 def release_claim(
-    claim: StepClaim, *, actor: str, reason: str, last_request_at: Any = _UNCHANGED
+    claim: StepClaim,
+    *,
+    actor: str,
+    reason: str,
+    last_request_at: Any = _UNCHANGED,
+    requests: Requests = None,
 ) -> None:
     """Drop a claim's lease after a transient failure: the next attempt may take it at once.
 
     Only its owner releases it; the owner stays recorded. Its state stays: a
     claimed row is then "released" (lease gone: nothing ran), an uncertain one
     stays uncertain (an earlier call may have run). `last_request_at` puts back
-    the time of the request before one that was never sent.
+    the time of the request before one that was never sent. The audit row carries
+    `requests` (else: record_event_in_tx's).
     """
     with transaction.atomic():
         row = _locked_claim_in_tx(claim.pk)
@@ -1156,6 +1202,7 @@ def release_claim(
             to_state=row.state,
             actor=actor,
             reason=f"released after transient failure: {reason}"[:2000],
+            requests=requests,
         )
 
 

@@ -23,7 +23,7 @@ from rq.job import Job, JobStatus
 from rq.registry import ScheduledJobRegistry, StartedJobRegistry
 
 from payments.conf import payments_settings
-from payments.engine import fence
+from payments.engine import exchanges, fence
 from payments.engine.dispatch import dispatch, dispatch_on_commit
 from payments.engine.effects import EffectResult, reversal_step
 from payments.engine.handlers import GIVE_UP_STEP, HandlerSpec, get_handler
@@ -253,21 +253,26 @@ def _resume_stranded(actor: str, report: ReconcileReport) -> None:
             report.add("resumed", op.key)
 
 
-def look_up(op: Operation) -> str:
+@exchanges.recorded
+def look_up(op: Operation, *, actor: str = "") -> str:
     """Read what the provider shows for the operation's external steps; change nothing.
 
     For operations a worker may still run: no replay (it could execute a call
     beside the worker's), no claim taken or settled. Returns a short summary.
+    Each step's provider view keeps its lookup's requests and who asked (`actor`);
+    the caller's audit row, in its `recording()` block, may take them all.
     """
     spec = get_handler(op.kind)
     found = []
     for claim in StepClaim.objects.filter(operation=op, step__in=list(spec.effects)):
+        before = len(exchanges.peek() or [])
         try:
             result = spec.effect(claim.step, op).find(view_of(claim))
         except Exception as exc:  # provider down: say so, change nothing
             found.append(f"{claim.step}: lookup failed ({type(exc).__name__})")
             continue
-        fence.note_provider_view(claim, result, source="query")
+        mine = (exchanges.peek() or [])[before:]
+        fence.note_provider_view(claim, result, source="query", actor=actor, requests=mine)
         if result is None:
             found.append(f"{claim.step}: not found yet")
         else:

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from rq.timeouts import BaseTimeoutException
 
 from payments.conf import payments_settings
-from payments.engine import fence, telemetry
+from payments.engine import exchanges, fence, telemetry
 from payments.engine.effects import ClaimView, EffectResult, ExternalEffect, StillInProgress
 from payments.engine.failpoints import AFTER_CLAIM_COMMIT, AFTER_PROVIDER_ACCEPT, failpoint
 from payments.engine.outcomes import Outcome
@@ -147,11 +147,13 @@ def reconcile_step(
         claim,
         EffectResult(Outcome.SUCCESS, reference=str(result.get("reference", "")), data=shown),
         source="same-key replay",
+        actor=actor,
     )
     return result
 
 
 @telemetry.traced("external", call=True)
+@exchanges.recorded
 def call_effect(
     claim: StepClaim,
     effect: ExternalEffect,
@@ -187,7 +189,7 @@ def call_effect(
         reason = reason[:500]
         if outcome == Outcome.TRANSIENT:
             # Nothing was executed: the grace still counts from the request sent before.
-            unsent = {} if first else {"last_request_at": sent_before}
+            unsent: dict[str, Any] = {} if first else {"last_request_at": sent_before}
             fence.release_claim(claim, actor=actor, reason=reason, **unsent)
             error = StepTransient(reason, operation_key=op_key, step=step, provider_code=code)
             error.in_flight = bool(getattr(exc, "in_flight", False))
@@ -231,6 +233,7 @@ def _record(
     )
 
 
+@exchanges.recorded
 def _settle_from_lookup(claim: StepClaim, effect: ExternalEffect, *, actor: str) -> dict[str, Any]:
     op_key, step = claim.operation.key, claim.step
     try:
@@ -264,7 +267,7 @@ def _settle_from_lookup(claim: StepClaim, effect: ExternalEffect, *, actor: str)
                 step=step,
             ) from exc
         raise StepTransient(reason, operation_key=op_key, step=step) from exc
-    fence.note_provider_view(claim, found, source="reconciler")
+    fence.note_provider_view(claim, found, source="reconciler", actor=actor)
     if found is not None:
         # One provider success settles one step; a refusal may name an object an earlier
         # step succeeded with (a capture refused on the authorisation's cancelled intent).

@@ -54,7 +54,7 @@ from typing import Any, TypeVar
 from django.db import DatabaseError, connection, transaction
 from psycopg import pq
 
-from payments.engine import fence
+from payments.engine import exchanges, fence
 from payments.exceptions import InvalidTransition
 from payments.models import ClaimState, StepClaim
 
@@ -127,8 +127,9 @@ class WorkUnit:
     def record_outcome(self, claim: StepClaim, state: ClaimState, **settled: Any) -> None:
         """Queue a claim's outcome, known outside, in the unit (fence.queue_outcome_in_tx,
         `settled` its arguments); write it alone if the unit rolls back
-        (fence.settle_claim_again)."""
+        (fence.settle_claim_again), with the same provider requests (exchanges.take)."""
         self.join()
+        settled.setdefault("requests", exchanges.take())
         fence.queue_outcome_in_tx(claim, state, **settled)
         self._redo.append(lambda: fence.settle_claim_again(claim, state, **settled))
 

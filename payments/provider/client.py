@@ -48,7 +48,9 @@ The lists (`list_payment_intents`, `list_refunds`, `list_events`) follow
 
 Logs carry method, path, status, request id, idempotency key, intent id and
 refund id only: never the API key, the payment method, metadata values or
-bodies.
+bodies. The same method, path, status, request id and key of every request
+are noted for the fence's rows (`payments.engine.exchanges`), inside the
+engine's and the desk's `recording()` blocks only.
 """
 
 from __future__ import annotations
@@ -65,6 +67,7 @@ from typing import Any, Protocol, TypeVar
 import requests
 from requests.adapters import HTTPAdapter
 
+from payments.engine import exchanges
 from payments.engine.outcomes import Outcome
 from payments.provider.errors import (
     ProviderError,
@@ -691,6 +694,14 @@ class ProviderClient:
                 )
         except requests.RequestException as exc:
             failure = classify_exception(exc, context=context)
+            exchanges.sent(
+                method,
+                path,
+                status=None,
+                request_id=None,
+                idempotency_key=idempotency_key,
+                error=type(exc).__name__,
+            )
             logger.info(
                 "provider call failed %s %s outcome=%s idempotency_key=%s error=%s",
                 method,
@@ -703,6 +714,16 @@ class ProviderClient:
 
         status = response.status_code
         replayed = response.headers.get("Idempotent-Replayed", "").lower() == "true"
+        request_id = response.headers.get("Request-Id")
+        # Every answer, a success as much as a refusal: what the provider's support asks for.
+        exchanges.sent(
+            method,
+            path,
+            status=status,
+            request_id=request_id,
+            idempotency_key=idempotency_key,
+            replayed=replayed,
+        )
         try:
             body: Any = response.json()
             readable = True
@@ -716,7 +737,7 @@ class ProviderClient:
             error = UncertainProviderError(
                 f"{context}: HTTP {status} with an unreadable body",
                 http_status=status,
-                request_id=response.headers.get("Request-Id"),
+                request_id=request_id,
                 replayed=replayed,
             )
         pi_id, refund_id = _logged_ids(body, error)
@@ -728,7 +749,7 @@ class ProviderClient:
             method,
             path,
             status,
-            response.headers.get("Request-Id"),
+            request_id,
             idempotency_key,
             pi_id,
             refund_id,
@@ -737,7 +758,7 @@ class ProviderClient:
         )
         if error is not None:
             raise error
-        return _Answer(context, body, status, response.headers.get("Request-Id"), replayed)
+        return _Answer(context, body, status, request_id, replayed)
 
 
 @dataclass(frozen=True)

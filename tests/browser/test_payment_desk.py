@@ -11,6 +11,7 @@ Screenshots land in artifacts/screenshots/ (gitignored), named by width.
 from __future__ import annotations
 
 import io
+import re
 from pathlib import Path
 
 import pytest
@@ -94,6 +95,16 @@ def test_order_charged_twice__both_red_refunded_from_its_page(tab, live_server, 
     charge = Operation.objects.get(key="web-twice").claims.get(step="charge")
     assert charge.idempotency_key in timeline
     assert "UTC (" in timeline  # the local time beside (Europe/Paris)
+    # The charge's outcome row: the worker's request, its HTTP status and request id.
+    done = (
+        tab.locator("#desk-timeline tr.desk-timeline-outcome")
+        .filter(has_text="web-twice / charge")
+        .filter(has_text="→ done")
+    )
+    assert done.count() == 1
+    assert done.locator("td.desk-answer .desk-http").inner_text() == "200"
+    assert re.fullmatch(r"req_\w+", done.locator("code.desk-request-id").inner_text())
+    assert charge.claimed_by in done.locator("td.desk-who").inner_text()
     shot(tab, "01-order-charged-twice")
 
     tab.locator("a.desk-refund-duplicate").click()
@@ -125,6 +136,18 @@ def test_order_charged_twice__both_red_refunded_from_its_page(tab, live_server, 
     assert f"No step has {duplicate}" in tab.locator("ul.messagelist").inner_text()
     assert "web-twice" in tab.locator("#result_list").inner_text()
     shot(tab, "05-search-a-reference-no-step-has")
+
+    # The operation's page lists the same request on its audit trail.
+    checkout = Operation.objects.get(key="web-twice")
+    tab.goto(f"{live_server.url}/admin/payments/operation/{checkout.pk}/change/")
+    row = tab.locator(".inline-group tr.has_original").filter(
+        has=tab.locator("td.field-requests_shown .desk-http")
+    )
+    assert row.count() == 1
+    assert row.locator(".desk-http").inner_text() == "200"
+    assert re.fullmatch(r"req_\w+", row.locator("code.desk-request-id").inner_text())
+    shot(tab, "06-operation-audit-trail-requests")
+    row.screenshot(path=str(SHOTS / f"31-{tab.width}-07-audit-row-with-its-request.png"))
 
 
 def test_desk_pages__cases_chart_actions_and_the_rq_permission(tab, live_server, provider, queue):

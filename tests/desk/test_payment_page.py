@@ -108,3 +108,42 @@ def test_refund_from_the_desk__needs_refund_order_and_names_it(provider, queue):
     response = client_for(make_user("otto", *VIEW, RECONCILE)).get(refund_url(order))
     assert response.status_code == 403
     assert REFUND in response.content.decode()
+
+
+def test_order_page__paid_by_a_worker__timeline_shows_the_charge_http_200_and_request_id(
+    provider, queue
+):
+    order = flows.paid_order(queue)
+    done = OperationEvent.objects.get(
+        operation__entity_id=str(order.pk), step="charge", to_state="done"
+    )
+
+    page = client_for(make_user("vera", *VIEW)).get(order_url(order)).content.decode()
+
+    timeline = page.split('id="desk-timeline"', 1)[1].split("</table>", 1)[0]
+    rows = [r for r in timeline.split("<tr")[1:] if "/ charge" in r and "→ done" in r]
+    assert len(rows) == 1, "one outcome row for the charge"
+    answer = re.search(r'class="desk-http"[^>]*>\s*(\d{3})\b.*?(req_\w+)', rows[0], re.S)
+    assert answer is not None, "the charge's row shows its HTTP status and request id"
+    assert answer.group(1) == "200"
+    assert done.actor in rows[0]  # who sent it: the worker
+
+
+def test_order_page__operator_queried_a_lost_answer__the_replay_shown_as_the_operator_s(
+    provider, queue
+):
+    from payments.desk.services import query_provider
+
+    op = flows.uncertain_after_read_timeout(provider, queue, key="lost-then-asked")
+    olga = make_user("olga", *VIEW, RECONCILE)
+
+    query_provider([op.pk], user=olga)
+
+    order = Order.objects.get(pk=int(op.entity_id))
+    page = client_for(olga).get(order_url(order)).content.decode()
+    timeline = page.split('id="desk-timeline"', 1)[1].split("</table>", 1)[0]
+    lost = [r for r in timeline.split("<tr")[1:] if "/ charge" in r and "claimed → uncertain" in r]
+    done = [r for r in timeline.split("<tr")[1:] if "/ charge" in r and "→ done" in r]
+    assert len(lost) == 1 and "no answer: ReadTimeout" in lost[0]
+    assert len(done) == 1 and "operator:olga" in done[0] and "(replayed)" in done[0]
+    assert re.search(r'class="desk-http"[^>]*>200<.*?req_\w+', done[0], re.S)

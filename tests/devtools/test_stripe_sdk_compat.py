@@ -8,6 +8,7 @@ every SDK call is exactly one HTTP request and the fake's counts stay exact.
 from __future__ import annotations
 
 import json
+import re
 import time
 
 import pytest
@@ -59,6 +60,20 @@ def test_retrieve__with_expand_params(sdk):
     with pytest.raises(stripe.InvalidRequestError) as info:
         sdk.v1.payment_intents.retrieve("pi_missing")
     assert info.value.code == "resource_missing" and info.value.http_status == 404
+
+
+def test_every_answer__the_sdk_reads_its_request_id(sdk):
+    created = sdk.v1.payment_intents.create(charge_params("request-id"))
+    fetched = sdk.v1.payment_intents.retrieve(created.id)
+    listed = sdk.v1.payment_intents.list({"limit": 1})
+    with pytest.raises(stripe.InvalidRequestError) as info:
+        sdk.v1.payment_intents.retrieve("pi_missing")
+
+    ids = [r.last_response.request_id for r in (created, fetched, listed)]
+    ids.append(info.value.request_id)
+    assert all(re.fullmatch(r"req_[A-Za-z0-9]{14}", i or "") for i in ids), ids
+    assert len(set(ids)) == 4  # one per answer, as Stripe's
+    assert created.last_response.code == 200 and info.value.http_status == 404
 
 
 def test_search__by_metadata(sdk):

@@ -25,7 +25,13 @@ from django.urls import reverse
 from django.utils.html import format_html
 
 from payments.desk import refund as desk_refund
-from payments.desk.display import reference_link, state_badge, when
+from payments.desk.display import (
+    provider_requests,
+    reference_link,
+    request_ids,
+    state_badge,
+    when,
+)
 from payments.desk.views.queries import first_error_of, not_found_kind
 from payments.engine.handlers import get_handler
 from payments.exceptions import ConfigurationError
@@ -202,7 +208,11 @@ def money_summary(order: Any, rows: list[Movement]) -> dict[str, str]:
 
 
 def timeline(ops: list[Operation]) -> list[dict[str, Any]]:
-    """Every provider request (claims and their audit rows) and provider event, oldest first."""
+    """Every provider request (claims and their audit rows) and provider event, oldest first.
+
+    An audit row shows the requests behind it (HTTP status, request id); a step's last
+    lookup that changed nothing, only in its provider view, is a row of its own.
+    """
     by_id = {op.pk: op for op in ops}
     entries: list[tuple[datetime, int, dict[str, Any]]] = []
     requests: dict[int, dict[str, StepClaim]] = {}
@@ -226,16 +236,22 @@ def timeline(ops: list[Operation]) -> list[dict[str, Any]]:
             reason="claimed"
         )  # the claim's own row says it
     )
+    audited: set[str] = set()  # request ids an audit row shows
     for event in events.order_by("created_at", "id")[:TIMELINE_ROWS]:
         op = by_id[event.operation_id]
         step_claim = requests[op.pk].get(event.step)
         if step_claim is None:
             continue  # a local step of the same name in another operation
+        audited |= request_ids(event.requests)
         entries.append(
             (event.created_at, 2, {"operation": op, "step": event.step, "what": "outcome",
              "key": step_claim.idempotency_key if step_claim else "", "who": event.actor,
-             "outcome": f"{event.from_state or '-'} → {event.to_state}: {event.reason}".rstrip(": ")})
+             "outcome": f"{event.from_state or '-'} → {event.to_state}: {event.reason}".rstrip(": "),
+             "requests": provider_requests(event.requests)})
         )  # fmt: skip
+    for op in ops:
+        for claim in requests[op.pk].values():
+            entries.extend(_last_lookup(op, claim, audited))
     provider_events = ProviderEvent.objects.filter(operation__in=list(by_id))
     for pe in provider_events.order_by("created", "id")[:TIMELINE_ROWS]:
         entries.append(
@@ -248,6 +264,28 @@ def timeline(ops: list[Operation]) -> list[dict[str, Any]]:
         {**entry, "when": when(at), "at": at.isoformat(), "op_url": _op_url(entry["operation"])}
         for at, _, entry in entries[-TIMELINE_ROWS:]
     ]
+
+
+def _last_lookup(
+    op: Operation, claim: StepClaim, audited: set[str]
+) -> list[tuple[datetime, int, dict[str, Any]]]:
+    """The claim's last lookup as a timeline row, when its requests are on no audit row."""
+    view = claim.provider_view if isinstance(claim.provider_view, dict) else {}
+    sent = view.get("requests")
+    ids = request_ids(sent)
+    if not sent or (ids and ids <= audited):
+        return []
+    try:
+        at = datetime.fromisoformat(str(view.get("checked_at")))
+    except ValueError:
+        return []
+    status = view.get("status") or view.get("outcome") or "-"
+    return [
+        (at, 2, {"operation": op, "step": claim.step, "what": "look-up",
+         "key": claim.idempotency_key, "who": view.get("actor") or view.get("source") or "-",
+         "outcome": f"{view.get('source') or 'lookup'}: {status} {view.get('reference') or ''}".strip(),
+         "requests": provider_requests(sent)})
+    ]  # fmt: skip
 
 
 def errors_shown(op: Operation) -> str:

@@ -23,11 +23,12 @@
 SELECT now()
 
 -- record_event --
--- One audit row, stamped by the database's clock like every statement below.
+-- One audit row, stamped by the database's clock like every statement below, with the
+-- provider requests behind it (NULL: none).
 INSERT INTO payments_operationevent
-    (operation_id, step, from_state, to_state, actor, reason, created_at)
+    (operation_id, step, from_state, to_state, actor, reason, requests, created_at)
 VALUES (%(operation)s, %(step)s, %(from_state)s, %(to_state)s, %(actor)s, %(reason)s,
-        statement_timestamp())
+        %(requests)s::jsonb, statement_timestamp())
 
 -- create_operation --
 -- Create an operation (none -> pending), audited; a key already taken returns nothing.
@@ -278,7 +279,8 @@ SELECT id, operation_id, step, state, idempotency_key, provider_reference, reque
 FROM inserted
 
 -- settle_claim --
--- claimed | uncertain (held by this actor) -> done | failed | uncertain, audited.
+-- claimed | uncertain (held by this actor) -> done | failed | uncertain, audited with the
+-- provider requests that told the outcome (%(requests)s, NULL: none).
 WITH old AS (
     SELECT id, state FROM payments_stepclaim WHERE id = %(id)s FOR UPDATE
 ), settled AS (
@@ -302,9 +304,9 @@ WITH old AS (
               claim.updated_at, claim.requests_sent, old.state AS from_state
 ), audit AS (
     INSERT INTO payments_operationevent
-        (operation_id, step, from_state, to_state, actor, reason, created_at)
+        (operation_id, step, from_state, to_state, actor, reason, requests, created_at)
     SELECT operation_id, step, from_state, %(to_state)s::text, %(actor)s::text,
-           %(reason)s::text, statement_timestamp()
+           %(reason)s::text, %(requests)s::jsonb, statement_timestamp()
     FROM settled
 )
 SELECT id, operation_id, step, state, idempotency_key, provider_reference, request,
@@ -340,9 +342,9 @@ WITH old AS (
               claim.updated_at, claim.requests_sent, old.state AS from_state
 ), audit AS (
     INSERT INTO payments_operationevent
-        (operation_id, step, from_state, to_state, actor, reason, created_at)
+        (operation_id, step, from_state, to_state, actor, reason, requests, created_at)
     SELECT operation_id, step, from_state, %(to_state)s::text, %(actor)s::text,
-           %(reason)s::text, statement_timestamp()
+           %(reason)s::text, %(requests)s::jsonb, statement_timestamp()
     FROM settled
 )
 SELECT settled.id, settled.operation_id, settled.step, settled.state,
