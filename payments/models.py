@@ -300,6 +300,13 @@ class Operation(FenceModel):
                 name="payments_op_failed",
                 condition=Q(state=OperationState.FAILED),
             ),
+            # Succeeded ones by when they succeeded (migration 0020): the desk's chart reads
+            # the last day's range; written once per operation, when it succeeds.
+            models.Index(
+                fields=["updated_at"],
+                name="payments_op_succeeded",
+                condition=Q(state=OperationState.SUCCEEDED),
+            ),
             models.Index(fields=["entity_type", "entity_id"], name="payments_op_entity"),
             # A retry's first attempt, a follow-up's parent: most rows have none.
             models.Index(

@@ -158,6 +158,14 @@ class Template:
             return cls(*cursor.fetchone())
 
 
+def first_free_copy(template: Template) -> int:
+    """The first copy whose ids are all free: past every row written since the template
+    (earlier copies, and the checkouts a bench ran beside them)."""
+    now = Template.read()
+    spans = ("orders", "operations", "claims", "events", "invoices", "ledger", "inbox")
+    return max(1, *(-(-getattr(now, name) // max(1, getattr(template, name))) for name in spans))
+
+
 def copies_for(template: Template, operations: int) -> int:
     """How many copies of the template make about `operations` operations in all."""
     return max(0, -(-operations // max(1, template.operation_count)) - 1)

@@ -40,6 +40,7 @@ from payments.engine.driver import has_queued as has_queued
 from payments.engine.driver import is_interruption as is_interruption
 from payments.engine.effects import EffectResult
 from payments.engine.failpoints import BEFORE_RECORD_COMMIT, failpoint
+from payments.engine.signals import operation_state_changed
 from payments.engine.sql import QUERIES
 from payments.engine.writes import fence_writer
 from payments.exceptions import (
@@ -283,6 +284,24 @@ def record_event_in_tx(
         )
 
 
+def _announce_change(kind: str, from_state: str, to_state: str) -> None:
+    """Send `operation_state_changed` when the caller's transaction commits (at once
+    outside one, where the statement has committed already); a same-state note sends
+    nothing. A receiver's error is logged, never raised into the commit (robust)."""
+    if from_state == to_state:
+        return
+    transaction.on_commit(
+        functools.partial(
+            operation_state_changed.send,
+            sender=Operation,
+            kind=kind,
+            from_state=from_state,
+            to_state=to_state,
+        ),
+        robust=True,
+    )
+
+
 # --- operations ------------------------------------------------------------------
 
 
@@ -437,6 +456,7 @@ def transition_in_tx(
         record_event_in_tx(
             operation, from_state=from_state, to_state=to_state, actor=actor, reason=reason
         )
+    _announce_change(operation.kind, from_state, to_state)
 
 
 @fence_writer
@@ -628,7 +648,7 @@ def release_held_lease(
         values[f"set_{name}"] = given
         value = fields.get(name)
         values[name] = _json(value) if name == "result" and given else value
-    return _one(
+    released = _one(
         Operation,
         RELEASE_HELD_LEASE,
         {
@@ -639,6 +659,9 @@ def release_held_lease(
             **values,
         },
     )
+    if released is not None:
+        _announce_change(released.kind, OperationState.RUNNING, to_state)
+    return released
 
 
 @fence_writer
@@ -670,6 +693,7 @@ def deliver_message_in_tx(
         return None
     if op.pk is None:
         _refuse_success(operation_id)
+    _announce_change(op.kind, op.from_state, OperationState.SUCCEEDED)
     return op
 
 
@@ -699,6 +723,7 @@ def succeed_message_in_tx(operation_id: int, *, actor: str, reason: str) -> Oper
     )
     if op is None:
         _refuse_success(operation_id)
+    _announce_change(op.kind, op.from_state, OperationState.SUCCEEDED)
     return op
 
 

@@ -24,7 +24,7 @@ import importlib
 import importlib.util
 import logging
 import pkgutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any, cast
@@ -337,18 +337,29 @@ def entity_models() -> tuple[type[Model], ...]:
     return tuple(sorted(found, key=lambda model: model._meta.label))
 
 
-def money_moved(operation: Operation) -> tuple[int, str] | None:
+def money_moved(
+    operation: Operation, done_claims: Iterable[StepClaim] | None = None
+) -> tuple[int, str] | None:
     """The money an operation's done external steps moved, by their effects' own reading
     (`money(result)`: a capture's captured amount, not the amount asked for); None when
-    none moved any (nothing done yet, or a kind whose effects move no money)."""
+    none moved any (nothing done yet, or a kind whose effects move no money).
+
+    `done_claims`: the operation's claims when the caller read them already (a list's
+    prefetch, one query for its page), else they are read here.
+    """
     spec = _HANDLERS.get(operation.kind)
     if spec is None or not spec.effects:
         return None
+    if done_claims is None:
+        done_claims = operation.claims.filter(
+            state=ClaimState.DONE, step__in=list(spec.effects)
+        ).only("operation_id", "step", "state", "result")
     total, currency = 0, ""
-    done = operation.claims.filter(state=ClaimState.DONE, step__in=list(spec.effects))
-    for step, result in done.values_list("step", "result"):
-        money = getattr(spec.effects[step], "money", None)
-        moved = money(result or {}) if money is not None else None
+    for claim in done_claims:
+        if claim.state != ClaimState.DONE or claim.step not in spec.effects:
+            continue
+        money = getattr(spec.effects[claim.step], "money", None)
+        moved = money(claim.result or {}) if money is not None else None
         if moved is not None:
             total, currency = total + moved[0], moved[1]
     return (total, currency) if currency else None

@@ -4,13 +4,15 @@ RQ runs each job in a forked work horse that exits after the job, so an
 in-process counter dies with it. Hence two sources, both outside the process:
 
 - gauges are computed from the database and RQ's registries on every scrape
-  (`FenceCollector`): claims by kind, step and state, operations by kind and
-  state, the oldest uncertain claim, the last fence audit, jobs by RQ status;
-- true counters are either derived from rows that are never deleted
-  (retries = OperationEvent rows into `retrying`), or kept in Redis with
-  HINCRBY under the `observability:counter:` prefix of the queue's Redis
-  (provider calls by kind, step and outcome class, inbox duplicates skipped
-  per consumer).
+  (`FenceCollector`), each over rows that are not finished, through the
+  partial indexes of migration 0014, never over the history: unsettled claims
+  by kind, step and state, unfinished operations by kind and state, the
+  oldest uncertain claim, the last fence audit, jobs by RQ status;
+- true counters are kept in Redis with HINCRBY under the
+  `observability:counter:` prefix of the queue's Redis: operations' state
+  changes by kind and new state, counted when their transaction commits
+  (finished operations, retries), provider calls by kind, step and outcome
+  class, inbox duplicates skipped per consumer.
 
 The `kind` and `step` labels are bounded: their values are the registered
 handlers' kinds and step names (`registered_handlers()`); anything else (a
@@ -52,11 +54,12 @@ from inbox.signals import duplicate_skipped
 from payments.engine.handlers import registered_handlers
 from payments.engine.outcomes import Outcome
 from payments.engine.queues import PROBE_TIMEOUT, redis_client
-from payments.engine.signals import provider_call_finished
+from payments.engine.signals import operation_state_changed, provider_call_finished
 from payments.models import (
+    UNFINISHED_OPERATION_STATES,
+    UNSETTLED_CLAIM_STATES,
     ClaimState,
     FenceAuditRun,
-    OperationEvent,
     OperationState,
     StepClaim,
 )
@@ -67,6 +70,16 @@ logger = logging.getLogger("payments.observability.metrics")
 COUNTER_PREFIX = "observability:counter:"
 PROVIDER_CALLS = "payments_provider_calls_total"
 INBOX_DUPLICATES = "inbox_duplicates_skipped_total"
+TRANSITIONS = "payments_operation_transitions_total"
+#: The states whose entries are counted: every outcome of a run or a decision. Not
+#: pending (a new operation) nor running (a lease taken): neither says how work ended.
+COUNTED_STATES = (
+    OperationState.RETRYING,
+    OperationState.SUCCEEDED,
+    OperationState.FAILED,
+    OperationState.UNCERTAIN,
+    OperationState.NEEDS_REVIEW,
+)
 #: The label value every kind, step or outcome outside the known sets is folded into.
 OTHER = "other"
 #: Joins the labels of one counter field in its Redis hash (`kind|step|outcome`).
@@ -129,6 +142,14 @@ def count_provider_call_of_engine(
     count_provider_call(outcome, kind=kind, step=step)
 
 
+@receiver(operation_state_changed)
+def count_state_change(sender: object, *, kind: str, to_state: str, **kwargs: object) -> None:
+    """Count one operation entering `to_state` (the engine's signal, sent on commit)."""
+    if to_state in COUNTED_STATES:
+        kind = kind if kind in registered_handlers() else OTHER
+        increment(TRANSITIONS, FIELD_SEPARATOR.join((kind, str(to_state))))
+
+
 @receiver(duplicate_skipped)
 def count_inbox_duplicate(sender: object, *, consumer: str, **kwargs: object) -> None:
     """Count one redelivered message that the inbox skipped (the inbox's signal)."""
@@ -157,6 +178,19 @@ def _provider_calls(client: Redis) -> dict[tuple[str, str, str], float]:
         labels = (kind, step, _bounded_outcome(outcome))
         calls[labels] = calls.get(labels, 0.0) + count
     return calls
+
+
+def _transitions(client: Redis) -> dict[tuple[str, str], float]:
+    """Read the state-change counters as (kind, state) -> count, every known pair present."""
+    kinds = registered_handlers()
+    counted = {(kind, str(state)): 0.0 for kind in kinds for state in COUNTED_STATES}
+    for name, count in _read_counters(client, TRANSITIONS).items():
+        kind, _, state = name.partition(FIELD_SEPARATOR)
+        if state not in COUNTED_STATES:
+            continue
+        labels = (kind if kind in kinds else OTHER, state)
+        counted[labels] = counted.get(labels, 0.0) + count
+    return counted
 
 
 # --- the collector ------------------------------------------------------------------
@@ -200,19 +234,22 @@ class FenceCollector(Collector):
 
     def _database(self) -> Iterator[Metric]:
         steps = known_steps()
+        # Unsettled claims only, through their partial index: a settled claim is history
+        # (payments_provider_calls_total counts how calls ended).
         claims = GaugeMetricFamily(
             "payments_step_claims",
-            "Step claims by operation kind, step and state.",
+            "Unsettled step claims (claimed, uncertain) by operation kind, step and state.",
             labels=["kind", "step", "state"],
         )
         claim_counts: dict[tuple[str, str, str], int] = {
             (kind, step, state.value): 0
             for kind, names in steps.items()
             for step in names
-            for state in ClaimState
+            for state in UNSETTLED_CLAIM_STATES
         }
         rows = (
-            StepClaim.objects.values_list("operation__kind", "step", "state")
+            StepClaim.objects.filter(state__in=UNSETTLED_CLAIM_STATES)
+            .values_list("operation__kind", "step", "state")
             .annotate(n=Count("id"))
             .values_list("operation__kind", "step", "state", "n")
         )
@@ -223,17 +260,20 @@ class FenceCollector(Collector):
             claims.add_metric(list(labels), n)
         yield claims
 
+        # Unfinished operations only, through their partial index: the finished ones are
+        # counted as they finish (payments_operation_transitions_total).
         operations = GaugeMetricFamily(
             "payments_operations",
-            "Operations by kind and state (uncertain and needs_review want a person or the "
-            "reconciler).",
+            "Unfinished operations by kind and state (uncertain and needs_review want a "
+            "person or the reconciler).",
             labels=["kind", "state"],
         )
         op_counts: dict[tuple[str, str], int] = {
-            (kind, op_state.value): 0 for kind in steps for op_state in OperationState
+            (kind, op_state.value): 0 for kind in steps for op_state in UNFINISHED_OPERATION_STATES
         }
         op_rows = (
-            OperationRow.objects.values_list("kind", "state")
+            OperationRow.objects.filter(state__in=UNFINISHED_OPERATION_STATES)
+            .values_list("kind", "state")
             .annotate(n=Count("id"))
             .values_list("kind", "state", "n")
         )
@@ -253,13 +293,6 @@ class FenceCollector(Collector):
             "Age of the oldest uncertain claim since it was claimed; 0 when there is none.",
             value=max(age, 0.0),
         )
-
-        retries = CounterMetricFamily(
-            "payments_operation_retries",
-            "Transient failures that scheduled another attempt (OperationEvent rows).",
-            value=OperationEvent.objects.filter(to_state=OperationState.RETRYING).count(),
-        )
-        yield retries
 
         last = FenceAuditRun.objects.order_by("-finished_at").first()
         if last is not None:
@@ -292,6 +325,22 @@ class FenceCollector(Collector):
         for labels, count in sorted(counted.items()):
             calls.add_metric(list(labels), count)
         yield calls
+
+        transitions = CounterMetricFamily(
+            "payments_operation_transitions",
+            "Operations that entered a state (an outcome of a run or a decision), by kind and "
+            "state, counted when the change committed.",
+            labels=["kind", "state"],
+        )
+        changed = _transitions(client)
+        for (kind, state), count in sorted(changed.items()):
+            transitions.add_metric([kind, state], count)
+        yield transitions
+        yield CounterMetricFamily(
+            "payments_operation_retries",
+            "Transient failures that scheduled another attempt (entries into retrying).",
+            value=sum(n for (_, state), n in changed.items() if state == OperationState.RETRYING),
+        )
 
         duplicates = CounterMetricFamily(
             "inbox_duplicates_skipped",

@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 from django.db import connection
+from django.test.utils import CaptureQueriesContext
 from django.urls import reverse
 
 from payments.models import Operation, StepClaim
@@ -134,3 +135,39 @@ def test_the_count__is_exact_when_small_and_estimated_past_the_bound(history, se
     monkeypatch.setattr(lists, "EXACT_COUNT_UP_TO", 10)
     estimated = client_for(senior).get(url, {"followups": "all"}).context["cl"]
     assert estimated.result_count > 10
+
+
+@pytest.mark.parametrize(
+    "page", ["admin:payments_operation_changelist", "admin:payments_order_changelist"]
+)
+def test_default_changelists__send_as_many_queries_for_50_rows_as_for_5(senior, page):
+    """Each column is read with the page (annotations, a prefetch): none asks per row."""
+    client = client_for(senior)
+    url = reverse(page) + ("?followups=all" if "operation" in page else "")
+
+    def queries_for(rows: int) -> int:
+        with CaptureQueriesContext(connection) as sent:
+            response = client.get(url)
+        assert len(response.context["cl"].result_list) == rows
+        return len(sent)
+
+    write_history(5, tag="few", analyze=False)  # no statistics left for the plan tests
+    _orders(5)
+    few = queries_for(5)
+    write_history(45, tag="more", analyze=False)
+    _orders(45)
+    assert queries_for(50) == few
+
+
+def _orders(count: int) -> None:
+    with connection.cursor() as cursor:
+        cursor.execute(
+            """
+            INSERT INTO payments_order (amount, currency, status, customer_email,
+                                        refunded_amount, created_at, updated_at,
+                                        request_fingerprint)
+            SELECT 1000, 'eur', 'paid', 'buyer' || g || '@example.com', 0, now(), now(), ''
+            FROM generate_series(1, %s) AS g
+            """,
+            [count],
+        )

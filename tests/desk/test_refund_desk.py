@@ -25,7 +25,7 @@ from payments.engine import fence, handlers
 from payments.engine.handlers import DeskHooks, Run, handler
 from payments.models import Operation, OperationState, Order, OrderStatus
 from payments.refunds.handler import request_refund
-from tests.support import flows
+from tests.support import builders, flows
 from tests.support.users import client_for
 from tests.support.workers import run_worker
 
@@ -210,18 +210,20 @@ def test_needs_attention__a_refund_s_money_is_never_added_to_a_charge_s(provider
     order = flows.paid_order(queue, amount=2500, key="paid-first")
     op = uncertain_refund(provider, queue, order)
     uncertain_refund(provider, queue, order, key="refund-later", amount=1000)
+    builders.uncertain(key="charge-in-doubt", charged=False)  # a charge's money in doubt too
 
     response = client_for(viewer).get(NEEDS_ATTENTION)
 
     by_state = {row["state"]: row for row in response.context["states"]}
-    assert by_state["uncertain"]["totals"] == ["€16.00 refund"]
+    assert by_state["uncertain"]["totals"] == ["€19.99 checkout", "€16.00 refund"]
     assert "succeeded" not in by_state  # the paid checkout: nothing to do, no figure
     oldest = next(row for row in response.context["oldest"] if row["state"] == "uncertain")
     assert (oldest["oldest"]["operation"], oldest["oldest"]["amount"]) == (
         op,
         f"€6.00 refund of order {order.pk}",
     )
-    assert "€41.00" not in response.content.decode()
+    assert "€41.00" not in response.content.decode()  # the paid charge's and the refunds'
+    assert "€35.99" not in response.content.decode()  # the charge in doubt's and the refunds'
 
 
 # --- a new attempt ----------------------------------------------------------------------------

@@ -14,6 +14,7 @@ from collections.abc import Iterator
 import pytest
 from django.db import connection, transaction
 from django.db.models import QuerySet
+from django.utils import timezone
 
 from payments.models import Operation, StepClaim
 from tests.support.flows import checkout
@@ -103,8 +104,22 @@ def no_seq_scans() -> Iterator[None]:
         # a checkout's follow-ups, a first attempt's retries (the desk)
         (lambda: Operation.objects.filter(parent_id=1), "payments_op_parent"),
         (lambda: Operation.objects.filter(retry_of_id=1), "payments_op_retry_of"),
+        # the desk's chart of the last day's outcomes (payments.desk.views.chart)
+        (
+            lambda: Operation.objects.filter(state="succeeded", updated_at__gte=timezone.now()),
+            "payments_op_succeeded",
+        ),
     ],
-    ids=["reference", "reference-prefix", "references", "claims", "client", "parent", "retry"],
+    ids=[
+        "reference",
+        "reference-prefix",
+        "references",
+        "claims",
+        "client",
+        "parent",
+        "retry",
+        "succeeded-since",
+    ],  # fmt: skip
 )
 def test_every_lookup_the_product_makes_still_has_its_index(no_seq_scans, lookup, index):
     queryset: QuerySet = lookup()

@@ -14,12 +14,9 @@ would read the history).
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
-from typing import Any
 
 import pytest
-from django.db import connection
 
 from payments.engine import fence
 from payments.engine.handlers import unknown_recorded_names
@@ -30,11 +27,11 @@ from payments.engine.recovery import (
     sweep,
 )
 from payments.models import Operation, OperationState, StepClaim
-from tests.support.history import planner_sees_larger, write_history
+from tests.support.history import FENCE_TABLES, planner_sees_larger, write_history
+from tests.support.plans import history_read_by, statements_sent
 
 pytestmark = pytest.mark.django_db
 
-FENCE_TABLES = ("payments_operation", "payments_stepclaim", "payments_operationevent")
 COUNT = 3000
 #: Rows a scan may read per unfinished or failed operation (its claims, over a nested loop's
 #: iterations): which plan the planner picks for them depends on statistics earlier tests left.
@@ -54,42 +51,6 @@ def as_on_a_large_table() -> Iterator[None]:
         yield
 
 
-def _sent_by(call) -> list[tuple[str, Any]]:
-    sent: list[tuple[str, Any]] = []
-
-    def record(execute, sql, params, many, context):
-        if sql.lstrip().upper().startswith("SELECT"):
-            sent.append((sql, params))
-        return execute(sql, params, many, context)
-
-    with connection.execute_wrapper(record):
-        call()
-    return sent
-
-
-def _scans(plan: dict[str, Any]) -> Iterator[dict[str, Any]]:
-    yield plan
-    for child in plan.get("Plans", []):
-        yield from _scans(child)
-
-
-def _history_read(sql: str, params: Any, bound: int) -> list[str]:
-    """What the statement read of the fence's tables beyond `bound` rows, or by a scan."""
-    with connection.cursor() as cursor:
-        cursor.execute("EXPLAIN (ANALYZE, FORMAT JSON) " + sql, params)
-        raw = cursor.fetchone()[0]
-    plan = (json.loads(raw) if isinstance(raw, str) else raw)[0]["Plan"]
-    found = []
-    for node in _scans(plan):
-        table = node.get("Relation Name")
-        if table not in FENCE_TABLES:
-            continue
-        read = (node["Actual Rows"] + node.get("Rows Removed by Filter", 0)) * node["Actual Loops"]
-        if node["Node Type"] == "Seq Scan" or read > bound:
-            found.append(f"{node['Node Type']} on {table} ({read} rows): {' '.join(sql.split())}")
-    return found
-
-
 def test_history__the_recovery_queries_read_only_unfinished_rows(
     history, as_on_a_large_table, queue
 ):
@@ -102,11 +63,11 @@ def test_history__the_recovery_queries_read_only_unfinished_rows(
         Operation.objects.filter(stranded_operations())[:200],
     ]
     statements = [qs.query.sql_with_params() for qs in querysets]
-    statements += _sent_by(lambda: sweep(dry_run=True))
-    statements += _sent_by(unknown_recorded_names)
+    statements += statements_sent(lambda: sweep(dry_run=True))
+    statements += statements_sent(unknown_recorded_names)
     assert len(statements) >= 6
     bound = PER_OPERATION * history
-    read = [found for sql, params in statements for found in _history_read(sql, params, bound)]
+    read = history_read_by(statements, bound)
     assert read == [], "\n".join(read)
     assert bound < COUNT / 5  # the bound is far below a walk of the history
 

@@ -7,17 +7,27 @@ import io
 import pytest
 from django.contrib.auth import get_user_model
 from django.core.management import call_command
+from django.db import transaction
 from django.db.models import Count
 from django.utils import timezone
 from prometheus_client.parser import text_string_to_metric_families
 
 from inbox.handlers import inbox_guard
+from payments.engine import fence
 from payments.engine.handlers import registered_handlers
 from payments.engine.signals import provider_call_finished
 from payments.engine.writes import fence_writes
-from payments.models import ClaimState, Operation, OperationState, OrderStatus, StepClaim
+from payments.models import (
+    UNFINISHED_OPERATION_STATES,
+    UNSETTLED_CLAIM_STATES,
+    Operation,
+    OperationState,
+    OrderStatus,
+    StepClaim,
+)
 from payments.observability.metrics import COUNTER_PREFIX
 from payments.refunds.handler import request_refund
+from tests.support import builders
 from tests.support.flows import order_and_checkout
 from tests.support.workers import run_worker
 
@@ -99,29 +109,35 @@ def test_metrics__names_and_values_after_a_run(client, metrics_token, provider, 
 
     samples = scrape(client)
 
-    # Gauges mirror the rows, per kind and step (follow-ups have their own kinds).
-    claims = StepClaim.objects.values_list("operation__kind", "step", "state").annotate(
-        n=Count("id")
+    # Gauges mirror the unfinished rows, per kind and step (follow-ups have their own kinds);
+    # the finished ones are counted as they finish.
+    claims = (
+        StepClaim.objects.filter(state__in=UNSETTLED_CLAIM_STATES)
+        .values_list("operation__kind", "step", "state")
+        .annotate(n=Count("id"))
     )
     for kind, step, state, n in claims:
         assert value(samples, "payments_step_claims", kind=kind, step=step, state=state) == n
-    for state in ClaimState:
+    for state in UNSETTLED_CLAIM_STATES:
         count = StepClaim.objects.filter(state=state).count()
         assert total(samples, "payments_step_claims", state=state) == count, state
-    for state in OperationState:
+    assert label_values(samples, "payments_step_claims", "state") == {"claimed", "uncertain"}
+    for state in UNFINISHED_OPERATION_STATES:
         count = Operation.objects.filter(state=state).count()
         assert total(samples, "payments_operations", state=state) == count, state
         for kind in registered_handlers():
             count = Operation.objects.filter(kind=kind, state=state).count()
             assert value(samples, "payments_operations", kind=kind, state=state) == count
-    assert total(samples, "payments_step_claims", state="done") >= 8
-    assert value(samples, "payments_step_claims", kind="checkout", step="charge", state="done") == 2
-    assert (
-        value(samples, "payments_step_claims", kind="checkout", step="charge", state="failed") == 1
-    )
-    assert value(samples, "payments_operations", kind="checkout", state="failed") == 1
-    assert value(samples, "payments_operations", kind="checkout", state="succeeded") == 2
-    assert value(samples, "payments_operations", kind="refund", state="succeeded") == 0
+    assert {"succeeded", "failed"}.isdisjoint(label_values(samples, "payments_operations", "state"))
+    changes = "payments_operation_transitions_total"
+    for state in (OperationState.SUCCEEDED, OperationState.FAILED):
+        for kind in registered_handlers():
+            count = Operation.objects.filter(kind=kind, state=state).count()
+            assert value(samples, changes, kind=kind, state=state) == count, (kind, state)
+    assert value(samples, changes, kind="checkout", state="failed") == 1
+    assert value(samples, changes, kind="checkout", state="succeeded") == 2
+    assert value(samples, changes, kind="checkout", state="retrying") == 1
+    assert value(samples, changes, kind="refund", state="succeeded") == 0
     assert value(samples, "payments_oldest_uncertain_claim_age_seconds") == 0
     charge = {"kind": "checkout", "step": "charge"}
     assert value(samples, "payments_provider_calls_total", **charge, outcome="success") == 2
@@ -158,11 +174,10 @@ def test_metrics__refunds_are_labelled_with_their_kind_and_steps(
     charge = {"kind": "checkout", "step": "charge"}
     assert value(samples, "payments_provider_calls_total", **charge, outcome="success") == 1
     assert value(samples, "payments_provider_calls_total", **charge, outcome="transient") == 0
-    assert value(samples, "payments_operations", kind="refund", state="succeeded") == 1
-    assert value(samples, "payments_step_claims", **refund, state="done") == 1
-    assert (
-        value(samples, "payments_step_claims", kind="refund", step="credit_note", state="done") == 1
-    )
+    changes = "payments_operation_transitions_total"
+    assert value(samples, changes, kind="refund", state="succeeded") == 1
+    assert value(samples, changes, kind="refund", state="retrying") == 1
+    assert value(samples, "payments_operations", kind="refund", state="retrying") == 0
     # Only external steps call the provider: no series for a local step.
     assert "credit_note" not in label_values(samples, "payments_provider_calls_total", "step")
 
@@ -213,6 +228,26 @@ def test_metrics__kind_and_step_labels_are_bounded_by_the_registered_handlers(
     assert label_values(samples, calls, "outcome") <= {
         "success", "permanent", "transient", "uncertain", "conflict", "other"
     }  # fmt: skip
+
+
+def test_metrics__a_state_change_counts_when_it_commits_never_when_rolled_back(
+    client, metrics_token, queue
+):
+    op = builders.new_checkout("counted")
+    changes = "payments_operation_transitions_total"
+    fence.acquire_lease(op.pk, owner="worker-test", seconds=30)
+
+    with pytest.raises(RuntimeError), transaction.atomic():
+        locked = fence.locked_operation_in_tx(op.pk)
+        fence.release_in_tx(locked, OperationState.NEEDS_REVIEW, actor="worker-test")
+        raise RuntimeError("the run's transaction rolls back")
+    rolled_back = value(scrape(client), changes, kind="checkout", state="needs_review")
+    builders.move(op, OperationState.NEEDS_REVIEW, reason="a person decides")
+
+    samples = scrape(client)
+    assert rolled_back == 0
+    assert value(samples, changes, kind="checkout", state="needs_review") == 1
+    assert value(samples, "payments_operations", kind="checkout", state="needs_review") == 1
 
 
 def test_metrics__counters_live_in_redis_and_survive_the_process(client, metrics_token, queue):
@@ -277,7 +312,7 @@ def test_metrics__an_unreachable_redis_is_reported_not_fatal(
 
     assert value(samples, "payments_metrics_source_up", source="redis") == 0
     assert value(samples, "payments_metrics_source_up", source="database") == 1
-    labels = (("kind", "checkout"), ("state", "done"), ("step", "charge"))
+    labels = (("kind", "checkout"), ("state", "uncertain"), ("step", "charge"))
     assert ("payments_step_claims", labels) in samples
 
 

@@ -1,9 +1,11 @@
 """`make bench-history`: the operator pages, recovery, the audit and checkouts, small and large.
 
-Real checkouts run through the worker against the fake provider; their rows
-are copied (devtools.bench.history) to `--small` operations, everything is
-measured, then copied on to `--operations` and measured again. Each figure is
-printed at both sizes with the ratio large/small beside it.
+Real checkouts run through the worker against the fake provider (the
+template, then a batch timed on the nearly empty database); their rows are copied
+(devtools.bench.history) to `--small` operations, everything is measured,
+then copied on to `--operations` and measured again. Each figure is printed
+at both sizes with the ratio large/small and the issue's goal beside it, and
+the table is written into docs/benchmarks.md (devtools.bench.doc).
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ from django.db import connection
 from django.test import Client
 from django.urls import reverse
 
-from devtools.bench.history import Template, copies_for, load
+from devtools.bench.doc import page, write_between_markers
+from devtools.bench.history import Template, copies_for, first_free_copy, load
 from devtools.bench.runner import WORKER_CLASSES, Bench, fenced
 from payments.engine.recovery import reconcile, sweep
 from payments.models import Operation, StepClaim
@@ -43,7 +46,16 @@ PAGES = (
     ("orders, search e-mail", "admin:payments_order_changelist", "?q={email}"),
     ("admin index", "admin:index", ""),
     ("needs attention", "admin:payments_operation_needs_attention", ""),
+    ("metrics scrape", "metrics", ""),
 )
+#: The issue's goals (#32), at the large size: a page's p95, a recovery interval's SQL.
+PAGE_P95_MS = 300.0
+RECOVERY_SQL_MS = 50.0
+#: The 30-day audit's peak memory over the 1-day one's; checkouts large over empty.
+AUDIT_MEMORY_RATIO = 2.0
+CHECKOUT_RATIO = 0.95
+#: The markers of the table in docs/benchmarks.md.
+DOC_TABLE = "bench-history-table"
 
 
 class Command(BaseCommand):
@@ -62,6 +74,11 @@ class Command(BaseCommand):
         parser.add_argument("--samples", type=int, default=20, help="Requests per page.")
         parser.add_argument("--checkouts", type=int, default=100, help="Checkouts per batch.")
         parser.add_argument("--latency", type=float, default=0.0, help="Provider latency (s).")
+        parser.add_argument(
+            "--no-doc",
+            action="store_true",
+            help="Do not write the table into docs/benchmarks.md (print it only).",
+        )
 
     def handle(self, *args: Any, **options: Any) -> None:
         name = connection.settings_dict["NAME"]
@@ -80,19 +97,25 @@ class Command(BaseCommand):
         with Bench(latency=options["latency"], log_dir=log_dir, say=say) as bench:
             say(f"template: {options['template']} real checkouts through the worker...")
             bench.batch(fenced(options["template"]), workers=1, worker_class=worker_class)
-            template = Template.read()
+            say("checkouts on the empty database...")
+            n = options["checkouts"]
+            seconds = bench.batch(fenced(n), workers=1, worker_class=worker_class, keep_rows=True)
+            empty = n / seconds
+            template = Template.read()  # both batches' rows: real checkouts, all of them
             spread = copies_for(template, options["operations"])
             figures: dict[str, dict[str, float]] = {}
             for label, size in (("small", options["small"]), ("large", options["operations"])):
-                copies = copies_for(template, size)
                 loaded = Operation.objects.count()
-                first = max(1, loaded // max(1, template.operation_count))
+                # Copies until `size` operations, from the first whose ids are free.
+                first = first_free_copy(template)
+                missing = size - loaded
+                copies = first - 1 + copies_for(template, missing + template.operation_count)
                 say(f"loading to {size} operations...")
                 started = time.monotonic()
-                load(template, copies, first=first, spread_over=spread)
+                load(template, copies, first=first, spread_over=max(spread, copies))
                 say(f"  {Operation.objects.count()} operations ({time.monotonic() - started:.0f}s)")
                 figures[label] = self._measure(bench, worker_class, options, say)
-        self._report(figures)
+        self._report(figures, empty, options)
 
     def _measure(
         self, bench: Bench, worker_class: str, options: dict[str, Any], say: Callable[[str], None]
@@ -121,13 +144,61 @@ class Command(BaseCommand):
         found["checkouts per second"] = n / seconds
         return found
 
-    def _report(self, figures: dict[str, dict[str, float]]) -> None:
-        small, large = figures["small"], figures["large"]
-        width = max(len(name) for name in small)
-        self.stdout.write(f"{'':{width}}  {'small':>10}  {'large':>10}  {'large/small':>11}")
-        for name, value in small.items():
-            ratio = large[name] / value if value else float("nan")
-            self.stdout.write(f"{name:{width}}  {value:10.2f}  {large[name]:10.2f}  {ratio:11.2f}")
+    def _report(
+        self, figures: dict[str, dict[str, float]], empty: float, options: dict[str, Any]
+    ) -> None:
+        lines = _table(figures, empty, options)
+        for line in lines:
+            self.stdout.write(line)
+        if not options["no_doc"]:
+            try:
+                write_between_markers(page(), DOC_TABLE, lines)
+            except ValueError as exc:
+                raise CommandError(str(exc)) from exc
+            self.stdout.write(f"\nWritten into {page()}")
+
+
+def _table(
+    figures: dict[str, dict[str, float]], empty: float, options: dict[str, Any]
+) -> list[str]:
+    """The figures as a Markdown table: small, large, large/small, the goal and its verdict."""
+    small, large = figures["small"], figures["large"]
+    lines = [
+        f"{options['small']:,} and {options['operations']:,} operations "
+        f"({options['template']} real checkouts copied; {options['samples']} requests a page, "
+        f"{options['checkouts']} checkouts a batch, 1 worker).",
+        "",
+        "| figure | small | large | large/small | goal | met |",
+        "| --- | ---: | ---: | ---: | --- | --- |",
+    ]
+    for name, value in small.items():
+        ratio = large[name] / value if value else float("nan")
+        goal, met = _goal(name, large[name])
+        lines.append(f"| {name} | {value:.2f} | {large[name]:.2f} | {ratio:.2f} | {goal} | {met} |")
+    audit = [size["audit 30d peak MB"] / size["audit 1d peak MB"] for size in (small, large)]
+    lines.append(
+        f"| audit peak memory 30d / 1d | {audit[0]:.2f} | {audit[1]:.2f} | | "
+        f"<= {AUDIT_MEMORY_RATIO:g} | {_yes(audit[1] <= AUDIT_MEMORY_RATIO)} |"
+    )
+    checkouts = [size["checkouts per second"] / empty for size in (small, large)]
+    lines.append(
+        f"| checkouts per second / empty database's ({empty:.2f}) | {checkouts[0]:.2f} | "
+        f"{checkouts[1]:.2f} | | >= {CHECKOUT_RATIO:g} | {_yes(checkouts[1] >= CHECKOUT_RATIO)} |"
+    )
+    return lines
+
+
+def _goal(name: str, large: float) -> tuple[str, str]:
+    """The goal a figure is held to at the large size, and whether it meets it."""
+    if name.endswith("p95 ms"):
+        return f"<= {PAGE_P95_MS:g}", _yes(large <= PAGE_P95_MS)
+    if name == "recovery interval SQL ms":
+        return f"<= {RECOVERY_SQL_MS:g}", _yes(large <= RECOVERY_SQL_MS)
+    return "", ""
+
+
+def _yes(met: bool) -> str:
+    return "yes" if met else "**no**"
 
 
 def _superuser() -> User:

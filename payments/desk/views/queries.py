@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import defaultdict
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, TypedDict
 
 from django.db.models import (
@@ -161,6 +161,17 @@ def follow_up_q() -> Q:
     return Q(parent__isnull=False) | Q(kind__in=follow_up_kinds())
 
 
+#: How far back the desk's summaries count failed operations: failed is final, and every
+#: decline of a year stays failed; the changelist's filter lists them all.
+FAILED_WINDOW = timedelta(hours=24)
+
+
+def recently_failed_q(now: datetime | None = None) -> Q:
+    """Operations that failed within FAILED_WINDOW (a range of the failed ones' index)."""
+    since = (now or timezone.now()) - FAILED_WINDOW
+    return Q(state=OperationState.FAILED, updated_at__gte=since)
+
+
 def stale_q(now: datetime | None = None) -> Q:
     """Running operations whose lease has run out: their worker died or hangs."""
     return Q(state=OperationState.RUNNING, lease_expires_at__lt=now or timezone.now())
@@ -238,23 +249,41 @@ def totals_by_kind(by_kind: dict[str, list[tuple[str, int]]], *, labelled: bool)
     ]
 
 
-def desk_counts() -> list[dict[str, Any]]:
-    """What the admin's home page shows of the desk: unfinished and failed payments per state."""
-    # Each state named, so that each count reads a partial index (unfinished or failed
-    # operations), never every operation.
-    business = Operation.objects.exclude(follow_up_q())
+def counts_by_state(business: QuerySet[Operation], now: datetime | None = None) -> dict[str, int]:
+    """Unfinished operations per state, and those failed within FAILED_WINDOW.
+
+    Each set read through its partial index (unfinished, failed): never every
+    operation, however long the history.
+    """
     unfinished = business.filter(state__in=UNFINISHED_OPERATION_STATES)
     counts = dict(unfinished.values_list("state").annotate(n=Count("pk")))
-    counts[OperationState.FAILED.value] = business.filter(state=OperationState.FAILED).count()
+    counts[OperationState.FAILED.value] = business.filter(recently_failed_q(now)).count()
+    return counts
+
+
+def desk_counts() -> list[dict[str, Any]]:
+    """What the admin's home page shows of the desk: unfinished payments per state, and the
+    payments that failed within FAILED_WINDOW."""
+    business = Operation.objects.exclude(follow_up_q())
+    now = timezone.now()
+    counts = counts_by_state(business, now)
     changelist = reverse("admin:payments_operation_changelist")
     rows = [
-        {"state": s, "label": s.label, "count": counts.get(s.value, 0),
+        {"state": s, "label": state_label(s), "count": counts.get(s.value, 0),
          "url": f"{changelist}?state__exact={s.value}"}
         for s in OperationState
         if s != OperationState.SUCCEEDED
     ]  # fmt: skip
+    unfinished = business.filter(state__in=UNFINISHED_OPERATION_STATES)
     rows.append(
         {"state": "stale", "label": "Stale (lease expired)",
-         "count": unfinished.filter(stale_q()).count(), "url": f"{changelist}?lease=stale"}
+         "count": unfinished.filter(stale_q(now)).count(), "url": f"{changelist}?lease=stale"}
     )  # fmt: skip
     return rows
+
+
+def state_label(state: OperationState) -> str:
+    """A state's label on the desk's summaries; failed says its window."""
+    if state == OperationState.FAILED:
+        return f"{state.label} (last {int(FAILED_WINDOW.total_seconds() // 3600)} h)"
+    return str(state.label)
