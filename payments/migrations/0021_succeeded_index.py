@@ -35,7 +35,7 @@ def drop_if_invalid(name: str) -> migrations.RunPython:
 class Migration(migrations.Migration):
     atomic = False  # CREATE INDEX CONCURRENTLY cannot run in a transaction
 
-    dependencies = [("payments", "0019_stepclaim_requests_sent")]
+    dependencies = [("payments", "0020_operationevent_provider_requests")]
 
     operations = [
         drop_if_invalid("payments_op_succeeded"),
