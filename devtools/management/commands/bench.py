@@ -17,6 +17,7 @@ from django.db import connection
 
 from devtools.bench import instructions
 from devtools.bench.desk import desk_pages, desk_rows
+from devtools.bench.doc import page, write_between_markers
 from devtools.bench.runner import (
     WORKER_CLASSES,
     Bench,
@@ -31,6 +32,9 @@ from devtools.bench.runner import (
 )
 from devtools.bench.webload import LoadShape, web_tier
 from devtools.topology.servers import MissingBinary, binary
+
+#: The markers of the table in docs/benchmarks.md.
+DOC_TABLE = "bench-table"
 
 
 class BenchOptions(TypedDict):
@@ -58,6 +62,7 @@ class BenchOptions(TypedDict):
     desk_operations: int
     desk_samples: int
     output: str | None
+    no_doc: bool
 
 
 class Command(BaseCommand):
@@ -159,6 +164,11 @@ class Command(BaseCommand):
         )
         parser.add_argument("--web-rounds", type=int, default=2, help="Rounds per side.")
         parser.add_argument("--output", default=None, help="JSON file for the results.")
+        parser.add_argument(
+            "--no-doc",
+            action="store_true",
+            help="Do not write the table into docs/benchmarks.md (a full run writes it).",
+        )
 
     def handle(self, *args: object, **options: Unpack[BenchOptions]) -> None:
         name = connection.settings_dict["NAME"]
@@ -192,12 +202,12 @@ class Command(BaseCommand):
                     options["desk_operations"], options["desk_samples"], say
                 )
                 bench.reset()
-            self._report(figures, out)
+            self._report(figures, out, options)
             return
         if only == "web":
             with Bench(latency=options["latency"], log_dir=log_dir, say=say) as bench:
                 figures["web_tier"] = self._web_tier(bench, options, log_dir)
-            self._report(figures, out)
+            self._report(figures, out, options)
             return
         with Bench(latency=options["latency"], log_dir=log_dir, say=say) as bench:
             per_class = {}
@@ -285,7 +295,7 @@ class Command(BaseCommand):
                 "session_reuse": session_reuse(bench, options["session_charges"]),
             }
             bench.reset()
-        self._report(figures, out)
+        self._report(figures, out, options)
 
     def _instructions(
         self, bench: Bench, options: BenchOptions, say: Callable[[str], None]
@@ -332,16 +342,26 @@ class Command(BaseCommand):
             say=self.stdout.write,
         )
 
-    def _report(self, figures: dict[str, Any], out: Path) -> None:
-        """Save the figures, print the table and the web tier's verdict."""
+    def _report(self, figures: dict[str, Any], out: Path, options: BenchOptions) -> None:
+        """Save the figures, print the table and the web tier's verdict; a full run also
+        writes the table into docs/benchmarks.md (a section alone would replace it with
+        a part)."""
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(figures, indent=2, sort_keys=True))
-        for line in _table(figures):
+        table = _table(figures)
+        for line in table:
             self.stdout.write(line)
-        if "web_tier" in figures:
-            for line, ok in _web_verdict(figures["web_tier"]):
-                self.stdout.write(self.style.SUCCESS(line) if ok else self.style.ERROR(line))
+        verdict = _web_verdict(figures["web_tier"]) if "web_tier" in figures else []
+        for line, ok in verdict:
+            self.stdout.write(self.style.SUCCESS(line) if ok else self.style.ERROR(line))
         self.stdout.write(f"\nSaved to {out}")
+        if options["only"] is None and not options["no_doc"]:
+            lines = ["```text", *table[1:], *(line for line, _ in verdict), "```"]
+            try:
+                write_between_markers(page(), DOC_TABLE, lines)
+            except ValueError as exc:
+                raise CommandError(str(exc)) from exc
+            self.stdout.write(f"Written into {page()}")
 
 
 def _opt_in_backend(bench: Bench, options: BenchOptions, n: int, best: str) -> dict[str, Any]:
