@@ -34,7 +34,7 @@ from rq import Retry
 
 from inbox.handlers import inbox_guard
 from payments.conf import payments_settings
-from payments.engine import fence, recovery
+from payments.engine import exchanges, fence, recovery
 from payments.engine.outcomes import Outcome
 from payments.engine.queues import payments_queue
 from payments.exceptions import ConfigurationError
@@ -149,8 +149,12 @@ def seconds_until_free(event_id: str) -> float | None:
     return max((end - now).total_seconds() for end in live) if live else None
 
 
+@exchanges.recorded
 def handle_event(event_id: str, *, actor: str) -> str:
     """Handle one stored event once (inbox: consumer provider-events, message id = event id).
+
+    The retrieve of the event's object (what decides, not the event's snapshot) is
+    kept on the row that settles a claim, as a worker's call is on its own.
 
     Returns the outcome: "duplicate" (handled before: skipped), "busy" (a
     claim's owner is alive: nothing changed, bring it again later),

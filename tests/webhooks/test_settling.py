@@ -512,3 +512,26 @@ def test_the_first_attempts_late_decline__never_fails_the_next_attempt(
     assert ProviderEvent.objects.get(pk=decline["id"]).outcome == "pending"
     order.refresh_from_db()
     assert order.status == OrderStatus.PROCESSING
+
+
+def test_an_event_settling_a_charge__its_rows_carry_the_retrieve_it_was_decided_by(
+    provider_with_secret, queue
+):
+    """The event's object is retrieved by id before it settles anything: that GET, its
+    status and request id, are on the first row the event's job writes (taking the claim
+    over), as a worker's call is on its own."""
+    order, op = uncertain_checkout(provider_with_secret, queue)
+    event = only_event(provider_with_secret, "payment_intent.succeeded")
+
+    deliver(event)
+    run_worker(queue)  # the event's job, then the resumed operation
+
+    (settled,) = op.events.filter(step=CHARGE, to_state=ClaimState.DONE)
+    assert event["id"] in settled.reason
+    by_the_event = op.events.filter(actor=settled.actor).exclude(requests=None)
+    (retrieve,) = [sent for row in by_the_event for sent in row.requests]
+    intent_id = event["data"]["object"]["id"]
+    assert (retrieve["method"], retrieve["path"], retrieve["status"]) == (
+        "GET", f"/v1/payment_intents/{intent_id}", 200,
+    )  # fmt: skip
+    assert retrieve["request_id"].startswith("req_")
