@@ -8,8 +8,9 @@ admin's log entry, a message and a redirect to the order's page.
 
 from __future__ import annotations
 
+import re
 import uuid
-from decimal import Decimal, InvalidOperation
+from decimal import Decimal
 from typing import Any
 
 from django import forms
@@ -28,12 +29,21 @@ from payments.engine.handlers import registered_handlers
 from payments.exceptions import PaymentsError
 from payments.money import format_money, major_units
 
+#: What an amount may look like: ASCII digits, an optional point and decimals.
+PLAIN_AMOUNT = re.compile(r"[0-9]{1,12}(?:\.[0-9]{1,6})?", re.ASCII)
+COMMA_REFUSED = "Type the amount with a point for decimals and no thousands separator, e.g. 12.50"
+
+
+def amount_example(currency: str) -> str:
+    """An amount as the currency writes it, for help texts: "49.99", "5000" for ¥, "49.999"."""
+    unit = major_units(1, currency)
+    return "5000" if unit == 1 else str(Decimal(50) - unit)
+
 
 class RefundForm(forms.Form):
     amount = forms.CharField(
         max_length=32,
         label="Amount",
-        help_text="In the order's currency, in its usual units (49.99).",
     )
     reason = forms.CharField(
         widget=forms.Textarea(attrs={"rows": 3, "cols": 60}),
@@ -46,15 +56,25 @@ class RefundForm(forms.Form):
     def __init__(self, *args: Any, currency: str, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.currency = currency
+        self.fields["amount"].help_text = (
+            f"In the order's currency, in its usual units ({amount_example(currency)}),"
+            " with a point for decimals."
+        )
 
     def clean_amount(self) -> int:
-        """Minor units, from what was typed in major units ("49.99" -> 4999)."""
-        try:
-            value = Decimal(self.cleaned_data["amount"].replace(",", "").strip())
-        except InvalidOperation as exc:
-            raise forms.ValidationError("Type an amount such as 49.99.") from exc
+        """Minor units, from what was typed in major units ("49.99" -> 4999).
+
+        Only ASCII digits with an optional point are read: a comma may be a
+        decimal comma or a thousands separator, so it is refused rather than
+        guessed; exponents, infinities, NaNs and other scripts' digits too.
+        """
+        typed = self.cleaned_data["amount"].strip()
+        if "," in typed:
+            raise forms.ValidationError(COMMA_REFUSED)
+        if not PLAIN_AMOUNT.fullmatch(typed):
+            raise forms.ValidationError(f"Type an amount such as {amount_example(self.currency)}.")
         unit = major_units(1, self.currency)  # one minor unit in major units (0.01, 1 for ¥)
-        minor = value / unit
+        minor = Decimal(typed) / unit
         if minor != minor.to_integral_value() or minor <= 0:
             raise forms.ValidationError(f"Type a positive amount in steps of {unit}.")
         return int(minor)
