@@ -18,6 +18,7 @@ from django.urls import reverse
 from payments.checkout.orders import create_order
 from payments.models import Invoice, Operation, OperationState, Order
 from tests.support import flows
+from tests.support.concurrency import race
 from tests.support.users import VIEW, client_for, make_user
 from tests.support.workers import run_worker
 
@@ -130,6 +131,21 @@ def test_two_tabs__the_second_post_is_refused_one_refund(provider, queue, rosa):
     assert len(provider_refunds(provider, order)) == 1
 
 
+def test_two_tabs_posted_at_the_same_instant__one_refund(provider, queue, rosa):
+    """Two POSTs on their own connections behind a barrier: the order's lock lets one ask."""
+    order = flows.paid_order(queue, amount=2500)
+    tabs = [client_for(rosa).get(refund_url(order)).content.decode() for _ in range(2)]
+
+    codes = race(
+        [lambda page=page: client_for(rosa).post(refund_url(order), form_of(page, "2.00")).status_code
+         for page in tabs]
+    )  # fmt: skip
+
+    assert sorted(codes) == [302, 409]
+    run_worker(queue)
+    assert len(refunds_of(order)) == len(provider_refunds(provider, order)) == 1
+
+
 def test_same_page_posted_twice__one_refund(provider, queue, rosa):
     order = flows.paid_order(queue, amount=2500)
     client = client_for(rosa)
@@ -228,7 +244,8 @@ def test_own_charge_through_the_charge_parameter__an_ordinary_refund(provider, q
     page = client.get(refund_url(order, own)).content.decode()
 
     assert "duplicate" not in page.split('class="desk-refund-plan"', 1)[1].split("</p>", 1)[0]
-    data = {**form_of(page, "2.00"), "charge": hidden(page, "charge")}
+    assert own not in page.split("<form", 1)[1]  # the form refunds the order, not "a charge"
+    data = {**form_of(page, "2.00"), "charge": own}  # even posted with it
     assert client.post(refund_url(order), data).status_code == 302
     (asked,) = refunds_of(order)
     assert not asked.params.get("duplicate")
