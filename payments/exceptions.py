@@ -155,3 +155,16 @@ class NotClaimOwner(InvalidTransition):
     def __init__(self, *, name: str, owner: str, actor: str) -> None:
         self.name, self.owner, self.actor = name, owner, actor
         super().__init__(f"claim {name} is held by {owner or 'nobody'}, not {actor}")
+
+
+class UnseenOperation(InvalidTransition):
+    """An operation of the entity was asked after the page the request came from was shown.
+
+    Raised under the entity's lock, so of two pages posted at the same instant
+    the second sees the first's operation; nothing was written.
+    """
+
+    def __init__(self, *, operation_key: str, operation_id: int) -> None:
+        self.operation_key = operation_key
+        self.operation_id = operation_id
+        super().__init__(f"operation {operation_key} was asked after this page was shown")

@@ -12,16 +12,19 @@ from __future__ import annotations
 
 import logging
 import re
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from django.db import transaction
 
+from payments.desk.display import when
 from payments.desk.rules import DeskError
 from payments.desk.services import actor_of, require_permission, required_reason
 from payments.engine import fence
 from payments.engine.handlers import DeskHooks, registered_handlers
-from payments.exceptions import InvalidTransition, OperationConflict
-from payments.models import Operation
+from payments.exceptions import InvalidTransition, OperationConflict, UnseenOperation
+from payments.models import Operation, OperationEvent, OperationState
+from payments.money import money_of
 
 if TYPE_CHECKING:
     from django.contrib.auth.models import AbstractBaseUser
@@ -30,6 +33,85 @@ logger = logging.getLogger("payments.desk.services")
 
 #: A confirmation page's token: what makes one press of "Refund" one refund.
 ACTION_ID = re.compile(r"^[0-9a-f]{32}$")
+
+
+#: The states a refund asked is no longer in flight in.
+SETTLED = frozenset({OperationState.SUCCEEDED, OperationState.FAILED})
+
+
+@dataclass(frozen=True)
+class AskedRefund:
+    """A refund operation of the entity as the confirmation page lists it."""
+
+    operation: Operation
+    amount: str  # formatted in its currency
+    who: str  # the actor that asked it ("operator:rosa", "api")
+    at: str  # when it was asked, the desk's one format
+    state: str  # the state's label
+
+    @property
+    def in_flight(self) -> bool:
+        return self.operation.state not in SETTLED
+
+    def line(self) -> str:
+        """ "refund <key> of €2.00 asked <when> by <who>" """
+        return f"refund {self.operation.key} of {self.amount} asked {self.at} by {self.who}"
+
+
+class UnseenRefund(DeskError):
+    """A refund of the entity was asked after the confirmation page was shown; nothing asked."""
+
+    def __init__(self, asked: AskedRefund) -> None:
+        self.asked = asked
+        super().__init__(
+            f"{asked.line()} ({asked.state}) after this page was shown. It is listed below;"
+            " to refund again, tick “Refund again” and confirm.",
+            action="refund",
+        )
+
+
+def asked_refund(operation: Operation) -> AskedRefund:
+    """One refund operation as the confirmation page lists it."""
+    who = (
+        OperationEvent.objects.filter(operation=operation)
+        .order_by("created_at", "id")
+        .values_list("actor", flat=True)
+        .first()
+    )
+    return AskedRefund(
+        operation=operation,
+        amount=money_of(operation.params),
+        who=who or "-",
+        at=when(operation.created_at),
+        state=OperationState(operation.state).label,
+    )
+
+
+def refunds_asked(entity_type: str, entity_id: int) -> list[AskedRefund]:
+    """Every refund operation of the entity, in every state, newest first."""
+    kinds = [
+        kind
+        for kind, spec in registered_handlers().items()
+        if spec.desk is not None and spec.desk.refund is not None
+    ]
+    ops = Operation.objects.filter(
+        kind__in=kinds, entity_type=entity_type, entity_id=str(entity_id)
+    ).order_by("-pk")
+    return [asked_refund(op) for op in ops]
+
+
+def refund_left(entity_type: str, entity_id: int) -> int | None:
+    """What is left to refund of the entity's own charge (refunds in flight counted), if known."""
+    hooks = refund_hook(entity_type)
+    if hooks is None or hooks.refund_left is None:
+        return None
+    return hooks.refund_left(int(entity_id))
+
+
+def refund_refused(entity_type: str, entity_id: int) -> str:
+    """Why the entity's own charge cannot be refunded now; "" when it can."""
+    hooks = refund_hook(entity_type)
+    return "" if hooks is None else hooks.refuse_refund(int(entity_id)) or ""
 
 
 def refund_permission(entity_type: str) -> str:
@@ -60,13 +142,17 @@ def refund_entity(
     amount: int,
     reason: str,
     action_id: str,
+    seen: int,
     charge: str = "",
 ) -> tuple[Operation, bool]:
     """Ask for a refund of `amount` (minor units) of an entity; (operation, created).
 
     `charge` names a duplicate charge to give back (its provider reference),
-    "" the entity's own. The handler's hook opens its transaction (it may ask
-    the provider before it); the audit row with the reason follows in another.
+    "" the entity's own. `seen` is the newest refund operation of the entity
+    the operator was shown (0: none): a newer one refuses with UnseenRefund,
+    decided by the hook under the entity's lock. The handler's hook opens its
+    transaction (it may ask the provider before it); the audit row with the
+    reason follows in another.
     """
     require_permission(user, refund_permission(entity_type))
     reason = required_reason(reason)
@@ -77,9 +163,13 @@ def refund_entity(
         raise DeskError(f"no handler refunds {entity_type}s")
     actor = actor_of(user)
     key = desk_refund_key(entity_type, entity_id, action_id)
-    options = {"charge": charge} if charge else {}
+    options: dict[str, Any] = {"seen": int(seen)}
+    if charge:
+        options["charge"] = charge
     try:
         op, created = hooks.refund(int(entity_id), key, int(amount), actor, options)
+    except UnseenOperation as exc:
+        raise UnseenRefund(asked_refund(Operation.objects.get(pk=exc.operation_id))) from exc
     except OperationConflict as exc:
         raise DeskError(f"this page already asked for another refund ({key})") from exc
     except InvalidTransition as exc:  # the business refused: not paid, over the limit

@@ -74,7 +74,12 @@ class DeskHooks:
       entity (an order) through the same service the API uses; (operation, created).
       Declared by the handler that owns refunds; it opens its own transaction (it may
       ask the provider first) and takes the entity's lock there. `options["charge"]`
-      names a charge other than the one recorded (a duplicate) to give back.
+      names a charge other than the one recorded (a duplicate) to give back;
+      `options["seen"]` the newest refund of the entity the operator was shown (a newer
+      one, read under the entity's lock, refuses with UnseenOperation).
+    - `refund_left(entity_id)`: what is left to refund of the entity's own charge,
+      refunds in flight counted (minor units).
+    - `refuse_refund(entity_id)`: why the entity's own charge cannot be refunded now, or None.
     """
 
     lock_entity: EntityHook
@@ -85,6 +90,8 @@ class DeskHooks:
     )
     refuse_new_attempt: Callable[[Operation], str | None] = lambda op: None
     refund: Callable[[int, str, int, str, dict[str, Any]], tuple[Operation, bool]] | None = None
+    refund_left: Callable[[int], int] | None = None
+    refuse_refund: Callable[[int], str | None] = lambda entity_id: None
 
 
 @dataclass(frozen=True)

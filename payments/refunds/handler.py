@@ -37,6 +37,7 @@ from payments.provider.client import ProviderClient
 from payments.provider.errors import ProviderError
 from payments.refunds.effect import RefundEffect
 from payments.refunds.names import CREDIT_NOTE, REFUND, REFUND_REVERSED, REFUND_STEP
+from payments.refunds.rules import not_refundable, refuse_unseen_in_tx
 
 logger = logging.getLogger("payments.refunds")
 
@@ -84,6 +85,7 @@ def request_refund(
     retry_of: Operation | None = None,
     scope: str = KeyScope.CLIENT,
     client: ApiClient | None = None,
+    seen: int | None = None,
 ) -> tuple[Operation, bool]:
     """Write the refund operation of an order and enqueue it on commit; (operation, created).
 
@@ -91,7 +93,8 @@ def request_refund(
     other parameters it raises OperationConflict. Raises RefundNotAllowed when
     the order is not paid or `amount` exceeds what is left, counting refunds in
     flight (two refunds racing for the last euro: the order's lock lets one win).
-    Raises Order.DoesNotExist for an unknown order.
+    `seen` is the newest refund of the order the caller was shown (see
+    refuse_unseen_in_tx). Raises Order.DoesNotExist for an unknown order.
     """
     with transaction.atomic():
         order = Order.objects.select_for_update().get(pk=order_id)
@@ -103,12 +106,14 @@ def request_refund(
             "payment_intent": invoice.provider_reference if invoice is not None else "",
         }
         if not Operation.objects.filter(client=client, scope=scope, key=key).exists():
+            refuse_unseen_in_tx(order, seen)
             if order.status not in REFUNDABLE_STATUSES or invoice is None:
-                raise RefundNotAllowed(f"order {order.pk} is {order.status}; nothing to refund")
+                raise RefundNotAllowed(not_refundable(order))
             left = invoice.amount - reserved_amount_in_tx(order)
             if not 0 < amount <= left:
                 raise RefundNotAllowed(
-                    f"order {order.pk} has {left} (minor units) left to refund, not {amount}"
+                    f"order {order.pk} has {format_money(left, order.currency)} left to refund,"
+                    f" not {format_money(amount, order.currency)}"
                 )
         op, created = create_operation_in_tx(
             key=key,
@@ -136,6 +141,7 @@ def request_duplicate_refund(
     amount: int,
     actor: str,
     retry_of: Operation | None = None,
+    seen: int | None = None,
 ) -> tuple[Operation, bool]:
     """Give back `amount` of a duplicate charge of an order; (operation, created).
 
@@ -167,9 +173,11 @@ def request_duplicate_refund(
         charged = intent.amount_received or intent.amount
         left = charged - _reserved_in_tx(order, lambda p: p.get("payment_intent") == payment_intent)
         if not Operation.objects.filter(scope=KeyScope.DERIVED, key=key).exists():
+            refuse_unseen_in_tx(order, seen)
             if not 0 < amount <= left:
                 raise RefundNotAllowed(
-                    f"{payment_intent} has {left} (minor units) left to refund, not {amount}"
+                    f"{payment_intent} has {format_money(left, order.currency)} left to refund,"
+                    f" not {format_money(amount, order.currency)}"
                 )
         params = {
             "order_id": order.pk,
@@ -302,15 +310,41 @@ def new_refund_attempt(
 def refund_from_desk(
     order_id: int, key: str, amount: int, actor: str, options: dict[str, Any]
 ) -> tuple[Operation, bool]:
-    """Refund an order from the desk: its charge, or the duplicate `options["charge"]` names."""
+    """Refund an order from the desk: its charge, or the duplicate `options["charge"]` names.
+
+    `options["seen"]`: the newest refund of the order the operator was shown (absent: not
+    checked).
+    """
     duplicate = str(options.get("charge") or "")
+    seen = None if options.get("seen") is None else int(options["seen"])
     if duplicate:
         return request_duplicate_refund(
-            order_id=order_id, payment_intent=duplicate, key=key, amount=amount, actor=actor
+            order_id=order_id,
+            payment_intent=duplicate,
+            key=key,
+            amount=amount,
+            actor=actor,
+            seen=seen,
         )
     return request_refund(
-        order_id=order_id, key=key, amount=amount, actor=actor, scope=KeyScope.DERIVED
+        order_id=order_id, key=key, amount=amount, actor=actor, scope=KeyScope.DERIVED, seen=seen
     )
+
+
+def refund_left(order_id: int) -> int:
+    """What is left to refund of the order's charge, refunds in flight counted."""
+    order = Order.objects.get(pk=order_id)
+    return max(charged_amount(order) - reserved_amount_in_tx(order), 0)
+
+
+def refuse_order_refund(order_id: int) -> str | None:
+    """Why the order's charge cannot be refunded now (not paid, nothing left), or None."""
+    order = Order.objects.get(pk=order_id)
+    if order.status not in REFUNDABLE_STATUSES or not Invoice.objects.filter(order=order).exists():
+        return not_refundable(order)
+    if refund_left(order_id) <= 0:
+        return f"order {order.pk}: nothing is left to refund (refunds in flight counted)"
+    return None
 
 
 def describe_refund(operation: Operation) -> str:
@@ -329,6 +363,8 @@ def describe_refund(operation: Operation) -> str:
         refuse_rerun=refund_no_longer_fits,
         new_attempt=new_refund_attempt,
         refund=refund_from_desk,
+        refund_left=refund_left,
+        refuse_refund=refuse_order_refund,
     ),
 )
 def refund(run: Run) -> None:

@@ -37,6 +37,13 @@ def action_id(page: str) -> str:
     return found.group(1)
 
 
+def seen(page: str) -> str:
+    """The newest refund the confirmation page showed (0: none)."""
+    found = re.search(r'name="seen" value="([0-9]+)"', page)
+    assert found is not None, "the confirmation page has no seen marker"
+    return found.group(1)
+
+
 def test_order_page__charged_twice__both_charges_red_and_a_timeline(provider, queue):
     order, fenced, duplicate = flows.charged_twice(queue)
     viewer = make_user("vera", *VIEW)
@@ -68,7 +75,7 @@ def test_refund_duplicate_from_the_order_page__amount_prefilled_once_through_the
     form = client.get(refund_url(order, duplicate)).content.decode()
     assert 'value="19.99"' in form  # the duplicate's whole amount
     data = {"amount": "19.99", "reason": "charged twice (fence audit)", "charge": duplicate,
-            "action_id": action_id(form)}  # fmt: skip
+            "action_id": action_id(form), "seen": seen(form)}  # fmt: skip
     first = client.post(refund_url(order), data)
     again = client.post(refund_url(order), data)  # a second press of the same page
 
@@ -95,7 +102,8 @@ def test_refund_from_the_desk__over_the_limit_refused_nothing_written(provider, 
     form = client.get(refund_url(order)).content.decode()
 
     response = client.post(
-        refund_url(order), {"amount": "20.00", "reason": "r", "action_id": action_id(form)}
+        refund_url(order),
+        {"amount": "20.00", "reason": "r", "action_id": action_id(form), "seen": seen(form)},
     )
 
     assert response.status_code == 409

@@ -323,5 +323,6 @@ def payment_context(request: HttpRequest, order: Any) -> dict[str, Any]:
         "timeline": timeline(ops),
         "refund_url": refund_url if desk_refund.refund_hook("order") is not None else "",
         "may_refund": may_refund,
+        "refund_refused": desk_refund.refund_refused("order", order.pk),
         "refund_permission": desk_refund.refund_permission("order"),
     }
