@@ -356,9 +356,8 @@ class Command(BaseCommand):
             self.stdout.write(self.style.SUCCESS(line) if ok else self.style.ERROR(line))
         self.stdout.write(f"\nSaved to {out}")
         if options["only"] is None and not options["no_doc"]:
-            lines = ["```text", *table[1:], *(line for line, _ in verdict), "```"]
             try:
-                write_between_markers(page(), DOC_TABLE, lines)
+                write_between_markers(page(), DOC_TABLE, _markdown(figures, verdict))
             except ValueError as exc:
                 raise CommandError(str(exc)) from exc
             self.stdout.write(f"Written into {page()}")
@@ -479,6 +478,24 @@ def _cpus() -> int:
 
 
 def _table(f: dict) -> list[str]:
+    """The figures as aligned lines, for the terminal."""
+    rows = _rows(f)
+    width = max(len(a) for a, _ in rows)
+    return [""] + [f"  {a:<{width}}  {b}" for a, b in rows]
+
+
+def _markdown(f: dict, verdict: list[tuple[str, bool]]) -> list[str]:
+    """The figures as a Markdown table, and the web tier's verdict, for docs/benchmarks.md."""
+
+    def cell(text: str) -> str:
+        return text.replace("|", "\\|")
+
+    lines = ["| figure | measured |", "| --- | --- |"]
+    lines += [f"| {cell(a)} | {cell(b)} |" for a, b in _rows(f)]
+    return lines + [""] + [f"* {line}" for line, _ in verdict]
+
+
+def _rows(f: dict) -> list[tuple[str, str]]:
     rows = [
         ("machine", f["machine"]),
         ("provider latency per charge", f"{f['provider_latency_seconds'] * 1000:.0f} ms"),
@@ -489,8 +506,7 @@ def _table(f: dict) -> list[str]:
         rows += _web_rows(f["web_tier"])
     if "desk" in f:
         rows += desk_rows(f["desk"])
-    width = max(len(a) for a, _ in rows)
-    return [""] + [f"  {a:<{width}}  {b}" for a, b in rows]
+    return rows
 
 
 def _queue_rows(f: dict) -> list[tuple[str, str]]:
