@@ -170,7 +170,7 @@ def test_operator_queries_the_provider_and_sees_the_payment_settle(
     assert page.locator(".state-count-succeeded").count() == 0  # nothing to do there
     assert "succeeded: 2" in page.locator("#desk-chart").inner_text()  # the chart counts them
     assert page.locator(".state-count-uncertain strong").inner_text() == "1"
-    assert page.locator(".state-count-uncertain .desk-total").inner_text() == "€25.00"
+    assert page.locator(".state-count-uncertain .desk-total").inner_text() == "€25.00 checkout"
     assert seen.key in page.locator("#oldest-uncertain").inner_text()
     audit = page.locator("#desk-audit")
     assert "problems found (exit 1)" in audit.inner_text()

@@ -19,6 +19,7 @@ from payments.desk.views.audit import audit_view
 from payments.desk.views.base import VIEW_PERMISSION, DeskBase
 from payments.desk.views.chart import legend, outcomes_per_hour, outcomes_svg
 from payments.desk.views.queries import (
+    business_kinds,
     counts_by_state,
     follow_up_q,
     money_by_state_and_kind,
@@ -54,14 +55,15 @@ class NeedsAttentionMixin(DeskBase):
             **money_by_state_and_kind(business.filter(state__in=UNFINISHED_OPERATION_STATES)),
             **money_by_state_and_kind(business.filter(recently_failed_q(now))),
         }
-        # A refund's money is not a charge's: with more than one kind, one total per kind.
-        kinds = sorted({kind for by_kind in totals.values() for kind in by_kind})
+        # A refund's money is not a charge's: with more than one kind registered, every
+        # total names its kind, whichever kinds happen to be unfinished now.
+        labelled = len(business_kinds()) > 1
         changelist = reverse(f"admin:{self.opts.app_label}_{self.opts.model_name}_changelist")
         states = []
         for s in OperationState:
             if s == OperationState.SUCCEEDED:
                 continue  # nothing to do there; the chart shows how many succeeded
-            lines = totals_by_kind(totals.get(s.value, {}), labelled=len(kinds) > 1)
+            lines = totals_by_kind(totals.get(s.value, {}), labelled=labelled)
             states.append(
                 {"state": s, "label": state_label(s), "count": counts.get(s.value, 0),
                  "totals": lines, "total": " · ".join(lines),

@@ -151,6 +151,11 @@ def not_found_kind(first_error: str, last_error: str) -> str:
     return "nothing under its key was found at the provider"
 
 
+def business_kinds() -> list[str]:
+    """The kinds registered as operations (a checkout, a refund, a capture), not follow-ups."""
+    return sorted(kind for kind, spec in registered_handlers().items() if spec.consumer is None)
+
+
 def follow_up_kinds() -> list[str]:
     """The kinds registered as message handlers (the follow-ups of a paid order)."""
     return sorted(kind for kind, spec in registered_handlers().items() if spec.consumer is not None)
@@ -240,7 +245,7 @@ def money_by_state_and_kind(
 
 
 def totals_by_kind(by_kind: dict[str, list[tuple[str, int]]], *, labelled: bool) -> list[str]:
-    """One line per kind ("€25.00 checkout", "€6.00 refund"); unlabelled when one kind has money."""
+    """One line per kind ("€25.00 checkout", "€6.00 refund"); without the kind unless `labelled`."""
     if not by_kind:
         return ["-"]
     return [
