@@ -116,6 +116,17 @@ def when(value: Any) -> str:
     return f"{local:%Y-%m-%d %H:%M:%S} {local.tzname() or ''}".rstrip()
 
 
+def succeeded_at_provider(claim: Any) -> str:
+    """The reference the provider's last look-up showed an unsettled step succeeded under.
+
+    "" when the step is recorded done already, or the provider showed anything else.
+    """
+    view = claim.provider_view if isinstance(claim.provider_view, dict) else {}
+    if claim.state == ClaimState.DONE or view.get("status") != "succeeded":
+        return ""
+    return str(view.get("reference") or "")
+
+
 def dashboard_url(reference: str) -> str | None:
     """The provider's own page of a reference (PROVIDER_DASHBOARD_URL), or None when not set."""
     template = payments_settings().provider_dashboard_url
