@@ -113,8 +113,10 @@ def test_mark_failed__never_asked_in_this_state__get_and_post_refused_nothing_ch
 
 
 def test_order_page__charge_answer_lost_but_the_provider_showed_it__charged_at_the_provider(
-    provider, queue
+    provider, queue, settings
 ):
+    dashboard = "https://dashboard.example/payments/{reference}"
+    settings.PAYMENTS = {**settings.PAYMENTS, "PROVIDER_DASHBOARD_URL": dashboard}
     op = answer_lost(provider, queue)
     reference = audited(op)
     order = Order.objects.get(pk=int(op.entity_id))
@@ -128,3 +130,4 @@ def test_order_page__charge_answer_lost_but_the_provider_showed_it__charged_at_t
     table = page.split('id="desk-movements"', 1)[1].split("</table>", 1)[0]
     [row] = [r for r in table.split("<tr")[1:] if reference in r]
     assert "at the provider, not yet settled" in row and "€25.00" in row
+    assert f'href="{dashboard.format(reference=reference)}"' in row

@@ -30,6 +30,7 @@ from payments.desk.display import (
     reference_link,
     request_ids,
     state_badge,
+    succeeded_at_provider,
     when,
 )
 from payments.desk.views.queries import first_error_of, not_found_kind
@@ -52,6 +53,11 @@ logger = logging.getLogger("payments.admin")
 
 #: What a step's effect counts as at the provider (ProviderEffect.AUDITED).
 CHARGE, REFUND = "payment_intent", "refund"
+#: A charge the provider showed succeeded that no step recorded done yet (its answer was lost).
+AT_PROVIDER = "at the provider, not yet settled"
+#: The states of a charge that took the money: recorded done, a provider success outside the
+#: fence, or a success the provider showed for a step still unsettled.
+CHARGED = frozenset({ClaimState.DONE, "succeeded", AT_PROVIDER})
 #: The most rows a timeline shows (the newest are kept; the operations' pages have the rest).
 TIMELINE_ROWS = 300
 
@@ -148,15 +154,21 @@ def movements(entity_type: str, entity_id: int | str, ops: list[Operation]) -> l
                 continue
             amount, currency = _money(op, claim)
             state = claim.state if what == "charge" else op.state
+            shown = succeeded_at_provider(claim) if what == "charge" else ""
+            if shown:  # the money moved; the step is not settled yet: counted, and said so
+                state = AT_PROVIDER
+                amount, currency = _shown_money(claim, amount, currency)
             rows.append(
-                Movement(what, claim.provider_reference, amount, currency, state, op, claim.step)
+                Movement(
+                    what, claim.provider_reference or shown, amount, currency, state, op, claim.step
+                )
             )
-    charged = [m for m in rows if m.what == "charge" and m.state == ClaimState.DONE]
+    charged = [m for m in rows if m.what == "charge" and m.state in (ClaimState.DONE, AT_PROVIDER)]
     known = {m.reference for m in rows}
     for reference in audit_duplicates(entity_type, entity_id):
         if reference not in known:
             rows.append(_outside_the_fence(reference))
-    charges = [m for m in rows if m.what == "charge" and m.state in (ClaimState.DONE, "succeeded")]
+    charges = [m for m in rows if m.what == "charge" and m.state in CHARGED]
     if len(charges) > 1 or (charged and len(charges) > len(charged)):
         for movement in charges:
             movement.duplicate = True
@@ -169,6 +181,15 @@ def movements(entity_type: str, entity_id: int | str, ops: list[Operation]) -> l
     for movement in charges:
         movement.refunded_by = refunds.get(movement.reference, "")
     return rows
+
+
+def _shown_money(claim: StepClaim, amount: int | None, currency: str) -> tuple[int | None, str]:
+    """The amount the provider showed for the step, else the one it asked."""
+    view = claim.provider_view if isinstance(claim.provider_view, dict) else {}
+    shown = view.get("amount")
+    if isinstance(shown, int):
+        return shown, str(view.get("currency") or currency)
+    return amount, currency
 
 
 def _outside_the_fence(reference: str) -> Movement:
@@ -187,13 +208,11 @@ def _outside_the_fence(reference: str) -> Movement:
 
 
 def money_summary(order: Any, rows: list[Movement]) -> dict[str, str]:
-    """Amount asked, charged (every success, duplicates too), refunded and net, formatted."""
+    """Amount asked, charged (every success, duplicates too, and those the provider showed
+    for steps not settled yet), refunded and net, formatted."""
     currency = order.currency
-    charged = sum(
-        m.amount or 0
-        for m in rows
-        if m.what == "charge" and m.state in (ClaimState.DONE, "succeeded")
-    )
+    charged = sum(m.amount or 0 for m in rows if m.what == "charge" and m.state in CHARGED)
+    unsettled = sum(m.amount or 0 for m in rows if m.what == "charge" and m.state == AT_PROVIDER)
     refunded = sum(
         int(m.operation.params.get("amount") or 0)
         for m in rows
@@ -202,6 +221,8 @@ def money_summary(order: Any, rows: list[Movement]) -> dict[str, str]:
     return {
         "amount": format_money(order.amount, currency),
         "charged": format_money(charged, currency),
+        # Of which the provider showed succeeded for steps not settled yet ("" when none).
+        "charged_at_provider": format_money(unsettled, currency) if unsettled else "",
         "refunded": format_money(refunded, currency),
         "net": format_money(charged - refunded, currency),
     }
