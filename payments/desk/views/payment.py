@@ -75,14 +75,32 @@ class Movement:
     step: str
     duplicate: bool = False
     original: bool = False  # the first of duplicate charges: the one the entity kept
-    refunded_by: str = ""  # a duplicate's refund operation key
+    refunded_by: str = ""  # a duplicate's refund operation keys (succeeded or in flight)
+    refunded: int = 0  # what those refunds give back of it
+
+    @property
+    def refundable(self) -> bool:
+        """A later duplicate, of which less than its amount is refunded or being refunded."""
+        if not self.duplicate or self.original:
+            return False
+        return self.amount is None and not self.refunded or (self.amount or 0) > self.refunded
+
+    def refund_words(self) -> str:
+        """What was given back of a duplicate and what is left ("" when nothing was)."""
+        if not self.refunded:
+            return ""
+        refunded = format_money(self.refunded, self.currency)
+        if self.amount is None:
+            return f"{refunded} refunded"
+        return f"{refunded} refunded, {format_money(self.amount - self.refunded, self.currency)} left"
 
     def row(self) -> dict[str, Any]:
         op = self.operation
         return {
             "what": "duplicate charge" if self.duplicate else self.what,
             "duplicate": self.duplicate,
-            "refundable": self.duplicate and not self.original and not self.refunded_by,
+            "refundable": self.refundable,
+            "refund_words": self.refund_words(),
             "reference_text": self.reference,
             "reference": reference_link(self.reference),
             "amount": format_money(self.amount, self.currency),
@@ -150,7 +168,10 @@ def movements(entity_type: str, entity_id: int | str, ops: list[Operation]) -> l
         audited = _audited(op.kind)
         for claim in sorted(op.claims.all(), key=lambda c: (c.claimed_at, c.pk)):
             what = {CHARGE: "charge", REFUND: "refund"}.get(audited.get(claim.step, ""))
-            if what is None or claim.state == ClaimState.FAILED and not claim.provider_reference:
+            # A charge refused before it reached the provider moved nothing; a failed refund
+            # is shown (failed), so that the charge it was for reads as not given back.
+            unsent = claim.state == ClaimState.FAILED and not claim.provider_reference
+            if what is None or what == "charge" and unsent:
                 continue
             amount, currency = _money(op, claim)
             state = claim.state if what == "charge" else op.state
@@ -173,14 +194,23 @@ def movements(entity_type: str, entity_id: int | str, ops: list[Operation]) -> l
         for movement in charges:
             movement.duplicate = True
         charges[0].original = True  # the first success is the payment; the later ones repeat it
-    refunds = {
-        str(m.operation.params.get("payment_intent")): m.operation.key
-        for m in rows
-        if m.what == "refund" and m.operation and m.operation.params.get("duplicate")
-    }
     for movement in charges:
-        movement.refunded_by = refunds.get(movement.reference, "")
+        _note_duplicate_refunds(movement, rows)
     return rows
+
+
+def _note_duplicate_refunds(charge: Movement, rows: list[Movement]) -> None:
+    """Add up the duplicate refunds of `charge` that succeeded or are in flight (not failed)."""
+    for m in rows:
+        op = m.operation
+        if m.what != "refund" or op is None or not op.params.get("duplicate"):
+            continue
+        if str(op.params.get("payment_intent")) != charge.reference:
+            continue
+        if op.state == OperationState.FAILED:
+            continue
+        charge.refunded += int(op.params.get("amount") or 0)
+        charge.refunded_by = ", ".join(filter(None, (charge.refunded_by, op.key)))
 
 
 def _shown_money(claim: StepClaim, amount: int | None, currency: str) -> tuple[int | None, str]:
@@ -340,7 +370,7 @@ def payment_context(request: HttpRequest, order: Any) -> dict[str, Any]:
         "money": money_summary(order, rows),
         "movements": [m.row() for m in rows],
         "has_duplicate": any(m.duplicate for m in rows),
-        "duplicate_open": any(m.duplicate and not m.original and not m.refunded_by for m in rows),
+        "duplicate_open": any(m.refundable for m in rows),
         "timeline": timeline(ops),
         "refund_url": refund_url if desk_refund.refund_hook("order") is not None else "",
         "may_refund": may_refund,
