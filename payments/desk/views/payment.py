@@ -267,14 +267,18 @@ def timeline(ops: list[Operation]) -> list[dict[str, Any]]:
     by_id = {op.pk: op for op in ops}
     entries: list[tuple[datetime, int, dict[str, Any]]] = []
     requests: dict[int, dict[str, StepClaim]] = {}
+    claimers = _claimers(list(by_id))
     for op in ops:
         # Provider requests only: a local step (an invoice, an e-mail) sends none.
         requests[op.pk] = {c.step: c for c in op.claims.all() if c.idempotency_key}
         for claim in requests[op.pk].values():
             keyed = {"operation": op, "step": claim.step, "key": claim.idempotency_key}
+            # Who claimed it and sent the first request: its claim's audit row (the claim's
+            # claimed_by names its current owner, a reconciler or an operator who took it).
+            who = claimers.get((op.pk, claim.step), claim.claimed_by)
             entries.append(
                 (claim.claimed_at, 0, {**keyed, "what": "claimed", "outcome": "claimed, then sent",
-                                      "who": claim.claimed_by})
+                                      "who": who})
             )  # fmt: skip
             if claim.last_request_at and claim.last_request_at != claim.claimed_at:
                 entries.append(
@@ -288,7 +292,8 @@ def timeline(ops: list[Operation]) -> list[dict[str, Any]]:
         )  # the claim's own row says it
     )
     audited: set[str] = set()  # request ids an audit row shows
-    for event in events.order_by("created_at", "id")[:TIMELINE_ROWS]:
+    # The newest rows are kept: read newest first, then put back in order (the sort below).
+    for event in events.order_by("-created_at", "-id")[:TIMELINE_ROWS]:
         op = by_id[event.operation_id]
         step_claim = requests[op.pk].get(event.step)
         if step_claim is None:
@@ -304,7 +309,7 @@ def timeline(ops: list[Operation]) -> list[dict[str, Any]]:
         for claim in requests[op.pk].values():
             entries.extend(_last_lookup(op, claim, audited))
     provider_events = ProviderEvent.objects.filter(operation__in=list(by_id))
-    for pe in provider_events.order_by("created", "id")[:TIMELINE_ROWS]:
+    for pe in provider_events.order_by("-created", "-id")[:TIMELINE_ROWS]:
         entries.append(
             (pe.created, 3, {"operation": by_id.get(pe.operation_id or 0), "step": "",
              "what": f"provider event {pe.type}", "key": pe.id, "who": "the provider",
@@ -315,6 +320,17 @@ def timeline(ops: list[Operation]) -> list[dict[str, Any]]:
         {**entry, "when": when(at), "at": at.isoformat(), "op_url": _op_url(entry["operation"])}
         for at, _, entry in entries[-TIMELINE_ROWS:]
     ]
+
+
+def _claimers(operation_ids: list[int]) -> dict[tuple[int, str], str]:
+    """(operation id, step) -> the actor of the step's first claim row."""
+    rows = (
+        OperationEvent.objects.filter(operation__in=operation_ids, reason="claimed")
+        .exclude(step="")
+        .order_by("-created_at", "-id")
+        .values_list("operation_id", "step", "actor")
+    )
+    return {(op_id, step): actor for op_id, step, actor in rows}  # the oldest written last
 
 
 def _last_lookup(
