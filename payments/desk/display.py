@@ -27,7 +27,8 @@ BADGE_COLOURS: dict[str, str] = {
     OperationState.SUCCEEDED: "#146c43",
     OperationState.FAILED: "#b02a37",
     OperationState.UNCERTAIN: "#6f42c1",
-    OperationState.NEEDS_REVIEW: "#c2185b",
+    # Teal: far in hue from failed's red and uncertain's purple, for colour-blind eyes too.
+    OperationState.NEEDS_REVIEW: "#087990",
     ClaimState.CLAIMED: "#0b5ed7",
     ClaimState.DONE: "#146c43",
 }
