@@ -55,9 +55,7 @@ def test_duplicate__refunded_in_part__still_refundable_and_shows_what_is_left(pr
     assert "Every" not in page.split("Charged more than once", 1)[1].split("</p>", 1)[0]
 
 
-def test_duplicate__refund_failed__shown_failed_and_the_duplicate_still_refundable(
-    provider, queue
-):
+def test_duplicate__refund_failed__shown_failed_and_the_duplicate_still_refundable(provider, queue):
     order, _, duplicate = flows.charged_twice(queue)
     client = client_for(make_user("rosa", *VIEW, REFUND))
     provider.state.enqueue_faults("fail_before", 3)  # every attempt refused before it ran

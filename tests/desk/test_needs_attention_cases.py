@@ -19,6 +19,7 @@ from payments.provider.client import ProviderClient
 from tests.support import builders, flows
 from tests.support.users import VIEW, client_for, make_user
 
+
 @pytest.mark.django_db
 def test_cases__paginated_oldest_first_with_links_to_the_next_page(provider, monkeypatch):
     monkeypatch.setattr(attention, "CASES_PER_PAGE", 1)
@@ -55,9 +56,11 @@ def test_needs_attention__audit_and_chart__readable_words_and_cards_on_a_phone(p
     order = charged_again_by_a_script(queue)
     lost = flows.uncertain_after_read_timeout(provider, queue, key="lost-answer")
 
-    page = client_for(make_user("vera", *VIEW)).get(
-        reverse("admin:payments_operation_needs_attention")
-    ).content.decode()
+    page = (
+        client_for(make_user("vera", *VIEW))
+        .get(reverse("admin:payments_operation_needs_attention"))
+        .content.decode()
+    )
 
     audit = page.split('id="desk-audit"', 1)[1]
     entities = audit.split('id="audit-double-charged-entities"', 1)[0].rsplit("<table", 1)[1]
@@ -79,14 +82,19 @@ def test_chart__needs_review_is_far_from_failed_in_hue():
         r, g, b = (int(colour[i : i + 2], 16) / 255 for i in (1, 3, 5))
         return colorsys.rgb_to_hsv(r, g, b)[0] * 360
 
-    review, failed = BADGE_COLOURS[OperationState.NEEDS_REVIEW], BADGE_COLOURS[OperationState.FAILED]
+    review, failed = (
+        BADGE_COLOURS[OperationState.NEEDS_REVIEW],
+        BADGE_COLOURS[OperationState.FAILED],
+    )
     apart = abs(hue(review) - hue(failed))
     assert min(apart, 360 - apart) >= 90, (review, failed)
 
 
 @pytest.mark.django_db
 def test_search__an_unknown_refund_id_says_the_provider_does_not_know_it(provider):
-    page = client_for(make_user("vera", *VIEW)).get(
-        "/admin/payments/operation/", {"q": "re_zzz"}, follow=True
-    ).content.decode()
+    page = (
+        client_for(make_user("vera", *VIEW))
+        .get("/admin/payments/operation/", {"q": "re_zzz"}, follow=True)
+        .content.decode()
+    )
     assert "No step has re_zzz, and the provider does not know it." in page

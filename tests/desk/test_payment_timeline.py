@@ -33,16 +33,16 @@ def settled_by_an_operator(provider, queue) -> tuple[Operation, str]:
 
 def timeline_rows(op: Operation) -> list[str]:
     order = Order.objects.get(pk=int(op.entity_id))
-    page = client_for(make_user("vera", *VIEW)).get(
-        reverse("admin:payments_order_change", args=[order.pk])
-    ).content.decode()
+    page = (
+        client_for(make_user("vera", *VIEW))
+        .get(reverse("admin:payments_order_change", args=[order.pk]))
+        .content.decode()
+    )
     table = page.split('id="desk-timeline"', 1)[1].split("</table>", 1)[0]
     return table.split("<tbody>", 1)[1].split("<tr")[1:]
 
 
-def test_timeline__claim_taken_over_later__the_claimed_row_names_who_claimed_it(
-    provider, queue
-):
+def test_timeline__claim_taken_over_later__the_claimed_row_names_who_claimed_it(provider, queue):
     op, worker = settled_by_an_operator(provider, queue)
 
     [claimed] = [r for r in timeline_rows(op) if "claimed, then sent" in r]
@@ -51,9 +51,7 @@ def test_timeline__claim_taken_over_later__the_claimed_row_names_who_claimed_it(
     assert who == worker
 
 
-def test_timeline__more_events_than_it_shows__the_newest_are_kept(
-    provider, queue, monkeypatch
-):
+def test_timeline__more_events_than_it_shows__the_newest_are_kept(provider, queue, monkeypatch):
     op, _ = settled_by_an_operator(provider, queue)
     monkeypatch.setattr(payment, "TIMELINE_ROWS", 2)
 

@@ -40,6 +40,7 @@ def audited(op: Operation) -> str:
     except CommandError:
         pass  # exit 1: it found the success without a done claim, as meant
     view = op.claims.get(step="charge").provider_view
+    assert isinstance(view, dict)
     assert view["status"] == "succeeded"
     return str(view["reference"])
 
@@ -69,12 +70,13 @@ def test_mark_failed_page__the_provider_showed_success__refused_and_mark_succeed
     form = client.get(succeeded_url).content.decode()
     assert f'value="{reference}"' in form  # prefilled with what the provider showed
     change = client.get(reverse("admin:payments_operation_change", args=[op.pk])).content.decode()
-    assert f"Mark charge failed is unavailable: the provider showed step charge succeeded ({reference})" in change
+    assert (
+        f"Mark charge failed is unavailable: the provider showed step charge succeeded ({reference})"
+        in change
+    )
 
 
-def test_mark_failed_post__the_provider_showed_success__refused_nothing_changed(
-    provider, queue
-):
+def test_mark_failed_post__the_provider_showed_success__refused_nothing_changed(provider, queue):
     op = answer_lost(provider, queue)
     reference = audited(op)
     client = client_for(make_user("olga", *VIEW, RECONCILE))
@@ -121,9 +123,11 @@ def test_order_page__charge_answer_lost_but_the_provider_showed_it__charged_at_t
     reference = audited(op)
     order = Order.objects.get(pk=int(op.entity_id))
 
-    page = client_for(make_user("vera", *VIEW)).get(
-        reverse("admin:payments_order_change", args=[order.pk])
-    ).content.decode()
+    page = (
+        client_for(make_user("vera", *VIEW))
+        .get(reverse("admin:payments_order_change", args=[order.pk]))
+        .content.decode()
+    )
 
     charged = page.split('id="desk-charged"', 1)[1].split("</div>", 1)[0]
     assert "€25.00" in charged and "at the provider, not yet settled" in charged

@@ -92,7 +92,9 @@ class Movement:
         refunded = format_money(self.refunded, self.currency)
         if self.amount is None:
             return f"{refunded} refunded"
-        return f"{refunded} refunded, {format_money(self.amount - self.refunded, self.currency)} left"
+        return (
+            f"{refunded} refunded, {format_money(self.amount - self.refunded, self.currency)} left"
+        )
 
     def row(self) -> dict[str, Any]:
         op = self.operation
