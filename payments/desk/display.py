@@ -27,7 +27,8 @@ BADGE_COLOURS: dict[str, str] = {
     OperationState.SUCCEEDED: "#146c43",
     OperationState.FAILED: "#b02a37",
     OperationState.UNCERTAIN: "#6f42c1",
-    OperationState.NEEDS_REVIEW: "#c2185b",
+    # Teal: far in hue from failed's red and uncertain's purple, for colour-blind eyes too.
+    OperationState.NEEDS_REVIEW: "#087990",
     ClaimState.CLAIMED: "#0b5ed7",
     ClaimState.DONE: "#146c43",
 }
@@ -114,6 +115,17 @@ def when(value: Any) -> str:
         value = timezone.make_aware(value, timezone.get_default_timezone())
     local = timezone.localtime(value)
     return f"{local:%Y-%m-%d %H:%M:%S} {local.tzname() or ''}".rstrip()
+
+
+def succeeded_at_provider(claim: Any) -> str:
+    """The reference the provider's last look-up showed an unsettled step succeeded under.
+
+    "" when the step is recorded done already, or the provider showed anything else.
+    """
+    view = claim.provider_view if isinstance(claim.provider_view, dict) else {}
+    if claim.state == ClaimState.DONE or view.get("status") != "succeeded":
+        return ""
+    return str(view.get("reference") or "")
 
 
 def dashboard_url(reference: str) -> str | None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from datetime import date, datetime, time, timedelta
 from typing import Any
 
-from django.contrib import admin
+from django.contrib import admin, messages
 from django.db.models import QuerySet
 from django.http import HttpRequest
 from django.utils import timezone
@@ -15,8 +15,9 @@ from django.utils.dateparse import parse_date
 class DateRangeFilter(admin.FieldListFilter):
     """Filter a date-time field by `<field>__from` and `<field>__to` (days, in the desk's zone).
 
-    Shown in the sidebar as two date inputs; a day the browser cannot parse is
-    ignored (the list then says it is not filtered by it).
+    Shown in the sidebar as two date inputs. A value that is no day (`2026-02-30`,
+    `abc`) is not filtered by, and a message names it; the last day of the calendar
+    means no upper bound.
     """
 
     template = "admin/payments/date_range_filter.html"
@@ -26,8 +27,20 @@ class DateRangeFilter(admin.FieldListFilter):
         self.from_param, self.to_param = f"{field_path}__from", f"{field_path}__to"
         super().__init__(field, request, params, model, model_admin, field_path)
         # The base class took the expected parameters out of `params` into used_parameters.
-        self.start = _day(self.used_parameters.get(self.from_param))
-        self.end = _day(self.used_parameters.get(self.to_param))
+        self.start = self._day_or_say(request, self.from_param, "from")
+        self.end = self._day_or_say(request, self.to_param, "to")
+
+    def _day_or_say(self, request: HttpRequest, param: str, side: str) -> date | None:
+        """The day a parameter names; a value that is no day is dropped with a message."""
+        text = _last(self.used_parameters.get(param))
+        day = _day(text)
+        if text and day is None:
+            label = self.title if isinstance(self.title, str) else str(self.title)
+            messages.warning(
+                request,
+                f"Not filtered by {label} ({side}): “{text}” is not a day (YYYY-MM-DD).",
+            )
+        return day
 
     def expected_parameters(self) -> list[str | None]:
         return [self.from_param, self.to_param]
@@ -38,7 +51,7 @@ class DateRangeFilter(admin.FieldListFilter):
     def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any]:
         if self.start is not None:
             queryset = queryset.filter(**{f"{self.field_path}__gte": _midnight(self.start)})
-        if self.end is not None:
+        if self.end is not None and self.end < date.max:  # the last day: no upper bound
             end = _midnight(self.end + timedelta(days=1))
             queryset = queryset.filter(**{f"{self.field_path}__lt": end})
         return queryset
@@ -64,11 +77,16 @@ class DateRangeFilter(admin.FieldListFilter):
         }
 
 
-def _day(value: Any) -> date | None:
+def _last(value: Any) -> str:
+    """The last value of a query parameter, as text ("" when none)."""
     text = value[-1] if isinstance(value, list) and value else value
+    return str(text) if text else ""
+
+
+def _day(text: str) -> date | None:
     try:
-        return parse_date(str(text)) if text else None
-    except ValueError:
+        return parse_date(text) if text else None
+    except ValueError:  # well formed, but no such day (2026-02-30)
         return None
 
 

@@ -207,3 +207,20 @@ def test_desk_pages__cases_chart_actions_and_the_rq_permission(tab, live_server,
     tab.goto(f"{live_server.url}/admin/rq/queues/0/")
     assert "Empty Queue (needs payments.manage_queues)" in tab.locator("#content").inner_text()
     shot(tab, "09-rq-queue")
+
+
+def test_needs_attention__a_double_charge_in_the_audit__no_sideways_scroll(
+    tab, live_server, provider, queue
+):
+    order, _, duplicate = flows.charged_twice(queue, key="web-audit")
+    sign_in(tab, live_server, "vera", *VIEW, then="/admin/payments/operation/needs-attention/")
+
+    entities = tab.locator("#audit-double-charged-entities")
+    assert duplicate in entities.inner_text()
+    order_cell = entities.locator("a.desk-entity").first
+    assert order_cell.inner_text() == f"Order {order.pk}"
+    assert order_cell.evaluate("e => e.getClientRects().length") == 1  # not wrapped mid-word
+    box = entities.bounding_box()
+    assert box["x"] + box["width"] <= tab.width
+    assert "UTC" in (tab.locator("svg.desk-chart").text_content() or "")
+    shot(tab, "10-needs-attention-double-charge")  # asserts no sideways scroll, then saves

@@ -16,6 +16,7 @@ from django.urls import reverse
 from django.utils import timezone
 
 from payments.admin import BADGE_COLOURS
+from payments.desk import services as desk
 from payments.engine.jobs import run_operation
 from payments.engine.writes import fence_writes
 from payments.models import (
@@ -188,7 +189,8 @@ def test_desk_action__get_shows_what_will_happen(provider, senior, action, step,
     response = client_for(senior).get(desk_url(op, action, step))
 
     page = response.content.decode()
-    assert response.status_code == 200
+    # Nobody asked the provider in this state yet: mark failed is refused (409), shown alike.
+    assert response.status_code == (409 if action == "mark_failed" else 200)
     assert "What will happen" in page
     assert claim.idempotency_key in page  # the steps of the operation are listed
     assert ('name="reason"' in page) is reason_field
@@ -296,8 +298,13 @@ def test_desk_action__mark_step_succeeded(provider, operator):
     ]
 
 
+# The look-up's time is the database's now(), which one test transaction keeps at its start,
+# before the move to needs review: committed transactions give each its own time.
+@pytest.mark.django_db(transaction=True)
 def test_desk_action__mark_step_failed(provider, operator):
     op, claim, _ = builders.uncertain(charged=False, age=timedelta(days=2))  # past key retention
+    builders.move(op, OperationState.NEEDS_REVIEW, reason="outcome unknown")
+    desk.query_provider([op.pk], user=operator)  # mark failed waits for a look-up in the state
 
     client_for(operator).post(desk_url(op, "mark_failed", "charge"), {"reason": "none at provider"})
 

@@ -37,3 +37,30 @@ def test_date_range__operations_and_orders_from_and_to_a_day(provider):
     assert [o.pk for o in orders.context["cl"].result_list] == [int(early.entity_id)]
     assert everything.context["cl"].result_count == 2
     assert 'type="date" name="created_at__from" value="2026-11-20"' in operations.content.decode()
+
+
+@pytest.mark.parametrize("changelist", ["/admin/payments/operation/", "/admin/payments/order/"])
+def test_date_range__to_the_last_day_of_the_calendar__every_row_no_error(provider, changelist):
+    created_on(builders.new_checkout("late"), "2026-11-20")
+    client = client_for(make_user("vera", *VIEW))
+
+    response = client.get(changelist, {"created_at__to": "9999-12-31"})
+
+    assert response.status_code == 200
+    assert response.context["cl"].result_count == 1
+
+
+@pytest.mark.parametrize("changelist", ["/admin/payments/operation/", "/admin/payments/order/"])
+@pytest.mark.parametrize("bad", ["2026-02-30", "abc"])
+def test_date_range__a_day_that_is_no_date__named_in_a_message_not_filtered(
+    provider, changelist, bad
+):
+    created_on(builders.new_checkout("late"), "2026-11-20")
+    client = client_for(make_user("vera", *VIEW))
+
+    response = client.get(changelist, {"created_at__from": bad})
+
+    assert response.status_code == 200
+    assert response.context["cl"].result_count == 1  # not filtered by it
+    said = [str(m) for m in response.context["messages"]]
+    assert any(f"“{bad}” is not a day" in m for m in said), said

@@ -574,5 +574,5 @@ def test_needs_attention__renders_the_audit_as_tables_with_links(provider, viewe
     unfenced = audit.split('id="audit-unfenced"', 1)[1].split("</table>", 1)[0]
     assert "pi_c" in unfenced and f'href="{change_url(second)}">charged-again</a>' in unfenced
     stale = audit.split('id="audit-stale"', 1)[1].split("</table>", 1)[0]
-    assert "charged-again" in stale and "<td>charge</td>" in stale
+    assert "charged-again" in stale and '<td data-label="step">charge</td>' in stale
     assert "Double charges per order: 1" in audit and "Provider successes" in audit

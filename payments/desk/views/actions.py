@@ -26,7 +26,13 @@ from django.utils.html import format_html, format_html_join
 
 from payments.conf import payments_settings
 from payments.desk import services as desk
-from payments.desk.display import money_line, provider_view_table, reference_link, state_badge
+from payments.desk.display import (
+    money_line,
+    provider_view_table,
+    reference_link,
+    state_badge,
+    succeeded_at_provider,
+)
 from payments.desk.rules import FoundSucceeded
 from payments.desk.views.base import DeskBase, operator_of
 from payments.engine import fence
@@ -190,6 +196,8 @@ def _mark_failed_plan(op: Operation, step: str) -> dict[str, Any]:
     # The provider's object the step works on, voided first (an intent is cancelled).
     target = claim.provider_reference or str(request.get("payment_intent") or "")
     return {
+        # The provider showed it succeeded: the page offers "mark succeeded" with it instead.
+        "provider_succeeded": succeeded_at_provider(claim),
         "may_have_happened": str(getattr(effect, "MAY_HAVE_HAPPENED", "")),
         "voids": voids,
         "void_target": target if voids else claim.provider_reference,
@@ -221,7 +229,15 @@ def asked_in_this_state(op: Operation, step: str) -> bool:
 
 
 def mark_failed_refusal(op: Operation, step: str) -> str:
-    """Why "mark failed" waits: nobody asked the provider about the step in this state."""
+    """Why "mark failed" is off: the provider showed the step succeeded, or nobody asked it
+    about the step in this state ("" when it may be pressed)."""
+    claim = next((c for c in op.claims.all() if c.step == step), None)
+    reference = succeeded_at_provider(claim) if claim is not None else ""
+    if reference:
+        return (
+            f"the provider showed step {step} succeeded ({reference}) at its last look-up: "
+            "mark it succeeded with that reference instead"
+        )
     if asked_in_this_state(op, step):
         return ""
     return (
@@ -332,7 +348,15 @@ class ActionViewsMixin(DeskBase):
         )
         form = _form_for(spec, op, step, request.POST if request.method == "POST" else None)
         status, refused_now = 200, ""
-        if request.method == "POST" and form.is_valid():
+        # Mark failed is refused by the server, not only by a greyed-out button: a direct GET
+        # or POST of its page asks nothing of the provider and changes nothing.
+        refused_first = _refusal(op, action, step) if action == "mark_failed" else ""
+        if refused_first:
+            status = 409
+            if request.method == "POST":
+                form.is_valid()  # bound, so that the refusal shows beside what was typed
+                form.add_error(None, f"Nothing was changed: {refused_first}")
+        elif request.method == "POST" and form.is_valid():
             try:
                 # The desk service owns the transaction (and keeps HTTP calls out of it).
                 message = spec.run(op, step, request, form.cleaned_data)
@@ -391,6 +415,12 @@ class ActionViewsMixin(DeskBase):
                 op.claims.order_by("claimed_at", "pk"), op.params, what=money_line(op)
             ),
             "next_key": _next_key_or_blank(op) if action == "new_attempt" else "",
+            "mark_succeeded_url": reverse(
+                f"admin:{self.opts.app_label}_{self.opts.model_name}_desk_step",
+                args=[op.pk, step, "mark_succeeded"],
+            )
+            if step
+            else "",
             **(_mark_failed_plan(op, step) if action == "mark_failed" else {}),
             "change_url": change_url,
             # A refused mark-failed keeps its button off: pressing again changes nothing.

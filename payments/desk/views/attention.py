@@ -27,6 +27,7 @@ from payments.desk.views.queries import (
     stale_q,
     state_label,
     totals_by_kind,
+    with_last_reason,
     with_state_since,
 )
 from payments.desk.views.rq_links import failed_jobs
@@ -135,7 +136,9 @@ CASES_PER_PAGE = 25
 
 def cases_page(business: QuerySet[Operation], request: HttpRequest, now: datetime) -> Any:
     """The cases to work, oldest in their state first, one page of them, with age and money."""
-    cases = with_state_since(business.filter(Q(state__in=CASE_STATES) | stale_q(now)))
+    cases = with_last_reason(
+        with_state_since(business.filter(Q(state__in=CASE_STATES) | stale_q(now)))
+    )
     paginator = Paginator(cases.order_by("state_since", "pk"), CASES_PER_PAGE)
     page = paginator.get_page(request.GET.get("page"))
     page.rows = [  # type: ignore[attr-defined]
@@ -147,7 +150,8 @@ def cases_page(business: QuerySet[Operation], request: HttpRequest, now: datetim
             "age": timesince(getattr(op, "state_since", op.updated_at), now),
             "since": when(getattr(op, "state_since", op.updated_at)),
             "amount": money_line(op),
-            "error": (op.last_error or "")[:140],
+            # As the operation's page: the last error, else its last audit row's reason.
+            "error": (op.last_error or getattr(op, "last_reason", "") or "")[:140],
         }
         for op in page.object_list
     ]

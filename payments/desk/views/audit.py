@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections import defaultdict
 from typing import Any
 
@@ -35,6 +36,10 @@ AUDIT_TABLES = (
 )
 #: At most this many rows per finding table (the command's output has them all).
 AUDIT_ROWS = 50
+#: What the audit names a charge by when no operation made it (payments.observability.audit).
+OUTSIDE_THE_FENCE = "(outside the fence)"
+#: A time as the audit stores it (ISO 8601: its checkpoint, ...).
+ISO_TIME = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d")
 
 
 def audit_view(run: FenceAuditRun | None, request: HttpRequest) -> dict[str, Any] | None:
@@ -58,7 +63,7 @@ def audit_view(run: FenceAuditRun | None, request: HttpRequest) -> dict[str, Any
         kind, pk = str(item.get("entity_type") or ""), str(item.get("entity_id") or "")
         if kind == "order" and pk and may_view_orders:
             url = reverse("admin:payments_order_change", args=[pk])
-            return format_html('<a href="{}">Order {}</a>', url, pk)
+            return format_html('<a class="desk-entity" href="{}">Order {}</a>', url, pk)
         return f"{kind} {pk}".strip() or "-"
 
     def references(refs: Any) -> str:
@@ -92,56 +97,72 @@ def audit_view(run: FenceAuditRun | None, request: HttpRequest) -> dict[str, Any
         stale.append({"operation": links.link(key or str(item)), "step": step if key else "-"})
     # "counts" is shown as each table's total; the rest is a figure or a table of its own.
     known = {name for name, _ in AUDIT_FIGURES} | set(AUDIT_TABLES) | {"counts"}
+    tables = [
+        {**table, "cells": [list(zip(table["columns"], row, strict=True)) for row in table["rows"]]}
+        for table in _tables(summary, double, entities, unfenced, unknown, stale)
+    ]
     return {
         "clean": summary.get("clean"),
         "finished": when(run.finished_at),
         "finished_ago": timesince(run.finished_at, timezone.now()),
         "window_start": when(run.window_start),
         "figures": [(label, summary.get(name, "-")) for name, label in AUDIT_FIGURES],
-        "tables": [
-            {
-                "id": "audit-double-charges",
-                "title": "Double charges per step",
-                "columns": ("Operation", "Step", "References"),
-                "rows": [(d["operation"], d["step"], d["references"]) for d in double],
-                "total": _total(summary, "double_charges"),
-            },
-            {
-                "id": "audit-double-charged-entities",
-                "title": "Double charges per order",
-                "columns": ("Order", "References", "Operations"),
-                "rows": [(d["entity"], d["references"], d["operations"]) for d in entities],
-                "total": _total(summary, "double_charged_entities"),
-                "absent": "double_charged_entities" not in summary,
-            },
-            {
-                "id": "audit-unfenced",
-                "title": "Provider successes without a done claim (unfenced)",
-                "columns": ("Reference", "Operation / step (from the provider's metadata)"),
-                "rows": [(u["reference"], u["where"]) for u in unfenced],
-                "total": _total(summary, "unfenced"),
-            },
-            {
-                "id": "audit-unknown",
-                "title": "Done claims the provider does not show succeeded",
-                "columns": ("Reference", "Operation / step"),
-                "rows": [(u["reference"], u["where"]) for u in unknown],
-                "total": _total(summary, "unknown_references"),
-            },
-            {
-                "id": "audit-stale",
-                "title": "Uncertain past the grace period",
-                "columns": ("Operation", "Step"),
-                "rows": [(u["operation"], u["step"]) for u in stale],
-                "total": _total(summary, "stale_uncertain"),
-            },
-        ],  # fmt: skip
+        "tables": tables,
         "other": [
             (name.replace("_", " ").capitalize(), _plain(value))
             for name, value in sorted(summary.items())
             if name not in known
         ],
     }
+
+
+def _tables(
+    summary: dict[str, Any],
+    double: list[dict[str, Any]],
+    entities: list[dict[str, Any]],
+    unfenced: list[dict[str, Any]],
+    unknown: list[dict[str, Any]],
+    stale: list[dict[str, Any]],
+) -> list[dict[str, Any]]:
+    """The audit's findings, one table each: its columns, rows and total."""
+    return [
+        {
+            "id": "audit-double-charges",
+            "title": "Double charges per step",
+            "columns": ("Operation", "Step", "References"),
+            "rows": [(d["operation"], d["step"], d["references"]) for d in double],
+            "total": _total(summary, "double_charges"),
+        },
+        {
+            "id": "audit-double-charged-entities",
+            "title": "Double charges per order",
+            "columns": ("Order", "References", "Operations"),
+            "rows": [(d["entity"], d["references"], d["operations"]) for d in entities],
+            "total": _total(summary, "double_charged_entities"),
+            "absent": "double_charged_entities" not in summary,
+        },
+        {
+            "id": "audit-unfenced",
+            "title": "Provider successes without a done claim (unfenced)",
+            "columns": ("Reference", "Operation / step (from the provider's metadata)"),
+            "rows": [(u["reference"], u["where"]) for u in unfenced],
+            "total": _total(summary, "unfenced"),
+        },
+        {
+            "id": "audit-unknown",
+            "title": "Done claims the provider does not show succeeded",
+            "columns": ("Reference", "Operation / step"),
+            "rows": [(u["reference"], u["where"]) for u in unknown],
+            "total": _total(summary, "unknown_references"),
+        },
+        {
+            "id": "audit-stale",
+            "title": "Uncertain past the grace period",
+            "columns": ("Operation", "Step"),
+            "rows": [(u["operation"], u["step"]) for u in stale],
+            "total": _total(summary, "stale_uncertain"),
+        },
+    ]  # fmt: skip
 
 
 def _listed(value: Any) -> list[Any]:
@@ -173,6 +194,8 @@ def _plain(value: Any) -> str:
         return ", ".join(f"{k.replace('_', ' ')}: {_plain(v)}" for k, v in value.items()) or "-"
     if value is None or value == "":
         return "-"
+    if isinstance(value, str) and ISO_TIME.match(value):  # a time, read as the desk reads times
+        return when(value)
     return str(value)
 
 
@@ -199,6 +222,8 @@ class _OperationLinks:
     def link(self, key: str) -> str:
         if not key:
             return "-"
+        if key == OUTSIDE_THE_FENCE:  # the audit's words for a charge no operation made
+            return format_html('<em class="desk-outside">{}</em>', key)
         pks = self.pks.get(key, [])
         if len(pks) == 1:
             url = reverse("admin:payments_operation_change", args=[pks[0]])

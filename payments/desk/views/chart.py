@@ -73,7 +73,8 @@ def outcomes_svg(bars: list[HourBar]) -> SafeString:
                 shapes.append((x, y, BAR, h, BADGE_COLOURS[state]))
         if i % 6 == 0 and i < len(bars) - 4:
             local = timezone.localtime(bar.start)
-            shapes.append((x, HEIGHT + 12, 0, 0, f"{local:%H:%M}"))
+            # The zone on every label: an operator elsewhere must not read it as local time.
+            shapes.append((x, HEIGHT + 12, 0, 0, f"{local:%H:%M} {local.tzname() or ''}".rstrip()))
     rects = format_html_join(
         "",
         '<rect x="{}" y="{}" width="{}" height="{}" fill="{}"></rect>',

@@ -30,6 +30,7 @@ from payments.desk.display import (
     reference_link,
     request_ids,
     state_badge,
+    succeeded_at_provider,
     when,
 )
 from payments.desk.views.queries import first_error_of, not_found_kind
@@ -52,6 +53,11 @@ logger = logging.getLogger("payments.admin")
 
 #: What a step's effect counts as at the provider (ProviderEffect.AUDITED).
 CHARGE, REFUND = "payment_intent", "refund"
+#: A charge the provider showed succeeded that no step recorded done yet (its answer was lost).
+AT_PROVIDER = "at the provider, not yet settled"
+#: The states of a charge that took the money: recorded done, a provider success outside the
+#: fence, or a success the provider showed for a step still unsettled.
+CHARGED = frozenset({ClaimState.DONE, "succeeded", AT_PROVIDER})
 #: The most rows a timeline shows (the newest are kept; the operations' pages have the rest).
 TIMELINE_ROWS = 300
 
@@ -69,14 +75,34 @@ class Movement:
     step: str
     duplicate: bool = False
     original: bool = False  # the first of duplicate charges: the one the entity kept
-    refunded_by: str = ""  # a duplicate's refund operation key
+    refunded_by: str = ""  # a duplicate's refund operation keys (succeeded or in flight)
+    refunded: int = 0  # what those refunds give back of it
+
+    @property
+    def refundable(self) -> bool:
+        """A later duplicate, of which less than its amount is refunded or being refunded."""
+        if not self.duplicate or self.original:
+            return False
+        return self.amount is None and not self.refunded or (self.amount or 0) > self.refunded
+
+    def refund_words(self) -> str:
+        """What was given back of a duplicate and what is left ("" when nothing was)."""
+        if not self.refunded:
+            return ""
+        refunded = format_money(self.refunded, self.currency)
+        if self.amount is None:
+            return f"{refunded} refunded"
+        return (
+            f"{refunded} refunded, {format_money(self.amount - self.refunded, self.currency)} left"
+        )
 
     def row(self) -> dict[str, Any]:
         op = self.operation
         return {
             "what": "duplicate charge" if self.duplicate else self.what,
             "duplicate": self.duplicate,
-            "refundable": self.duplicate and not self.original and not self.refunded_by,
+            "refundable": self.refundable,
+            "refund_words": self.refund_words(),
             "reference_text": self.reference,
             "reference": reference_link(self.reference),
             "amount": format_money(self.amount, self.currency),
@@ -144,31 +170,58 @@ def movements(entity_type: str, entity_id: int | str, ops: list[Operation]) -> l
         audited = _audited(op.kind)
         for claim in sorted(op.claims.all(), key=lambda c: (c.claimed_at, c.pk)):
             what = {CHARGE: "charge", REFUND: "refund"}.get(audited.get(claim.step, ""))
-            if what is None or claim.state == ClaimState.FAILED and not claim.provider_reference:
+            # A charge refused before it reached the provider moved nothing; a failed refund
+            # is shown (failed), so that the charge it was for reads as not given back.
+            unsent = claim.state == ClaimState.FAILED and not claim.provider_reference
+            if what is None or what == "charge" and unsent:
                 continue
             amount, currency = _money(op, claim)
             state = claim.state if what == "charge" else op.state
+            shown = succeeded_at_provider(claim) if what == "charge" else ""
+            if shown:  # the money moved; the step is not settled yet: counted, and said so
+                state = AT_PROVIDER
+                amount, currency = _shown_money(claim, amount, currency)
             rows.append(
-                Movement(what, claim.provider_reference, amount, currency, state, op, claim.step)
+                Movement(
+                    what, claim.provider_reference or shown, amount, currency, state, op, claim.step
+                )
             )
-    charged = [m for m in rows if m.what == "charge" and m.state == ClaimState.DONE]
+    charged = [m for m in rows if m.what == "charge" and m.state in (ClaimState.DONE, AT_PROVIDER)]
     known = {m.reference for m in rows}
     for reference in audit_duplicates(entity_type, entity_id):
         if reference not in known:
             rows.append(_outside_the_fence(reference))
-    charges = [m for m in rows if m.what == "charge" and m.state in (ClaimState.DONE, "succeeded")]
+    charges = [m for m in rows if m.what == "charge" and m.state in CHARGED]
     if len(charges) > 1 or (charged and len(charges) > len(charged)):
         for movement in charges:
             movement.duplicate = True
         charges[0].original = True  # the first success is the payment; the later ones repeat it
-    refunds = {
-        str(m.operation.params.get("payment_intent")): m.operation.key
-        for m in rows
-        if m.what == "refund" and m.operation and m.operation.params.get("duplicate")
-    }
     for movement in charges:
-        movement.refunded_by = refunds.get(movement.reference, "")
+        _note_duplicate_refunds(movement, rows)
     return rows
+
+
+def _note_duplicate_refunds(charge: Movement, rows: list[Movement]) -> None:
+    """Add up the duplicate refunds of `charge` that succeeded or are in flight (not failed)."""
+    for m in rows:
+        op = m.operation
+        if m.what != "refund" or op is None or not op.params.get("duplicate"):
+            continue
+        if str(op.params.get("payment_intent")) != charge.reference:
+            continue
+        if op.state == OperationState.FAILED:
+            continue
+        charge.refunded += int(op.params.get("amount") or 0)
+        charge.refunded_by = ", ".join(filter(None, (charge.refunded_by, op.key)))
+
+
+def _shown_money(claim: StepClaim, amount: int | None, currency: str) -> tuple[int | None, str]:
+    """The amount the provider showed for the step, else the one it asked."""
+    view = claim.provider_view if isinstance(claim.provider_view, dict) else {}
+    shown = view.get("amount")
+    if isinstance(shown, int):
+        return shown, str(view.get("currency") or currency)
+    return amount, currency
 
 
 def _outside_the_fence(reference: str) -> Movement:
@@ -187,13 +240,11 @@ def _outside_the_fence(reference: str) -> Movement:
 
 
 def money_summary(order: Any, rows: list[Movement]) -> dict[str, str]:
-    """Amount asked, charged (every success, duplicates too), refunded and net, formatted."""
+    """Amount asked, charged (every success, duplicates too, and those the provider showed
+    for steps not settled yet), refunded and net, formatted."""
     currency = order.currency
-    charged = sum(
-        m.amount or 0
-        for m in rows
-        if m.what == "charge" and m.state in (ClaimState.DONE, "succeeded")
-    )
+    charged = sum(m.amount or 0 for m in rows if m.what == "charge" and m.state in CHARGED)
+    unsettled = sum(m.amount or 0 for m in rows if m.what == "charge" and m.state == AT_PROVIDER)
     refunded = sum(
         int(m.operation.params.get("amount") or 0)
         for m in rows
@@ -202,6 +253,8 @@ def money_summary(order: Any, rows: list[Movement]) -> dict[str, str]:
     return {
         "amount": format_money(order.amount, currency),
         "charged": format_money(charged, currency),
+        # Of which the provider showed succeeded for steps not settled yet ("" when none).
+        "charged_at_provider": format_money(unsettled, currency) if unsettled else "",
         "refunded": format_money(refunded, currency),
         "net": format_money(charged - refunded, currency),
     }
@@ -216,14 +269,18 @@ def timeline(ops: list[Operation]) -> list[dict[str, Any]]:
     by_id = {op.pk: op for op in ops}
     entries: list[tuple[datetime, int, dict[str, Any]]] = []
     requests: dict[int, dict[str, StepClaim]] = {}
+    claimers = _claimers(list(by_id))
     for op in ops:
         # Provider requests only: a local step (an invoice, an e-mail) sends none.
         requests[op.pk] = {c.step: c for c in op.claims.all() if c.idempotency_key}
         for claim in requests[op.pk].values():
             keyed = {"operation": op, "step": claim.step, "key": claim.idempotency_key}
+            # Who claimed it and sent the first request: its claim's audit row (the claim's
+            # claimed_by names its current owner, a reconciler or an operator who took it).
+            who = claimers.get((op.pk, claim.step), claim.claimed_by)
             entries.append(
                 (claim.claimed_at, 0, {**keyed, "what": "claimed", "outcome": "claimed, then sent",
-                                      "who": claim.claimed_by})
+                                      "who": who})
             )  # fmt: skip
             if claim.last_request_at and claim.last_request_at != claim.claimed_at:
                 entries.append(
@@ -237,7 +294,8 @@ def timeline(ops: list[Operation]) -> list[dict[str, Any]]:
         )  # the claim's own row says it
     )
     audited: set[str] = set()  # request ids an audit row shows
-    for event in events.order_by("created_at", "id")[:TIMELINE_ROWS]:
+    # The newest rows are kept: read newest first, then put back in order (the sort below).
+    for event in events.order_by("-created_at", "-id")[:TIMELINE_ROWS]:
         op = by_id[event.operation_id]
         step_claim = requests[op.pk].get(event.step)
         if step_claim is None:
@@ -253,7 +311,7 @@ def timeline(ops: list[Operation]) -> list[dict[str, Any]]:
         for claim in requests[op.pk].values():
             entries.extend(_last_lookup(op, claim, audited))
     provider_events = ProviderEvent.objects.filter(operation__in=list(by_id))
-    for pe in provider_events.order_by("created", "id")[:TIMELINE_ROWS]:
+    for pe in provider_events.order_by("-created", "-id")[:TIMELINE_ROWS]:
         entries.append(
             (pe.created, 3, {"operation": by_id.get(pe.operation_id or 0), "step": "",
              "what": f"provider event {pe.type}", "key": pe.id, "who": "the provider",
@@ -264,6 +322,17 @@ def timeline(ops: list[Operation]) -> list[dict[str, Any]]:
         {**entry, "when": when(at), "at": at.isoformat(), "op_url": _op_url(entry["operation"])}
         for at, _, entry in entries[-TIMELINE_ROWS:]
     ]
+
+
+def _claimers(operation_ids: list[int]) -> dict[tuple[int, str], str]:
+    """(operation id, step) -> the actor of the step's first claim row."""
+    rows = (
+        OperationEvent.objects.filter(operation__in=operation_ids, reason="claimed")
+        .exclude(step="")
+        .order_by("-created_at", "-id")
+        .values_list("operation_id", "step", "actor")
+    )
+    return {(op_id, step): actor for op_id, step, actor in rows}  # the oldest written last
 
 
 def _last_lookup(
@@ -319,7 +388,7 @@ def payment_context(request: HttpRequest, order: Any) -> dict[str, Any]:
         "money": money_summary(order, rows),
         "movements": [m.row() for m in rows],
         "has_duplicate": any(m.duplicate for m in rows),
-        "duplicate_open": any(m.duplicate and not m.original and not m.refunded_by for m in rows),
+        "duplicate_open": any(m.refundable for m in rows),
         "timeline": timeline(ops),
         "refund_url": refund_url if desk_refund.refund_hook("order") is not None else "",
         "may_refund": may_refund,

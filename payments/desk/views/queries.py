@@ -59,6 +59,24 @@ def with_state_since(
     return queryset.annotate(state_since=Coalesce(Subquery(entered), F("updated_at")))
 
 
+class LastReason(TypedDict):
+    """The annotation `with_last_reason` adds."""
+
+    last_reason: str | None
+
+
+def with_last_reason(queryset: QuerySet[Any]) -> QuerySet[Any]:
+    """Annotate `last_reason`: the reason of the operation's last audit row that gives one
+    (what `last_error_of` shows when the operation recorded no error), in the same query."""
+    last = (
+        OperationEvent.objects.filter(operation=OuterRef("pk"))
+        .exclude(reason="")
+        .order_by("-created_at", "-id")
+        .values("reason")[:1]
+    )
+    return queryset.annotate(last_reason=Subquery(last))
+
+
 class ClaimAttempts(TypedDict):
     """The annotations `with_attempts` adds."""
 

@@ -23,7 +23,7 @@ from payments.provider.errors import ProviderError, ResourceMissing
 logger = logging.getLogger("payments.admin")
 
 #: The provider ids worth a retrieve: payment intents and refunds (Stripe's shapes).
-PROVIDER_ID = re.compile(r"^(pi|re)_[A-Za-z0-9]{6,64}$")
+PROVIDER_ID = re.compile(r"^(pi|re)_[A-Za-z0-9]{1,64}$")
 
 
 @dataclass(frozen=True)
