@@ -17,6 +17,7 @@ import pytest
 from django.core.management import call_command
 from django.core.management.base import CommandError
 from django.db import connections
+from django.urls import reverse
 from django.utils import timezone
 
 from payments.engine import fence
@@ -200,14 +201,17 @@ def test_operator_queries_the_provider_and_sees_the_payment_settle(
     assert link.get_attribute("href") == DASHBOARD.format(reference=reference)
     shot(page, "10-uncertain-provider-view")
 
-    # "Mark failed" is refused while the provider shows the success; what was typed stays.
-    page.get_by_role("link", name="Mark charge failed").click()
-    page.fill("#id_reason", "customer says the card was not charged")
-    page.get_by_role("button", name="Yes, check and mark failed").click()
-    refusal = page.locator(".desk-refusal")
-    assert "Not marked failed" in refusal.inner_text()  # recorded done instead
-    assert f"the provider shows step charge succeeded ({reference})" in refusal.inner_text()
-    assert page.locator("#id_reason").input_value() == "customer says the card was not charged"
+    # "Mark failed" is off while the provider shows the success: shown, not a link, and
+    # naming what to do instead; its page, reached by URL, refuses and changes nothing.
+    off = page.locator("span.desk-mark_failed")
+    assert off.get_attribute("aria-disabled") == "true"
+    assert f"succeeded ({reference})" in (off.get_attribute("title") or "")
+    assert page.get_by_role("link", name="Mark charge failed").count() == 0
+    page.goto(live_server.url + reverse(
+        "admin:payments_operation_desk_step", args=[seen.pk, "charge", "mark_failed"]
+    ))  # fmt: skip
+    assert page.get_by_role("button", name="Yes, check and mark failed").is_disabled()
+    assert f"succeeded ({reference})" in page.content()
     shot(page, "11-mark-failed-refused")
 
     # The operator settles it: marked succeeded with the provider's reference, unless

@@ -27,8 +27,10 @@ def refund_duplicate(client, order: Order, duplicate: str, amount: str) -> Opera
     form = client.get(f"{url}?charge={duplicate}").content.decode()
     found = re.search(r'name="action_id" value="([0-9a-f]{32})"', form)
     assert found is not None
+    seen = re.search(r'name="seen" value="([0-9]+)"', form)
+    assert seen is not None
     data = {"amount": amount, "reason": "charged twice", "charge": duplicate,
-            "action_id": found.group(1)}  # fmt: skip
+            "action_id": found.group(1), "seen": seen.group(1)}  # fmt: skip
     assert client.post(url, data).status_code == 302
     return Operation.objects.filter(kind="refund").latest("pk")
 
