@@ -87,15 +87,19 @@ def asked_refund(operation: Operation) -> AskedRefund:
     )
 
 
-def refunds_asked(entity_type: str, entity_id: int) -> list[AskedRefund]:
-    """Every refund operation of the entity, in every state, newest first."""
-    kinds = [
+def refund_kinds() -> list[str]:
+    """The kinds whose handler declares the desk's refund hook (`Desk.refund`)."""
+    return sorted(
         kind
         for kind, spec in registered_handlers().items()
         if spec.desk is not None and spec.desk.refund is not None
-    ]
+    )
+
+
+def refunds_asked(entity_type: str, entity_id: int) -> list[AskedRefund]:
+    """Every refund operation of the entity, in every state, newest first."""
     ops = Operation.objects.filter(
-        kind__in=kinds, entity_type=entity_type, entity_id=str(entity_id)
+        kind__in=refund_kinds(), entity_type=entity_type, entity_id=str(entity_id)
     ).order_by("-pk")
     return [asked_refund(op) for op in ops]
 

@@ -26,7 +26,6 @@ from django.utils.html import format_html
 from payments.desk import refund as desk_refund
 from payments.desk.views.base import operator_of
 from payments.desk.views.payment import Movement, entity_operations, money_summary, movements
-from payments.engine.handlers import registered_handlers
 from payments.exceptions import PaymentsError
 from payments.models import OperationState
 from payments.money import format_money, major_units
@@ -232,9 +231,7 @@ def refund_view(admin: Any, request: HttpRequest, object_id: str) -> HttpRespons
         "duplicate": duplicate.row() if duplicate else None,
         "charge": charge,
         "change_url": change_url,
-        "refund_kinds": sorted(
-            kind for kind, spec in registered_handlers().items() if spec.desk and spec.desk.refund
-        ),
+        "refund_kinds": desk_refund.refund_kinds(),
         "amount_label": format_html("Amount ({})", order.currency.upper()),
     }
     request.current_app = admin.admin_site.name
