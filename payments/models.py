@@ -408,6 +408,60 @@ class StepClaim(FenceModel):
         return f"{self.operation_id}:{self.step}"
 
 
+class LookShowed(models.TextChoices):
+    """What one look at a claim's outcome showed (a replay, a retrieve, a list, an event)."""
+
+    OBJECT = "object", "The provider's object"  # what it showed is in the claim's provider_view
+    NOT_FOUND = "not_found", "Not found"  # a consistent read found nothing (yet)
+    IN_PROGRESS = "in_progress", "In progress at the provider"  # neither done nor refused
+    IN_FLIGHT = "in_flight", "A request under its key is still in flight"  # a 409 ..._in_use
+    UNREADABLE = "unreadable", "The provider could not be read"  # timeout, 5xx, refused socket
+
+
+#: Looks that learned nothing because the provider did not answer: an incident's marks.
+INCIDENT_LOOKS = (LookShowed.IN_FLIGHT, LookShowed.UNREADABLE)
+
+
+class ClaimLook(FenceModel):
+    """The evidence of a claim's unknown outcome: the fence's looks at it, and when the next is.
+
+    A look that learns nothing new changes this row (counters, last and next
+    look), never the audit trail: the trail records changes of state. The
+    object the provider showed stays on the claim (`StepClaim.provider_view`);
+    this row says how the last look went and what the engine waits for. One
+    row per claim, written only by the fence (`payments.engine.fence.note_look`);
+    a claim that never needed a look has none.
+    """
+
+    claim = models.OneToOneField(
+        StepClaim, on_delete=models.CASCADE, primary_key=True, related_name="look"
+    )
+    #: Looks at the outcome so far: replays that could not tell, reads, queries.
+    looks = models.PositiveIntegerField(default=0)
+    #: Looks in a row that showed the same (`showed`): the wait before the next grows with it.
+    streak = models.PositiveIntegerField(default=0)
+    showed = models.CharField(max_length=20, choices=LookShowed)
+    #: The provider's own words of the last look: the error and request id, or what it showed.
+    detail = models.TextField(blank=True)
+    #: Who looked, and how (a same-key replay, a list, the desk's query, an event).
+    actor = models.CharField(max_length=255, blank=True)
+    source = models.CharField(max_length=40, blank=True)
+    first_look_at = models.DateTimeField()
+    last_look_at = models.DateTimeField()
+    #: When the reconciler looks again (NULL: at its next round).
+    next_look_at = models.DateTimeField(null=True, blank=True)
+    #: Since when the provider answers "a request under this key is in flight" (NULL: not now).
+    in_flight_since = models.DateTimeField(null=True, blank=True)
+    #: Since when looks at this claim go unanswered (NULL: the last one was answered).
+    unread_since = models.DateTimeField(null=True, blank=True)
+    #: Why a look cannot settle it (a contradiction, a key conflict): the reconciler stops
+    #: looking and a person decides. Empty: it keeps looking, even under review.
+    hold = models.TextField(blank=True)
+
+    def __str__(self) -> str:
+        return f"{self.claim_id}: {self.showed} x{self.looks}"
+
+
 class OperationEvent(FenceModel):
     """An audit row: one state change of an operation or of one of its steps."""
 

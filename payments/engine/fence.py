@@ -51,10 +51,14 @@ from payments.exceptions import (
     StepDoneMeanwhile,
 )
 from payments.models import (
+    INCIDENT_LOOKS,
     RUNNABLE_OPERATION_STATES,
+    UNSETTLED_CLAIM_STATES,
     ApiClient,
+    ClaimLook,
     ClaimState,
     KeyScope,
+    LookShowed,
     Operation,
     OperationState,
     StepClaim,
@@ -1165,6 +1169,103 @@ def note_provider_view(
     claim.provider_view = view
 
 
+#: The wait before the reconciler looks again at a claim whose look showed the same as the
+#: one before: doubled with each such look, from the first to the most. A provider that
+#: answers again is read within the most (every claim, whatever the grace).
+LOOK_WAIT_FIRST = timedelta(seconds=5)
+LOOK_WAIT_MOST = timedelta(seconds=60)
+
+
+def look_wait(showed: str, streak: int) -> timedelta:
+    """How long after a look the next one is due.
+
+    A first look that the provider answered is looked at again at the next
+    round (the grace decides); an unanswered one (in flight, unreadable), and
+    any that showed the same as the looks before it, wait longer each time.
+    """
+    repeats = streak - 1 if showed in INCIDENT_LOOKS else streak - 2
+    if repeats < 0:
+        return timedelta(0)
+    return min(LOOK_WAIT_FIRST * (2 ** min(repeats, 10)), LOOK_WAIT_MOST)
+
+
+@fence_writer
+def note_look(
+    claim: StepClaim,
+    showed: LookShowed,
+    *,
+    actor: str,
+    source: str,
+    detail: str = "",
+    in_flight: bool | None = None,
+) -> ClaimLook:
+    """Record one look at a claim's outcome: counters and what it showed, no audit row.
+
+    The audit trail records changes of state; a look that changed nothing is
+    only counted here (looks, last and next look). `in_flight` says whether the
+    provider holds a request under the key now (None: this look did not ask).
+    An object the provider showed goes to the claim's provider_view
+    (note_provider_view); this row keeps how the look went.
+    """
+    with transaction.atomic():
+        now = db_now()
+        look = ClaimLook.objects.select_for_update().filter(claim_id=claim.pk).first()
+        if look is None:
+            look = ClaimLook(claim_id=claim.pk, first_look_at=now, looks=0, streak=0)
+        look.streak = look.streak + 1 if look.showed == showed else 1
+        look.looks += 1
+        look.showed = showed
+        look.detail = detail[:2000]
+        look.actor = actor[:255]
+        look.source = source[:40]
+        look.last_look_at = now
+        if in_flight is not None:
+            look.in_flight_since = (look.in_flight_since or now) if in_flight else None
+        # A request in flight is waited for as an unanswered look is, whatever the list showed.
+        waits_as = LookShowed.IN_FLIGHT if look.in_flight_since else showed
+        look.next_look_at = now + look_wait(waits_as, look.streak)
+        if showed == LookShowed.UNREADABLE:
+            look.unread_since = look.unread_since or now
+        elif showed != LookShowed.IN_FLIGHT:
+            look.unread_since = None
+        look.save()
+    return look
+
+
+def in_flight_since(claim: StepClaim) -> datetime | None:
+    """Since when the provider has answered that a request under the claim's key is in
+    flight (None: it did not, at the last look); now, for a claim never looked at."""
+    look = ClaimLook.objects.filter(claim_id=claim.pk).only("in_flight_since").first()
+    if look is None:
+        return db_now()
+    return look.in_flight_since or db_now()
+
+
+@fence_writer
+def hold_looks(claim: StepClaim, why: str) -> None:
+    """Stop the reconciler's looks at a claim a look cannot settle (a contradiction)."""
+    with transaction.atomic():
+        now = db_now()
+        look, _ = ClaimLook.objects.select_for_update().get_or_create(
+            claim_id=claim.pk,
+            defaults={"first_look_at": now, "last_look_at": now, "showed": LookShowed.OBJECT},
+        )
+        look.hold = why[:2000]
+        look.next_look_at = None
+        look.save(update_fields=["hold", "next_look_at"])
+
+
+@fence_writer
+def release_after_look(claim: StepClaim, *, actor: str) -> None:
+    """Drop the lease `actor` took to look at an unsettled claim; no audit row (nothing changed).
+
+    The next round, a worker or the desk may take it at once.
+    """
+    StepClaim.objects.filter(
+        pk=claim.pk, claimed_by=actor, state__in=UNSETTLED_CLAIM_STATES
+    ).update(lease_expires_at=None)
+
+
 @fence_writer
 def note_request_sent(claim: StepClaim, *, actor: str) -> None:
     """Record, and commit, that `actor` is about to send a request under the claim's key again.
@@ -1200,14 +1301,17 @@ def release_claim(
     reason: str,
     last_request_at: Any = _UNCHANGED,
     requests: Requests = None,
+    audited: bool = True,
 ) -> None:
     """Drop a claim's lease after a transient failure: the next attempt may take it at once.
 
     Only its owner releases it; the owner stays recorded. Its state stays: a
     claimed row is then "released" (lease gone: nothing ran), an uncertain one
     stays uncertain (an earlier call may have run). `last_request_at` puts back
-    the time of the request before one that was never sent. The audit row carries
-    `requests` (else: record_event_in_tx's).
+    the time of the request before one that was never sent (and takes it off the
+    count of requests sent). The audit row carries
+    `requests` (else: record_event_in_tx's); a look that changed nothing (`audited`
+    False: the reconciler's) writes none, its look is counted instead (note_look).
     """
     with transaction.atomic():
         row = _locked_claim_in_tx(claim.pk)
@@ -1217,9 +1321,14 @@ def release_claim(
         row.lease_expires_at, row.error = None, reason[:2000]
         fields = ["lease_expires_at", "error", "updated_at"]
         if last_request_at is not _UNCHANGED:
+            # The request was never executed (nothing ran): neither its time nor its count
+            # stays, so that the desk's attempts count only requests that could move money.
             row.last_request_at = claim.last_request_at = last_request_at
-            fields.append("last_request_at")
+            row.requests_sent = claim.requests_sent = max(row.requests_sent - 1, 0)
+            fields.extend(["last_request_at", "requests_sent"])
         row.save(update_fields=fields)
+        if not audited:
+            return
         record_event_in_tx(
             row.operation,
             step=row.step,

@@ -42,6 +42,7 @@ from payments.models import (
     FINAL_OPERATION_STATES,
     UNSETTLED_CLAIM_STATES,
     ClaimState,
+    LookShowed,
     Operation,
     OperationState,
     StepClaim,
@@ -149,13 +150,31 @@ class ReconcileReport:
         return len(self.outcomes.get(outcome, []))
 
 
-def claims_to_reconcile(operation_ids: list[int] | None = None) -> Q:
-    """Unsettled claims of operations no worker will run: uncertain, failed or under review."""
+def claims_to_reconcile(operation_ids: list[int] | None = None, now: datetime | None = None) -> Q:
+    """Unsettled claims of operations no worker will run, whose next look is due.
+
+    Uncertain and failed operations; and those under review for want of an
+    answer (their looks are not on hold): when the provider answers again, the
+    same consistent reads settle them without a person. Each claim's next look
+    waits longer while its looks learn nothing (fence.look_wait), so that an
+    incident's many claims are each read in turn, not the first few every round.
+    Named operations (the desk's query) are read now, whatever their next look.
+    """
     # Through the partial index over unsettled claims (migration 0014).
     unsettled = Q(state__in=UNSETTLED_CLAIM_STATES)
     if operation_ids is not None:
         return unsettled & Q(operation_id__in=operation_ids)
-    return unsettled & Q(operation__state__in=[OperationState.UNCERTAIN, OperationState.FAILED])
+    parked = (
+        Q(operation__state=OperationState.NEEDS_REVIEW) & Q(look__isnull=False) & Q(look__hold="")
+    )
+    due = Q(look__isnull=True) | Q(look__next_look_at__isnull=True)
+    if now is not None:
+        due |= Q(look__next_look_at__lte=now)
+    return (
+        unsettled
+        & (Q(operation__state__in=[OperationState.UNCERTAIN, OperationState.FAILED]) | parked)
+        & due
+    )
 
 
 def reconcile(
@@ -177,7 +196,7 @@ def reconcile(
     report = ReconcileReport()
     started = time.monotonic()
     claims = (
-        StepClaim.objects.filter(claims_to_reconcile(operation_ids))
+        StepClaim.objects.filter(claims_to_reconcile(operation_ids, fence.db_now()))
         .select_related("operation")
         .order_by("claimed_at", "id")[:batch_size]
     )
@@ -268,8 +287,15 @@ def look_up(op: Operation, *, actor: str = "") -> str:
         before = len(exchanges.peek() or [])
         try:
             result = spec.effect(claim.step, op).find(view_of(claim))
-        except Exception as exc:  # provider down: say so, change nothing
+        except Exception as exc:  # provider down: say so, change nothing but the look's count
             found.append(f"{claim.step}: lookup failed ({type(exc).__name__})")
+            fence.note_look(
+                claim,
+                LookShowed.UNREADABLE,
+                actor=actor,
+                source="query",
+                detail=f"{type(exc).__name__}: {exc}",
+            )
             continue
         mine = (exchanges.peek() or [])[before:]
         fence.note_provider_view(claim, result, source="query", actor=actor, requests=mine)
@@ -282,19 +308,42 @@ def look_up(op: Operation, *, actor: str = "") -> str:
 
 
 def settle_one(claim: StepClaim, *, actor: str) -> str:
-    """Reconcile one claim and move its operation; return the outcome's name."""
+    """Reconcile one claim and move its operation; return the outcome's name.
+
+    The outcome names what the look did: "done", "failed" (settled), "needs_review"
+    (parked now, or still: a look at a parked claim that learned nothing keeps it
+    there, without another audit row), "still_uncertain" (the provider answered,
+    the outcome is not known yet), "retry_later" (the provider could not be read),
+    "busy" (someone else holds the claim), "already_settled".
+    """
     op = claim.operation
-    spec = get_handler(op.kind)
     taken = fence.take_over_claim(claim, owner=actor, lease_seconds=payments_settings().claim_lease)
     if taken is None:
         return "busy"
     if taken.state in (ClaimState.DONE, ClaimState.FAILED):
         return "already_settled"  # someone settled it meanwhile; the stranded pass moves the op
+    try:
+        return _look_and_move(taken, op, actor)
+    finally:
+        # A look that settled nothing leaves the claim free at once, for a worker, the
+        # desk or the next round: no audit row, nothing changed.
+        fence.release_after_look(taken, actor=actor)
+
+
+def _look_and_move(taken: StepClaim, op: Operation, actor: str) -> str:
+    spec = get_handler(op.kind)
     # Read now, not when the batch was listed: an operator may have failed it since.
     state = Operation.objects.values_list("state", flat=True).get(pk=op.pk)
     allow_replay = state not in FINAL_OPERATION_STATES
+    parked = state == OperationState.NEEDS_REVIEW
     try:
-        reconcile_step(taken, spec.effect(claim.step, op), actor=actor, allow_replay=allow_replay)
+        reconcile_step(
+            taken,
+            spec.effect(taken.step, op),
+            actor=actor,
+            allow_replay=allow_replay,
+            looking=True,
+        )
     except StepRefused as exc:
         _move(
             op,
@@ -305,22 +354,26 @@ def settle_one(claim: StepClaim, *, actor: str) -> str:
         )
         return "failed"
     except StepNeedsReview as exc:
-        _move(op, OperationState.NEEDS_REVIEW, actor, str(exc))
-        alerts.error("operation %s needs review: outcome of %s unknown", op.key, claim.step)
+        if not parked:
+            _move(op, OperationState.NEEDS_REVIEW, actor, str(exc))
+            alerts.error("operation %s needs review: outcome of %s unknown", op.key, taken.step)
         return "needs_review"
     except StepConflict:
+        fence.hold_looks(taken, "idempotency conflict: the key was used with other parameters")
         _move(op, OperationState.NEEDS_REVIEW, actor, "idempotency conflict")
-        alerts.error("operation %s: idempotency conflict at %s", op.key, claim.step)
+        alerts.error("operation %s: idempotency conflict at %s", op.key, taken.step)
         return "needs_review"
     except StepUncertain:
-        if state not in (OperationState.UNCERTAIN, *FINAL_OPERATION_STATES):
-            _move(op, OperationState.UNCERTAIN, actor, "outcome not known yet")
-        return "still_uncertain"
+        if state not in (OperationState.UNCERTAIN, OperationState.NEEDS_REVIEW):
+            if state not in FINAL_OPERATION_STATES:
+                _move(op, OperationState.UNCERTAIN, actor, "outcome not known yet")
+        return "needs_review" if parked else "still_uncertain"
     except StepTransient as exc:
-        # Provider unreachable, or the first request still in flight: let the
-        # next round (or a worker) take the claim at once; past the grace
-        # period a person decides, whatever the reason.
-        fence.release_claim(taken, actor=actor, reason="lookup failed; next round")
+        # Provider unreachable: the look is counted on the claim (no audit row) and the
+        # next round (or a worker) may take the claim at once; past the grace period a
+        # person may decide, and the reconciler keeps looking until the provider answers.
+        if parked:
+            return "needs_review"
         if past_grace(taken):
             reason = f"outcome unknown past the grace period; last try: {exc}"[:500]
             _move(op, OperationState.NEEDS_REVIEW, actor, reason)
@@ -545,6 +598,8 @@ def _move(
             return  # a worker runs it now and will see the settled claim itself
         if locked.state == OperationState.SUCCEEDED:
             return
+        if locked.state == state and not resume:
+            return  # nothing changes: the trail records changes only
         was_failed = locked.state == OperationState.FAILED
         fields: dict[str, Any] = {"next_attempt_at": fence.clock_of(locked)} if resume else {}
         if state in (OperationState.NEEDS_REVIEW, OperationState.FAILED):

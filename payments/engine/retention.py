@@ -73,6 +73,11 @@ DELETE_AUDIT_ROWS = """
 DELETE FROM payments_operationevent WHERE operation_id = ANY(%(ids)s)
 """
 
+DELETE_CLAIM_LOOKS = """
+DELETE FROM payments_claimlook
+WHERE claim_id IN (SELECT id FROM payments_stepclaim WHERE operation_id = ANY(%(ids)s))
+"""
+
 DELETE_CLAIMS = """
 DELETE FROM payments_stepclaim WHERE operation_id = ANY(%(ids)s)
 """
@@ -123,6 +128,7 @@ class PurgeReport:
 
     operations: int = 0
     claims: int = 0
+    claim_looks: int = 0
     audit_rows: int = 0
     provider_events: int = 0
     audit_runs: int = 0
@@ -198,6 +204,7 @@ def _purge_batch(
         for statement, counter in (
             (DELETE_PROVIDER_EVENTS, "provider_events"),
             (DELETE_AUDIT_ROWS, "audit_rows"),
+            (DELETE_CLAIM_LOOKS, "claim_looks"),
             (DELETE_CLAIMS, "claims"),
         ):
             cursor.execute(statement, {"ids": ids})

@@ -29,7 +29,7 @@ from payments.exceptions import (
     StepTransient,
     StepUncertain,
 )
-from payments.models import ClaimState, Operation, StepClaim
+from payments.models import ClaimState, LookShowed, Operation, StepClaim
 
 if TYPE_CHECKING:
     from payments.engine.unit import WorkUnit
@@ -59,6 +59,12 @@ def replay_allowed(claim: StepClaim) -> bool:
     """
     retention = timedelta(seconds=payments_settings().provider_key_retention)
     return fence.db_now() - claim.claimed_at < retention - timedelta(hours=1)
+
+
+def _past(moment: Any) -> bool:
+    """Tell whether RECONCILE_GRACE has passed since `moment` (the database's clock)."""
+    grace = timedelta(seconds=payments_settings().reconcile_grace)
+    return bool(fence.db_now() - moment > grace)
 
 
 def past_grace(claim: StepClaim) -> bool:
@@ -125,22 +131,44 @@ def run_external_step(
 
 @telemetry.traced("external")
 def reconcile_step(
-    claim: StepClaim, effect: ExternalEffect, *, actor: str, allow_replay: bool = True
+    claim: StepClaim,
+    effect: ExternalEffect,
+    *,
+    actor: str,
+    allow_replay: bool = True,
+    looking: bool = False,
 ) -> dict[str, Any]:
-    """Settle a claim whose outcome is unknown: reference, else same-key replay, else search.
+    """Settle a claim whose outcome is unknown: reference, else same-key replay, else a list.
 
     A replay may execute a call that never reached the provider, so it is only
     allowed while the operation still wants the effect (not once it failed).
+
+    `looking` (the reconciler, the desk's query): a replay the provider could not
+    answer (its key still in flight there: `409 ..._in_use`; a timeout; a 5xx) is
+    evidence, counted on the claim without an audit row, and the consistent list
+    is read all the same. A worker (not looking) retries such a step later instead.
     """
     if claim.provider_reference or not allow_replay or not replay_allowed(claim):
         return _settle_from_lookup(claim, effect, actor=actor)
     try:
-        result = call_effect(claim, effect, actor=actor)
+        result = call_effect(claim, effect, actor=actor, quiet=looking)
     except StepUncertain:
         # The provider replayed a stored error, or the replay's answer was lost
         # too: only a lookup can tell more now.
         claim.refresh_from_db()
         return _settle_from_lookup(claim, effect, actor=actor)
+    except StepTransient as exc:
+        if not looking:
+            raise
+        # A request in flight decides its own outcome: until it ends (or the grace after
+        # it began has passed), only a success read elsewhere settles the claim.
+        since = fence.in_flight_since(claim) if exc.in_flight else None
+        waiting = exc.in_flight and (since is None or not _past(since))
+        claim.refresh_from_db()
+        replay = f"same-key replay: {exc}"
+        return _settle_from_lookup(
+            claim, effect, actor=actor, in_flight=waiting, replay=(exc.in_flight, replay)
+        )
     # What the provider answered to the same-key replay, for the desk's "at the provider".
     shown = {k: v for k, v in result.items() if k != "reference"}
     fence.note_provider_view(
@@ -161,12 +189,15 @@ def call_effect(
     actor: str,
     outcomes: WorkUnit | None = None,
     first: bool = False,
+    quiet: bool = False,
 ) -> dict[str, Any]:
     """Call the provider with the claim's stored request and key; record what came back
     (a success in `outcomes`, when given: see run_external_step).
 
     A `first` call's time is the claim's own; any later one is recorded first
     (fence.note_request_sent), since the grace before "not found" counts from it.
+    `quiet` (a look by the reconciler or the desk): an answer that changes nothing
+    (the claim stays as it was) writes no audit row; the caller counts the look.
     """
     op_key, step = claim.operation.key, claim.step
     sent_before = claim.last_request_at
@@ -190,7 +221,7 @@ def call_effect(
         if outcome == Outcome.TRANSIENT:
             # Nothing was executed: the grace still counts from the request sent before.
             unsent: dict[str, Any] = {} if first else {"last_request_at": sent_before}
-            fence.release_claim(claim, actor=actor, reason=reason, **unsent)
+            fence.release_claim(claim, actor=actor, reason=reason, audited=not quiet, **unsent)
             error = StepTransient(reason, operation_key=op_key, step=step, provider_code=code)
             error.in_flight = bool(getattr(exc, "in_flight", False))
             raise error from exc
@@ -202,9 +233,12 @@ def call_effect(
             raise StepRefused(reason, operation_key=op_key, step=step, provider_code=code) from exc
         # An object still in progress (a pending refund) names itself: keep its reference.
         reference = str(getattr(exc, "reference", "") or "") or None
-        fence.settle_claim(
-            claim, ClaimState.UNCERTAIN, actor=actor, error=reason, reference=reference
-        )
+        if quiet and claim.state == ClaimState.UNCERTAIN and reference is None:
+            fence.release_claim(claim, actor=actor, reason=reason, audited=False)
+        else:
+            fence.settle_claim(
+                claim, ClaimState.UNCERTAIN, actor=actor, error=reason, reference=reference
+            )
         raise StepUncertain(reason, operation_key=op_key, step=step, provider_code=code) from exc
     failpoint(AFTER_PROVIDER_ACCEPT, step)
     return _record(claim, answer, actor=actor, outcomes=outcomes)
@@ -234,13 +268,44 @@ def _record(
 
 
 @exchanges.recorded
-def _settle_from_lookup(claim: StepClaim, effect: ExternalEffect, *, actor: str) -> dict[str, Any]:
+def _settle_from_lookup(
+    claim: StepClaim,
+    effect: ExternalEffect,
+    *,
+    actor: str,
+    in_flight: bool = False,
+    replay: tuple[bool, str] | None = None,
+) -> dict[str, Any]:
+    """Settle the claim by a consistent read, or raise what stops it (StepUncertain, ...).
+
+    `in_flight`: a request under the claim's key is still being executed at the
+    provider; what the read shows may still change, so only a success (final)
+    settles the claim, and nothing it shows goes to review meanwhile. `replay`:
+    what a same-key replay just before was answered (in flight?, its words),
+    counted with this read as one look.
+    """
     op_key, step = claim.operation.key, claim.step
+
+    def look(showed: LookShowed, detail: str) -> None:
+        held = replay is not None and replay[0]
+        if held and showed == LookShowed.UNREADABLE:
+            showed = LookShowed.IN_FLIGHT  # it answered the replay: reachable, busy
+        words = "; ".join(part for part in (replay[1] if replay else "", detail) if part)
+        fence.note_look(
+            claim,
+            showed,
+            actor=actor,
+            source="replay and list" if replay else "consistent read",
+            detail=words,
+            in_flight=None if replay is None else held,
+        )
+
     try:
         found = effect.find(view_of(claim))
     except StillInProgress as exc:  # there, neither done nor refused: never "not found"
         telemetry.note(transaction=telemetry.NONE)
         reason = f"still in progress at the provider ({exc})"[:500]
+        look(LookShowed.IN_PROGRESS, str(exc))
         if claim.state != ClaimState.UNCERTAIN or (exc.reference and not claim.provider_reference):
             fence.settle_claim(
                 claim,
@@ -249,7 +314,7 @@ def _settle_from_lookup(claim: StepClaim, effect: ExternalEffect, *, actor: str)
                 error=reason,
                 reference=exc.reference or None,
             )
-        if past_grace(claim):
+        if past_grace(claim) and not in_flight:
             raise StepNeedsReview(
                 f"{reason}, past the grace period", operation_key=op_key, step=step
             ) from exc
@@ -257,7 +322,8 @@ def _settle_from_lookup(claim: StepClaim, effect: ExternalEffect, *, actor: str)
     except Exception as exc:  # provider down while reconciling: stay as we are, until the grace
         telemetry.note(transaction=telemetry.NONE)
         reason = f"lookup failed: {type(exc).__name__}"
-        if past_grace(claim):
+        look(LookShowed.UNREADABLE, f"read: {type(exc).__name__}: {exc}")
+        if past_grace(claim) and not in_flight:
             # Unknown for longer than the grace period, whatever the reason: a person decides.
             if claim.state != ClaimState.UNCERTAIN:
                 fence.settle_claim(claim, ClaimState.UNCERTAIN, actor=actor, error=reason)
@@ -268,11 +334,16 @@ def _settle_from_lookup(claim: StepClaim, effect: ExternalEffect, *, actor: str)
             ) from exc
         raise StepTransient(reason, operation_key=op_key, step=step) from exc
     fence.note_provider_view(claim, found, source="reconciler", actor=actor)
+    if found is None:
+        look(LookShowed.NOT_FOUND, "not in the consistent list")
+    else:
+        look(LookShowed.OBJECT, f"{found.reference} {found.data.get('status', '')}".strip())
     if found is not None:
         # One provider success settles one step; a refusal may name an object an earlier
         # step succeeded with (a capture refused on the authorisation's cancelled intent).
         other = fence.claim_carrying(found.reference, besides=claim) if found.succeeded else None
         if other is not None:  # one provider object settles one step: never record it twice
+            fence.hold_looks(claim, f"the provider's {found.reference} already settles {other}")
             alerts.error(
                 "lookup for %s/%s found %s, which already settles %s",
                 op_key,
@@ -285,7 +356,23 @@ def _settle_from_lookup(claim: StepClaim, effect: ExternalEffect, *, actor: str)
                 operation_key=op_key,
                 step=step,
             )
+        if in_flight and not found.succeeded:
+            # What the request in flight may still change: its own answer will tell.
+            _still_uncertain(claim, actor, "a request under its key is still in flight")
+            raise StepUncertain(
+                f"the provider shows {found.reference} {found.data.get('status', 'refused')} "
+                "while a request under its key is still in flight",
+                operation_key=op_key,
+                step=step,
+            )
         return _record(claim, found, actor=actor)
+    if in_flight:
+        _still_uncertain(claim, actor, "a request under its key is still in flight")
+        raise StepUncertain(
+            "not found at the provider while a request under its key is still in flight",
+            operation_key=op_key,
+            step=step,
+        )
     if past_grace(claim):
         if claim.state != ClaimState.UNCERTAIN:
             fence.settle_claim(claim, ClaimState.UNCERTAIN, actor=actor, error="not found")
@@ -295,11 +382,13 @@ def _settle_from_lookup(claim: StepClaim, effect: ExternalEffect, *, actor: str)
             operation_key=op_key,
             step=step,
         )
-    if claim.state != ClaimState.UNCERTAIN:
-        fence.settle_claim(
-            claim,
-            ClaimState.UNCERTAIN,
-            actor=actor,
-            error="not found yet (a request under its key was sent within the grace period)",
-        )
+    _still_uncertain(
+        claim, actor, "not found yet (a request under its key was sent within the grace period)"
+    )
     raise StepUncertain("not found at the provider yet", operation_key=op_key, step=step)
+
+
+def _still_uncertain(claim: StepClaim, actor: str, error: str) -> None:
+    """Make the claim uncertain, audited, unless it is already (then nothing is written)."""
+    if claim.state != ClaimState.UNCERTAIN:
+        fence.settle_claim(claim, ClaimState.UNCERTAIN, actor=actor, error=error)
