@@ -16,6 +16,7 @@ from typing import Any
 
 from django.contrib import admin, messages
 from django.contrib.admin.utils import unquote
+from django.contrib.admin.views.main import SEARCH_VAR
 from django.core.exceptions import PermissionDenied
 from django.db.models import Exists, OuterRef, Prefetch, Q, QuerySet
 from django.http import HttpRequest, HttpResponse
@@ -46,6 +47,9 @@ from payments.desk.lists import (
     BoundedListMixin,
     KindFilter,
     RecentCurrencyFilter,
+    operation_id_in,
+    operations_search_note,
+    orders_search_note,
     search_operations,
     search_orders,
 )
@@ -251,6 +255,8 @@ class FollowUpFilter(admin.SimpleListFilter):
             return queryset.filter(follow_up_q())
         if request.GET.get("kind") in follow_up_kinds():
             return queryset  # a follow-up kind asked for by name
+        if operation_id_in(request.GET.get(SEARCH_VAR, "")) is not None:
+            return queryset  # one operation asked for by its id ("#17"), follow-up or not
         return queryset.exclude(follow_up_q())
 
 
@@ -283,8 +289,8 @@ class OperationAdmin(NamedPermissionsMixin, DeskViewsMixin, BoundedListMixin, ad
     # The search is routed by the term's shape (get_search_results); this shows the box.
     search_fields = ("key",)
     search_help_text = (
-        "Operation key, order id, provider reference (pi_…, re_…), idempotency key (fence_…) "
-        "or the customer's e-mail (exact)."
+        "Order id (17), operation id (#17), operation key, provider reference (pi_…, re_…), "
+        "idempotency key (fence_…) or the customer's e-mail (exact)."
     )
     ordering = ("-pk",)  # newest first, on the primary key
     list_per_page = 50
@@ -345,6 +351,14 @@ class OperationAdmin(NamedPermissionsMixin, DeskViewsMixin, BoundedListMixin, ad
                 if lead.query is not None:
                     found = queryset.filter(lead.query)
         return found, False
+
+    def changelist_view(self, request: HttpRequest, extra_context: Any = None) -> HttpResponse:
+        """The list, with a note saying what a number searched matched (an order, #17 an
+        operation): the search box takes both."""
+        extra = dict(extra_context or {})
+        url = reverse("admin:payments_operation_changelist")
+        extra["desk_search_note"] = operations_search_note(request.GET.get(SEARCH_VAR, ""), url)
+        return super().changelist_view(request, extra)
 
     def has_add_permission(self, request: HttpRequest) -> bool:
         return False
@@ -550,7 +564,10 @@ class OrderAdmin(BoundedListMixin, ReadOnlyAdmin):
     list_display = ("id", "amount_display", "status", "created")
     list_filter = ("status", RecentCurrencyFilter, ("created_at", DateRangeFilter))
     search_fields = ("=id",)  # routed by the term's shape: get_search_results
-    search_help_text = "Order id or the customer's e-mail (exact, any case)."
+    search_help_text = (
+        "Order id or the customer's e-mail (exact, any case). A provider reference (pi_…) "
+        "or an operation key: search the operations."
+    )
     ordering = ("-pk",)  # newest first, on the primary key
     fields = readonly_fields = (
         "id", "amount_display", "status", "customer_email", "created", "updated", "operations",
@@ -565,6 +582,16 @@ class OrderAdmin(BoundedListMixin, ReadOnlyAdmin):
             return queryset, False
         found = search_orders(queryset, term)
         return (queryset.none() if found is None else found), False
+
+    def changelist_view(self, request: HttpRequest, extra_context: Any = None) -> HttpResponse:
+        """The list, with a note naming where to look for a term that is no order id or
+        e-mail (a provider reference, an operation key: the operations search)."""
+        extra = dict(extra_context or {})
+        operations = None
+        if request.user.has_perm("payments.view_operation"):
+            operations = reverse("admin:payments_operation_changelist")
+        extra["desk_search_note"] = orders_search_note(request.GET.get(SEARCH_VAR, ""), operations)
+        return super().changelist_view(request, extra)
 
     def get_urls(self) -> list[Any]:
         return refund_urls(self) + super().get_urls()

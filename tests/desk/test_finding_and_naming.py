@@ -1,0 +1,147 @@
+"""Finding and naming on the desk (issue 37, finding 8): what a search term means, where to
+look when the orders search finds nothing, and the History in an operator's words.
+
+Inside one test transaction (no worker runs): real PostgreSQL, the real HTTP fake provider.
+"""
+
+from __future__ import annotations
+
+import re
+from urllib.parse import quote
+
+import pytest
+
+from payments.checkout.followups import write_follow_ups_in_tx
+from payments.checkout.handler import request_checkout
+from payments.models import Operation, Order
+from tests.support import builders
+from tests.support.builders import order_of
+from tests.support.users import client_for, make_user
+
+pytestmark = pytest.mark.django_db
+
+CHANGELIST = "/admin/payments/operation/"
+ORDERS = "/admin/payments/order/"
+#: Far above any id the sequences hand out in a test run: an order id chosen by the test.
+FAR_ORDER = 9_000_000
+
+
+def result_keys(page: str) -> list[str]:
+    """The operation keys listed in the changelist's table, in order."""
+    if 'id="result_list"' not in page:
+        return []
+    table = page.split('id="result_list"', 1)[1].split("</table>", 1)[0]
+    return re.findall(r'<th class="field-key"><a href="[^"]+">([^<]+)</a>', table)
+
+
+def checkout_of_order(pk: int, key: str) -> Operation:
+    """A checkout of an order whose id the test chooses."""
+    Order.objects.create(pk=pk, amount=1000, currency="eur", customer_email="x@example.com")
+    op, _ = request_checkout(order_id=pk, key=key, payment_method="pm_card_visa", actor="api")
+    return op
+
+
+@pytest.fixture
+def op_id_is_another_order_s_id(provider) -> tuple[Operation, Operation]:
+    """The operator's case: order 7's operation has id 17, and order 17 has its own operation.
+
+    Returns (the operation whose id is N, the operation of order N).
+    """
+    seven = checkout_of_order(FAR_ORDER, "order-7-checkout")
+    seventeen = checkout_of_order(seven.pk, "order-17-checkout")  # order id == seven's op id
+    assert seven.entity_id != str(seven.pk) and seventeen.entity_id == str(seven.pk)
+    return seven, seventeen
+
+
+# --- (a) a number is an order id; #17 the operation ---------------------------------------
+
+
+def test_search__a_bare_number_finds_its_order_s_operations_not_the_operation_with_that_id(
+    op_id_is_another_order_s_id, viewer
+):
+    seven, _ = op_id_is_another_order_s_id
+
+    page = client_for(viewer).get(CHANGELIST, {"q": str(seven.pk)}).content.decode()
+
+    assert result_keys(page) == ["order-17-checkout"]
+    # The page says what matched, and where the operation with that id is.
+    assert f"Operations of order {seven.pk}" in page
+    note = re.search(r'class="help desk-search-note">(.*?)</p>', page, re.S).group(1)
+    assert f"?q=%23{seven.pk}" in note and "order-7-checkout" in note
+
+
+@pytest.mark.parametrize("shape", ["#{}", "# {}", "op {}", "OP{}", "operation {}", "op:{}"])
+def test_search__hash_or_op_and_a_number_finds_the_operation_with_that_id(
+    op_id_is_another_order_s_id, viewer, shape
+):
+    seven, _ = op_id_is_another_order_s_id
+
+    page = client_for(viewer).get(CHANGELIST, {"q": shape.format(seven.pk)}).content.decode()
+
+    assert result_keys(page) == ["order-7-checkout"]
+    assert f"Operation #{seven.pk}" in page  # what matched
+
+
+def test_search__the_box_says_how_to_search_an_order_and_an_operation(provider, viewer):
+    page = client_for(viewer).get(CHANGELIST).content.decode()
+    help_text = re.search(r'id="searchbar_helptext">(.*?)</div>', page, re.S).group(1)
+
+    assert "order id (17)" in help_text.lower() and "operation id (#17)" in help_text.lower()
+
+
+def test_search__an_operation_id_finds_a_follow_up_though_follow_ups_are_hidden(provider, viewer):
+    op, _ = builders.succeeded(key="paid-order")
+    write_follow_ups_in_tx(order_of(op), "pi_follow", parent=op, actor="checkout")
+    follow_up = Operation.objects.filter(parent=op).order_by("pk").first()
+
+    page = client_for(viewer).get(CHANGELIST, {"q": f"#{follow_up.pk}"}).content.decode()
+
+    assert result_keys(page) == [follow_up.key]
+
+
+def test_search__a_key_that_looks_like_an_operation_id_is_still_found(provider, viewer):
+    builders.new_checkout("#5")
+
+    page = client_for(viewer).get(CHANGELIST, {"q": "#5"}).content.decode()
+
+    assert "#5" in result_keys(page)
+
+
+# --- (b) the orders search names where to look ----------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "term, says",
+    [
+        ("pi_3QxLostAnswer", "a provider reference"),
+        ("re_1RefundRef", "a provider reference"),
+        ("fence_chk-1_charge", "an operation key or idempotency key"),
+        ("chk-1", "an operation key or idempotency key"),
+    ],
+)
+def test_orders_search__a_reference_or_key_finds_no_order_and_points_to_the_operations(
+    provider, viewer, term, says
+):
+    page = client_for(viewer).get(ORDERS, {"q": term}).content.decode()
+
+    assert "0 results" in page
+    assert says in page
+    assert f'href="{CHANGELIST}?q={quote(term)}' in page  # the operations search for it
+
+
+def test_orders_search__no_link_to_operations_for_who_may_not_view_them(provider, db):
+    orders_only = make_user("olga", "payments.view_order")
+
+    page = client_for(orders_only).get(ORDERS, {"q": "pi_3QxLostAnswer"}).content.decode()
+
+    assert "a provider reference" in page and "finds orders by their id or" in page
+    assert f'href="{CHANGELIST}?q=' not in page
+
+
+def test_orders_search__an_id_or_e_mail_gets_no_hint(provider, viewer):
+    op = builders.new_checkout("chk-1")
+
+    by_id = client_for(viewer).get(ORDERS, {"q": op.entity_id}).content.decode()
+    by_email = client_for(viewer).get(ORDERS, {"q": "nobody@example.com"}).content.decode()
+
+    assert "desk-search-note" not in by_id and "desk-search-note" not in by_email
