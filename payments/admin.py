@@ -42,6 +42,7 @@ from payments.desk.display import (
     state_badge,
     when,
 )
+from payments.desk.evidence import evidence_html, why_waiting
 from payments.desk.filters import DateRangeFilter
 from payments.desk.lists import (
     BoundedListMixin,
@@ -418,6 +419,9 @@ class OperationAdmin(NamedPermissionsMixin, DeskViewsMixin, BoundedListMixin, ad
             return errors_shown(obj)
         if obj.state not in WAITING_FOR_A_PERSON:
             return "-"  # a resumed or finished operation: its last reason is no error
+        seen = why_waiting([obj.pk]).get(obj.pk)
+        if seen:  # the fence's last look, in the provider's words
+            return seen
         reason = last_error_of(obj)
         if not reason:
             return "-"
@@ -431,8 +435,9 @@ class OperationAdmin(NamedPermissionsMixin, DeskViewsMixin, BoundedListMixin, ad
         table = provider_view_table(
             obj.claims.order_by("claimed_at", "pk"), obj.params, what=money_line(obj)
         )
-        if table:
-            return table
+        evidence = evidence_html(obj)
+        if table or evidence:
+            return format_html("{}{}", evidence, table)
         if obj.state in (OperationState.SUCCEEDED, OperationState.FAILED):
             return mark_safe('<span class="quiet">No lookup recorded.</span>')
         return mark_safe(

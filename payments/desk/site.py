@@ -14,6 +14,7 @@ from django.contrib.admin import AdminSite
 from django.http import HttpRequest
 from django.template.response import TemplateResponse
 
+from payments.desk.evidence import incident, incident_html
 from payments.desk.views.queries import desk_counts
 
 
@@ -33,4 +34,5 @@ class DeskAdminSite(AdminSite):
         extra = dict(extra_context or {})
         if request.user.has_perm("payments.view_operation"):
             extra["desk_counts"] = desk_counts()
+            extra["incident"] = incident_html(incident())
         return super().index(request, extra_context=extra)

@@ -70,7 +70,7 @@ def test_mark_succeeded__reference_prefilled_from_what_the_provider_showed(provi
     ("outcome", "before", "after", "words", "success"),
     [
         ("done", "uncertain", "retrying", "recorded done; now retrying (the operation runs", True),
-        ("still_uncertain", "uncertain", "uncertain", "still uncertain (state unchanged", False),
+        ("still_uncertain", "uncertain", "uncertain", "still waiting (state unchanged", False),
         ("needs_review", "needs_review", "needs_review", "(state unchanged: needs review)", False),
     ],
 )

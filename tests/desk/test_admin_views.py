@@ -365,7 +365,7 @@ def test_bulk_query_provider__confirms_then_settles_each_operation(provider, ope
 
     done = client.post(CHANGELIST, {**selection, "post": "yes"}, follow=True)
 
-    assert "1 done, 1 failed" in done.content.decode()
+    assert "2 settled, 0 still waiting, 0 not read" in done.content.decode()
     first.refresh_from_db()
     second.refresh_from_db()
     assert (first.state, second.state) == (OperationState.RETRYING, OperationState.FAILED)

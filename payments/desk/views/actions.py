@@ -32,14 +32,16 @@ from payments.desk.display import (
     reference_link,
     state_badge,
     succeeded_at_provider,
+    when,
 )
+from payments.desk.evidence import SETTLED_OUTCOMES, after_query, look_of, query_tally
 from payments.desk.rules import FoundSucceeded
 from payments.desk.views.base import DeskBase, operator_of
 from payments.engine import fence
 from payments.engine.handlers import get_handler
 from payments.engine.steps import replay_allowed
 from payments.exceptions import PaymentsError
-from payments.models import Operation, OperationState, StepClaim
+from payments.models import INCIDENT_LOOKS, Operation, OperationState, StepClaim
 
 # --- forms -----------------------------------------------------------------------
 
@@ -107,16 +109,22 @@ def _run_query(op: Operation, step: str, request: HttpRequest, data: dict[str, A
     return f"Queried the provider: {query_words(row)}."
 
 
+def _seen(row: Any) -> str:
+    """What the look behind an unsettled query row saw, and the next look ("" when settled)."""
+    return "" if row.outcome in SETTLED_OUTCOMES else after_query(row.operation_id)
+
+
 #: What a look-up's outcome means, in an operator's words (payments.engine.recovery's names).
 QUERY_WORDS = {
     "done": "the provider shows the step succeeded; it is recorded done",
     "failed": "the provider refused the step; it is recorded failed",
-    "still_uncertain": "the provider shows nothing decisive yet; still uncertain",
-    "needs_review": "nothing decisive at the provider past the grace period; a person decides",
+    "still_uncertain": "read: the provider shows nothing decisive yet; still waiting",
+    "needs_review": "nothing decisive at the provider past the grace period: under review, "
+    "the fence keeps looking",
     "nothing_to_settle": "nothing was waiting to be settled",
     "already_settled": "settled meanwhile by someone else",
-    "retry_later": "the provider could not be read; asked again later",
-    "busy": "a worker holds it; not asked",
+    "retry_later": "not read: the provider did not answer",
+    "busy": "not read: someone else holds the step now",
 }
 #: Outcomes that settled something: the only ones a success message (green ✓) may carry.
 SETTLED = frozenset({"done", "failed", "reversed"})
@@ -125,6 +133,9 @@ SETTLED = frozenset({"done", "failed", "reversed"})
 def query_words(row: Any) -> str:
     """One look-up's result: what the provider showed, then the state it left (if it moved)."""
     words = QUERY_WORDS.get(row.outcome, row.outcome.replace("_", " "))
+    seen = _seen(row)
+    if seen:
+        words = f"{words} [{seen}]"
     if row.state_after == row.state_before:
         return f"{words} (state unchanged: {row.state_after.replace('_', ' ')})"
     after = row.state_after.replace("_", " ")
@@ -240,6 +251,16 @@ def mark_failed_refusal(op: Operation, step: str) -> str:
         )
     if asked_in_this_state(op, step):
         return ""
+    look = look_of(claim) if claim is not None else None
+    if look is not None and look.showed in INCIDENT_LOOKS:
+        # Asking now would meet the same silence: say what is awaited, and until when.
+        return (
+            f"the provider has not given an answer about step {step} at the last look "
+            f"({when(look.last_look_at)}: {look.detail[:200] or look.get_showed_display()}); "
+            f"the fence looks again at {when(look.next_look_at)} and settles it when the "
+            "provider answers. Marking it failed needs the provider's answer first (it "
+            "cancels what the provider holds)"
+        )
     return (
         f"nobody has asked the provider about step {step} since the operation became "
         f"{op.get_state_display().lower()}: “Query provider now” first"
@@ -322,7 +343,7 @@ def _query_report_message(rows: list[Any], summary: str) -> str:
     return format_html(
         'Queried the provider for {} operation(s): {}.<ul class="desk-query-report">{}</ul>',
         len(rows),
-        summary,
+        query_tally([row.outcome for row in rows]),
         items,
     )
 

@@ -15,6 +15,7 @@ from django.utils import timezone
 from django.utils.timesince import timesince
 
 from payments.desk.display import AGED_STATES, is_stale, money_line, state_badge, when
+from payments.desk.evidence import incident, incident_html, why_waiting
 from payments.desk.views.audit import audit_view
 from payments.desk.views.base import VIEW_PERMISSION, DeskBase
 from payments.desk.views.chart import legend, outcomes_per_hour, outcomes_svg
@@ -109,6 +110,7 @@ class NeedsAttentionMixin(DeskBase):
             "cases": cases_page(business, request, now),
             "chart": outcomes_svg(bars),
             "legend": legend(bars),
+            "incident": incident_html(incident()),
         }
         request.current_app = self.admin_site.name
         return TemplateResponse(request, "admin/payments/operation/needs_attention.html", context)
@@ -141,6 +143,8 @@ def cases_page(business: QuerySet[Operation], request: HttpRequest, now: datetim
     )
     paginator = Paginator(cases.order_by("state_since", "pk"), CASES_PER_PAGE)
     page = paginator.get_page(request.GET.get("page"))
+    # What the fence saw at its last look says more than its last audit row's reason.
+    seen = why_waiting([op.pk for op in page.object_list])
     page.rows = [  # type: ignore[attr-defined]
         {
             "operation": op,
@@ -151,7 +155,9 @@ def cases_page(business: QuerySet[Operation], request: HttpRequest, now: datetim
             "since": when(getattr(op, "state_since", op.updated_at)),
             "amount": money_line(op),
             # As the operation's page: the last error, else its last audit row's reason.
-            "error": (op.last_error or getattr(op, "last_reason", "") or "")[:140],
+            "error": (seen.get(op.pk) or op.last_error or getattr(op, "last_reason", "") or "")[
+                :240
+            ],
         }
         for op in page.object_list
     ]

@@ -1,0 +1,300 @@
+"""What the fence has seen of an unsettled step, and what happens next: evidence, not verdicts.
+
+Every look at an unknown outcome (a same-key replay, a consistent list, a
+retrieve, the desk's query) is kept on the claim: the object the provider
+showed (`StepClaim.provider_view`) and how the last look went (`ClaimLook`:
+in flight, unreadable, not found, when, how often, when the next is). The
+desk words both here, once, for the operation page, the query's answer, the
+mark-failed button and Needs attention, and gives every unsettled case its
+next step: an action that can settle it, or a stated wait with its reason and
+its time. When the provider's answers fail for several operations at once,
+`incident()` sums them up for one banner.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+
+from django.db.models import Exists, Min, OuterRef
+from django.utils.html import format_html, format_html_join
+
+from payments.conf import payments_settings
+from payments.desk.display import when
+from payments.engine import fence
+from payments.engine.steps import replay_allowed
+from payments.models import (
+    INCIDENT_LOOKS,
+    UNSETTLED_CLAIM_STATES,
+    ClaimLook,
+    LookShowed,
+    Operation,
+    OperationState,
+    StepClaim,
+)
+from payments.money import format_money
+
+#: How many operations waiting on unanswered looks make an incident (one banner).
+INCIDENT_AT_LEAST = 3
+#: The most operations whose money an incident banner adds up (the count is exact).
+INCIDENT_MONEY_ROWS = 5000
+
+
+def look_of(claim: StepClaim) -> ClaimLook | None:
+    """The claim's look row, or None when nobody looked yet."""
+    try:
+        return claim.look
+    except ClaimLook.DoesNotExist:
+        return None
+
+
+def _grace() -> timedelta:
+    return timedelta(seconds=payments_settings().reconcile_grace)
+
+
+def seen_words(claim: StepClaim) -> str:
+    """What the provider last showed for the step ("" when it showed nothing yet)."""
+    view = claim.provider_view if isinstance(claim.provider_view, dict) else {}
+    if not view:
+        return ""
+    at = when(view.get("checked_at"))
+    if view.get("status") == "not_found":
+        return f"the provider's consistent list at {at} shows no object for it"
+    status = str(view.get("status") or view.get("outcome") or "unknown").replace("_", " ")
+    amount = format_money(view.get("amount"), view.get("currency"))
+    reference = str(view.get("reference") or "its object")
+    money = f", {amount}" if amount != "-" else ""
+    return f"the provider at {at} shows {reference} {status}{money}"
+
+
+def look_words(look: ClaimLook) -> str:
+    """How the last look went, in the provider's own words."""
+    count = f"looked {look.looks} time{'s' if look.looks != 1 else ''}"
+    last = f"last at {when(look.last_look_at)} ({look.source or 'a look'})"
+    showed = LookShowed(look.showed).label.lower() if look.showed else "nothing"
+    if look.in_flight_since:
+        showed = f"a request under its key is in flight at the provider since {when(look.in_flight_since)}"
+    elif look.showed == LookShowed.UNREADABLE and look.unread_since:
+        showed = f"the provider has not answered since {when(look.unread_since)}"
+    detail = f": {look.detail}" if look.detail else ""
+    return f"{count}, {last}: {showed}{detail}"
+
+
+def next_step(op: Operation, claim: StepClaim, look: ClaimLook | None) -> str:
+    """What happens next to this unsettled step: a stated wait (reason, time) or an action."""
+    if claim.state not in UNSETTLED_CLAIM_STATES:
+        return ""
+    if look is not None and look.hold:
+        return (
+            f"Held for a person: {look.hold}. The fence no longer looks; check the provider's "
+            "dashboard, then mark the step succeeded (with its reference) or failed."
+        )
+    next_look = (
+        when(look.next_look_at) if look is not None and look.next_look_at else "its next round"
+    )
+    review_at = fence.last_request_at(claim) + _grace()
+    if look is not None and look.in_flight_since:
+        review_at = max(review_at, look.in_flight_since + _grace())
+    replay = (
+        f" Same-key replays are allowed until {when(replay_deadline(claim))}; after that it "
+        "is settled by reads only."
+        if replay_allowed(claim)
+        else " The provider no longer keeps its key: it is settled by reads only."
+    )
+    if op.state == OperationState.NEEDS_REVIEW:
+        return (
+            f"Under review for want of a decisive answer. The fence keeps looking (next look at "
+            f"{next_look}) and settles it by itself when the provider shows the outcome; or "
+            "decide now from the evidence: mark the step succeeded (with the reference the "
+            "provider shows) or failed (it cancels what the provider holds)." + replay
+        )
+    if look is not None and look.in_flight_since:
+        return (
+            f"Waiting: a request under its key is in flight at the provider since "
+            f"{when(look.in_flight_since)}; asked again at {when(look.last_look_at)}; next look "
+            f"at {next_look}. If it is still unknown at {when(review_at)} it goes to review."
+            + replay
+        )
+    if look is not None and look.showed == LookShowed.UNREADABLE:
+        return (
+            f"Waiting: the provider has not answered since {when(look.unread_since)}; next look "
+            f"at {next_look}. If it is still unknown at {when(review_at)} it goes to review, and "
+            "the fence keeps looking after that." + replay
+        )
+    return (
+        f"Waiting: the reconciler looks again at {next_look}. If nothing decisive is shown by "
+        f"{when(review_at)} it goes to review." + replay
+    )
+
+
+def replay_deadline(claim: StepClaim) -> datetime:
+    """The last moment a same-key replay is safe: the provider's key retention less a margin."""
+    retention = timedelta(seconds=payments_settings().provider_key_retention)
+    return claim.claimed_at + retention - timedelta(hours=1)
+
+
+def evidence_html(op: Operation) -> str:
+    """The evidence of each unsettled step (what was seen, how the looks went) and its next step."""
+    claims = StepClaim.objects.filter(
+        operation=op, state__in=UNSETTLED_CLAIM_STATES
+    ).select_related("look")
+    items = []
+    for claim in claims.order_by("claimed_at", "pk"):
+        look = look_of(claim)
+        seen = seen_words(claim)
+        how = (
+            look_words(look)
+            if look is not None
+            else "not looked up yet: “Query provider now” asks the provider"
+        )
+        items.append(
+            (
+                claim.step,
+                seen[:1].upper() + seen[1:] + "."
+                if seen
+                else "No object seen at the provider yet.",
+                how[:1].upper() + how[1:] + ".",
+                next_step(op, claim, look),
+            )
+        )
+    if not items:
+        return ""
+    return format_html(
+        '<ul class="desk-evidence">{}</ul>',
+        format_html_join(
+            "",
+            '<li><strong>Step {}</strong>: {} <span class="quiet">{}</span>'
+            '<br><span class="desk-next-step">{}</span></li>',
+            items,
+        ),
+    )
+
+
+@dataclass
+class Incident:
+    """Operations whose looks the provider does not answer now, for one banner."""
+
+    since: datetime
+    operations: int
+    in_flight: int
+    unreadable: int
+    money: list[str] = field(default_factory=list)
+    next_look: datetime | None = None
+
+
+def incident() -> Incident | None:
+    """The provider incident now: operations whose last look went unanswered, or None.
+
+    Uncertain and under-review operations (the partial index over unfinished
+    ones) with an unsettled step whose last look the provider did not answer
+    (in flight or unreadable, not held for a person); an incident is at least
+    INCIDENT_AT_LEAST of them.
+    """
+    unanswered = ClaimLook.objects.filter(
+        claim__operation=OuterRef("pk"),
+        claim__state__in=UNSETTLED_CLAIM_STATES,
+        showed__in=INCIDENT_LOOKS,
+        hold="",
+    )
+    waiting = Operation.objects.filter(
+        state__in=(OperationState.UNCERTAIN, OperationState.NEEDS_REVIEW)
+    ).filter(Exists(unanswered))
+    operations = waiting.count()
+    if operations < INCIDENT_AT_LEAST:
+        return None
+    rows = list(waiting.values_list("pk", "params")[:INCIDENT_MONEY_ROWS])
+    amounts: dict[str, int] = {}
+    for _, params in rows:
+        amount, currency = (params or {}).get("amount"), str((params or {}).get("currency") or "")
+        if isinstance(amount, int) and currency:
+            amounts[currency] = amounts.get(currency, 0) + amount
+    looks = ClaimLook.objects.filter(
+        claim__operation_id__in=[pk for pk, _ in rows],
+        claim__state__in=UNSETTLED_CLAIM_STATES,
+        showed__in=INCIDENT_LOOKS,
+    )
+    first = looks.aggregate(
+        unread=Min("unread_since"),
+        flight=Min("in_flight_since"),
+        looked=Min("first_look_at"),
+        next=Min("next_look_at"),
+    )
+    since = min(d for d in (first["unread"], first["flight"], first["looked"]) if d is not None)
+    return Incident(
+        since=since,
+        operations=operations,
+        in_flight=looks.filter(in_flight_since__isnull=False).count(),
+        unreadable=looks.filter(in_flight_since__isnull=True).count(),
+        money=[format_money(v, c) for c, v in sorted(amounts.items())],
+        next_look=first["next"],
+    )
+
+
+def incident_html(found: Incident | None, *, list_url: str = "") -> str:
+    """The incident banner ("" when there is none)."""
+    if found is None:
+        return ""
+    money = " + ".join(found.money) or "no amount"
+    link = format_html(' <a href="{}">See them</a>.', list_url) if list_url else ""
+    return format_html(
+        '<div class="desk-incident" role="alert" style="margin:0 0 12px;padding:10px 14px;'
+        'border-left:6px solid #b02a37;background:#fdf1f2;color:#000;overflow-wrap:anywhere">'
+        "<strong>Provider incident since {}</strong>: "
+        "{} operations wait for the provider's answer ({} with a request in flight there, {} "
+        "unanswered), {} at stake. The fence keeps looking (next look at {}) and settles each "
+        "one as soon as the provider answers; nothing needs pressing.{}</div>",
+        when(found.since),
+        found.operations,
+        found.in_flight,
+        found.unreadable,
+        money,
+        when(found.next_look),
+        link,
+    )
+
+
+#: A query's outcomes by what they did: settled something, read without deciding, not read.
+SETTLED_OUTCOMES = frozenset({"done", "failed", "reversed", "already_settled"})
+NOT_READ_OUTCOMES = frozenset({"retry_later", "busy"})
+
+
+def query_tally(outcomes: list[str]) -> str:
+    """A bulk query's result in three counts: "2 settled, 5 still waiting, 1 not read"."""
+    settled = sum(1 for o in outcomes if o in SETTLED_OUTCOMES)
+    not_read = sum(1 for o in outcomes if o in NOT_READ_OUTCOMES)
+    waiting = len(outcomes) - settled - not_read
+    return f"{settled} settled, {waiting} still waiting, {not_read} not read"
+
+
+def after_query(operation_id: int) -> str:
+    """What the last look at the operation's unsettled steps saw, and when the next is ("")."""
+    claims = StepClaim.objects.filter(
+        operation_id=operation_id, state__in=UNSETTLED_CLAIM_STATES
+    ).select_related("look")
+    words = []
+    for claim in claims:
+        look = look_of(claim)
+        if look is None:
+            continue
+        said = f"{claim.step}: {LookShowed(look.showed).label.lower()}"
+        if look.detail:
+            said += f" ({look.detail[:200]})"
+        if look.next_look_at and not look.hold:
+            said += f"; the fence looks again at {when(look.next_look_at)}"
+        words.append(said)
+    return "; ".join(words)
+
+
+def why_waiting(operation_ids: list[int]) -> dict[int, str]:
+    """Each operation's latest look at an unsettled step, in a line (the case lists' "why")."""
+    looks = (
+        ClaimLook.objects.filter(
+            claim__operation_id__in=operation_ids, claim__state__in=UNSETTLED_CLAIM_STATES
+        )
+        .select_related("claim")
+        .order_by("last_look_at")
+    )
+    said: dict[int, str] = {}
+    for look in looks:
+        said[look.claim.operation_id] = f"{look.claim.step}: {look_words(look)}"
+    return said

@@ -1,0 +1,169 @@
+"""The desk during a provider incident: evidence shown, a next step for every case, one banner.
+
+Findings 1-5 of issue 37, each on the real desk pages: the operation page, the
+query's answer (one and many), the mark-failed button, Needs attention and the
+home page. Real PostgreSQL and the real HTTP fake provider; a provider that does
+not answer is a port nothing listens on.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from django.urls import reverse
+
+from payments.checkout.handler import request_checkout
+from payments.checkout.orders import create_order
+from payments.desk.views.queries import attempts_of
+from payments.engine.recovery import reconcile
+from payments.models import ClaimLook, LookShowed, Operation, OperationEvent
+from tests.support import builders
+from tests.support.users import client_for
+from tests.support.workers import run_worker
+
+pytestmark = pytest.mark.django_db
+
+CHANGELIST = "/admin/payments/operation/"
+NEEDS_ATTENTION = "/admin/payments/operation/needs-attention/"
+DOWN = "http://127.0.0.1:9"
+
+
+def change_url(op: Operation) -> str:
+    return reverse("admin:payments_operation_change", args=[op.pk])
+
+
+def text(response) -> str:
+    """The page's words, without tags or repeated spaces."""
+    return re.sub(r"\s+", " ", re.sub(r"<[^>]+>", " ", response.content.decode()))
+
+
+def provider_down(settings) -> None:
+    settings.PAYMENTS = {**settings.PAYMENTS, "PROVIDER_URL": DOWN}
+
+
+def test_operation_page__an_unanswered_look__shows_the_real_error_and_the_next_step(
+    provider, viewer, settings
+):
+    """Finding 1 and 5: "Not looked up yet" after 36 looks; the why was "lookup failed"."""
+    op, _, _ = builders.uncertain(key="inc-page", charged=True)
+    provider_down(settings)
+    reconcile(operation_ids=[op.pk])
+    reconcile(operation_ids=[op.pk])
+
+    page = text(client_for(viewer).get(change_url(op)))
+
+    assert "Not looked up yet" not in page
+    assert "looked 2 times" in page
+    assert "the provider has not answered since" in page
+    assert "ConnectionError" in page  # the real error, not "lookup failed; next round"
+    assert "Waiting: the provider has not answered since" in page
+    assert "next look at" in page
+    assert "it goes to review" in page
+
+
+@pytest.mark.django_db(transaction=True)
+def test_operation_page__the_money_the_provider_showed__while_a_request_is_in_flight(
+    provider, viewer, queue, settings
+):
+    """Finding 3: the provider's list showed the intent (declined, €74.50) while every
+    same-key replay answered 409: the page shows that object, its amount and the wait."""
+    provider.state.configure(slow_delay=4.0)
+    provider.state.enqueue_faults("slow", 1)
+    order = create_order(amount=7450, currency="eur", email="held@example.com")
+    op, _ = request_checkout(
+        order_id=order.pk, key="inc-held-page", payment_method="pm_card_chargeDeclined", actor="t"
+    )
+    run_worker(queue)
+    reconcile(operation_ids=[op.pk])
+
+    page = text(client_for(viewer).get(change_url(op)))
+
+    assert "in flight at the provider since" in page
+    assert "requires payment method, €74.50" in page
+    assert "Waiting: a request under its key is in flight at the provider" in page
+    assert provider.state.wait_idle(timeout=10)
+
+
+def test_mark_failed__refused_while_unanswered__names_the_wait_not_a_query(
+    provider, operator, settings
+):
+    """Finding 1: the disabled button pointed to "Query provider now", which could not succeed."""
+    op, _, _ = builders.uncertain(key="inc-mark", charged=False)
+    provider_down(settings)
+    reconcile(operation_ids=[op.pk])
+    url = reverse("admin:payments_operation_desk_step", args=[op.pk, "charge", "mark_failed"])
+
+    page = text(client_for(operator).get(url))
+
+    assert "Query provider now” first" not in page
+    assert "has not given an answer about step charge" in page
+    assert "the fence looks again at" in page
+
+
+def test_query_now__an_unanswered_provider__reads_not_read_with_its_error_never_a_tick(
+    provider, operator, settings
+):
+    """Finding 2: the bulk query over uncertain charges settled none and read "✓ ... could
+    not be read"; it now counts settled / still waiting / not read, with each one's why."""
+    first, _, _ = builders.uncertain(key="inc-bulk-a", charged=True)
+    second, _, _ = builders.uncertain(key="inc-bulk-b", charged=False)
+    provider_down(settings)
+    selection = {"action": "query_selected", "_selected_action": [first.pk, second.pk]}
+
+    response = client_for(operator).post(CHANGELIST, {**selection, "post": "yes"}, follow=True)
+
+    page = response.content.decode()
+    assert "0 settled, 0 still waiting, 2 not read" in page
+    assert 'class="success"' not in page  # Django's green ✓ message
+    assert "not read: the provider did not answer" in page
+    assert "ConnectionError" in page
+    assert "the fence looks again at" in page
+
+
+def test_looks__write_no_audit_rows__and_attempts_count_requests_that_could_move_money(
+    provider, viewer, settings
+):
+    """Finding 4: 190-203 audit rows after 16 minutes and "Attempts" 25-93 for a charge
+    sent once. Six looks at an unanswering provider: one row for the reconciler taking the
+    claim over from the worker, none after; attempts still 1."""
+    op, _, _ = builders.uncertain(key="inc-count", charged=True)
+    provider_down(settings)
+    reconcile(operation_ids=[op.pk])
+    rows = OperationEvent.objects.filter(operation=op).count()
+
+    for _ in range(5):
+        reconcile(operation_ids=[op.pk])
+
+    assert OperationEvent.objects.filter(operation=op).count() == rows
+    op = Operation.objects.prefetch_related("claims").get(pk=op.pk)
+    assert attempts_of(op) == 1
+    assert ClaimLook.objects.get(claim__operation=op).looks == 6
+
+
+def test_incident_banner__on_needs_attention_and_home__once_with_the_money_at_stake(
+    provider, viewer, settings
+):
+    """One incident, one banner: since when, how many wait, the money, the next look."""
+    for n in range(3):
+        builders.uncertain(key=f"inc-banner-{n}", charged=True)
+    provider_down(settings)
+    reconcile()
+
+    attention = text(client_for(viewer).get(NEEDS_ATTENTION))
+    home = text(client_for(viewer).get("/admin/"))
+
+    for page in (attention, home):
+        assert page.count("Provider incident since") == 1
+        assert "3 operations wait for the provider's answer" in page
+        assert "at stake" in page
+        assert "next look at" in page
+    assert ClaimLook.objects.filter(showed=LookShowed.UNREADABLE).count() == 3
+
+
+def test_incident_banner__none_for_one_unanswered_operation(provider, viewer, settings):
+    builders.uncertain(key="inc-one", charged=True)
+    provider_down(settings)
+    reconcile()
+
+    assert "Provider incident" not in text(client_for(viewer).get(NEEDS_ATTENTION))
