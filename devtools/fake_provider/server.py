@@ -89,6 +89,12 @@ Control API (no auth; JSON in and out):
   `{"reason": "lost_or_stolen_card"}` (optional) moves a pending or succeeded
   one to `failed`, giving its amount back to the charge (`refund.updated`,
   `refund.failed`). Both answer the refund; 404 unknown refund, 400 wrong status.
+- `POST /_fake/incident` `{"seconds": S, "drop_rate": 0.3}` starts a provider
+  incident: for S seconds every new create, confirm, capture or refund is
+  executed and then held in flight until the incident ends (a same-key
+  request meanwhile: `409 idempotency_key_in_use`), or, at `drop_rate`, its
+  answer dropped. Reads are answered as usual. `GET /_fake/stats` says
+  `incident` (active, seconds left).
 - `POST /_fake/reset` forgets intents, refunds, keys, queued faults and counters.
 - `GET /_fake/stats` returns counters; `GET /_fake/health` returns `{"status": "ok"}`.
 - `GET /_fake/timeline` returns `{"data": [...]}`: every charge and refund that
@@ -541,6 +547,9 @@ class _Handler(BaseHTTPRequestHandler):
             if path == "/_fake/config":
                 state.configure(**data)
                 return Reply(200, state.stats()["config"])
+            if path == "/_fake/incident":
+                seconds, drop = float(data.get("seconds", 0)), float(data.get("drop_rate", 0.3))
+                return Reply(200, state.start_incident(seconds, drop))
             if path == "/_fake/reset":
                 state.reset()
                 return Reply(200, {"reset": True})

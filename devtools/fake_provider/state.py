@@ -201,6 +201,9 @@ class FakeState:
         self._seq = 0
         self._in_flight = 0
         self._rng = random.Random(self.config.seed)
+        #: A provider incident (start_incident): until when, and the share of answers dropped.
+        self._incident_until = 0.0
+        self._incident_drop_rate = 0.0
         # A new desk: scheduled refund failures of the old world are forgotten with it.
         self._desk = RefundDesk(self._intents, self._emit, self._next_seq)
 
@@ -263,6 +266,28 @@ class FakeState:
             if "seed" in changes:
                 self._rng = random.Random(candidate.seed)
             return replace(candidate)
+
+    def start_incident(self, seconds: float, drop_rate: float = 0.3) -> dict[str, Any]:
+        """A provider incident for `seconds`: every new request is executed and then either
+        held in flight until the incident ends (a same-key request meanwhile is answered
+        `409 idempotency_key_in_use`) or, at `drop_rate`, answered by a dropped connection.
+        Reads (retrieve, lists) are answered as usual. Ends by itself; returns its figures.
+        """
+        if seconds < 0 or not 0.0 <= drop_rate <= 1.0:
+            raise ValueError("seconds must not be negative, drop_rate between 0 and 1")
+        with self._cond:
+            self._incident_until = self.clock() + seconds
+            self._incident_drop_rate = drop_rate
+            return self.incident()
+
+    def incident(self) -> dict[str, Any]:
+        """The incident now: whether it runs, the seconds left, its drop rate."""
+        left = max(self._incident_until - self.clock(), 0.0)
+        return {
+            "active": left > 0,
+            "seconds_left": round(left, 3),
+            "drop_rate": self._incident_drop_rate,
+        }
 
     def enqueue_faults(self, mode: str, count: int = 1) -> int:
         """Queue `count` faults for the next creates, confirms, captures and refunds.
@@ -402,6 +427,7 @@ class FakeState:
                 "faults_injected": dict(self._stats.faults),
                 "faults_queued": list(self._faults),
                 "in_flight": self._in_flight,
+                "incident": self.incident(),
                 "idempotency_keys": len(self._keys),
                 "events": len(self._events),
                 "confirm": _stats_of(self._confirm_stats),
@@ -581,6 +607,11 @@ class FakeState:
             if isinstance(parsed, Reply):
                 return parsed
             fault = self._next_fault() if faults else None
+            delay = self.config.slow_delay
+            held = self._incident_until - self.clock() if faults else 0.0
+            if held > 0:  # an incident: held until it ends, or the answer dropped
+                dropped = self._rng.random() < self._incident_drop_rate
+                fault, delay = ("drop_after_accept", 0.0) if dropped else ("slow", held)
             if fault is not None:
                 stats.faults[fault] += 1
             if fault == "rate_limit":
@@ -601,7 +632,7 @@ class FakeState:
                 self._store(idempotency_key, fingerprint, reply, endpoint)
         if fault == "slow":
             try:
-                sleep(self.config.slow_delay)
+                sleep(delay)
             finally:
                 with self._cond:
                     if generation == self._generation:  # else a reset forgot it all

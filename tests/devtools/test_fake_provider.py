@@ -1419,3 +1419,36 @@ def test_capture__manual_intents_are_listed_searched_and_timed_at_capture(clocke
     assert (fetched["status"], fetched["amount_received"]) == ("succeeded", 500)
     [row] = clocked.state.timeline()
     assert row["id"] == pi["id"] and row["succeeded_at"] == pytest.approx(clock.now)
+
+
+def test_incident__requests_held_in_flight_until_it_ends__reads_answered(fake_provider):
+    """`POST /_fake/incident`: a new charge is executed and held; its key answers 409
+    meanwhile; the list shows the intent; when the incident ends, the held answer comes."""
+    started = requests.post(
+        fake_provider.url + "/_fake/incident", json={"seconds": 2, "drop_rate": 0}, timeout=2
+    )
+    assert started.json()["active"] is True
+
+    with pytest.raises(requests.exceptions.ReadTimeout):
+        post(fake_provider, key="held-1", timeout=0.5)
+    busy = post(fake_provider, key="held-1")
+    listed = get(fake_provider, "/v1/payment_intents").json()["data"]
+
+    assert busy.status_code == 409
+    assert busy.json()["error"]["code"] == "idempotency_key_in_use"
+    assert [i["status"] for i in listed] == ["succeeded"]
+    assert fake_provider.state.wait_idle(timeout=5)
+    replayed = post(fake_provider, key="held-1")
+    assert replayed.status_code == 200
+    assert replayed.headers["Idempotent-Replayed"] == "true"
+    assert fake_provider.state.stats()["incident"]["active"] is False
+
+
+def test_incident__drops_answers_at_its_rate(fake_provider):
+    fake_provider.state.start_incident(5, drop_rate=1.0)
+
+    with pytest.raises(requests.exceptions.ConnectionError):
+        post(fake_provider, key="dropped-1")
+
+    assert fake_provider.state.stats()["faults_injected"] == {"drop_after_accept": 1}
+    assert post(fake_provider, key="dropped-1").headers["Idempotent-Replayed"] == "true"
