@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import re
+from collections.abc import Mapping
 from datetime import datetime
 from typing import Any
 
@@ -115,6 +117,28 @@ def when(value: Any) -> str:
         value = timezone.make_aware(value, timezone.get_default_timezone())
     local = timezone.localtime(value)
     return f"{local:%Y-%m-%d %H:%M:%S} {local.tzname() or ''}".rstrip()
+
+
+#: How the desk logs a look-up in the admin's History (payments.desk.views.actions): the
+#: bulk action follows it with the outcome's code ("retry_later"), the button with words.
+QUERIED = "Queried the provider: "
+#: A code as the engine names things: lower-case words joined by "_" (`needs_review`).
+_CODE = re.compile(r"\b[a-z]+(?:_[a-z]+)+\b")
+
+
+def history_message(message: str, outcome_words: Mapping[str, str]) -> str:
+    """An admin History message in an operator's words.
+
+    A look-up logged with its outcome's code ("Queried the provider:
+    retry_later") reads as that outcome's words (`outcome_words`, the desk's
+    QUERY_WORDS); a state's code (`needs_review`) anywhere else as its label.
+    Every other word stays as written (a reason is the operator's own).
+    """
+    if message.startswith(QUERIED):
+        code = message[len(QUERIED) :].strip().rstrip(".")
+        if code in outcome_words:
+            return f"{QUERIED}{outcome_words[code]}"
+    return _CODE.sub(lambda found: str(LABELS.get(found.group(0), found.group(0))), message)
 
 
 def succeeded_at_provider(claim: Any) -> str:

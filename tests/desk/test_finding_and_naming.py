@@ -10,9 +10,13 @@ import re
 from urllib.parse import quote
 
 import pytest
+from django.contrib.admin.models import CHANGE, LogEntry
+from django.contrib.contenttypes.models import ContentType
+from django.urls import reverse
 
 from payments.checkout.followups import write_follow_ups_in_tx
 from payments.checkout.handler import request_checkout
+from payments.desk.views.actions import QUERY_WORDS
 from payments.models import Operation, Order
 from tests.support import builders
 from tests.support.builders import order_of
@@ -145,3 +149,78 @@ def test_orders_search__an_id_or_e_mail_gets_no_hint(provider, viewer):
     by_email = client_for(viewer).get(ORDERS, {"q": "nobody@example.com"}).content.decode()
 
     assert "desk-search-note" not in by_id and "desk-search-note" not in by_email
+
+
+# --- (c) the History in an operator's words and the desk's time format ----------------------
+
+
+def history_url(op: Operation) -> str:
+    return reverse("admin:payments_operation_history", args=[op.pk])
+
+
+def log(op: Operation, user, message: str) -> None:
+    LogEntry.objects.create(
+        user=user,
+        content_type=ContentType.objects.get_for_model(Operation),
+        object_id=str(op.pk),
+        object_repr=str(op),
+        action_flag=CHANGE,
+        change_message=message,
+    )
+
+
+#: Django's default English date format ("Dec. 4, 2026, 6:10 p.m."): never on a desk page.
+DJANGO_DATE = re.compile(r"\b[A-Z][a-z]{2,8}\.? \d{1,2}, \d{4}|\b[ap]\.m\.")
+#: The desk's one time format (payments.desk.display.when).
+DESK_DATE = re.compile(r"\b\d{4}-\d{2}-\d{2} \d{2}:\d{2}:\d{2} UTC\b")
+#: A code as the engine names things (`retry_later`, `needs_review`): never in the History.
+CODE = re.compile(r"\b[a-z]+(?:_[a-z]+)+\b")
+
+
+def visible_text(html: str) -> str:
+    """The words of an HTML fragment, without its tags."""
+    return re.sub(r"\s+", " ", re.sub(r"<[^>]+>", " ", html))
+
+
+def section(page: str, start: str, end: str) -> str:
+    return page.split(start, 1)[1].split(end, 1)[0]
+
+
+@pytest.mark.parametrize("outcome", sorted(QUERY_WORDS))
+def test_history__a_logged_look_up_reads_in_words_not_its_code(provider, operator, outcome):
+    op, _, _ = builders.uncertain(charged=False)
+    log(op, operator, f"Queried the provider: {outcome}")  # what the bulk action logs
+
+    page = client_for(operator).get(history_url(op)).content.decode()
+    table = visible_text(section(page, 'id="change-history"', "</table>"))
+
+    assert f"Queried the provider: {QUERY_WORDS[outcome]}" in table
+    assert not CODE.search(table)
+
+
+def test_history__times_in_the_desk_s_format_and_state_codes_as_labels(provider, operator):
+    op, _, _ = builders.uncertain(charged=False)
+    log(op, operator, "Queried the provider: read (state unchanged: needs_review)")
+
+    page = client_for(operator).get(history_url(op)).content.decode()
+    table = visible_text(section(page, 'id="change-history"', "</table>"))
+
+    assert DESK_DATE.search(table) and not DJANGO_DATE.search(table)
+    assert not CODE.search(table) and "Needs review" in table
+
+
+def test_history__a_look_up_from_the_list_with_the_provider_down_reads_in_words(
+    provider, operator, settings
+):
+    op, _, _ = builders.uncertain(charged=True)
+    settings.PAYMENTS = {**settings.PAYMENTS, "PROVIDER_URL": "http://127.0.0.1:9"}  # no answer
+    client = client_for(operator)
+    client.post(
+        CHANGELIST, {"action": "query_selected", "_selected_action": [op.pk], "post": "yes"}
+    )
+
+    page = client.get(history_url(op)).content.decode()
+    table = visible_text(section(page, 'id="change-history"', "</table>"))
+
+    assert f"Queried the provider: {QUERY_WORDS['retry_later']}" in table
+    assert not CODE.search(table)
