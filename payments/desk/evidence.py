@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
-from django.db.models import Exists, Min, OuterRef
+from django.db.models import Exists, Min, OuterRef, Q
 from django.utils.html import format_html, format_html_join
 
 from payments.conf import payments_settings
@@ -191,9 +191,9 @@ def incident() -> Incident | None:
     INCIDENT_AT_LEAST of them.
     """
     unanswered = ClaimLook.objects.filter(
+        Q(showed__in=INCIDENT_LOOKS) | Q(in_flight_since__isnull=False),
         claim__operation=OuterRef("pk"),
         claim__state__in=UNSETTLED_CLAIM_STATES,
-        showed__in=INCIDENT_LOOKS,
         hold="",
     )
     waiting = Operation.objects.filter(
@@ -209,9 +209,9 @@ def incident() -> Incident | None:
         if isinstance(amount, int) and currency:
             amounts[currency] = amounts.get(currency, 0) + amount
     looks = ClaimLook.objects.filter(
+        Q(showed__in=INCIDENT_LOOKS) | Q(in_flight_since__isnull=False),
         claim__operation_id__in=[pk for pk, _ in rows],
         claim__state__in=UNSETTLED_CLAIM_STATES,
-        showed__in=INCIDENT_LOOKS,
     )
     first = looks.aggregate(
         unread=Min("unread_since"),
@@ -296,5 +296,25 @@ def why_waiting(operation_ids: list[int]) -> dict[int, str]:
     )
     said: dict[int, str] = {}
     for look in looks:
-        said[look.claim.operation_id] = f"{look.claim.step}: {look_words(look)}"
+        said[look.claim.operation_id] = f"{look.claim.step}: {look_line(look)}"
     return said
+
+
+def look_line(look: ClaimLook) -> str:
+    """The last look in one short line, for lists: what it showed, since when, the next look."""
+    claim = look.claim
+    view = claim.provider_view if isinstance(claim.provider_view, dict) else {}
+    if look.in_flight_since:
+        shown = f"a request in flight at the provider since {when(look.in_flight_since)}"
+    elif look.showed == LookShowed.UNREADABLE:
+        shown = f"no answer from the provider since {when(look.unread_since)}"
+    elif look.showed == LookShowed.OBJECT and view.get("reference"):
+        status = str(view.get("status") or "").replace("_", " ")
+        shown = f"the provider shows {view['reference']} {status}".strip()
+    else:
+        shown = LookShowed(look.showed).label.lower()
+    count = f"{look.looks} look{'s' if look.looks != 1 else ''}"
+    if look.hold:
+        return f"{shown} ({count}; held for a person: {look.hold[:120]})"
+    upcoming = f"; next look {when(look.next_look_at)}" if look.next_look_at else ""
+    return f"{shown} ({count}{upcoming})"

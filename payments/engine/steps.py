@@ -146,7 +146,8 @@ def reconcile_step(
     `looking` (the reconciler, the desk's query): a replay the provider could not
     answer (its key still in flight there: `409 ..._in_use`; a timeout; a 5xx) is
     evidence, counted on the claim without an audit row, and the consistent list
-    is read all the same. A worker (not looking) retries such a step later instead.
+    is read all the same. A worker (not looking) reads the list only when the key
+    is in flight (a success there settles the step) and otherwise retries later.
     """
     if claim.provider_reference or not allow_replay or not replay_allowed(claim):
         return _settle_from_lookup(claim, effect, actor=actor)
@@ -158,17 +159,22 @@ def reconcile_step(
         claim.refresh_from_db()
         return _settle_from_lookup(claim, effect, actor=actor)
     except StepTransient as exc:
-        if not looking:
+        if not (looking or exc.in_flight):
             raise
         # A request in flight decides its own outcome: until it ends (or the grace after
         # it began has passed), only a success read elsewhere settles the claim.
         since = fence.in_flight_since(claim) if exc.in_flight else None
         waiting = exc.in_flight and (since is None or not _past(since))
         claim.refresh_from_db()
-        replay = f"same-key replay: {exc}"
-        return _settle_from_lookup(
-            claim, effect, actor=actor, in_flight=waiting, replay=(exc.in_flight, replay)
-        )
+        replay = (exc.in_flight, f"same-key replay: {exc}")
+        if looking:
+            return _settle_from_lookup(claim, effect, actor=actor, in_flight=waiting, replay=replay)
+        # A worker: the list may show what the request in flight did (a success settles the
+        # step now, the evidence is kept either way); else it retries later, as before.
+        try:
+            return _settle_from_lookup(claim, effect, actor=actor, in_flight=True, replay=replay)
+        except (StepUncertain, StepTransient):
+            raise exc from None
     # What the provider answered to the same-key replay, for the desk's "at the provider".
     shown = {k: v for k, v in result.items() if k != "reference"}
     fence.note_provider_view(

@@ -54,7 +54,7 @@ def test_operation_page__an_unanswered_look__shows_the_real_error_and_the_next_s
     page = text(client_for(viewer).get(change_url(op)))
 
     assert "Not looked up yet" not in page
-    assert "looked 2 times" in page
+    assert "Looked 2 times" in page
     assert "the provider has not answered since" in page
     assert "ConnectionError" in page  # the real error, not "lookup failed; next round"
     assert "Waiting: the provider has not answered since" in page
