@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import cast
 
 from devtools.chaos.ha import timeline_html
+from devtools.chaos.incident import IncidentFigures
 from devtools.chaos.run import ChaosResult
 from devtools.chaos.webhooks import (
     ANSWER_LATE,
@@ -110,6 +111,7 @@ def table(result: ChaosResult) -> list[str]:
     shown = _shown(r)
     rows += [(label, shown.get(key, "-")) for label, key in ROWS]
     rows += webhook_rows(r)
+    rows += incident_rows(r)
     rows += latency_rows(r)
     width = max(len(label) for label, _ in rows)
     return [f"  {label:<{width}}  {value}" for label, value in rows]
@@ -132,6 +134,14 @@ def webhook_rows(r: dict[str, object]) -> list[tuple[str, object]]:
         f"{r.get('webhook_duplicated')} / {r.get('webhook_reordered')} / {r.get('webhook_delayed')}"
     )
     return [(label, values.get(key)) for label, key in WEBHOOK_ROWS]
+
+
+def incident_rows(r: dict[str, object]) -> list[tuple[str, object]]:
+    """The provider incident's lines (devtools.chaos.incident), or "off"."""
+    found = r.get("incident")
+    if not isinstance(found, dict):
+        return [("provider incident", "off")]
+    return IncidentFigures(**found).rows()
 
 
 def latency_rows(r: dict[str, object]) -> list[tuple[str, object]]:

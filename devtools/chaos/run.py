@@ -30,6 +30,12 @@ from redis import Redis
 from redis.exceptions import RedisError
 from rq.worker import Worker
 
+from devtools.chaos.incident import (
+    RECOVERY_PATIENCE,
+    IncidentFigures,
+    ProviderIncident,
+    settle_figures,
+)
 from devtools.chaos.reckless import RecklessOperator
 from devtools.chaos.webhooks import Webhooks, latencies
 from devtools.databases.scratch import claim_scratch, flush_scratch
@@ -96,6 +102,10 @@ class ChaosConfig:
     search_lag: float = 120.0
     #: RECONCILE_GRACE of the run: short, so that operations reach "needs review" in it.
     grace: int = 20
+    #: Seconds of a provider incident once a third of the orders are in (every new request
+    #: held in flight, `incident_drop` of the answers dropped; devtools.chaos.incident); 0: none.
+    incident: float = 0.0
+    incident_drop: float = 0.3
 
 
 @dataclass
@@ -223,6 +233,7 @@ def run_chaos(
                 say=say,
             )
         deadline = started + config.timeout
+        incident = _start_incident(config, result, provider_port, stop, say)
         reckless = _start_reckless(config, run_id, env, stop) if config.reckless else None
         api = _api_session()
         result.keys = _checkout(config, rng, api, api_port, run_id, stack, result, say)
@@ -240,6 +251,13 @@ def run_chaos(
             result.settled_in_time = _wait_settled(
                 run_id, deadline - time.monotonic(), say, attempts=attempts
             )
+        if incident is not None:  # its end, then what it caught settled (or not) after it
+            incident.ended.wait(timeout=max(1.0, deadline - time.monotonic()))
+            settle_figures(incident.figures, f"chaos-{run_id}-", patience=RECOVERY_PATIENCE)
+            result.report["incident"] = incident.figures
+            result.settled_in_time = _wait_settled(
+                run_id, deadline - time.monotonic(), say, attempts=attempts
+            )
         if not result.settled_in_time:
             result.pending = read_db(lambda: pending_work(result))
         if outage is not None:  # the endpoint back and caught up before the figures
@@ -249,7 +267,10 @@ def run_chaos(
             thread.join(timeout=30)
         result.drained_seconds = time.monotonic() - started
         provider_url = f"http://127.0.0.1:{provider_port}"
+        caught = result.report.get("incident")
         result.report = _measure(result, provider_url)
+        if isinstance(caught, IncidentFigures):
+            result.report["incident"] = caught.as_report()
         result.report["webhooks"] = webhooks is not None
         run_ops = Q(key__startswith=f"chaos-{run_id}-") | Q(key__in=result.attempt_keys)
         result.report.update(latencies(provider_url, run_ops))
@@ -260,6 +281,32 @@ def run_chaos(
         stack.stop()
     result.violations = _violations(result)
     return result
+
+
+def _start_incident(
+    config: ChaosConfig,
+    result: ChaosResult,
+    provider_port: int,
+    stop: threading.Event,
+    say: Callable[[str], None],
+) -> ProviderIncident | None:
+    """Start the provider incident's thread (it waits for a third of the orders), or None."""
+    if config.incident <= 0:
+        return None
+    url = f"http://127.0.0.1:{provider_port}"
+    incident = ProviderIncident(
+        url,
+        IncidentFigures(seconds=config.incident, drop_rate=config.incident_drop),
+        due=lambda: len(result.orders) >= max(1, config.orders // 3),
+        prefix=f"chaos-{result.run_id}-",
+        stop=stop,
+        say=say,
+        client=ProviderClient(
+            url, payments_settings().provider_api_key, connect_timeout=2, read_timeout=30
+        ),
+    )
+    incident.start()
+    return incident
 
 
 def _start_reckless(

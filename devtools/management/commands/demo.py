@@ -28,6 +28,9 @@ def _interval(value: str) -> tuple[float, float]:
     return pair
 
 
+#: The seconds of `make demo`'s provider incident (`--incident`): short, as the run is.
+DEMO_INCIDENT = 30.0
+
 #: The exit code of a run whose work did not drain in time (1: an invariant was violated).
 NOT_DRAINED = 3
 
@@ -53,6 +56,8 @@ class DemoOptions(TypedDict):
     grace: int
     no_webhooks: bool
     endpoint_down: float
+    incident: float
+    incident_drop: float
     topology: str
     fault_gap: float
     output: str | None
@@ -164,6 +169,24 @@ class Command(BaseCommand):
             "of the orders are checked out and started again SECONDS later; 0: never.",
         )
         parser.add_argument(
+            "--incident",
+            type=float,
+            default=DEMO_INCIDENT,
+            metavar="SECONDS",
+            help="A provider incident once a third of the orders are in: every new request "
+            "held in flight for SECONDS (a same-key request meanwhile: 409), a share of the "
+            "answers dropped; the report shows the audit rows per operation it caught, what "
+            "the desk showed at its midpoint and how it settled after. 0: none. "
+            f"Default {DEMO_INCIDENT:g}; 240 for a four-minute one (with a longer --timeout).",
+        )
+        parser.add_argument(
+            "--incident-drop",
+            type=_rate,
+            default=d.incident_drop,
+            metavar="RATE",
+            help="The share of answers the incident drops instead of holding them.",
+        )
+        parser.add_argument(
             "--topology",
             choices=("single", "ha"),
             default="single",
@@ -194,6 +217,8 @@ class Command(BaseCommand):
             raise CommandError("--orders and --workers must be at least 1.")
         if options["endpoint_down"] < 0:
             raise CommandError("--endpoint-down must not be negative.")
+        if options["incident"] < 0:
+            raise CommandError("--incident must not be negative.")
         if options["search_lag"] < 0 or options["grace"] < 1:
             raise CommandError("--search-lag must not be negative and --grace at least 1.")
         kill_min, kill_max = options["kill_interval"]
@@ -207,7 +232,8 @@ class Command(BaseCommand):
             worker_class=options["worker_class"],
             webhooks=not options["no_webhooks"], endpoint_down=options["endpoint_down"],
             reckless=not options["no_reckless"], search_lag=options["search_lag"],
-            grace=options["grace"],
+            grace=options["grace"], incident=options["incident"],
+            incident_drop=options["incident_drop"],
         )  # fmt: skip
         var = Path(settings.BASE_DIR) / "var"
         self.stdout.write(
@@ -217,6 +243,7 @@ class Command(BaseCommand):
             f"{config.decline_rate:.0%}, captures {config.capture_rate:.0%}, refunds {config.refund_rate:.0%} of the orders, "
             f"seed {config.seed}; search lags {config.search_lag:g}s, grace {config.grace}s, "
             + ("a reckless operator at the desk; " if config.reckless else "")
+            + (f"a {config.incident:g}s provider incident; " if config.incident else "")
             + (
                 f"webhooks on (duplicates, reordering, delays; endpoint down "
                 f"{config.endpoint_down:g}s mid-run)"

@@ -1,0 +1,124 @@
+"""Issue 37 in a real browser: the desk during a provider incident, at 1280 and 390 px.
+
+Four uncertain charges whose provider stopped answering (a port nothing listens
+on), one of them held in flight by the provider first (its same-key replay
+answered 409, its list read showing the declined intent and its amount): an
+operator walks home -> Needs attention -> an operation -> mark failed -> a bulk
+query, as one would at 3 a.m. Every page fits the window; the banner, the
+evidence and the stated waits are on screen. Screenshots (artifacts/screenshots/
+37-incident-<width>-<page>.png) are the pages docs/operators.md describes under
+"During a provider incident".
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from django.db import connections
+
+from payments.checkout.handler import request_checkout
+from payments.checkout.orders import create_order
+from payments.engine.recovery import reconcile
+from tests.support import builders
+from tests.support.users import RECONCILE, VIEW, make_user
+from tests.support.workers import run_worker
+
+pytestmark = [pytest.mark.browser, pytest.mark.django_db(transaction=True)]
+
+CHROMIUM = "/usr/bin/chromium"
+ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking"]
+SHOTS = Path(__file__).resolve().parents[2] / "artifacts" / "screenshots"
+PASSWORD = "correct-horse-battery-9"
+DOWN = "http://127.0.0.1:9"
+
+
+@pytest.fixture(params=[1280, 390], ids=["1280px", "390px"])
+def tab(request, monkeypatch):
+    assert Path(CHROMIUM).exists(), "Debian's chromium is missing: apt-get install chromium"
+    from playwright import sync_api
+
+    monkeypatch.setenv("DJANGO_ALLOW_ASYNC_UNSAFE", "true")  # see test_browser.py
+    SHOTS.mkdir(parents=True, exist_ok=True)
+    with sync_api.sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=ARGS)
+        page = browser.new_page(viewport={"width": request.param, "height": 900})
+        page.set_default_timeout(15_000)
+        page.width = request.param
+        try:
+            yield page
+        finally:
+            browser.close()
+            connections.close_all()  # see test_browser.py
+
+
+def shot(page, name: str) -> None:
+    """Save the whole page, then check it is no wider than the window."""
+    page.screenshot(path=str(SHOTS / f"37-incident-{page.width}-{name}.png"), full_page=True)
+    width = page.evaluate("document.documentElement.scrollWidth")
+    assert width <= page.width, f"{name}: the page is {width} px wide at {page.width} px"
+
+
+def test_an_operator_walks_the_desk_during_a_provider_incident(
+    tab, live_server, provider, queue, settings
+):
+    provider.state.configure(slow_delay=3.0)
+    provider.state.enqueue_faults("slow", 1)
+    order = create_order(amount=7450, currency="eur", email="held@example.com")
+    held, _ = request_checkout(
+        order_id=order.pk, key="walk-held", payment_method="pm_card_chargeDeclined", actor="t"
+    )
+    run_worker(queue)
+    reconcile(operation_ids=[held.pk])  # 409 in flight; the list shows the declined intent
+    for n in range(3):
+        builders.uncertain(key=f"walk-lost-{n}", charged=n != 2)
+    settings.PAYMENTS = {**settings.PAYMENTS, "PROVIDER_URL": DOWN}
+    reconcile()
+    user = make_user("nina", *VIEW, RECONCILE)
+    user.set_password(PASSWORD)
+    user.save()
+    tab.goto(f"{live_server.url}/admin/login/?next=/admin/")
+    tab.fill("#id_username", "nina")
+    tab.fill("#id_password", PASSWORD)
+    tab.click("input[type=submit]")
+    tab.wait_for_url("**/admin/")
+
+    banner = tab.locator(".desk-incident")
+    assert banner.is_visible()
+    assert "Provider incident since" in banner.inner_text()
+    shot(tab, "home")
+
+    tab.goto(f"{live_server.url}/admin/payments/operation/needs-attention/")
+    assert "operations wait for the provider's answer" in tab.locator(".desk-incident").inner_text()
+    shot(tab, "needs-attention")
+
+    tab.goto(f"{live_server.url}/admin/payments/operation/{held.pk}/change/")
+    evidence = tab.locator(".desk-evidence")
+    assert "in flight at the provider since" in evidence.inner_text()
+    assert "€74.50" in evidence.inner_text()
+    assert tab.locator(".desk-next-step").first.is_visible()
+    shot(tab, "operation-in-flight")
+
+    lost = held.__class__.objects.get(key="walk-lost-0")
+    tab.goto(f"{live_server.url}/admin/payments/operation/{lost.pk}/change/")
+    assert (
+        "Waiting: the provider has not answered since" in tab.locator(".desk-evidence").inner_text()
+    )
+    shot(tab, "operation-unanswered")
+
+    tab.goto(f"{live_server.url}/admin/payments/operation/{lost.pk}/steps/charge/mark_failed/")
+    body = tab.locator("#content").inner_text()
+    assert "the fence looks again at" in body
+    assert "Query provider now” first" not in body
+    shot(tab, "mark-failed-waits")
+
+    tab.goto(f"{live_server.url}/admin/payments/operation/?state__exact=uncertain")
+    tab.locator("#action-toggle").check()
+    tab.select_option("select[name=action]", "query_selected")
+    tab.click("button[name=index]")
+    tab.click("input[type=submit][value*='uery'], button[type=submit]:has-text('uery')")
+    report = tab.locator(".messagelist").inner_text()
+    assert "settled" in report and "not read" in report
+    assert "ConnectionError" in report
+    shot(tab, "bulk-query")
+    assert provider.state.wait_idle(timeout=10)
