@@ -318,3 +318,16 @@ def look_line(look: ClaimLook) -> str:
         return f"{shown} ({count}; held for a person: {look.hold[:120]})"
     upcoming = f"; next look {when(look.next_look_at)}" if look.next_look_at else ""
     return f"{shown} ({count}{upcoming})"
+
+
+def taken_not_settled() -> list[str]:
+    """Money the provider showed taken for steps not settled yet, per currency ("€74.50")."""
+    views = StepClaim.objects.filter(
+        state__in=UNSETTLED_CLAIM_STATES, provider_view__status="succeeded"
+    ).values_list("provider_view", flat=True)[:INCIDENT_MONEY_ROWS]
+    amounts: dict[str, int] = {}
+    for view in views:
+        amount, currency = (view or {}).get("amount"), str((view or {}).get("currency") or "")
+        if isinstance(amount, int) and currency:
+            amounts[currency] = amounts.get(currency, 0) + amount
+    return [format_money(v, c) for c, v in sorted(amounts.items())]

@@ -16,6 +16,9 @@ from django.urls import reverse
 from payments.checkout.handler import request_checkout
 from payments.checkout.orders import create_order
 from payments.desk.views.queries import attempts_of
+from payments.engine import fence
+from payments.engine.effects import EffectResult
+from payments.engine.outcomes import Outcome
 from payments.engine.recovery import reconcile
 from payments.models import ClaimLook, LookShowed, Operation, OperationEvent
 from tests.support import builders
@@ -167,3 +170,18 @@ def test_incident_banner__none_for_one_unanswered_operation(provider, viewer, se
     reconcile()
 
     assert "Provider incident" not in text(client_for(viewer).get(NEEDS_ATTENTION))
+
+
+def test_needs_attention__money_the_provider_showed_taken__counted_as_not_settled_yet(
+    provider, viewer
+):
+    """Finding 3: money at risk from evidence, labelled as not settled yet."""
+    op, claim, reference = builders.uncertain(key="inc-taken", charged=True)
+    shown = {"status": "succeeded", "amount": 7450, "currency": "eur"}
+    fence.note_provider_view(
+        claim, EffectResult(Outcome.SUCCESS, reference=reference, data=shown), source="query"
+    )
+
+    page = text(client_for(viewer).get(NEEDS_ATTENTION))
+
+    assert "At the provider, not settled yet: €74.50" in page

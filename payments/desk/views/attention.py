@@ -15,7 +15,7 @@ from django.utils import timezone
 from django.utils.timesince import timesince
 
 from payments.desk.display import AGED_STATES, is_stale, money_line, state_badge, when
-from payments.desk.evidence import incident, incident_html, why_waiting
+from payments.desk.evidence import incident, incident_html, taken_not_settled, why_waiting
 from payments.desk.views.audit import audit_view
 from payments.desk.views.base import VIEW_PERMISSION, DeskBase
 from payments.desk.views.chart import legend, outcomes_per_hour, outcomes_svg
@@ -111,6 +111,8 @@ class NeedsAttentionMixin(DeskBase):
             "chart": outcomes_svg(bars),
             "legend": legend(bars),
             "incident": incident_html(incident()),
+            # What the provider showed taken for steps not settled yet (evidence, not verdict).
+            "taken_not_settled": " + ".join(taken_not_settled()),
         }
         request.current_app = self.admin_site.name
         return TemplateResponse(request, "admin/payments/operation/needs_attention.html", context)
