@@ -20,8 +20,10 @@ from rq.worker import SimpleWorker
 
 from inbox.conf import inbox_settings
 from payments.conf import payments_settings
-from payments.engine.handlers import unknown_recorded_names
+from payments.engine import systems
+from payments.engine.handlers import registered_handlers, unknown_recorded_names
 from payments.engine.queues import PROBE_TIMEOUT, redis_client
+from payments.exceptions import ConfigurationError
 
 #: RQ redelivers an abandoned job 60-90 s after its worker died; an orphaned
 #: work horse must be dead by then, so a job may not run longer than this.
@@ -347,6 +349,49 @@ def check_recorded_names_are_registered(
         )
         for problem in problems
     ]
+
+
+@register()
+def check_external_systems(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
+    """Each configured system is declared, and each declared one an effect calls is configured."""
+    try:
+        conf = payments_settings()
+    except ImproperlyConfigured:
+        return []  # payments.E009 reports it
+    declared = {system.name for system in systems.declared()}
+    found: list[CheckMessage] = []
+    for name, _ in conf.systems:
+        if name not in declared:
+            found.append(
+                Error(
+                    f"PAYMENTS['SYSTEMS'][{name!r}] configures a system no installed package "
+                    f"declares (declared: {', '.join(sorted(declared)) or 'none'}).",
+                    hint="Check the name against the package's declare_system(...), or remove "
+                    "the entry.",
+                    id="payments.E013",
+                )
+            )
+    used: dict[str, str] = {}
+    for kind, spec in sorted(registered_handlers().items()):
+        for step, effect in spec.effects.items():
+            try:
+                system = systems.system_of(effect)
+            except ConfigurationError as exc:
+                found.append(Error(f"{kind}/{step}: {exc}", id="payments.E013"))
+                continue
+            used.setdefault(system.name, f"{kind}/{step}")
+    for name, where in sorted(used.items()):
+        if name != systems.DEFAULT_SYSTEM and conf.system(name) is None:
+            found.append(
+                Error(
+                    f"{where} calls the external system {name!r}, which PAYMENTS['SYSTEMS'] "
+                    "does not configure.",
+                    hint=f"Add PAYMENTS['SYSTEMS'][{name!r}] with its URL and API_KEY "
+                    "(docs/handlers.md, 'Adding an external system').",
+                    id="payments.E013",
+                )
+            )
+    return found
 
 
 # --- deployment: PostgreSQL connections of the documented process counts ------------

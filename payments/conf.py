@@ -41,6 +41,21 @@ Every key, its default and its meaning:
     failed-job registry (`payments.W007`) and any `fence_audit` window.
 ``PURGE_BATCH_SIZE`` (``500``)
     Operations whose history one `purge_history` transaction removes.
+``SYSTEMS`` (``{}``)
+    The external systems besides the payment provider (whose entry is the
+    ``PROVIDER_*`` keys above), one entry per system a package declares
+    (`payments.engine.systems`), by its name::
+
+        "SYSTEMS": {"accounting": {"URL": "https://books.example", "API_KEY": "...",
+                                   "KEY_RETENTION": 3600, "OPTIONS": {"LEDGER": "eu"}}}
+
+    ``URL`` and ``API_KEY`` are required; ``KEY_RETENTION`` (seconds, at least 60:
+    how long the system keeps an idempotency key, as its contract documents;
+    default: the declaration's), ``CONNECT_TIMEOUT`` / ``READ_TIMEOUT`` (default:
+    the provider's), ``DASHBOARD_URL`` (with ``{reference}``) and ``OPTIONS`` (a
+    dict the system's package reads: a merchant account, a ledger) are optional.
+    `payments.E013` reports an entry for no declared system, and a declared
+    system an effect uses without an entry.
 
 `payments.E009` reports a bad value at start-up; the timeout chain between
 them is checked by `payments.E002`-`E005`.
@@ -53,6 +68,28 @@ from typing import Any
 
 from django.conf import settings
 from django.core.exceptions import ImproperlyConfigured
+
+
+@dataclass(frozen=True)
+class SystemSettings:
+    """One external system's entry in PAYMENTS["SYSTEMS"] (durations in seconds)."""
+
+    url: str
+    api_key: str
+    key_retention: int | None = None
+    connect_timeout: float | None = None
+    read_timeout: float | None = None
+    dashboard_url: str = ""
+    options: tuple[tuple[str, Any], ...] = ()
+
+    def option(self, name: str, default: Any = None) -> Any:
+        return dict(self.options).get(name, default)
+
+
+SYSTEM_KEYS = frozenset(
+    {"URL", "API_KEY", "KEY_RETENTION", "CONNECT_TIMEOUT", "READ_TIMEOUT", "DASHBOARD_URL",
+     "OPTIONS"}
+)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -75,6 +112,18 @@ class PaymentsSettings:
     provider_webhook_tolerance: int = 300
     retention_days: int = 400
     purge_batch_size: int = 500
+    systems: tuple[tuple[str, SystemSettings], ...] = ()
+
+    def system(self, name: str) -> SystemSettings | None:
+        """The entry of an external system besides the provider, or None when not configured."""
+        return dict(self.systems).get(name)
+
+    def key_retention_of(self, name: str) -> int | None:
+        """The key retention configured for system `name` (the provider's: PROVIDER_KEY_RETENTION)."""
+        if name == "provider":
+            return self.provider_key_retention
+        entry = self.system(name)
+        return entry.key_retention if entry is not None else None
 
     def backoff_before(self, attempt: int) -> int:
         """Return the delay in seconds before attempt `attempt + 1` (1-based `attempt`)."""
@@ -108,6 +157,54 @@ def _dashboard(name: str, value: Any) -> str:
     if not isinstance(value, str) or "{reference}" not in value:
         raise ImproperlyConfigured(f"PAYMENTS[{name!r}] must be a URL containing {{reference}}.")
     return value
+
+
+def _optional(entry: dict[str, Any], name: str, key: str, integer: bool, minimum: float) -> Any:
+    raw = entry.get(key)
+    return None if raw is None else _number(f"{name}.{key}", raw, integer=integer, minimum=minimum)
+
+
+def _systems(value: Any) -> tuple[tuple[str, SystemSettings], ...]:
+    """Validate PAYMENTS["SYSTEMS"]: an entry per system name, each with its known keys."""
+    if not isinstance(value, dict):
+        raise ImproperlyConfigured("PAYMENTS['SYSTEMS'] must be a dict of system name -> entry.")
+    read = []
+    for name, entry in sorted(value.items()):
+        where = f"PAYMENTS['SYSTEMS'][{name!r}]"
+        if not isinstance(name, str) or not name.isidentifier():
+            raise ImproperlyConfigured(f"{where}: a system's name is an identifier.")
+        if name == "provider":
+            raise ImproperlyConfigured(
+                f"{where}: the payment provider is configured by the PROVIDER_* keys."
+            )
+        if not isinstance(entry, dict):
+            raise ImproperlyConfigured(f"{where} must be a dict.")
+        unknown = sorted(set(entry) - SYSTEM_KEYS)
+        if unknown:
+            raise ImproperlyConfigured(
+                f"{where}: unknown keys {', '.join(unknown)} (known: {', '.join(sorted(SYSTEM_KEYS))})."
+            )
+        options = entry.get("OPTIONS", {})
+        if not isinstance(options, dict):
+            raise ImproperlyConfigured(f"{where}['OPTIONS'] must be a dict.")
+
+        read.append(
+            (
+                name,
+                SystemSettings(
+                    url=_text(f"SYSTEMS.{name}.URL", entry.get("URL")),
+                    api_key=_text(f"SYSTEMS.{name}.API_KEY", entry.get("API_KEY")),
+                    key_retention=_optional(entry, name, "KEY_RETENTION", True, 60),
+                    connect_timeout=_optional(entry, name, "CONNECT_TIMEOUT", False, 0.01),
+                    read_timeout=_optional(entry, name, "READ_TIMEOUT", False, 0.01),
+                    dashboard_url=_dashboard(
+                        f"SYSTEMS.{name}.DASHBOARD_URL", entry.get("DASHBOARD_URL", "")
+                    ),
+                    options=tuple(sorted(options.items())),
+                ),
+            )
+        )
+    return tuple(read)
 
 
 def _secrets(name: str, value: Any) -> tuple[str, ...]:
@@ -196,4 +293,5 @@ def _read(raw: object) -> PaymentsSettings:
         purge_batch_size=_number(
             "PURGE_BATCH_SIZE", get("purge_batch_size"), integer=True, minimum=1
         ),
+        systems=_systems(raw.get("SYSTEMS", {})),
     )

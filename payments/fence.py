@@ -24,6 +24,9 @@
 - `money_steps`: the (kind, step) pairs whose effects take money (an order's charges).
 - `DeliveryPolicy`: at most once or at least once, for a side effect without a lookup.
 - `EffectResult`, `ClaimView`: a settled answer, and a claim as an effect sees it.
+- `declare_system`, `ExternalSystem`, `Read`: declare the external system an effect
+  calls (its key retention, reads, words, references) and name it in the effect's
+  `SYSTEM`; its settings entry is PAYMENTS["SYSTEMS"][name] (payments.conf).
 
 Handlers live in `payments/<package>/handler.py` (a package with an
 `__init__.py`), or in modules that one imports: web and worker processes
@@ -45,6 +48,8 @@ from payments.engine.effects import ClaimView, DeliveryPolicy, EffectResult
 from payments.engine.handlers import DeskHooks as Desk
 from payments.engine.handlers import EntityHook, ReversalHook, Run, handler, registered_handlers
 from payments.engine.handlers import message_handler as message
+from payments.engine.systems import ExternalSystem, Read
+from payments.engine.systems import declare as declare_system
 from payments.models import KeyScope
 from payments.provider.effect import PaymentIntentEffect, ProviderEffect
 
@@ -53,11 +58,14 @@ __all__ = [
     "Desk",
     "DeliveryPolicy",
     "EffectResult",
+    "ExternalSystem",
     "PaymentIntentEffect",
     "ProviderEffect",
+    "Read",
     "Run",
     "create_follow_ups_in_tx",
     "create_operation_in_tx",
+    "declare_system",
     "message",
     "money_steps",
     "operation",

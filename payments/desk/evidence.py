@@ -22,7 +22,7 @@ from django.utils.html import format_html, format_html_join
 from payments.conf import payments_settings
 from payments.desk.display import when
 from payments.engine import fence
-from payments.engine.steps import replay_allowed
+from payments.engine.steps import replay_allowed, replay_deadline
 from payments.models import (
     INCIDENT_LOOKS,
     UNSETTLED_CLAIM_STATES,
@@ -125,12 +125,6 @@ def next_step(op: Operation, claim: StepClaim, look: ClaimLook | None) -> str:
         f"Waiting: the reconciler looks again at {next_look}. If nothing decisive is shown by "
         f"{when(review_at)} it goes to review." + replay
     )
-
-
-def replay_deadline(claim: StepClaim) -> datetime:
-    """The last moment a same-key replay is safe: the provider's key retention less a margin."""
-    retention = timedelta(seconds=payments_settings().provider_key_retention)
-    return claim.claimed_at + retention - timedelta(hours=1)
 
 
 def evidence_html(op: Operation) -> str:

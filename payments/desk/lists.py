@@ -27,12 +27,19 @@ from django.utils.html import format_html
 from django.utils.http import urlencode
 
 from payments.engine.handlers import registered_handlers
+from payments.engine.systems import reference_system
 from payments.models import Operation, Order, StepClaim
 
 #: Rows counted exactly; past this the count is the planner's estimate ("about").
 EXACT_COUNT_UP_TO = 10_000
-#: What a provider reference starts with: an intent, a refund, a charge.
-REFERENCE = re.compile(r"^(pi|re|ch)_[A-Za-z0-9_]+$")
+
+
+def is_reference(term: str) -> bool:
+    """Tell whether `term` looks like a reference of a declared external system
+    (payments.engine.systems: each system declares its patterns)."""
+    return reference_system(term) is not None
+
+
 DIGITS = re.compile(r"^\d{1,18}$")
 #: An operation by its id: "#17", "op 17", "operation 17" (a bare number is an order id).
 OPERATION_ID = re.compile(r"^(?:#|op|operation)[\s:#]*(\d{1,18})$", re.IGNORECASE)
@@ -120,13 +127,13 @@ def search_operations(
 ) -> QuerySet[Any] | None:
     """Operations a term names, by its shape; None for a term of no known shape.
 
-    `pi_`/`re_`/`ch_`: the claims carrying that reference (EXISTS through the
+    A declared system's reference: the claims carrying it (EXISTS through the
     reference index); digits: the order's operations (the entity index), never
     the operation with that id, which `#17` or `op 17` finds (or a key spelled
     so); an e-mail: that customer's orders (for who may view orders).
     """
     term = term.strip()
-    if REFERENCE.match(term):
+    if is_reference(term):
         carrying = StepClaim.objects.filter(operation=OuterRef("pk"), provider_reference=term)
         return queryset.filter(Exists(carrying))
     if DIGITS.match(term):
@@ -203,9 +210,10 @@ def orders_search_note(term: str, operations_url: str | None) -> str:
     term = term.strip()
     if not term or DIGITS.match(term) or "@" in term:
         return ""
+    system = reference_system(term)
     what = (
-        "looks like a provider reference"
-        if REFERENCE.match(term)
+        f"looks like a reference of {system.label}"
+        if system is not None
         else "may be an operation key or idempotency key"
     )
     said = format_html(

@@ -11,16 +11,17 @@ uncertain. No transaction is held open across a call.
 from __future__ import annotations
 
 import logging
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
 from rq.timeouts import BaseTimeoutException
 
 from payments.conf import payments_settings
-from payments.engine import exchanges, fence, telemetry
+from payments.engine import exchanges, fence, systems, telemetry
 from payments.engine.effects import ClaimView, EffectResult, ExternalEffect, StillInProgress
 from payments.engine.failpoints import AFTER_CLAIM_COMMIT, AFTER_PROVIDER_ACCEPT, failpoint
 from payments.engine.outcomes import Outcome
+from payments.engine.systems import ExternalSystem, system_of
 from payments.exceptions import (
     StepBusy,
     StepConflict,
@@ -51,14 +52,26 @@ def view_of(claim: StepClaim) -> ClaimView:
     )
 
 
-def replay_allowed(claim: StepClaim) -> bool:
-    """Tell whether the provider still keeps the claim's key (a replay cannot charge anew).
+def claim_system(claim: StepClaim) -> ExternalSystem:
+    """The external system the claim's step calls (its effect's SYSTEM)."""
+    from payments.engine.handlers import get_handler  # handlers import this module
 
-    One hour of margin under the provider's retention keeps clock skew and a
-    slow request from turning a replay into a second charge.
+    return system_of(get_handler(claim.operation.kind).effects.get(claim.step))
+
+
+def replay_deadline(claim: StepClaim) -> datetime:
+    """The uncertainty clock: the last moment a same-key replay of the claim is safe.
+
+    Its key's first use plus its system's key retention, less a margin
+    (payments.engine.systems): past it the system may have forgotten the key
+    and would execute the request again.
     """
-    retention = timedelta(seconds=payments_settings().provider_key_retention)
-    return fence.db_now() - claim.claimed_at < retention - timedelta(hours=1)
+    return systems.replay_deadline(claim_system(claim), claim.claimed_at)
+
+
+def replay_allowed(claim: StepClaim) -> bool:
+    """Tell whether the claim's system still keeps its key (a replay cannot act anew)."""
+    return bool(fence.db_now() < replay_deadline(claim))
 
 
 def _past(moment: Any) -> bool:

@@ -24,6 +24,7 @@ from payments.engine.effects import (
     sent_metadata_matches,
 )
 from payments.engine.outcomes import Outcome
+from payments.engine.systems import DEFAULT_SYSTEM, ExternalSystem, Read, declare
 from payments.exceptions import ConfigurationError
 from payments.provider.client import PaymentIntent, ProviderClient
 from payments.provider.errors import ResourceMissing
@@ -32,6 +33,22 @@ alerts = logging.getLogger("payments.alerts")
 
 #: The metadata keys the engine sends with every request that creates a provider object.
 FENCE_METADATA_KEYS = ("operation_key", "step", "operation_id")
+
+#: The payment provider of the PROVIDER_* settings, as the fence must know it: a
+#: Stripe-compatible API (keys kept at least 24 hours per account, parameters
+#: compared, objects retrieved by id and listed by creation window; search lags and
+#: never decides).
+PAYMENT_PROVIDER = declare(
+    ExternalSystem(
+        name=DEFAULT_SYSTEM,
+        label="the payment provider",
+        key_retention=24 * 3600,
+        reads=(Read.RETRIEVE, Read.LIST_BY_CREATED),
+        moves_money=True,
+        reference_patterns=(r"(pi|re|ch)_[A-Za-z0-9_]+",),
+        object_noun="payment",
+    )
+)
 
 
 class ProviderEffect:
@@ -63,6 +80,9 @@ class ProviderEffect:
     - `AUDITED`, `AUDIT_ID`: what fence_audit checks a done step against.
     """
 
+    #: The external system the effect calls (payments.engine.systems): its key retention,
+    #: reads and words. A package with a system of its own declares it and names it here.
+    SYSTEM = DEFAULT_SYSTEM
     #: The desk's "mark failed" page: it may have happened, and what `void` does.
     MAY_HAVE_HAPPENED = "It may already have happened at the provider."
     VOIDS = ""
