@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass, field
 from datetime import datetime
 
 import requests
-from django.db.models import Count, Max, Q
+from django.db.models import Count, F, Max, Q
 from django.utils import timezone
 
 from payments.captures.effects import AUTHORIZE
@@ -52,12 +52,19 @@ class IncidentFigures:
     recorded_at_midpoint: int = 0
     shown_at_midpoint: int = 0
     not_shown_at_midpoint: list[str] = field(default_factory=list)
+    #: Of those not shown at the midpoint, still not shown one look later (3 s).
+    not_shown_after_a_look: list[str] = field(default_factory=list)
     #: The operations the incident caught (looked at while it ran) and how they ended.
     caught: int = 0
     settled_after: int = 0
     left_for_a_person: list[str] = field(default_factory=list)
     audit_rows_most: int = 0
     audit_rows_median: float = 0.0
+    #: Rows the caught operations wrote while the incident ran (most, median), and how many
+    #: of all those changed no state (an owner taking over, a worker releasing).
+    rows_during_most: int = 0
+    rows_during_median: float = 0.0
+    rows_during_unchanged: int = 0
     last_settled_after_recovery_s: float | None = None
 
     def as_report(self) -> dict[str, object]:
@@ -69,12 +76,16 @@ class IncidentFigures:
         return [
             ("provider incident (s) / answers dropped", f"{self.seconds:g} / {self.drop_rate:.0%}"),
             ("  operations caught by it", self.caught),
-            ("  audit rows per caught operation (most / median)",
+            ("  audit rows per caught operation, its whole life (most / median)",
              f"{self.audit_rows_most} / {self.audit_rows_median:g}"),
+            ("  audit rows per caught operation during it (most / median)",
+             f"{self.rows_during_most} / {self.rows_during_median:g}"),
+            ("    of all those, rows that changed no state", self.rows_during_unchanged),
             ("  at its midpoint: money taken at the provider", self.taken_at_midpoint),
             ("    recorded / shown with its intent / not shown",
              f"{self.recorded_at_midpoint} / {self.shown_at_midpoint} / "
              f"{len(self.not_shown_at_midpoint)}"),
+            ("    not shown one look (3 s) later", len(self.not_shown_after_a_look)),
             ("  settled after it without a person", f"{self.settled_after} of {self.caught}"),
             ("  last settled (s after the provider answered)",
              "-" if self.last_settled_after_recovery_s is None
@@ -124,7 +135,11 @@ class ProviderIncident(threading.Thread):
         )
         if not self.stop.wait(f.seconds / 2):
             self._midpoint()
-        self.stop.wait(max(f.seconds / 2, 0))
+            if not self.stop.wait(3):
+                f.not_shown_after_a_look = [
+                    key for key in f.not_shown_at_midpoint if not self._shown(key)
+                ]
+        self.stop.wait(max(f.seconds / 2 - 3, 0))
         f.ended_at = timezone.now()
         self.say("  provider incident over: the provider answers again")
         self.ended.set()
@@ -133,23 +148,36 @@ class ProviderIncident(threading.Thread):
         """What the desk shows now of each order whose money the provider took."""
         f = self.figures
         taken = {
-            pi.metadata.get("operation_key"): pi.id
+            str(pi.metadata.get("operation_key")): pi.id
             for pi in self.client.list_payment_intents()
             if pi.status == "succeeded"
             and str(pi.metadata.get("operation_key", "")).startswith(self.prefix)
         }
-        claims = StepClaim.objects.filter(
-            operation__key__in=list(taken), step__in=(CHARGE, AUTHORIZE)
-        ).select_related("operation")
-        for claim in claims:
+        # An order's later attempt charges the same intent: recorded when any step carries it.
+        recorded = set(
+            StepClaim.objects.filter(
+                provider_reference__in=list(taken.values()), state=ClaimState.DONE
+            ).values_list("provider_reference", flat=True)
+        )
+        for key, reference in taken.items():
             f.taken_at_midpoint += 1
-            view = claim.provider_view if isinstance(claim.provider_view, dict) else {}
-            if claim.state == ClaimState.DONE:
+            if reference in recorded:
                 f.recorded_at_midpoint += 1
-            elif view.get("reference") and view.get("amount") is not None:
+            elif self._shown(key):
                 f.shown_at_midpoint += 1
             else:
-                f.not_shown_at_midpoint.append(claim.operation.key)
+                f.not_shown_at_midpoint.append(key)
+
+    def _shown(self, key: str) -> bool:
+        """Tell whether the operation's page shows its money: recorded, or the intent seen."""
+        claims = StepClaim.objects.filter(operation__key=key, step__in=(CHARGE, AUTHORIZE))
+        for claim in claims:
+            view = claim.provider_view if isinstance(claim.provider_view, dict) else {}
+            if claim.state == ClaimState.DONE:
+                return True
+            if view.get("reference") and view.get("amount") is not None:
+                return True
+        return False
 
 
 def settle_figures(figures: IncidentFigures, prefix: str, *, patience: float) -> None:
@@ -182,6 +210,13 @@ def settle_figures(figures: IncidentFigures, prefix: str, *, patience: float) ->
     )
     f.audit_rows_most = max(rows, default=0)
     f.audit_rows_median = statistics.median(rows) if rows else 0
+    during = OperationEvent.objects.filter(
+        operation_id__in=caught, created_at__gte=f.started_at, created_at__lte=f.ended_at
+    )
+    per_op = list(during.values("operation_id").annotate(n=Count("id")).values_list("n", flat=True))
+    f.rows_during_most = max(per_op, default=0)
+    f.rows_during_median = statistics.median(per_op) if per_op else 0
+    f.rows_during_unchanged = during.filter(from_state=F("to_state")).count()
     last = (
         OperationEvent.objects.filter(operation_id__in=caught)
         .filter(Q(to_state__in=list(FINAL_OPERATION_STATES)), step="")
