@@ -16,7 +16,7 @@ from payments.engine.effects import ReferenceNotFound
 from payments.engine.handlers import HandlerSpec, get_handler
 from payments.engine.steps import view_of
 from payments.exceptions import InvalidTransition, PaymentsError
-from payments.models import ClaimState, Operation, OperationState, StepClaim
+from payments.models import ClaimState, KeyScope, Operation, OperationState, StepClaim
 from payments.provider.errors import ProviderError
 
 
@@ -38,17 +38,88 @@ class ReasonRequired(DeskError):
     """A judgement (resume, mark a step, new attempt) needs a written reason."""
 
 
-def next_attempt_key(op: Operation) -> str:
-    """Return the derived key of the attempt after `op`: `<first id>:attempt-<n>`.
+#: Operation.key's max_length: a derived key must fit it too.
+KEY_LENGTH = 255
 
-    Derived keys live in their own scope (KeyScope.DERIVED), so no client key,
-    whatever its length or characters, can collide with one, and they stay short.
+
+def next_attempt_key(op: Operation) -> str:
+    """Return the derived key of the attempt after `op`, named after the first attempt's key.
+
+    "order-6-checkout attempt 2": what an operator knows the payment by, not an
+    id. It lives in the derived scope (KeyScope.DERIVED), so it never collides
+    with a client's key, whatever the client chose; attempts of the same first
+    share its client (the handler's new attempt keeps it), whose keys are unique
+    in their scope, and " attempt <n>" at the end is read back unambiguously. A
+    first attempt keyed by the system (its string may equal a client's key) or a
+    name past the column's length ends in the first attempt's id instead:
+    "desk-refund:order:5:… attempt 2 (#40)", unique by that id, and never ending
+    in a digit as the names above do.
     """
     first, attempt = op, 1
     while first.retry_of_id is not None:
-        first = Operation.objects.only("pk", "retry_of_id").get(pk=first.retry_of_id)
+        first = Operation.objects.only("pk", "key", "scope", "retry_of_id").get(
+            pk=first.retry_of_id
+        )
         attempt += 1
-    return fence.attempt_key(first, attempt + 1)
+    name = f"{first.key} attempt {attempt + 1}"
+    if first.scope == KeyScope.CLIENT and len(name) <= KEY_LENGTH:
+        return name
+    tail = f" attempt {attempt + 1} (#{first.pk})"
+    return f"{first.key[: KEY_LENGTH - len(tail)]}{tail}"
+
+
+#: How the engine records a step the provider refused (payments.engine.steps, recovery).
+REFUSED_BY_PROVIDER = "refused: "
+
+
+def declined_payment_method(op: Operation, claims: list[StepClaim], spec: HandlerSpec) -> str:
+    """The payment method the provider refused at this attempt ("" if it refused nothing).
+
+    Only a refusal by the provider counts: a step given up without an answer,
+    or marked failed by a person, says nothing against the payment method.
+    """
+    method = str((op.params or {}).get("payment_method") or "")
+    refused = any(
+        c.step in spec.effects
+        and c.state == ClaimState.FAILED
+        and c.error.startswith(REFUSED_BY_PROVIDER)
+        for c in claims
+    )
+    return method if refused else ""
+
+
+def check_payment_method(
+    op: Operation,
+    claims: list[StepClaim],
+    spec: HandlerSpec,
+    payment_method: str | None,
+    *,
+    charge_declined_again: bool = False,
+) -> None:
+    """Refuse a new attempt that would charge the method the provider just declined.
+
+    Left blank, a new attempt takes the old one's method: after a decline that
+    is the declined one, so a method must be given. The declined one itself is
+    accepted only when the operator confirms it (`charge_declined_again`: the
+    customer says it will work now).
+    """
+    declined = declined_payment_method(op, claims, spec)
+    if not declined or charge_declined_again:
+        return
+    if not payment_method:
+        raise DeskError(
+            f"the provider declined {declined} at this attempt: give the payment method the "
+            "customer authorised for the new one",
+            operation_key=op.key,
+            action="new_attempt",
+        )
+    if payment_method == declined:
+        raise DeskError(
+            f"the provider declined {declined} at this attempt: give another payment method, "
+            "or confirm that it should be charged again",
+            operation_key=op.key,
+            action="new_attempt",
+        )
 
 
 # --- what the desk offers for one operation (the admin's buttons) ----------------

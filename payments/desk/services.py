@@ -34,6 +34,7 @@ from payments.desk.rules import (
     check_entity_reopenable,
     check_new_attempt,
     check_no_live_lease,
+    check_payment_method,
     check_reference_unused,
     check_resume,
     next_attempt_key,
@@ -448,11 +449,16 @@ def start_new_attempt(
     user: AbstractBaseUser,
     reason: str,
     payment_method: str | None = None,
+    charge_declined_again: bool = False,
 ) -> Operation:
     """Start a NEW operation for the same intent with a new derived key, linked by retry_of.
 
     The handler writes it (`desk.new_attempt`: for a checkout, another charge,
     optionally with another payment method; for a refund, the same refund).
+    Its key is named after the first attempt's (`next_attempt_key`). After the
+    provider declined the payment method, a method must be given, and the
+    declined one is taken only with `charge_declined_again` (the customer says
+    it will work now): a blank would charge the declined card again.
 
     A new key may charge again, so it is only allowed when the old operation
     failed and no external step of it may have charged: every external claim
@@ -467,7 +473,11 @@ def start_new_attempt(
     with transaction.atomic():
         op = fence.locked_operation_in_tx(_pk(operation))
         spec = get_handler(op.kind)
-        check_new_attempt(op, _locked_claims_in_tx(op), spec)
+        claims = _locked_claims_in_tx(op)
+        check_new_attempt(op, claims, spec)
+        check_payment_method(
+            op, claims, spec, payment_method, charge_declined_again=charge_declined_again
+        )
         new_key = next_attempt_key(op)
         new_attempt = spec.desk.new_attempt if spec.desk is not None else None
         if new_attempt is None:  # check_new_attempt refused it already; say so again

@@ -317,10 +317,13 @@ def test_desk_action__mark_step_failed(provider, operator):
 def test_desk_action__start_new_attempt(provider, senior):
     op, _ = builders.declined()
 
-    client_for(senior).post(desk_url(op, "new_attempt"), {"reason": "new card authorised"})
+    client_for(senior).post(
+        desk_url(op, "new_attempt"),
+        {"reason": "new card authorised", "payment_method": "pm_card_visa"},
+    )
 
     new = Operation.objects.get(retry_of=op)
-    assert (new.key, new.scope) == (f"{op.pk}:attempt-2", "derived")
+    assert (new.key, new.scope) == ("chk-1 attempt 2", "derived")
     assert log_messages(op, senior) == [f"Started a new attempt {new.key}: new card authorised"]
 
 

@@ -244,7 +244,7 @@ def test_failed_refund__new_attempt_is_offered_explained_and_asks_the_same_refun
     confirm = client.get(desk_url(op, "new_attempt"))
     text = words(confirm.content.decode())
     assert confirm.context["refused"] == ""
-    assert f"A new refund operation with the new key {op.pk}:attempt-2" in text
+    assert "A new refund operation with the new key refund-down attempt 2" in text
     assert f"asks for the same again: €4.00 refund of order {order.pk}" in text
     assert "The old operation stays failed and links to the new one" in text
     assert "A new key sends step refund to the provider anew" in text
@@ -255,7 +255,7 @@ def test_failed_refund__new_attempt_is_offered_explained_and_asks_the_same_refun
 
     assert done.status_code == 302
     new = Operation.objects.get(retry_of=op)
-    assert (new.kind, new.key, new.params["amount"]) == ("refund", f"{op.pk}:attempt-2", 400)
+    assert (new.kind, new.key, new.params["amount"]) == ("refund", "refund-down attempt 2", 400)
     run_worker(queue)
     new.refresh_from_db()
     order.refresh_from_db()

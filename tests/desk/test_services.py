@@ -422,9 +422,11 @@ def test_start_new_attempt__new_key_linked_order_processing_audited(
     op, _ = builders.declined()
 
     with django_capture_on_commit_callbacks() as callbacks:
-        new = desk.start_new_attempt(op, user=senior, reason="customer called, new card ok")
+        new = desk.start_new_attempt(
+            op, user=senior, reason="customer called, new card ok", payment_method="pm_card_visa"
+        )
 
-    assert (new.key, new.scope) == (f"{op.pk}:attempt-2", KeyScope.DERIVED)
+    assert (new.key, new.scope) == ("chk-1 attempt 2", KeyScope.DERIVED)
     assert new.retry_of_id == op.pk
     assert new.state == OperationState.PENDING
     assert new.params["order_id"] == op.params["order_id"]
@@ -436,10 +438,10 @@ def test_start_new_attempt__new_key_linked_order_processing_audited(
 
 def test_start_new_attempt__only_once(provider, senior):
     op, _ = builders.declined()
-    desk.start_new_attempt(op, user=senior, reason="first")
+    desk.start_new_attempt(op, user=senior, reason="first", payment_method="pm_card_visa")
 
-    with pytest.raises(DeskError, match=f"a new attempt exists already: {op.pk}:attempt-2"):
-        desk.start_new_attempt(op, user=senior, reason="second")
+    with pytest.raises(DeskError, match="a new attempt exists already: chk-1 attempt 2"):
+        desk.start_new_attempt(op, user=senior, reason="second", payment_method="pm_card_visa")
 
     assert Operation.objects.filter(retry_of=op).count() == 1
 
@@ -482,9 +484,11 @@ def test_start_new_attempt__needs_its_own_permission(provider, operator):
 
 def test_next_attempt_key__counts_up_from_the_first_attempt_in_the_derived_scope(provider, senior):
     op, _ = builders.declined()
-    assert desk.next_attempt_key(op) == f"{op.pk}:attempt-2"
-    second = desk.start_new_attempt(op, user=senior, reason="new card")
-    assert desk.next_attempt_key(second) == f"{op.pk}:attempt-3"
+    assert desk.next_attempt_key(op) == "chk-1 attempt 2"
+    second = desk.start_new_attempt(
+        op, user=senior, reason="new card", payment_method="pm_card_visa"
+    )
+    assert desk.next_attempt_key(second) == "chk-1 attempt 3"
     # A client may use the same string as its own key: another scope, no collision.
     order = create_order(amount=100, currency="eur", email="c@example.com")
     client_op, created = request_checkout(

@@ -77,7 +77,7 @@ def senior(db):
 def test_new_attempt_is_never_settled_by_another_orders_charge_with_the_same_key(
     provider, queue, senior, settings
 ):
-    """A desk new attempt gets the derived key `<id>:attempt-2`; a client may use the same
+    """A desk new attempt gets the derived key `<first key> attempt 2`; a client may use the same
     string as its Idempotency-Key (the scopes keep both rows apart). The charge metadata
     carries the bare key, so the metadata search of one finds the other's charge."""
     settings.PAYMENTS = {**settings.PAYMENTS, "PROVIDER_KEY_RETENTION": 3600}  # no replay
@@ -85,7 +85,9 @@ def test_new_attempt_is_never_settled_by_another_orders_charge_with_the_same_key
     run_worker(queue)
     first.refresh_from_db()
     assert first.state == OperationState.FAILED
-    attempt = desk.start_new_attempt(first, user=senior, reason="customer updated the card")
+    attempt = desk.start_new_attempt(
+        first, user=senior, reason="customer updated the card", payment_method="pm_card_visa"
+    )
     assert attempt.scope == KeyScope.DERIVED
     queue.empty()
     # Another customer's order, checked out with the same string as a client key.

@@ -35,7 +35,7 @@ from payments.desk.display import (
     when,
 )
 from payments.desk.evidence import SETTLED_OUTCOMES, after_query, look_of, query_tally
-from payments.desk.rules import FoundSucceeded
+from payments.desk.rules import FoundSucceeded, declined_payment_method
 from payments.desk.views.base import DeskBase, operator_of
 from payments.engine import fence
 from payments.engine.handlers import get_handler
@@ -59,14 +59,73 @@ class QueryForm(forms.Form):
 
 
 class NewAttemptForm(ReasonForm):
+    """A new attempt's payment method: never the one the provider just declined by default.
+
+    Left empty on the page. After a decline it is required, and the declined
+    method is taken again only with "Charge the declined payment method again"
+    ticked (the customer says it will work now); without a decline, blank keeps
+    the method the attempt used. The service checks the same again.
+    """
+
     payment_method = forms.CharField(
         max_length=255,
         required=False,
         label="Payment method",
-        help_text="The payment method the customer authorised (pm_…); blank: the same as before.",
+        widget=forms.TextInput(attrs={"autocomplete": "off", "spellcheck": "false"}),
     )
+    charge_declined_again = forms.BooleanField(
+        required=False,
+        label="Charge the declined payment method again",
+        help_text="Only when the customer confirmed it will work now (their bank allows it).",
+    )
+    # The method first, then its confirmation (after a decline only), then why.
+    field_order = ["payment_method", "charge_declined_again", "reason"]
 
-    field_order = ["payment_method", "reason"]
+    def __init__(self, *args: Any, operation: Operation | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        params = (operation.params or {}) if operation is not None else {}
+        self.previous = str(params.get("payment_method") or "")
+        self.declined = (
+            declined_payment_method(
+                operation, list(operation.claims.all()), get_handler(operation.kind)
+            )
+            if operation is not None
+            else ""
+        )
+        field = self.fields["payment_method"]
+        if self.declined:
+            field.help_text = (
+                f"The provider declined {self.declined} at this attempt: enter the payment "
+                "method the customer authorised for the new one (pm_…). To charge "
+                f"{self.declined} again, enter it and tick the box below."
+            )
+        else:
+            del self.fields["charge_declined_again"]
+            field.help_text = (
+                f"The payment method the customer authorised (pm_…); blank: {self.previous}, "
+                "as the last attempt (the provider did not decline it)."
+            )
+
+    def clean(self) -> dict[str, Any]:
+        data = super().clean() or {}
+        method = (data.get("payment_method") or "").strip()
+        data["payment_method"] = method
+        if not self.declined or data.get("charge_declined_again"):
+            return data
+        if not method:
+            self.add_error(
+                "payment_method",
+                f"The provider declined {self.declined}: enter the payment method the customer "
+                "authorised for the new attempt.",
+            )
+        elif method == self.declined:
+            self.add_error(
+                "payment_method",
+                f"The provider declined {method} at this attempt: enter another one, or tick "
+                "“Charge the declined payment method again” if the customer confirmed it will "
+                "work now.",
+            )
+        return data
 
 
 class MarkSucceededForm(ReasonForm):
@@ -174,6 +233,7 @@ def _run_new_attempt(op: Operation, step: str, request: HttpRequest, data: dict)
         user=operator_of(request),
         reason=data["reason"],
         payment_method=data.get("payment_method") or None,
+        charge_declined_again=bool(data.get("charge_declined_again")),
     )
     return f"Started a new attempt {new.key}: {data['reason']}"
 
@@ -275,7 +335,9 @@ def action_title(spec: DeskAction, step: str) -> str:
 def _form_for(spec: DeskAction, op: Operation, step: str, data: Any) -> forms.Form:
     """The action's form, worded for this operation's kind and step."""
     form_class = spec.form
-    if form_class is NewAttemptForm and "payment_method" not in (op.params or {}):
+    if form_class is NewAttemptForm:
+        if "payment_method" in (op.params or {}):
+            return NewAttemptForm(data, operation=op)
         form_class = ReasonForm  # this kind's attempts take no payment method (a refund)
     form = form_class(data, initial={"reference": _known_reference(op, step)} if step else None)
     if "reference" in form.fields:
