@@ -16,6 +16,10 @@ from payments.provider.errors import (
 #: The step that authorises: the steps after it act on its intent.
 AUTHORIZE = "authorize"
 DECLINED = frozenset({"requires_payment_method", "canceled"})
+#: What a step does to the hold on the card (its effect's `HOLD`), read by the desk's Money
+#: box only, never by the engine: "hold" makes it, "capture" takes all or part of it (the
+#: provider releases the rest), "release" cancels it whole.
+MAKES_HOLD, CAPTURES_HOLD, RELEASES_HOLD = "hold", "capture", "release"
 
 
 def release_hold_of(effect: ProviderEffect, claim: ClaimView) -> EffectResult | None:
@@ -59,6 +63,7 @@ class Authorization(PaymentIntentEffect):
     MAY_HAVE_HAPPENED = "The customer's card may already hold the amount."
     VOIDS = "is cancelled there, which releases the hold"
     void = release_hold_of
+    HOLD = MAKES_HOLD
     EVENTS = frozenset(
         {
             "payment_intent.amount_capturable_updated",
@@ -103,6 +108,14 @@ class Authorization(PaymentIntentEffect):
     def money(cls, result: dict[str, Any]) -> tuple[int, str] | None:
         return None  # a hold moves no money
 
+    @classmethod
+    def held(cls, result: dict[str, Any]) -> tuple[int, str] | None:
+        """The amount the done authorisation holds on the card (minor units, currency)."""
+        held, currency = result.get("held"), result.get("currency")
+        if isinstance(held, int) and isinstance(currency, str):
+            return held, currency
+        return None
+
 
 class Capture(_OnTheIntent):
     """Capture `amount_to_capture` of the hold (Stripe releases the rest)."""
@@ -113,6 +126,7 @@ class Capture(_OnTheIntent):
     #: The audit counts a done capture as its intent's success (its reference is the charge).
     AUDITED = "payment_intent"
     AUDIT_ID = "payment_intent"
+    HOLD = CAPTURES_HOLD
     EVENTS = frozenset({"payment_intent.succeeded", "payment_intent.canceled"})
 
     def request(self) -> dict[str, Any]:
@@ -148,6 +162,7 @@ class Capture(_OnTheIntent):
 class Release(_OnTheIntent):
     """Cancel the intent, which releases a hold nobody will capture."""
 
+    HOLD = RELEASES_HOLD
     EVENTS = frozenset({"payment_intent.canceled"})
 
     def request(self) -> dict[str, Any]:

@@ -8,9 +8,13 @@ The refund button leads to a confirmation (`payments.desk.views.refund`)
 that asks the handler which declares refunds (`payments.desk.refund`).
 
 Nothing here knows a business: charges and refunds are the steps whose
-effects the fence audit counts as such (`ProviderEffect.AUDITED`), and a
+effects the fence audit counts as such (`ProviderEffect.AUDITED`), a hold on
+the card and its release are the steps whose effects declare `HOLD`, and a
 duplicate is a second provider success for the entity (two done charge
 steps, or the last fence audit's "double charges per order").
+
+What is not settled yet is counted apart and said so: a refund in flight,
+money the provider showed for a step not recorded yet.
 """
 
 from __future__ import annotations
@@ -35,8 +39,10 @@ from payments.desk.display import (
 )
 from payments.desk.views.queries import first_error_of, not_found_kind
 from payments.engine.handlers import get_handler
+from payments.engine.outcomes import Outcome
 from payments.exceptions import ConfigurationError
 from payments.models import (
+    UNSETTLED_CLAIM_STATES,
     ClaimState,
     FenceAuditRun,
     Operation,
@@ -60,19 +66,26 @@ AT_PROVIDER = "at the provider, not yet settled"
 CHARGED = frozenset({ClaimState.DONE, "succeeded", AT_PROVIDER})
 #: The most rows a timeline shows (the newest are kept; the operations' pages have the rest).
 TIMELINE_ROWS = 300
+#: The states an operation ends in: a refund in any other is not settled yet.
+FINAL = frozenset({OperationState.SUCCEEDED, OperationState.FAILED})
+#: What a step does to a hold on the card (its effect's `HOLD`): makes, captures, releases it.
+HOLD, CAPTURES, RELEASES = "hold", "capture", "release"
 
 
 @dataclass
 class Movement:
     """One charge or refund of the entity, as its page lists it."""
 
-    what: str  # "charge" or "refund"
+    what: str  # "charge", "refund", "hold" or "release"
     reference: str
     amount: int | None
     currency: str
     state: str
     operation: Operation | None
     step: str
+    note: str = ""  # after the state: what became of a hold ("captured €45.00")
+    held_words: str = ""  # a hold in the Money box ("€45.00 captured, €15.00 released")
+    shown_succeeded: bool = False  # a refund or hold the provider showed done, not settled
     duplicate: bool = False
     original: bool = False  # the first of duplicate charges: the one the entity kept
     refunded_by: str = ""  # a duplicate's refund operation keys (succeeded or in flight)
@@ -107,6 +120,7 @@ class Movement:
             "reference": reference_link(self.reference),
             "amount": format_money(self.amount, self.currency),
             "state": state_badge(self.state) if self.state in _STATES else self.state,
+            "note": self.note,
             "operation": op,
             "operation_url": reverse("admin:payments_operation_change", args=[op.pk]) if op else "",
             "step": self.step or "-",
@@ -117,13 +131,14 @@ class Movement:
 _STATES = {*ClaimState.values, *OperationState.values}
 
 
-def _audited(kind: str) -> dict[str, str]:
-    """Step -> what its effect counts as at the provider ("payment_intent", "refund")."""
+def _declared(kind: str, name: str) -> dict[str, str]:
+    """Step -> its effect's declaration `name`: AUDITED (what it counts as at the provider:
+    "payment_intent", "refund") or HOLD (what it does to a hold: "hold", "capture", ...)."""
     try:
         spec = get_handler(kind)
     except ConfigurationError:
         return {}
-    return {step: str(getattr(e, "AUDITED", "")) for step, e in spec.effects.items()}
+    return {step: str(getattr(e, name, "")) for step, e in spec.effects.items()}
 
 
 def _money(op: Operation, claim: StepClaim) -> tuple[int | None, str]:
@@ -164,31 +179,146 @@ def audit_duplicates(entity_type: str, entity_id: int | str) -> list[str]:
 
 
 def movements(entity_type: str, entity_id: int | str, ops: list[Operation]) -> list[Movement]:
-    """Every charge and refund of the entity; a second provider success is a duplicate."""
+    """Every charge, refund, hold and release of the entity; a second provider success is a
+    duplicate."""
+    return with_duplicates(fenced_movements(ops), audit_duplicates(entity_type, entity_id))
+
+
+def fenced_movements(ops: list[Operation]) -> list[Movement]:
+    """What the operations' steps moved or asked, as recorded (no provider request)."""
     rows: list[Movement] = []
     for op in ops:
-        audited = _audited(op.kind)
-        for claim in sorted(op.claims.all(), key=lambda c: (c.claimed_at, c.pk)):
-            what = {CHARGE: "charge", REFUND: "refund"}.get(audited.get(claim.step, ""))
-            # A charge refused before it reached the provider moved nothing; a failed refund
-            # is shown (failed), so that the charge it was for reads as not given back.
-            unsent = claim.state == ClaimState.FAILED and not claim.provider_reference
-            if what is None or what == "charge" and unsent:
-                continue
-            amount, currency = _money(op, claim)
-            state = claim.state if what == "charge" else op.state
-            shown = succeeded_at_provider(claim) if what == "charge" else ""
-            if shown:  # the money moved; the step is not settled yet: counted, and said so
-                state = AT_PROVIDER
-                amount, currency = _shown_money(claim, amount, currency)
-            rows.append(
-                Movement(
-                    what, claim.provider_reference or shown, amount, currency, state, op, claim.step
-                )
-            )
+        audited, roles = _declared(op.kind, "AUDITED"), _declared(op.kind, "HOLD")
+        claims = sorted(op.claims.all(), key=lambda c: (c.claimed_at, c.pk))
+        moved = [m for m in (_movement(op, c, audited.get(c.step, "")) for c in claims) if m]
+        capture = next((m for m in moved if roles.get(m.step) == CAPTURES), None)
+        hold, released = _hold(op, claims, roles, capture)
+        rows += [*hold, *moved, *released, *_refunds_asked(op, audited, claims)]
+    return rows
+
+
+def _movement(op: Operation, claim: StepClaim, audited: str) -> Movement | None:
+    """The charge or refund a step made or asked; None for a step that moves no money."""
+    what = {CHARGE: "charge", REFUND: "refund"}.get(audited)
+    # A charge refused before it reached the provider moved nothing; a failed refund
+    # is shown (failed), so that the charge it was for reads as not given back.
+    unsent = claim.state == ClaimState.FAILED and not claim.provider_reference
+    if what is None or what == "charge" and unsent:
+        return None
+    amount, currency = _money(op, claim)
+    state = claim.state if what == "charge" else op.state
+    shown = _shown_succeeded(claim)
+    if shown:  # the money moved; the step is not settled yet: counted, and said so
+        amount, currency = _shown_money(claim, amount, currency)
+    if shown and what == "charge":
+        state = AT_PROVIDER
+    reference = claim.provider_reference or succeeded_at_provider(claim)
+    row = Movement(what, reference, amount, currency, state, op, claim.step)
+    row.shown_succeeded = what == "refund" and (claim.state == ClaimState.DONE or shown)
+    return row
+
+
+def _shown_succeeded(claim: StepClaim) -> bool:
+    """Whether the provider's last look showed this step succeeded, not recorded done yet."""
+    view = claim.provider_view if isinstance(claim.provider_view, dict) else {}
+    return claim.state != ClaimState.DONE and (
+        view.get("outcome") == Outcome.SUCCESS or view.get("status") == "succeeded"
+    )
+
+
+def _refunds_asked(
+    op: Operation, audited: dict[str, str], claims: list[StepClaim]
+) -> list[Movement]:
+    """A refund asked whose step nobody claimed yet (pending, retrying): listed, not settled."""
+    if op.state in FINAL:
+        return []
+    claimed = {c.step for c in claims}
+    amount, currency = op.params.get("amount"), str(op.params.get("currency") or "")
+    return [
+        Movement("refund", "", amount if isinstance(amount, int) else None, currency, op.state,
+                 op, step)
+        for step, counts_as in audited.items()
+        if counts_as == REFUND and step not in claimed
+    ]  # fmt: skip
+
+
+def _hold(
+    op: Operation, claims: list[StepClaim], roles: dict[str, str], captured: Movement | None
+) -> tuple[list[Movement], list[Movement]]:
+    """The hold the operation's steps made on the card, and what of it was released.
+
+    ([the hold], [its release]): a capture of part releases the rest; a release step
+    cancels it whole. The hold's state is its step's; its note says what became of it.
+    """
+    steps = {roles[c.step]: c for c in claims if roles.get(c.step)}
+    hold, release = steps.get(HOLD), steps.get(RELEASES)
+    if hold is None or hold.state == ClaimState.FAILED and not hold.provider_reference:
+        return [], []
+    amount, currency = _held(op, hold)
+    row = Movement("hold", hold.provider_reference, amount, currency, hold.state, op, hold.step)
+    money = format_money(amount, currency)
+    released: list[Movement] = []
+    if release is not None:  # a release step cancels the whole hold
+        released.append(
+            Movement("release", hold.provider_reference, amount, currency, release.state, op,
+                     release.step, note=_RELEASE_WORDS.get(release.state, "not settled yet"))
+        )  # fmt: skip
+    taken = format_money(captured.amount, currency) if captured is not None else ""
+    row.shown_succeeded = _shown_succeeded(hold)
+    if row.shown_succeeded:  # the provider showed the hold made; its step is not settled yet
+        row.note = "held at the provider, not settled yet"
+        row.held_words = f"{money} {row.note}"
+    elif hold.state != ClaimState.DONE:
+        row.note = "nothing held" if hold.state == ClaimState.FAILED else "not settled yet"
+        row.held_words = f"{money} asked, {row.note}"
+    elif release is not None and release.state == ClaimState.DONE:
+        row.note, row.held_words = "released", f"{money} released"
+    elif captured is not None and captured.state == ClaimState.DONE:
+        rest = (amount or 0) - (captured.amount or 0)
+        row.note = f"captured {taken}"
+        row.held_words = f"{taken} captured" + (
+            f", {format_money(rest, currency)} released" if rest > 0 else ""
+        )
+        if rest > 0:  # the provider released the rest when the capture took part of it
+            released.append(
+                Movement("release", hold.provider_reference, rest, currency, ClaimState.DONE, op,
+                         captured.step, note="the rest, released by the capture")
+            )  # fmt: skip
+    elif captured is not None and captured.state == AT_PROVIDER:
+        row.note = f"captured {taken} at the provider, not settled yet"
+        row.held_words = f"{taken} captured at the provider, not settled yet"
+    elif release is not None and release.state in UNSETTLED_CLAIM_STATES:
+        row.note = "held, its release not settled yet"
+        row.held_words = "not released yet (its release is not settled)"
+    elif captured is not None and captured.state in UNSETTLED_CLAIM_STATES:
+        row.note = "held, its capture not settled yet"
+        row.held_words = "not captured yet (its capture is not settled)"
+    else:
+        row.note, row.held_words = "held, not captured yet", "not captured yet"
+    return [row], released
+
+
+#: A release step's state in words, beside its badge.
+_RELEASE_WORDS: dict[str, str] = {
+    ClaimState.DONE: "the whole hold",
+    ClaimState.FAILED: "refused: nothing released",
+}
+
+
+def _held(op: Operation, claim: StepClaim) -> tuple[int | None, str]:
+    """What a hold step holds (its effect's `held` reading), else the amount it asks."""
+    effect = get_handler(op.kind).effects.get(claim.step)
+    reads = getattr(effect, "held", None)
+    held = reads(claim.result or {}) if reads is not None and claim.result else None
+    return held if held is not None else _money(op, claim)
+
+
+def with_duplicates(rows: list[Movement], duplicates: list[str]) -> list[Movement]:
+    """Add the audit's duplicate charges no step recorded (asked at the provider: call it
+    outside any transaction) and mark every duplicate charge and its refunds."""
     charged = [m for m in rows if m.what == "charge" and m.state in (ClaimState.DONE, AT_PROVIDER)]
     known = {m.reference for m in rows}
-    for reference in audit_duplicates(entity_type, entity_id):
+    for reference in duplicates:
         if reference not in known:
             rows.append(_outside_the_fence(reference))
     charges = [m for m in rows if m.what == "charge" and m.state in CHARGED]
@@ -241,22 +371,35 @@ def _outside_the_fence(reference: str) -> Movement:
 
 def money_summary(order: Any, rows: list[Movement]) -> dict[str, str]:
     """Amount asked, charged (every success, duplicates too, and those the provider showed
-    for steps not settled yet), refunded and net, formatted."""
+    for steps not settled yet), refunded (operations succeeded) and net, formatted; beside
+    them the refunds not settled yet and the holds, each with what became of it."""
     currency = order.currency
     charged = sum(m.amount or 0 for m in rows if m.what == "charge" and m.state in CHARGED)
     unsettled = sum(m.amount or 0 for m in rows if m.what == "charge" and m.state == AT_PROVIDER)
+    refunds = [(m, m.operation) for m in rows if m.what == "refund" and m.operation is not None]
     refunded = sum(
-        int(m.operation.params.get("amount") or 0)
-        for m in rows
-        if m.what == "refund" and m.operation and m.operation.state == OperationState.SUCCEEDED
+        int(op.params.get("amount") or 0)
+        for _, op in refunds
+        if op.state == OperationState.SUCCEEDED
     )
+    waiting = [m for m, op in refunds if op.state not in FINAL]
+    shown = sum(m.amount or 0 for m in waiting if m.shown_succeeded)
+    holds = [m for m in rows if m.what == "hold"]
+    held = sum(m.amount or 0 for m in holds if m.state == ClaimState.DONE or m.shown_succeeded)
     return {
         "amount": format_money(order.amount, currency),
         "charged": format_money(charged, currency),
         # Of which the provider showed succeeded for steps not settled yet ("" when none).
         "charged_at_provider": format_money(unsettled, currency) if unsettled else "",
         "refunded": format_money(refunded, currency),
+        # Refunds whose operation has not ended, and what of them the provider showed done.
+        "refunds_not_settled": (
+            format_money(sum(m.amount or 0 for m in waiting), currency) if waiting else ""
+        ),
+        "refunds_shown_succeeded": format_money(shown, currency) if shown else "",
         "net": format_money(charged - refunded, currency),
+        "held": format_money(held, currency) if holds else "",
+        "held_words": "; ".join(m.held_words for m in holds),
     }
 
 
