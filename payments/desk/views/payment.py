@@ -13,19 +13,25 @@ the card and its release are the steps whose effects declare `HOLD`, and a
 duplicate is a second provider success for the entity (two done charge
 steps, or the last fence audit's "double charges per order").
 
-What is not settled yet is counted apart and said so: a refund in flight,
-money the provider showed for a step not recorded yet.
+The page is read at one moment (`one_moment`: one read-only snapshot): its
+Money box, rows and timeline never mix the states before and after a worker's
+commit. What is not settled yet is counted apart and said so: a refund in
+flight, money the provider showed for a step not recorded yet.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
+from django.db import connection, transaction
 from django.http import HttpRequest
 from django.urls import reverse
+from django.utils import timezone
 from django.utils.html import format_html
 
 from payments.desk import refund as desk_refund
@@ -70,6 +76,25 @@ TIMELINE_ROWS = 300
 FINAL = frozenset({OperationState.SUCCEEDED, OperationState.FAILED})
 #: What a step does to a hold on the card (its effect's `HOLD`): makes, captures, releases it.
 HOLD, CAPTURES, RELEASES = "hold", "capture", "release"
+#: Every read of the page in one snapshot, read only: what it shows was true at one moment.
+ONE_SNAPSHOT = "SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY"
+
+
+@contextmanager
+def one_moment() -> Iterator[None]:
+    """Make the block's reads one moment's: a read-only REPEATABLE READ transaction.
+
+    Opens the transaction; inside one already (a test's, or a caller that reads more of the
+    page at the same moment) the block's reads are that transaction's. Send no provider
+    request inside: no transaction is held across an HTTP call.
+    """
+    if connection.in_atomic_block:
+        yield
+        return
+    with transaction.atomic():
+        with connection.cursor() as cursor:
+            cursor.execute(ONE_SNAPSHOT)
+        yield
 
 
 @dataclass
@@ -522,19 +547,32 @@ def _op_url(op: Operation | None) -> str:
 
 
 def payment_context(request: HttpRequest, order: Any) -> dict[str, Any]:
-    """What the order's page shows beside its fields."""
-    ops = entity_operations("order", order.pk)
-    rows = movements("order", order.pk, ops)
+    """What the order's page shows beside its fields, read at one moment.
+
+    The operations, their steps, the audit's findings, the timeline and the refund's
+    refusal come from one snapshot: a worker committing meanwhile shows on the next
+    reading, never on half of this one. A duplicate no step recorded is asked at the
+    provider after it.
+    """
+    with one_moment():
+        read_at = timezone.now()
+        ops = entity_operations("order", order.pk)
+        fenced = fenced_movements(ops)
+        duplicates = audit_duplicates("order", order.pk)
+        provider_timeline = timeline(ops)
+        refused = desk_refund.refund_refused("order", order.pk)
+    rows = with_duplicates(fenced, duplicates)
     may_refund = request.user.has_perm(desk_refund.refund_permission("order"))
     refund_url = reverse("admin:payments_order_refund", args=[order.pk])
     return {
+        "read_at": when(read_at),
         "money": money_summary(order, rows),
         "movements": [m.row() for m in rows],
         "has_duplicate": any(m.duplicate for m in rows),
         "duplicate_open": any(m.refundable for m in rows),
-        "timeline": timeline(ops),
+        "timeline": provider_timeline,
         "refund_url": refund_url if desk_refund.refund_hook("order") is not None else "",
         "may_refund": may_refund,
-        "refund_refused": desk_refund.refund_refused("order", order.pk),
+        "refund_refused": refused,
         "refund_permission": desk_refund.refund_permission("order"),
     }
