@@ -56,7 +56,7 @@ from payments.desk.lists import (
 )
 from payments.desk.views.actions import DESK_ACTIONS, mark_failed_refusal
 from payments.desk.views.mixin import DeskViewsMixin
-from payments.desk.views.payment import errors_shown, payment_context
+from payments.desk.views.payment import errors_shown, one_moment, payment_context
 from payments.desk.views.queries import (
     attempts_of,
     follow_up_kinds,
@@ -604,12 +604,21 @@ class OrderAdmin(BoundedListMixin, ReadOnlyAdmin):
     def change_view(
         self, request: HttpRequest, object_id: str, form_url: str = "", extra_context: Any = None
     ) -> HttpResponse:
-        """The order's page is its payment's: money, charges, refunds, provider timeline."""
-        order = self.get_object(request, unquote(object_id))
-        extra = dict(extra_context or {})
-        if order is not None and request.user.has_perm("payments.view_operation"):
-            extra["payment"] = payment_context(request, order)
-        return super().change_view(request, object_id, form_url, extra)
+        """The order's page is its payment's: money, charges, refunds, provider timeline.
+
+        Read at one moment, the order's own fields included (rendered inside it): a
+        refund settled while the page is read never shows settled in one part and
+        not in another.
+        """
+        with one_moment():
+            order = self.get_object(request, unquote(object_id))
+            extra = dict(extra_context or {})
+            if order is not None and request.user.has_perm("payments.view_operation"):
+                extra["payment"] = payment_context(request, order)
+            response = super().change_view(request, object_id, form_url, extra)
+            if hasattr(response, "render"):
+                response.render()  # the operations field is read at render time
+        return response
 
     @admin.display(description="amount", ordering="amount")
     def amount_display(self, obj: Order) -> str:

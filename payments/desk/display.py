@@ -182,13 +182,19 @@ PROVIDER_STATUS_COLOURS = {
 }
 
 
-def provider_status(view: dict[str, Any]) -> str:
-    """The status a lookup found, as a small badge (red for a refusal)."""
+def provider_status(view: dict[str, Any], *, settled_since: bool = False) -> str:
+    """The status a lookup found, as a small badge (red for a refusal).
+
+    `settled_since`: the step was recorded done after this look (a hold's
+    `requires_capture` seen before its capture): grey, and said so, never red.
+    """
     status = str(view.get("status") or view.get("outcome") or "unknown")
     colour = PROVIDER_STATUS_COLOURS.get(status, "#b02a37" if status != "unknown" else "#5c636a")
     label = status.replace("_", " ")
     if view.get("code"):
         label = f"{label} ({view['code']})"
+    if settled_since and status != "succeeded":
+        colour, label = "#5c636a", f"{label}: seen before the step was recorded done"
     return format_html(
         '<span class="desk-provider-status provider-{}" style="background:{};{}">{}</span>',
         status,
@@ -259,7 +265,7 @@ def provider_view_rows(claims: Any, params: dict[str, Any] | None) -> list[dict[
                 and claim.state != ClaimState.DONE,
                 "claim_state": LABELS.get(claim.state, claim.state),
                 "reference_text": str(view.get("reference") or ""),
-                "status": provider_status(view),
+                "status": provider_status(view, settled_since=claim.state == ClaimState.DONE),
                 "amount": format_money(amount, view.get("currency")),
                 "amount_differs": amount is not None and ours[0] is not None and theirs != ours,
                 "reference": reference_link(str(view.get("reference") or "")),

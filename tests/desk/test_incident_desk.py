@@ -185,3 +185,21 @@ def test_needs_attention__money_the_provider_showed_taken__counted_as_not_settle
     page = text(client_for(viewer).get(NEEDS_ATTENTION))
 
     assert "At the provider, not settled yet: €74.50" in page
+
+
+def test_operation_page__a_look_from_before_the_step_was_done__grey_not_a_refusal(provider, viewer):
+    """Finding 3: a captured payment still showed a red "requires capture" badge: the
+    authorisation's last look, taken before its lost answer was settled."""
+    op, claim = builders.failed_after_charge(key="inc-old-look")
+    seen = {"status": "requires_capture", "amount": 6000, "currency": "eur"}
+    fence.note_provider_view(
+        claim, EffectResult(Outcome.SUCCESS, reference="pi_old", data=seen), source="query"
+    )
+
+    page = client_for(viewer).get(change_url(op)).content.decode()
+
+    assert "requires capture: seen before the step was recorded done" in page
+    assert (
+        'background:#b02a37;color:#fff;padding:2px 8px;border-radius:10px;font-weight:600;white-space:nowrap">requires capture'
+        not in page
+    )

@@ -219,11 +219,6 @@ def test_order_page__a_refund_settled_while_the_page_reads__shown_at_one_moment(
     assert before or after, (money_box(page), row, done)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the order's fields are read by OrderAdmin after payment_context: needs "
-    "OrderAdmin.change_view read and rendered inside payment.one_moment() (payments/admin.py)",
-)
 def test_order_page__status_field_and_money_box__read_at_one_moment(provider, queue, monkeypatch):
     """Finding 7 as the operator saw it: "Partially refunded" (the order's field) beside
     "Refunded €0.00" (the Money box). The refund is settled right after the payment's part
