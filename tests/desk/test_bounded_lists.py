@@ -98,6 +98,9 @@ def _scans(sql: str, params: Any) -> list[str]:
         ("admin:payments_order_changelist", "?q=buyer42@example.com"),
         ("admin:payments_order_changelist", "?q=42"),
         ("admin:index", ""),
+        ("admin:payments_operation_desk_log", ""),
+        ("admin:payments_operation_desk_log", "?operator=sam"),
+        ("admin:payments_operation_desk_log", "?before=1500"),
     ],
 )
 def test_operator_pages__read_through_indexes(
@@ -171,3 +174,29 @@ def _orders(count: int) -> None:
             """,
             [count],
         )
+
+
+def _seq_scans_anywhere(sql: str, params: Any) -> list[str]:
+    """Every sequential scan of a fence table in the plan, even under a LIMIT."""
+    with connection.cursor() as cursor:
+        cursor.execute("EXPLAIN (FORMAT JSON) " + sql, params)
+        raw = cursor.fetchone()[0]
+    nodes = [(json.loads(raw) if isinstance(raw, str) else raw)[0]["Plan"]]
+    found = []
+    while nodes:
+        node = nodes.pop()
+        nodes.extend(node.get("Plans", []))
+        if node["Node Type"] == "Seq Scan" and node.get("Relation Name") in TABLES:
+            found.append(f"Seq Scan on {node['Relation Name']}: {' '.join(sql.split())[:300]}")
+    return found
+
+
+@pytest.mark.parametrize("query", ["", "?operator=sam", "?before=1500"])
+def test_desk_log__walks_the_audit_rows_by_their_primary_key_only(
+    history, as_on_a_large_table, senior, query
+):
+    """The audit rows have no index on their actor: a LIMIT would not stop a scan that finds
+    no operator's row. The page reads a primary-key range, never the table."""
+    statements = _sent(client_for(senior), reverse("admin:payments_operation_desk_log") + query)
+    assert any("payments_operationevent" in sql for sql, _ in statements)
+    assert [s for sql, params in statements for s in _seq_scans_anywhere(sql, params)] == []

@@ -10,11 +10,12 @@ from django.urls import URLPattern, path
 from payments.desk.views.actions import ActionViewsMixin
 from payments.desk.views.attention import NeedsAttentionMixin
 from payments.desk.views.export import CsvExportMixin
+from payments.desk.views.log import DeskLogMixin
 from payments.desk.views.queries import provider_events_of
 from payments.models import Operation
 
 
-class DeskViewsMixin(ActionViewsMixin, NeedsAttentionMixin, CsvExportMixin):
+class DeskViewsMixin(ActionViewsMixin, NeedsAttentionMixin, DeskLogMixin, CsvExportMixin):
     """The desk's extra admin views: their URLs, and what the operation page adds."""
 
     def get_urls(self) -> list[URLPattern]:
@@ -26,6 +27,7 @@ class DeskViewsMixin(ActionViewsMixin, NeedsAttentionMixin, CsvExportMixin):
                 view(self.needs_attention_view),
                 name=f"{info}_needs_attention",
             ),
+            path("desk-log/", view(self.desk_log_view), name=f"{info}_desk_log"),
             path("export.csv", view(self.export_csv_view), name=f"{info}_export_csv"),
             path(
                 "<path:object_id>/steps/<str:step>/<str:action>/",
