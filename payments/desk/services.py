@@ -48,7 +48,7 @@ from payments.engine.handlers import HandlerSpec, get_handler
 from payments.engine.outcomes import Outcome
 from payments.engine.steps import past_grace, replay_allowed, view_of
 from payments.exceptions import InvalidTransition
-from payments.models import ClaimState, Operation, OperationState, StepClaim
+from payments.models import ClaimLook, ClaimState, Operation, OperationState, StepClaim
 
 if TYPE_CHECKING:
     from django.contrib.auth.models import AbstractBaseUser
@@ -279,6 +279,23 @@ def mark_step_succeeded(
     return settled
 
 
+def _refuse_while_in_flight(claim: StepClaim, step: str) -> None:
+    """Refuse to fail a step while the provider still executes a request under its key:
+    that request may yet take the money (or give it back) whatever is read now."""
+    since = (
+        ClaimLook.objects.filter(claim_id=claim.pk)
+        .values_list("in_flight_since", flat=True)
+        .first()
+    )
+    if since is not None:
+        raise DeskError(
+            f"a request under step {step}'s key is still in flight at the provider (since "
+            f"{since:%Y-%m-%d %H:%M:%S} UTC): it may still succeed; the fence settles it when "
+            "the provider answers. Nothing was marked failed",
+            action="mark_failed",
+        )
+
+
 def mark_step_failed(
     operation: Operation | int, step: str, *, user: AbstractBaseUser, reason: str
 ) -> StepClaim:
@@ -306,9 +323,11 @@ def mark_step_failed(
     op = Operation.objects.get(pk=_pk(operation))
     spec = get_handler(op.kind)
     claim = settleable_claim(op, list(op.claims.all()), step, spec)
+    _refuse_while_in_flight(claim, step)
     if op.state not in WORKER_STATES and not claim.provider_reference and replay_allowed(claim):
         recovery.reconcile(actor=actor, operation_ids=[op.pk])
         claim.refresh_from_db()
+        _refuse_while_in_flight(claim, step)
         if claim.state == ClaimState.DONE:
             raise FoundSucceeded(
                 f"the provider shows step {step} succeeded ({claim.provider_reference}): it is "

@@ -203,3 +203,28 @@ def test_operation_page__a_look_from_before_the_step_was_done__grey_not_a_refusa
         'background:#b02a37;color:#fff;padding:2px 8px;border-radius:10px;font-weight:600;white-space:nowrap">requires capture'
         not in page
     )
+
+
+@pytest.mark.django_db(transaction=True)
+def test_mark_failed__refused_while_a_request_is_in_flight__nothing_failed(
+    provider, operator, queue
+):
+    """Review of #37: mark failed decided from the grace alone while the provider still
+    executed a request under the key (it could take the money after the step was failed)."""
+    from payments.desk import services as desk
+
+    provider.state.configure(slow_delay=4.0)
+    provider.state.enqueue_faults("slow", 1)
+    order = create_order(amount=7450, currency="eur", email="held@example.com")
+    op, _ = request_checkout(
+        order_id=order.pk, key="inc-mark-held", payment_method="pm_card_chargeDeclined", actor="t"
+    )
+    run_worker(queue)
+    reconcile(operation_ids=[op.pk])  # 409: in flight
+
+    with pytest.raises(desk.DeskError, match="still in flight"):
+        desk.mark_step_failed(op, "charge", user=operator, reason="the customer gave up")
+
+    op.refresh_from_db()
+    assert op.state != "failed"
+    assert provider.state.wait_idle(timeout=10)

@@ -312,6 +312,12 @@ def mark_failed_refusal(op: Operation, step: str) -> str:
     if asked_in_this_state(op, step):
         return ""
     look = look_of(claim) if claim is not None else None
+    if look is not None and look.in_flight_since is not None:
+        return (
+            f"a request under step {step}'s key is in flight at the provider since "
+            f"{when(look.in_flight_since)}: it may still succeed. The fence looks again at "
+            f"{when(look.next_look_at)} and settles it when the provider answers"
+        )
     if look is not None and look.showed in INCIDENT_LOOKS:
         # Asking now would meet the same silence: say what is awaited, and until when.
         return (
