@@ -52,7 +52,9 @@ def table(box: str, table_id: str) -> str:
 
 
 def title(box: str, table_id: str) -> str:
-    return re.search(rf'<h3[^>]*id="{table_id}-title"[^>]*>', box).group(0)
+    found = re.search(rf'<h3[^>]*id="{table_id}-title"[^>]*>', box)
+    assert found is not None, table_id
+    return found.group(0)
 
 
 def rows(html: str) -> list[str]:

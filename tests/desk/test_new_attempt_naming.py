@@ -41,7 +41,9 @@ def desk_url(op: Operation) -> str:
 
 def field_html(page: str, name: str) -> str:
     """The <input> of field `name` on the page."""
-    return re.search(rf'<input[^>]*name="{name}"[^>]*>', page).group(0)
+    found = re.search(rf'<input[^>]*name="{name}"[^>]*>', page)
+    assert found is not None, name
+    return found.group(0)
 
 
 def help_of(page: str, name: str) -> str:
