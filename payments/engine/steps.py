@@ -269,8 +269,20 @@ def _record(
     result = answer.as_result()
     telemetry.note(reference=answer.reference)
     if answer.outcome == Outcome.SUCCESS:
-        record = fence.settle_claim if outcomes is None else outcomes.record_outcome
-        record(claim, ClaimState.DONE, actor=actor, reference=answer.reference, result=result)
+        if outcomes is not None:  # a first call's answer, in the handler's transaction
+            outcomes.record_outcome(
+                claim, ClaimState.DONE, actor=actor, reference=answer.reference, result=result
+            )
+            return result
+        # Settled after a lost answer (a replay, a read): the trail names what decided it.
+        fence.settle_claim(
+            claim,
+            ClaimState.DONE,
+            actor=actor,
+            reference=answer.reference,
+            result=result,
+            reason=f"the provider shows {answer.reference} succeeded",
+        )
         return result
     code = str(answer.data.get("code", ""))
     fence.settle_claim(
