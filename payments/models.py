@@ -371,6 +371,10 @@ class StepClaim(FenceModel):
     #: the desk shows 1 + this as the attempts at the work, and the rest of `attempts`
     #: as look-ups. A database default: a previous release's INSERT still works.
     requests_sent = models.PositiveIntegerField(default=0, db_default=0)
+    #: The external system the step calls (payments.engine.systems), as its effect named it
+    #: when the claim was made: its key retention and words. Empty: a local step, or a
+    #: claim older than the column (its handler's effect tells).
+    system = models.CharField(max_length=64, blank=True, default="", db_default="")
     claimed_by = models.CharField(max_length=255)
     claimed_at = models.DateTimeField()
     #: When the last request under the claim's idempotency key was sent (worker, reconciler
@@ -416,6 +420,9 @@ class LookShowed(models.TextChoices):
     IN_PROGRESS = "in_progress", "In progress at the provider"  # neither done nor refused
     IN_FLIGHT = "in_flight", "A request under its key is still in flight"  # a 409 ..._in_use
     UNREADABLE = "unreadable", "The provider could not be read"  # timeout, 5xx, refused socket
+    #: The system offers no read (payments.engine.systems.Read): only a same-key replay
+    #: within its key's retention, its event, or a person with its report can tell.
+    NO_READ = "no_read", "Nothing to read: the system offers no look-up"
 
 
 #: Looks that learned nothing because the provider did not answer: an incident's marks.

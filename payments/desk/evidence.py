@@ -22,7 +22,9 @@ from django.utils.html import format_html, format_html_join
 from payments.conf import payments_settings
 from payments.desk.display import when
 from payments.engine import fence
-from payments.engine.steps import replay_allowed, replay_deadline
+from payments.engine.steps import claim_system, replay_allowed, replay_deadline
+from payments.engine.systems import Read
+from payments.exceptions import ConfigurationError
 from payments.models import (
     INCIDENT_LOOKS,
     UNSETTLED_CLAIM_STATES,
@@ -52,30 +54,50 @@ def _grace() -> timedelta:
     return timedelta(seconds=payments_settings().reconcile_grace)
 
 
+def system_label(claim: StepClaim) -> str:
+    """How the desk names the system the claim's step calls ("the provider", "Adyen")."""
+    try:
+        return claim_system(claim).label
+    except ConfigurationError:  # a package removed since: its claims stay readable
+        return f"the {claim.system or 'external'} system"
+
+
+def _reads(claim: StepClaim) -> tuple[Read, ...]:
+    """The reads the claim's system offers (a removed package's: none)."""
+    try:
+        return claim_system(claim).reads
+    except ConfigurationError:
+        return ()
+
+
 def seen_words(claim: StepClaim) -> str:
-    """What the provider last showed for the step ("" when it showed nothing yet)."""
+    """What the system last showed for the step ("" when it showed nothing yet)."""
     view = claim.provider_view if isinstance(claim.provider_view, dict) else {}
     if not view:
         return ""
     at = when(view.get("checked_at"))
+    who = system_label(claim)
     if view.get("status") == "not_found":
-        return f"the provider's consistent list at {at} shows no object for it"
+        return f"{who}'s consistent list at {at} shows no object for it"
     status = str(view.get("status") or view.get("outcome") or "unknown").replace("_", " ")
     amount = format_money(view.get("amount"), view.get("currency"))
     reference = str(view.get("reference") or "its object")
     money = f", {amount}" if amount != "-" else ""
-    return f"the provider at {at} shows {reference} {status}{money}"
+    return f"{who} at {at} shows {reference} {status}{money}"
 
 
 def look_words(look: ClaimLook) -> str:
-    """How the last look went, in the provider's own words."""
+    """How the last look went, in the system's own words."""
+    who = system_label(look.claim)
     count = f"looked {look.looks} time{'s' if look.looks != 1 else ''}"
     last = f"last at {when(look.last_look_at)} ({look.source or 'a look'})"
     showed = LookShowed(look.showed).label.lower() if look.showed else "nothing"
     if look.in_flight_since:
-        showed = f"a request under its key is in flight at the provider since {when(look.in_flight_since)}"
+        showed = f"a request under its key is in flight at {who} since {when(look.in_flight_since)}"
     elif look.showed == LookShowed.UNREADABLE and look.unread_since:
-        showed = f"the provider has not answered since {when(look.unread_since)}"
+        showed = f"{who} has not answered since {when(look.unread_since)}"
+    elif look.showed == LookShowed.NO_READ:
+        showed = f"{who} offers no look-up"
     detail = f": {look.detail}" if look.detail else ""
     return f"{count}, {last}: {showed}{detail}"
 
@@ -84,10 +106,11 @@ def next_step(op: Operation, claim: StepClaim, look: ClaimLook | None) -> str:
     """What happens next to this unsettled step: a stated wait (reason, time) or an action."""
     if claim.state not in UNSETTLED_CLAIM_STATES:
         return ""
+    who = system_label(claim)
     if look is not None and look.hold:
         return (
-            f"Held for a person: {look.hold}. The fence no longer looks; check the provider's "
-            "dashboard, then mark the step succeeded (with its reference) or failed."
+            f"Held for a person: {look.hold}. The fence no longer looks; check {who}'s "
+            "dashboard or report, then mark the step succeeded (with its reference) or failed."
         )
     next_look = (
         when(look.next_look_at) if look is not None and look.next_look_at else "its next round"
@@ -95,29 +118,37 @@ def next_step(op: Operation, claim: StepClaim, look: ClaimLook | None) -> str:
     review_at = fence.last_request_at(claim) + _grace()
     if look is not None and look.in_flight_since:
         review_at = max(review_at, look.in_flight_since + _grace())
+    reads = _reads(claim)
+    after = "by reads only" if reads else "by its event or a person only (it offers no look-up)"
     replay = (
         f" Same-key replays are allowed until {when(replay_deadline(claim))}; after that it "
-        "is settled by reads only."
+        f"is settled {after}."
         if replay_allowed(claim)
-        else " The provider no longer keeps its key: it is settled by reads only."
+        else f" {who[:1].upper() + who[1:]} may no longer keep its key: it is settled {after}."
     )
+    if not reads and op.state != OperationState.NEEDS_REVIEW:
+        return (
+            f"Waiting: {who} offers no look-up, so the fence replays the request under the same "
+            f"key (next at {next_look}) until {when(replay_deadline(claim))}, and its event "
+            "settles it as soon as it comes; then it goes to review." + replay
+        )
     if op.state == OperationState.NEEDS_REVIEW:
         return (
             f"Under review for want of a decisive answer. The fence keeps looking (next look at "
-            f"{next_look}) and settles it by itself when the provider shows the outcome; or "
+            f"{next_look}) and settles it by itself when {who} shows the outcome; or "
             "decide now from the evidence: mark the step succeeded (with the reference the "
-            "provider shows) or failed (it cancels what the provider holds)." + replay
+            f"{who} shows) or failed (it cancels what {who} holds)." + replay
         )
     if look is not None and look.in_flight_since:
         return (
-            f"Waiting: a request under its key is in flight at the provider since "
+            f"Waiting: a request under its key is in flight at {who} since "
             f"{when(look.in_flight_since)}; asked again at {when(look.last_look_at)}; next look "
             f"at {next_look}. If it is still unknown at {when(review_at)} it goes to review."
             + replay
         )
     if look is not None and look.showed == LookShowed.UNREADABLE:
         return (
-            f"Waiting: the provider has not answered since {when(look.unread_since)}; next look "
+            f"Waiting: {who} has not answered since {when(look.unread_since)}; next look "
             f"at {next_look}. If it is still unknown at {when(review_at)} it goes to review, and "
             "the fence keeps looking after that." + replay
         )
@@ -139,14 +170,14 @@ def evidence_html(op: Operation) -> str:
         how = (
             look_words(look)
             if look is not None
-            else "not looked up yet: “Query provider now” asks the provider"
+            else f"not looked up yet: “Query provider now” asks {system_label(claim)}"
         )
         items.append(
             (
                 claim.step,
                 seen[:1].upper() + seen[1:] + "."
                 if seen
-                else "No object seen at the provider yet.",
+                else f"No object seen at {system_label(claim)} yet.",
                 how[:1].upper() + how[1:] + ".",
                 next_step(op, claim, look),
             )
@@ -297,14 +328,17 @@ def why_waiting(operation_ids: list[int]) -> dict[int, str]:
 def look_line(look: ClaimLook) -> str:
     """The last look in one short line, for lists: what it showed, since when, the next look."""
     claim = look.claim
+    who = system_label(claim)
     view = claim.provider_view if isinstance(claim.provider_view, dict) else {}
     if look.in_flight_since:
-        shown = f"a request in flight at the provider since {when(look.in_flight_since)}"
+        shown = f"a request in flight at {who} since {when(look.in_flight_since)}"
     elif look.showed == LookShowed.UNREADABLE:
-        shown = f"no answer from the provider since {when(look.unread_since)}"
+        shown = f"no answer from {who} since {when(look.unread_since)}"
+    elif look.showed == LookShowed.NO_READ:
+        shown = f"{who} offers no look-up; replays until {when(replay_deadline(claim))}"
     elif look.showed == LookShowed.OBJECT and view.get("reference"):
         status = str(view.get("status") or "").replace("_", " ")
-        shown = f"the provider shows {view['reference']} {status}".strip()
+        shown = f"{who} shows {view['reference']} {status}".strip()
     else:
         shown = LookShowed(look.showed).label.lower()
     count = f"{look.looks} look{'s' if look.looks != 1 else ''}"

@@ -796,9 +796,11 @@ def _claim_params(
     idempotency_key: str = "",
     request: dict[str, Any] | None = None,
     result: dict[str, Any] | None = None,
+    system: str = "",
 ) -> dict[str, Any]:
     """The parameters of INSERT_CLAIM and INSERT_CLAIM_OR_FAIL for one claim."""
     return {
+        "system": system,
         "operation": operation.pk,
         "step": step,
         "state": state,
@@ -828,13 +830,14 @@ def claim_step(
     lease_seconds: int,
     request: dict[str, Any] | None = None,
     provider_call: bool = True,
+    system: str = "",
 ) -> ClaimResult:
     """Insert and COMMIT the claim of an external step; on conflict return the existing row.
 
     Must be called outside any transaction: the claim has to be durable before
     the external call it fences (the statement commits as it returns).
     `provider_call` derives and stores the provider idempotency key (not for
-    effects that have none, like e-mail).
+    effects that have none, like e-mail); `system` names the external system called.
     """
     if transaction.get_connection().in_atomic_block:
         raise InvalidTransition("claim_step must commit before the external call; no atomic()")
@@ -845,6 +848,7 @@ def claim_step(
         lease_seconds=lease_seconds,
         request=request,
         provider_call=provider_call,
+        system=system,
     )
 
 
@@ -857,6 +861,7 @@ def claim_step_in_tx(
     lease_seconds: int,
     request: dict[str, Any] | None = None,
     provider_call: bool = True,
+    system: str = "",
 ) -> ClaimResult:
     """`claim_step` in the caller's transaction, which must commit before the call it fences.
 
@@ -879,6 +884,7 @@ def claim_step_in_tx(
             if provider_call
             else "",
             request=request,
+            system=system,
         ),
     )
     if claim is not None:

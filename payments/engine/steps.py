@@ -11,8 +11,9 @@ uncertain. No transaction is held open across a call.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from datetime import datetime, timedelta
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from rq.timeouts import BaseTimeoutException
 
@@ -23,6 +24,7 @@ from payments.engine.failpoints import AFTER_CLAIM_COMMIT, AFTER_PROVIDER_ACCEPT
 from payments.engine.outcomes import Outcome
 from payments.engine.systems import ExternalSystem, system_of
 from payments.exceptions import (
+    ConfigurationError,
     StepBusy,
     StepConflict,
     StepNeedsReview,
@@ -53,10 +55,27 @@ def view_of(claim: StepClaim) -> ClaimView:
 
 
 def claim_system(claim: StepClaim) -> ExternalSystem:
-    """The external system the claim's step calls (its effect's SYSTEM)."""
+    """The external system the claim's step calls: the one its effect named at the claim,
+    else (a claim older than the column) its handler's effect's."""
+    if claim.system:
+        return systems.system_named(claim.system)
     from payments.engine.handlers import get_handler  # handlers import this module
 
     return system_of(get_handler(claim.operation.kind).effects.get(claim.step))
+
+
+def claim_system_named(name: str, kind: str, step: str) -> ExternalSystem | None:
+    """`claim_system` from a claim's columns (its system, its operation's kind, its step);
+    None for a system or a kind no longer known (a removed package's leftovers)."""
+    from payments.engine.handlers import registered_handlers  # handlers import this module
+
+    try:
+        if name:
+            return systems.system_named(name)
+        spec = registered_handlers().get(kind)
+        return system_of(spec.effects.get(step)) if spec is not None else None
+    except ConfigurationError:
+        return None
 
 
 def replay_deadline(claim: StepClaim) -> datetime:
@@ -118,6 +137,7 @@ def run_external_step(
         owner=owner,
         lease_seconds=lease,
         request=effect.build_request() if build else {},
+        system=system_of(effect).name,
     )
     claim = claimed.claim
     if claimed.created:
@@ -331,6 +351,9 @@ def _settle_from_lookup(
             in_flight=None if replay is None else held,
         )
 
+    system = claim_system(claim)
+    if not system.reads:
+        return _without_reads(claim, system, actor=actor, replayed=replay is not None, look=look)
     try:
         found = effect.find(view_of(claim))
     except StillInProgress as exc:  # there, neither done nor refused: never "not found"
@@ -417,6 +440,52 @@ def _settle_from_lookup(
         claim, actor, "not found yet (a request under its key was sent within the grace period)"
     )
     raise StepUncertain("not found at the provider yet", operation_key=op_key, step=step)
+
+
+def _without_reads(
+    claim: StepClaim,
+    system: ExternalSystem,
+    *,
+    actor: str,
+    replayed: bool,
+    look: Callable[[LookShowed, str], None],
+) -> NoReturn:
+    """Keep a claim on a system that offers no read uncertain while a replay may still tell.
+
+    Nothing can be read (Adyen's Checkout API has no look-up): a same-key replay
+    within the key's retention, the system's event, or a person with its report
+    settles the step. The grace period does not apply (no list can show the object
+    later); the replay deadline does: past it no replay is safe, and a person
+    decides, with the evidence and the deadline it missed.
+    """
+    op_key, step = claim.operation.key, claim.step
+    deadline = replay_deadline(claim)
+    look(
+        LookShowed.UNREADABLE if replayed else LookShowed.NO_READ,
+        f"{system.label} offers no look-up",
+    )
+    if claim.state != ClaimState.UNCERTAIN:
+        fence.settle_claim(
+            claim, ClaimState.UNCERTAIN, actor=actor, error=f"{system.label} offers no look-up"
+        )
+    if fence.db_now() >= deadline:
+        fence.hold_looks(
+            claim,
+            f"{system.label} offers no look-up and its replay window ended at "
+            f"{deadline.isoformat(timespec='seconds')}: a replay could act again",
+        )
+        raise StepNeedsReview(
+            f"{system.label} offers no look-up and the key's replay window ended at "
+            f"{deadline.isoformat(timespec='seconds')}; settle it from {system.label}'s report",
+            operation_key=op_key,
+            step=step,
+        )
+    raise StepUncertain(
+        f"{system.label} offers no look-up: a same-key replay until "
+        f"{deadline.isoformat(timespec='seconds')}, or its event, settles it",
+        operation_key=op_key,
+        step=step,
+    )
 
 
 def _still_uncertain(claim: StepClaim, actor: str, error: str) -> None:

@@ -29,6 +29,7 @@ from __future__ import annotations
 import hmac
 import logging
 from collections.abc import Iterator
+from datetime import datetime
 from typing import Any, cast
 
 from django.conf import settings
@@ -55,6 +56,8 @@ from payments.engine.handlers import registered_handlers
 from payments.engine.outcomes import Outcome
 from payments.engine.queues import PROBE_TIMEOUT, redis_client
 from payments.engine.signals import operation_state_changed, provider_call_finished
+from payments.engine.steps import claim_system_named
+from payments.engine.systems import replay_deadline
 from payments.models import (
     UNFINISHED_OPERATION_STATES,
     UNSETTLED_CLAIM_STATES,
@@ -294,6 +297,8 @@ class FenceCollector(Collector):
             value=max(age, 0.0),
         )
 
+        yield self._replay_deadlines()
+
         last = FenceAuditRun.objects.order_by("-finished_at").first()
         if last is not None:
             yield GaugeMetricFamily(
@@ -306,6 +311,34 @@ class FenceCollector(Collector):
                 "When the last fence_audit run finished (Unix time).",
                 value=last.finished_at.timestamp(),
             )
+
+    def _replay_deadlines(self) -> Metric:
+        """The uncertainty clock per system: seconds until the nearest uncertain claim's key
+        may be forgotten there (negative: past it; only a person settles it now)."""
+        deadlines = GaugeMetricFamily(
+            "payments_replay_deadline_seconds",
+            "Seconds until the nearest replay deadline of an uncertain claim, by external "
+            "system (its key's first use plus the system's key retention, less a margin); "
+            "negative once past. Absent: no uncertain claim on that system.",
+            labels=["system"],
+        )
+        firsts = (
+            StepClaim.objects.filter(state=ClaimState.UNCERTAIN)
+            .values_list("system", "operation__kind", "step")
+            .annotate(first=Min("claimed_at"))
+            .values_list("system", "operation__kind", "step", "first")
+        )
+        nearest: dict[str, datetime] = {}
+        for name, kind, step, first in firsts:
+            system = claim_system_named(name, kind, step)
+            if system is None:
+                continue
+            deadline = replay_deadline(system, first)
+            nearest[system.name] = min(deadline, nearest.get(system.name, deadline))
+        now = timezone.now()
+        for name, deadline in sorted(nearest.items()):
+            deadlines.add_metric([name], (deadline - now).total_seconds())
+        return deadlines
 
     def _redis(self) -> Iterator[Metric]:
         client = _counter_redis()

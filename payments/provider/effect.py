@@ -41,7 +41,7 @@ FENCE_METADATA_KEYS = ("operation_key", "step", "operation_id")
 PAYMENT_PROVIDER = declare(
     ExternalSystem(
         name=DEFAULT_SYSTEM,
-        label="the payment provider",
+        label="the provider",
         key_retention=24 * 3600,
         reads=(Read.RETRIEVE, Read.LIST_BY_CREATED),
         moves_money=True,

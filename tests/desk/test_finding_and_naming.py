@@ -117,8 +117,8 @@ def test_search__a_key_that_looks_like_an_operation_id_is_still_found(provider, 
 @pytest.mark.parametrize(
     "term, says",
     [
-        ("pi_3QxLostAnswer", "a reference of the payment provider"),
-        ("re_1RefundRef", "a reference of the payment provider"),
+        ("pi_3QxLostAnswer", "a reference of the provider"),
+        ("re_1RefundRef", "a reference of the provider"),
         ("fence_chk-1_charge", "an operation key or idempotency key"),
         ("chk-1", "an operation key or idempotency key"),
     ],
@@ -138,7 +138,7 @@ def test_orders_search__no_link_to_operations_for_who_may_not_view_them(provider
 
     page = client_for(orders_only).get(ORDERS, {"q": "pi_3QxLostAnswer"}).content.decode()
 
-    assert "a reference of the payment provider" in page and "finds orders by their id or" in page
+    assert "a reference of the provider" in page and "finds orders by their id or" in page
     assert f'href="{CHANGELIST}?q=' not in page
 
 

@@ -19,8 +19,9 @@ from payments.engine import fence, systems
 from payments.engine.recovery import reconcile
 from payments.engine.steps import replay_allowed, replay_deadline
 from payments.exceptions import ConfigurationError
-from payments.models import ClaimState, OperationState
+from payments.models import ClaimState, LookShowed, OperationState
 from tests.support import builders
+from tests.support.provider import successes
 
 BOOKS = systems.declare(
     systems.ExternalSystem(
@@ -127,3 +128,75 @@ def test_past_a_short_retention__the_reconciler_never_replays__it_reads(
     op.refresh_from_db()
     assert op.state == OperationState.RETRYING
     assert fence.db_now() > replay_deadline(claim)
+
+
+#: A system that offers no read (as Adyen's Checkout API): only a same-key replay within
+#: its key's retention, its event, or a person with its report settles a lost answer.
+BLIND = systems.declare(
+    systems.ExternalSystem(
+        name="blind_test", label="the blind test system", key_retention=4 * 3600, reads=()
+    )
+)
+BLIND_ENTRY = {"URL": "http://127.0.0.1:9", "API_KEY": "k", "KEY_RETENTION": 4 * 3600}
+
+
+def _blind(settings, monkeypatch) -> None:
+    settings.PAYMENTS = {**settings.PAYMENTS, "SYSTEMS": {BLIND.name: BLIND_ENTRY}}
+    monkeypatch.setattr(PaymentIntentCharge, "SYSTEM", BLIND.name)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_no_read__replays_unanswered_past_the_grace__it_stays_uncertain_until_the_deadline(
+    settings, monkeypatch, provider
+):
+    """A list cannot show the object later on a system without reads, so the grace that sends
+    a "not found" to review does not apply: it waits for a replay, its event or the deadline."""
+    op, claim, _ = builders.uncertain(key="blind-wait", charged=True, age=timedelta(minutes=30))
+    _blind(settings, monkeypatch)
+    settings.PAYMENTS = {**settings.PAYMENTS, "PROVIDER_URL": "http://127.0.0.1:9"}  # refused
+
+    report = reconcile()
+
+    assert report.count("done") == 0, report.outcomes
+    op.refresh_from_db()
+    claim.refresh_from_db()
+    assert (op.state, claim.state) == (OperationState.UNCERTAIN, ClaimState.UNCERTAIN)
+    assert claim.look.showed == LookShowed.UNREADABLE
+    assert "offers no look-up" in claim.look.detail
+    assert not claim.look.hold
+
+
+@pytest.mark.django_db(transaction=True)
+def test_no_read__a_replay_within_the_deadline__settles_it(settings, monkeypatch, provider):
+    op, claim, reference = builders.uncertain(
+        key="blind-replay", charged=True, age=timedelta(minutes=30)
+    )
+    _blind(settings, monkeypatch)
+
+    reconcile()
+
+    claim.refresh_from_db()
+    assert (claim.state, claim.provider_reference) == (ClaimState.DONE, reference)
+    assert successes(provider, op) == 1
+
+
+@pytest.mark.django_db(transaction=True)
+def test_no_read__past_the_deadline__never_replayed__held_for_review_with_the_deadline(
+    settings, monkeypatch, provider
+):
+    """Past the deadline the system may have forgotten the key: nothing is sent, nothing is
+    guessed; a person decides from the system's report, told which deadline was missed."""
+    op, claim, _ = builders.uncertain(key="blind-late", charged=False, age=timedelta(hours=4))
+    _blind(settings, monkeypatch)
+    creates = provider.state.stats()["create_requests"]
+
+    reconcile()
+
+    assert provider.state.stats()["create_requests"] == creates  # no replay was sent
+    op.refresh_from_db()
+    claim.refresh_from_db()
+    assert (op.state, claim.state) == (OperationState.NEEDS_REVIEW, ClaimState.UNCERTAIN)
+    deadline = replay_deadline(claim).isoformat(timespec="seconds")
+    assert claim.look.showed == LookShowed.NO_READ
+    assert "replay window ended at " + deadline in claim.look.hold
+    assert deadline in op.last_error

@@ -152,6 +152,7 @@ def test_metrics__names_and_values_after_a_run(client, metrics_token, provider, 
     assert value(samples, "payments_metrics_source_up", source="database") == 1
     assert value(samples, "payments_metrics_source_up", source="redis") == 1
     assert ("payments_fence_audit_last_exit_code", ()) not in samples  # no audit yet
+    assert not [name for name, _ in samples if name == "payments_replay_deadline_seconds"]
 
 
 def test_metrics__refunds_are_labelled_with_their_kind_and_steps(
@@ -281,6 +282,9 @@ def test_metrics__an_uncertain_claim_shows_its_age(client, metrics_token, provid
         == 1
     )
     assert value(samples, "payments_oldest_uncertain_claim_age_seconds") > 365 * 86400
+    # The uncertainty clock: its key is long forgotten at the provider (24 h): past it.
+    assert value(samples, "payments_replay_deadline_seconds", system="provider") < -365 * 86400
+    assert value(samples, "payments_step_claims", kind="checkout", step="charge", state="uncertain")
     assert (
         value(
             samples,

@@ -219,7 +219,7 @@ WITH inserted AS (
     INSERT INTO payments_stepclaim (
         operation_id, step, state, idempotency_key, provider_reference, request, result,
         error, attempts, claimed_by, claimed_at, last_request_at, lease_expires_at, settled_at,
-        updated_at
+        updated_at, system
     )
     VALUES (
         %(operation)s, %(step)s::text, %(state)s::text, %(idempotency_key)s::text, '',
@@ -228,12 +228,13 @@ WITH inserted AS (
         -- the claimant sends its first request as this commits
         CASE WHEN %(idempotency_key)s::text <> '' THEN statement_timestamp() END,
         statement_timestamp() + make_interval(secs => %(lease_seconds)s),
-        CASE WHEN %(state)s::text = 'done' THEN statement_timestamp() END, statement_timestamp()
+        CASE WHEN %(state)s::text = 'done' THEN statement_timestamp() END, statement_timestamp(),
+        %(system)s::text
     )
     ON CONFLICT ON CONSTRAINT payments_stepclaim_operation_step_uniq DO NOTHING
     RETURNING id, operation_id, step, state, idempotency_key, provider_reference, request,
               result, error, provider_view, attempts, claimed_by, claimed_at, last_request_at,
-              lease_expires_at, settled_at, updated_at, requests_sent
+              lease_expires_at, settled_at, updated_at, requests_sent, system
 ), audit AS (
     INSERT INTO payments_operationevent
         (operation_id, step, from_state, to_state, actor, reason, created_at)
@@ -242,7 +243,7 @@ WITH inserted AS (
 )
 SELECT id, operation_id, step, state, idempotency_key, provider_reference, request,
        result, error, provider_view, attempts, claimed_by, claimed_at, last_request_at,
-       lease_expires_at, settled_at, updated_at, requests_sent
+       lease_expires_at, settled_at, updated_at, requests_sent, system
 FROM inserted
 
 -- insert_claim_or_fail --
@@ -254,7 +255,7 @@ WITH inserted AS (
     INSERT INTO payments_stepclaim (
         operation_id, step, state, idempotency_key, provider_reference, request, result,
         error, attempts, claimed_by, claimed_at, last_request_at, lease_expires_at, settled_at,
-        updated_at
+        updated_at, system
     )
     VALUES (
         %(operation)s, %(step)s::text, %(state)s::text, %(idempotency_key)s::text, '',
@@ -262,11 +263,12 @@ WITH inserted AS (
         %(result)s::jsonb, '', 1, %(owner)s::text, statement_timestamp(),
         CASE WHEN %(idempotency_key)s::text <> '' THEN statement_timestamp() END,
         statement_timestamp() + make_interval(secs => %(lease_seconds)s),
-        CASE WHEN %(state)s::text = 'done' THEN statement_timestamp() END, statement_timestamp()
+        CASE WHEN %(state)s::text = 'done' THEN statement_timestamp() END, statement_timestamp(),
+        %(system)s::text
     )
     RETURNING id, operation_id, step, state, idempotency_key, provider_reference, request,
               result, error, provider_view, attempts, claimed_by, claimed_at, last_request_at,
-              lease_expires_at, settled_at, updated_at, requests_sent
+              lease_expires_at, settled_at, updated_at, requests_sent, system
 ), audit AS (
     INSERT INTO payments_operationevent
         (operation_id, step, from_state, to_state, actor, reason, created_at)
@@ -275,7 +277,7 @@ WITH inserted AS (
 )
 SELECT id, operation_id, step, state, idempotency_key, provider_reference, request,
        result, error, provider_view, attempts, claimed_by, claimed_at, last_request_at,
-       lease_expires_at, settled_at, updated_at, requests_sent
+       lease_expires_at, settled_at, updated_at, requests_sent, system
 FROM inserted
 
 -- settle_claim --
@@ -301,7 +303,7 @@ WITH old AS (
               claim.provider_reference, claim.request, claim.result, claim.error,
               claim.provider_view, claim.attempts, claim.claimed_by, claim.claimed_at,
               claim.last_request_at, claim.lease_expires_at, claim.settled_at,
-              claim.updated_at, claim.requests_sent, old.state AS from_state
+              claim.updated_at, claim.requests_sent, claim.system, old.state AS from_state
 ), audit AS (
     INSERT INTO payments_operationevent
         (operation_id, step, from_state, to_state, actor, reason, requests, created_at)
@@ -311,7 +313,7 @@ WITH old AS (
 )
 SELECT id, operation_id, step, state, idempotency_key, provider_reference, request,
        result, error, provider_view, attempts, claimed_by, claimed_at, last_request_at,
-       lease_expires_at, settled_at, updated_at, requests_sent, from_state
+       lease_expires_at, settled_at, updated_at, requests_sent, system, from_state
 FROM settled
 
 -- settle_claim_or_refuse --
@@ -339,7 +341,7 @@ WITH old AS (
               claim.provider_reference, claim.request, claim.result, claim.error,
               claim.provider_view, claim.attempts, claim.claimed_by, claim.claimed_at,
               claim.last_request_at, claim.lease_expires_at, claim.settled_at,
-              claim.updated_at, claim.requests_sent, old.state AS from_state
+              claim.updated_at, claim.requests_sent, claim.system, old.state AS from_state
 ), audit AS (
     INSERT INTO payments_operationevent
         (operation_id, step, from_state, to_state, actor, reason, requests, created_at)
@@ -351,7 +353,8 @@ SELECT settled.id, settled.operation_id, settled.step, settled.state,
        settled.idempotency_key, settled.provider_reference, settled.request, settled.result,
        settled.error, settled.provider_view, settled.attempts, settled.claimed_by,
        settled.claimed_at, settled.last_request_at, settled.lease_expires_at,
-       settled.settled_at, settled.updated_at, settled.requests_sent, settled.from_state
+       settled.settled_at, settled.updated_at, settled.requests_sent, settled.system,
+       settled.from_state
 FROM (SELECT 1) AS one LEFT JOIN settled ON true
 WHERE CASE WHEN settled.id IS NOT NULL THEN true
            ELSE payments_fence_refuse(%(refusal)s) END
