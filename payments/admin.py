@@ -290,8 +290,9 @@ class OperationAdmin(NamedPermissionsMixin, DeskViewsMixin, BoundedListMixin, ad
     # The search is routed by the term's shape (get_search_results); this shows the box.
     search_fields = ("key",)
     search_help_text = (
-        "Order id (17), operation id (#17), operation key, provider reference (pi_…, re_…), "
-        "idempotency key (fence_…) or the customer's e-mail (exact)."
+        "Order id (17), operation id (#17), operation key, a reference as the provider's or "
+        "another system's dashboard shows it, idempotency key (fence_…) or the customer's "
+        "e-mail (exact)."
     )
     ordering = ("-pk",)  # newest first, on the primary key
     list_per_page = 50
@@ -570,8 +571,8 @@ class OrderAdmin(BoundedListMixin, ReadOnlyAdmin):
     list_filter = ("status", RecentCurrencyFilter, ("created_at", DateRangeFilter))
     search_fields = ("=id",)  # routed by the term's shape: get_search_results
     search_help_text = (
-        "Order id or the customer's e-mail (exact, any case). A provider reference (pi_…) "
-        "or an operation key: search the operations."
+        "Order id or the customer's e-mail (exact, any case). A provider's or another "
+        "system's reference, or an operation key: search the operations."
     )
     ordering = ("-pk",)  # newest first, on the primary key
     fields = readonly_fields = (

@@ -52,7 +52,7 @@ OPERATION_EXAMPLE = {
         {
             "step": "charge",
             "state": "done",
-            "provider_reference": "pi_123",
+            "provider_reference": "ref_123",
             "idempotency_key": "op-1-charge",
             "attempts": 1,
         }

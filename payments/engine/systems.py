@@ -21,6 +21,7 @@ reads cannot settle goes to review with its evidence.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from enum import StrEnum
@@ -33,6 +34,18 @@ from payments.exceptions import ConfigurationError
 DEFAULT_SYSTEM = "provider"
 #: The most margin kept under a system's key retention before a replay is refused.
 MOST_MARGIN = timedelta(hours=1)
+
+
+class NotAtSystem(LookupError):
+    """The system does not know the reference (a `describe` that found nothing)."""
+
+
+@dataclass(frozen=True)
+class Described:
+    """What a system's object says of where it came from: its metadata and its status."""
+
+    metadata: Mapping[str, str]
+    status: str
 
 
 class Read(StrEnum):
@@ -68,6 +81,11 @@ class ExternalSystem:
     reference_patterns: tuple[str, ...] = ()
     #: What it calls the objects it makes, for the desk ("payment", "invoice").
     object_noun: str = "object"
+    #: Retrieve one object by a reference (desk search follows its metadata to the
+    #: operation): None for a reference of a kind it does not retrieve; raises
+    #: NotAtSystem when the system has no such object, anything else when it cannot be
+    #: asked. None: the system offers no retrieve.
+    describe: Callable[[str], Described | None] | None = field(default=None, compare=False)
     _compiled: tuple[re.Pattern[str], ...] = field(
         default=(), init=False, repr=False, compare=False
     )

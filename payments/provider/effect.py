@@ -9,6 +9,7 @@ read its objects. Handler authors reach it as `payments.fence.ProviderEffect`.
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
@@ -24,7 +25,14 @@ from payments.engine.effects import (
     sent_metadata_matches,
 )
 from payments.engine.outcomes import Outcome
-from payments.engine.systems import DEFAULT_SYSTEM, ExternalSystem, Read, declare
+from payments.engine.systems import (
+    DEFAULT_SYSTEM,
+    Described,
+    ExternalSystem,
+    NotAtSystem,
+    Read,
+    declare,
+)
 from payments.exceptions import ConfigurationError
 from payments.provider.client import PaymentIntent, ProviderClient
 from payments.provider.errors import ResourceMissing
@@ -33,6 +41,28 @@ alerts = logging.getLogger("payments.alerts")
 
 #: The metadata keys the engine sends with every request that creates a provider object.
 FENCE_METADATA_KEYS = ("operation_key", "step", "operation_id")
+
+#: The provider ids worth a retrieve: payment intents and refunds.
+RETRIEVED = re.compile(r"(pi|re)_[A-Za-z0-9]{1,64}")
+
+
+def describe(reference: str) -> Described | None:
+    """Retrieve a payment intent or a refund by id, for the desk's search (never its search
+    API, which lags): its metadata and status. None for another kind (a charge)."""
+    if not RETRIEVED.fullmatch(reference):
+        return None
+    try:
+        with ProviderClient.from_settings() as client:
+            found: Any = (
+                client.retrieve_refund(reference)
+                if reference.startswith("re_")
+                else client.retrieve_payment_intent(reference)
+            )
+    except ResourceMissing as exc:
+        raise NotAtSystem(reference) from exc
+    metadata = dict(getattr(found, "metadata", {}) or {})
+    return Described({str(k): str(v) for k, v in metadata.items()}, str(found.status))
+
 
 #: The payment provider of the PROVIDER_* settings, as the fence must know it: a
 #: Stripe-compatible API (keys kept at least 24 hours per account, parameters
@@ -47,6 +77,7 @@ PAYMENT_PROVIDER = declare(
         moves_money=True,
         reference_patterns=(r"(pi|re|ch)_[A-Za-z0-9_]+",),
         object_noun="payment",
+        describe=describe,
     )
 )
 

@@ -1,29 +1,24 @@
-"""Search by a provider reference that no step recorded: ask the provider, follow its metadata.
+"""Search by a system's reference that no step recorded: ask the system, follow its metadata.
 
 A charge whose answer was lost is on no step (the reference never came
 back), yet it is the one an operator pastes from the provider's dashboard.
-When the list finds nothing for a term shaped like a provider id, the
-provider is asked for that object (retrieve by id, never its search) and
-the operation its metadata names (`operation_id`, `operation_key`, else the
-order) is shown, with a note saying where the lead came from.
+When the list finds nothing for a term shaped like a declared system's
+reference (payments.engine.systems), that system is asked for the object
+(its `describe`: a retrieve by id, never a search) and the operation its
+metadata names (`operation_id`, `operation_key`, else the order) is shown,
+with a note saying where the lead came from.
 """
 
 from __future__ import annotations
 
 import logging
-import re
 from dataclasses import dataclass
-from typing import Any
 
 from django.db.models import Q
 
-from payments.provider.client import ProviderClient
-from payments.provider.errors import ProviderError, ResourceMissing
+from payments.engine.systems import NotAtSystem, reference_system
 
 logger = logging.getLogger("payments.admin")
-
-#: The provider ids worth a retrieve: payment intents and refunds (Stripe's shapes).
-PROVIDER_ID = re.compile(r"^(pi|re)_[A-Za-z0-9]{1,64}$")
 
 
 @dataclass(frozen=True)
@@ -36,32 +31,30 @@ class ProviderLead:
 
 
 def lead_from_provider(term: str) -> ProviderLead | None:
-    """Retrieve `term` at the provider and name the operations its metadata points to.
+    """Retrieve `term` at the system whose reference it looks like and name the operations
+    its metadata points to.
 
-    None when the term is no provider id. The provider being down is said in
-    the note, not raised: the list still shows (nothing).
+    None when the term is no declared system's reference, or its system offers
+    no retrieve. The system being down is said in the note, not raised: the list
+    still shows (nothing).
     """
-    if not PROVIDER_ID.match(term):
+    system = reference_system(term)
+    if system is None or system.describe is None:
         return None
     try:
-        with ProviderClient.from_settings() as client:
-            found: Any = (
-                client.retrieve_refund(term)
-                if term.startswith("re_")
-                else client.retrieve_payment_intent(term)
-            )
-    except ResourceMissing:
-        return ProviderLead(term, None, f"No step has {term}, and the provider does not know it.")
-    except ProviderError as exc:
+        found = system.describe(term)
+    except NotAtSystem:
+        return ProviderLead(term, None, f"No step has {term}, and {system.label} does not know it.")
+    except Exception as exc:  # down, refused, timed out: said in the note
         logger.warning("search: could not retrieve %s: %s", term, type(exc).__name__)
         return ProviderLead(
             term,
             None,
-            f"No step has {term}; the provider could not be asked ({type(exc).__name__}).",
+            f"No step has {term}; {system.label} could not be asked ({type(exc).__name__}).",
         )
-    return _lead(
-        term, dict(getattr(found, "metadata", {}) or {}), str(getattr(found, "status", ""))
-    )
+    if found is None:
+        return None
+    return _lead(term, dict(found.metadata), found.status)
 
 
 def _lead(term: str, metadata: dict[str, str], status: str) -> ProviderLead:
