@@ -86,6 +86,9 @@ class ExternalSystem:
     #: NotAtSystem when the system has no such object, anything else when it cannot be
     #: asked. None: the system offers no retrieve.
     describe: Callable[[str], Described | None] | None = field(default=None, compare=False)
+    #: How its pushed events are read (payments.engine.facts.EventSource); None: it
+    #: pushes none the fence reads.
+    events: Any = field(default=None, compare=False)
     _compiled: tuple[re.Pattern[str], ...] = field(
         default=(), init=False, repr=False, compare=False
     )

@@ -36,6 +36,7 @@ from payments.engine.systems import (
 from payments.exceptions import ConfigurationError
 from payments.provider.client import PaymentIntent, ProviderClient
 from payments.provider.errors import ResourceMissing
+from payments.provider.events import ProviderEvents
 
 alerts = logging.getLogger("payments.alerts")
 
@@ -78,6 +79,7 @@ PAYMENT_PROVIDER = declare(
         reference_patterns=(r"(pi|re|ch)_[A-Za-z0-9_]+",),
         object_noun="payment",
         describe=describe,
+        events=ProviderEvents(),
     )
 )
 

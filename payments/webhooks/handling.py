@@ -35,13 +35,13 @@ from rq import Retry
 from inbox.handlers import inbox_guard
 from payments.conf import payments_settings
 from payments.engine import exchanges, fence, recovery
+from payments.engine.facts import SystemUnavailable
 from payments.engine.outcomes import Outcome
 from payments.engine.queues import payments_queue
 from payments.exceptions import ConfigurationError
 from payments.models import ClaimState, Operation, ProviderEvent
-from payments.provider.client import Event, ProviderClient
-from payments.provider.errors import ProviderError
-from payments.webhooks.events import Fact, claim_for, current, facts_of, object_id_of, settled_by
+from payments.provider.client import Event
+from payments.webhooks.events import Fact, claim_for, facts_of, settled_by, source
 
 logger = logging.getLogger("payments.webhooks")
 alerts = logging.getLogger("payments.alerts")
@@ -88,7 +88,7 @@ def store_event(event: Event, *, enqueue: bool = True) -> tuple[ProviderEvent, b
                 "type": event.type,
                 "created": datetime.fromtimestamp(event.created, tz=UTC),
                 "payload": dict(event.raw),
-                "object_id": object_id_of(event)[:255],
+                "object_id": str(event.object.get("id") or "")[:255],
             },
         )
         if enqueue and row.handled_at is None:
@@ -128,11 +128,11 @@ def seconds_until_free(event_id: str) -> float | None:
     A worker SIGKILLed in its call leaves its claim leased: the event can
     settle it as soon as the lease runs out, so its job comes back then.
     """
-    row = ProviderEvent.objects.filter(pk=event_id).only("payload").first()
+    row = ProviderEvent.objects.filter(pk=event_id).only("type", "payload").first()
     if row is None:
         return None
     try:
-        facts = facts_of(Event.from_json(row.payload))
+        facts = facts_of(row.type, row.payload)
     except ValueError:
         return None
     now = fence.db_now()
@@ -164,18 +164,18 @@ def handle_event(event_id: str, *, actor: str) -> str:
     "reversed" (a done step the provider took back), "unknown_object" (the provider has
     no object by the event's id: nothing moves).
     """
-    stored = ProviderEvent.objects.filter(pk=event_id).only("payload", "handled_at").first()
+    stored = ProviderEvent.objects.filter(pk=event_id).only("type", "payload", "handled_at").first()
     if stored is None:
         logger.error("provider event %s is not stored; nothing to handle", event_id)
         return "missing"
     try:
         # Retrieved before the transaction opens: none is held across an HTTP call.
         facts = None if stored.handled_at is not None else _current_facts(stored)
-    except ProviderError as exc:  # the provider cannot say now: nothing moves, try again
+    except SystemUnavailable as exc:  # the system cannot say now: nothing moves, try again
         logger.warning(
             "provider event %s: its object could not be retrieved (%s); trying again later",
             event_id,
-            type(exc).__name__,
+            str(exc).partition(":")[0],
         )
         ProviderEvent.objects.filter(pk=event_id, handled_at__isnull=True).update(outcome="busy")
         return "busy"
@@ -203,16 +203,16 @@ def handle_event(event_id: str, *, actor: str) -> str:
 
 
 def _current_facts(row: ProviderEvent) -> list[Fact] | None:
-    """The event's facts as the provider shows them now (None: the event is malformed)."""
+    """The event's facts as the system shows them now (None: the event is malformed)."""
     try:
-        facts = facts_of(Event.from_json(row.payload))
+        facts = facts_of(row.type, row.payload)
     except ValueError as exc:  # the endpoint checked it; a listed one may still be odd
         logger.warning("provider event %s is malformed (%s); ignored", row.id, exc)
         return None
     if not facts:
         return []
-    client = ProviderClient.from_settings()
-    return [current(fact, client) for fact in facts]
+    events = source()
+    return [events.current(fact) for fact in facts]
 
 
 def _apply(
@@ -258,7 +258,7 @@ def _settle(fact: Fact, event_id: str, actor: str) -> tuple[str, Operation | Non
                 fact.amount,
                 fact.currency,
                 fact.metadata.get("step", "-"),
-                "charge" if fact.object_type == "payment_intent" else "refund",
+                fact.noun or fact.object_type,
             )
             return "unfenced", None
         logger.info(

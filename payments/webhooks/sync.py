@@ -55,7 +55,7 @@ def sync_events(
             report.not_handled_types += 1
             continue
         try:
-            facts_of(event)
+            facts_of(event.type, event.raw)
         except ValueError as exc:
             logger.warning("listed provider event %s is malformed (%s); skipped", event.id, exc)
             report.outcomes["malformed"] += 1

@@ -28,8 +28,8 @@ from django.views.decorators.csrf import csrf_exempt
 from django.views.decorators.http import require_POST
 
 from payments.conf import payments_settings
+from payments.provider import signature
 from payments.provider.client import Event
-from payments.webhooks import signature
 from payments.webhooks.events import facts_of, handled_types
 from payments.webhooks.handling import store_event
 
@@ -62,7 +62,7 @@ def provider_webhook(request: HttpRequest) -> HttpResponse:
     try:
         event = Event.from_json(json.loads(body))
         if event.type in handled_types():
-            facts_of(event)  # a handled type must carry an object we can read
+            facts_of(event.type, event.raw)  # a handled type must carry an object we can read
     except (ValueError, RecursionError) as exc:  # JSON, UTF-8 and shape errors alike
         return _refused(request, f"not an event: {type(exc).__name__}: {_short(exc)}")
     if event.type not in handled_types():
