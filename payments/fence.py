@@ -15,7 +15,8 @@
 - `Run`: what a handler gets: `external`, `local`, `side_effect`, `result`,
   `entity`, `params`, `operation`.
 - `ProviderEffect`: the base class of an external step (payments.provider.effect);
-  `PaymentIntentEffect` adds the retrieve and the created-window list of intents.
+  each system's package adds its reads (the provider's `PaymentIntentEffect`, in
+  payments.provider.effect, the retrieve and the created-window list of intents).
 - `Desk`: what the operators' desk asks of the handler (lock, describe, new attempt).
 - `start_operation`: answer an API request that starts an operation (202, replays).
 - `create_operation_in_tx`: write an operation in the caller's transaction and
@@ -51,7 +52,7 @@ from payments.engine.handlers import message_handler as message
 from payments.engine.systems import ExternalSystem, Read
 from payments.engine.systems import declare as declare_system
 from payments.models import KeyScope
-from payments.provider.effect import PaymentIntentEffect, ProviderEffect
+from payments.provider.effect import ProviderEffect
 
 __all__ = [
     "ClaimView",
@@ -59,7 +60,6 @@ __all__ = [
     "DeliveryPolicy",
     "EffectResult",
     "ExternalSystem",
-    "PaymentIntentEffect",
     "ProviderEffect",
     "Read",
     "Run",
@@ -146,10 +146,10 @@ def create_follow_ups_in_tx(
 
 def money_steps() -> list[tuple[str, str]]:
     """Every (kind, step) whose effect takes the customer's money (`AUDITED` is
-    "payment_intent": a checkout's charge, a capture), whatever package declares it."""
+    "payment": a checkout's charge, a capture), whatever package declares it."""
     return sorted(
         (kind, step)
         for kind, spec in registered_handlers().items()
         for step, effect in spec.effects.items()
-        if getattr(effect, "AUDITED", "") == "payment_intent"
+        if getattr(effect, "AUDITED", "") == "payment"
     )

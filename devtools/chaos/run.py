@@ -56,6 +56,7 @@ from payments.models import (
 )
 from payments.observability.audit import AuditResult, audit, audit_refunds
 from payments.provider.client import PaymentIntent, ProviderClient
+from payments.provider.ledger import intent_entry, refund_entry
 from payments.refunds.names import REFUND, REFUND_STEP
 
 SETTLED = frozenset({OperationState.SUCCEEDED, OperationState.FAILED, OperationState.NEEDS_REVIEW})
@@ -631,7 +632,7 @@ def _measure(result: ChaosResult, provider_url: str) -> dict[str, object]:
         pi for pi in client.list_payment_intents() if pi.metadata.get("operation_key") in wanted
     ]
     charged_orders = {int(pi.metadata["order_id"]) for pi in intents if pi.status == "succeeded"}
-    found = audit(intents, Q(operation__key__in=keys))
+    found = audit([intent_entry(pi) for pi in intents], Q(operation__key__in=keys))
     # Paid, whether refunded since or not: a refund does not undo the charge's invoice.
     paid = Order.objects.filter(pk__in=order_ids, status__in=CHARGED)
     invoices = dict(
@@ -751,7 +752,9 @@ def _measure_refunds(
     # What each charge took: a capture may take part of what it held.
     charged = {pi.id: pi.amount_received or pi.amount for pi in intents if pi.status == "succeeded"}
     # Every refund of every charge of the run, whoever made it.
-    refunds_by_intent = {pi: list(client.list_refunds(payment_intent=pi)) for pi in charged}
+    refunds_by_intent = {
+        pi: [refund_entry(r) for r in client.list_refunds(payment_intent=pi)] for pi in charged
+    }
     refund_claims = Q(operation__kind=REFUND, operation__entity_id__in=[str(i) for i in order_ids])
     # The fence_audit's own judgement: double refunds per step, refunds without a claim.
     found = audit_refunds(refunds_by_intent, charged, refund_claims)
@@ -761,7 +764,7 @@ def _measure_refunds(
     for intent, refunds in refunds_by_intent.items():
         order_id = order_of_intent[intent]
         for refund in refunds:
-            if refund.status == "succeeded":
+            if refund.succeeded:
                 refunded_at_provider[order_id] = (
                     refunded_at_provider.get(order_id, 0) + refund.amount
                 )

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from payments.fence import ClaimView, EffectResult, PaymentIntentEffect, ProviderEffect
+from payments.fence import ClaimView, EffectResult, ProviderEffect
 from payments.provider.client import PaymentIntent
+from payments.provider.effect import PaymentIntentEffect
 from payments.provider.errors import (
     PAYMENT_INTENT_UNEXPECTED_STATE,
     CardDeclined,
@@ -124,7 +125,7 @@ class Capture(_OnTheIntent):
     VOIDS = "is cancelled there unless captured, which releases the hold"
     void = release_hold_of
     #: The audit counts a done capture as its intent's success (its reference is the charge).
-    AUDITED = "payment_intent"
+    AUDITED = "payment"
     AUDIT_ID = "payment_intent"
     HOLD = CAPTURES_HOLD
     EVENTS = frozenset({"payment_intent.succeeded", "payment_intent.canceled"})

@@ -22,9 +22,10 @@ import logging
 from typing import Any
 
 from payments.checkout.names import CHARGE, CHECKOUT
-from payments.fence import ClaimView, EffectResult, PaymentIntentEffect
+from payments.fence import ClaimView, EffectResult
 from payments.models import Operation, StepClaim
 from payments.provider.client import PaymentIntent
+from payments.provider.effect import PaymentIntentEffect
 from payments.provider.errors import (
     PAYMENT_INTENT_UNEXPECTED_STATE,
     CardDeclined,
@@ -69,7 +70,7 @@ class PaymentIntentCharge(PaymentIntentEffect):
     """Charge an operation's amount with its payment method, once, on the order's intent."""
 
     #: The audit counts a done charge as a succeeded intent, by its reference.
-    AUDITED = "payment_intent"
+    AUDITED = "payment"
     MAY_HAVE_HAPPENED = "The customer may already have been charged."
     VOIDS = "is cancelled there, so that it can never be charged"
     EVENTS = frozenset(

@@ -96,6 +96,17 @@ def refund_kinds() -> list[str]:
     )
 
 
+def refunded_payment(operation: Operation) -> str:
+    """The payment a refund operation gives money back from: the parameter its refund
+    effect names (`AUDIT_PARENT`), or "" when none does."""
+    spec = registered_handlers().get(operation.kind)
+    for effect in spec.effects.values() if spec is not None else ():
+        item = str(getattr(effect, "AUDIT_PARENT", "") or "")
+        if item:
+            return str(operation.params.get(item) or "")
+    return ""
+
+
 def refunds_asked(entity_type: str, entity_id: int) -> list[AskedRefund]:
     """Every refund operation of the entity, in every state, newest first."""
     ops = Operation.objects.filter(

@@ -46,6 +46,32 @@ class Described:
 
     metadata: Mapping[str, str]
     status: str
+    amount: int | None = None
+    currency: str = ""
+
+
+@dataclass(frozen=True)
+class LedgerEntry:
+    """One object a system's consistent list shows, as the fence audit reads it."""
+
+    id: str
+    #: Whether it moved what it was made for (taken, refunded): the audit counts these.
+    succeeded: bool
+    metadata: Mapping[str, str]
+    #: What it moved, in minor units (a payment: what was received, else what was asked).
+    amount: int
+    #: When the system made it (Unix seconds, its clock).
+    created: int
+    #: The object it belongs to (a refund's payment); "" for a payment.
+    parent: str = ""
+
+
+@dataclass(frozen=True)
+class Ledger:
+    """A system's payments and refunds made in a window, from its consistent lists."""
+
+    payments: list[LedgerEntry]
+    refunds: list[LedgerEntry]
 
 
 class Read(StrEnum):
@@ -89,6 +115,9 @@ class ExternalSystem:
     #: How its pushed events are read (payments.engine.facts.EventSource); None: it
     #: pushes none the fence reads.
     events: Any = field(default=None, compare=False)
+    #: Its payments and refunds created in a window of Unix seconds [from, to], for the
+    #: fence audit (a Ledger); None: it offers no such list (the audit says so).
+    ledger: Callable[[int, int], Ledger] | None = field(default=None, compare=False)
     _compiled: tuple[re.Pattern[str], ...] = field(
         default=(), init=False, repr=False, compare=False
     )

@@ -1,4 +1,4 @@
-"""The invariant we measure, against the provider's own list of payment intents.
+"""The invariant we measure, against a system's own list of payments and refunds.
 
 Per business entity (an order): provider-side successes <= 1, whatever
 operation or attempt made them; per (operation, step) likewise; and every
@@ -18,8 +18,8 @@ from django.utils import timezone
 
 from payments.conf import payments_settings
 from payments.engine.handlers import registered_handlers
+from payments.engine.systems import LedgerEntry
 from payments.models import ClaimState, Operation, StepClaim
-from payments.provider.client import PaymentIntent, Refund
 
 
 @dataclass
@@ -87,13 +87,13 @@ class AuditResult:
 
 
 def audit(
-    intents: Iterable[PaymentIntent],
+    payments: Iterable[LedgerEntry],
     claims: Q | None = None,
     *,
     stale_claims: Q | None = None,
     now: datetime | None = None,
 ) -> AuditResult:
-    """Compare the provider's intents with the `done` claims.
+    """Compare a system's payments (its ledger's) with the `done` claims.
 
     `claims` limits which claims are judged against the provider's list (a
     `done` claim outside the listed window would look unknown); a provider
@@ -106,21 +106,21 @@ def audit(
     by_step: dict[tuple[str, str], list[str]] = defaultdict(list)
     succeeded: set[str] = set()
     metadata_of: dict[str, dict[str, str]] = {}
-    for intent in intents:
-        if intent.status != "succeeded":
+    for payment in payments:
+        if not payment.succeeded:
             continue
         result.provider_successes += 1
-        succeeded.add(intent.id)
-        metadata_of[intent.id] = dict(intent.metadata)
-        key = (intent.metadata.get("operation_key", ""), intent.metadata.get("step", ""))
-        result.steps[intent.id] = "/".join(key) if key[0] else "(no operation_key)"
-        if key[0]:  # an intent made outside the fence is unfenced, not a double charge
-            by_step[key].append(intent.id)
+        succeeded.add(payment.id)
+        metadata_of[payment.id] = dict(payment.metadata)
+        key = (payment.metadata.get("operation_key", ""), payment.metadata.get("step", ""))
+        result.steps[payment.id] = "/".join(key) if key[0] else "(no operation_key)"
+        if key[0]:  # a payment made outside the fence is unfenced, not a double charge
+            by_step[key].append(payment.id)
     result.double_charges = {k: sorted(refs) for k, refs in by_step.items() if len(refs) > 1}
     result.double_charged_entities = _double_charged_entities(metadata_of)
 
     fenced: set[str] = set()
-    for steps, names in audited_steps(PAYMENT_INTENT).items():
+    for steps, names in audited_steps(PAYMENT).items():
         done = StepClaim.objects.filter(steps, state=ClaimState.DONE)
         known = done.filter(**{f"{_lookup(names)}__in": list(succeeded)})
         fenced.update(str(ref) for ref in known.values_list(_lookup(names), flat=True))
@@ -128,7 +128,7 @@ def audit(
 
     result.done_claims = 0
     unknown = []
-    for steps, names in audited_steps(PAYMENT_INTENT).items():
+    for steps, names in audited_steps(PAYMENT).items():
         scoped = StepClaim.objects.filter(steps, claims or Q(), state=ClaimState.DONE)
         for step, op_key, ref in scoped.values_list("step", "operation__key", _lookup(names)):
             result.done_claims += 1
@@ -152,16 +152,17 @@ def audit(
     return result
 
 
-#: The object types the audit lists at the provider (ProviderEffect.AUDITED).
-PAYMENT_INTENT = "payment_intent"
+#: What a done step counts as in the audit (ProviderEffect.AUDITED): money taken (one
+#: success per order), or money given back.
+PAYMENT = "payment"
 REFUND = "refund"
 
 
 def audited_steps(object_type: str) -> dict[Q, str]:
     """Which done claims count as a provider success of `object_type`, by the handlers' own
     effects (`AUDITED`): {Q(kind, step): the result key naming the object}. A hold or a
-    release (AUDITED = "") moves no money and is not judged; a capture's success is its
-    intent's (`AUDIT_ID = "payment_intent"`), not the charge it made."""
+    release (AUDITED = "") moves no money and is not judged; a capture's success is the
+    payment's it captured (its AUDIT_ID names it in the result), not an object of its own."""
     found: dict[tuple[str, str], list[tuple[str, str]]] = defaultdict(list)
     for kind, spec in sorted(registered_handlers().items()):
         for step, effect in sorted(spec.effects.items()):
@@ -193,7 +194,7 @@ def _double_charged_entities(
     """
     entity_of: dict[str, tuple[str, str]] = {}
     operation_of: dict[str, str] = {}
-    for steps, key in audited_steps(PAYMENT_INTENT).items():
+    for steps, key in audited_steps(PAYMENT).items():
         claims = StepClaim.objects.filter(steps, **{f"{_lookup(key)}__in": list(metadata_of)})
         for ref, op_key, entity_type, entity_id in claims.values_list(
             _lookup(key), "operation__key", "operation__entity_type", "operation__entity_id"
@@ -232,7 +233,7 @@ class RefundAuditResult:
     done_claims: int = 0
     #: "operation_key/step" -> references of more than one succeeded refund: double refunds.
     double_refunds: dict[str, list[str]] = field(default_factory=dict)
-    #: payment intent -> {"charged": n, "refunded": m} where refunds exceed the charge.
+    #: payment -> {"charged": n, "refunded": m} where refunds exceed the charge.
     over_refunds: dict[str, dict[str, int]] = field(default_factory=dict)
     #: succeeded refunds no `done` claim carries: refunded outside the fence.
     unfenced: list[str] = field(default_factory=list)
@@ -263,8 +264,7 @@ class RefundAuditResult:
                 for step, refs in sorted(self.double_refunds.items())
             ],
             "over_refunds": [
-                {"payment_intent": pi, **amounts}
-                for pi, amounts in sorted(self.over_refunds.items())
+                {"payment": paid, **amounts} for paid, amounts in sorted(self.over_refunds.items())
             ],
             "unfenced": self.unfenced,
             "unknown_references": self.unknown_references,
@@ -272,27 +272,27 @@ class RefundAuditResult:
 
 
 def audit_refunds(
-    refunds_by_intent: dict[str, list[Refund]],
+    refunds_by_payment: dict[str, list[LedgerEntry]],
     charged: dict[str, int],
     claims: Q | None = None,
     *,
     judge_all: bool = False,
 ) -> RefundAuditResult:
-    """Compare the provider's refunds of the listed intents with the `done` refund claims.
+    """Compare a system's refunds of the listed payments with the `done` refund claims.
 
-    `charged` maps each intent to its amount: the refunds of one intent never
+    `charged` maps each payment to its amount: the refunds of one payment never
     add up to more. `claims` limits which done claims are judged (the window).
     `judge_all`: the refunds listed are every refund of the claims' window (a
     listing by `created`), so every done claim of the window is judged, not
-    only those of an intent whose refunds were listed.
+    only those of a payment whose refunds were listed.
     """
     result = RefundAuditResult()
     by_step: dict[str, list[str]] = defaultdict(list)
     succeeded: set[str] = set()
-    for intent, refunds in refunds_by_intent.items():
+    for paid, refunds in refunds_by_payment.items():
         refunded = 0
         for refund in refunds:
-            if refund.status != "succeeded":
+            if not refund.succeeded:
                 continue
             result.provider_refunds += 1
             succeeded.add(refund.id)
@@ -300,10 +300,11 @@ def audit_refunds(
             key, step = refund.metadata.get("operation_key"), refund.metadata.get("step")
             if key and step:
                 by_step[f"{key}/{step}"].append(refund.id)
-        if refunded > charged.get(intent, refunded):
-            result.over_refunds[intent] = {"charged": charged[intent], "refunded": refunded}
+        if refunded > charged.get(paid, refunded):
+            result.over_refunds[paid] = {"charged": charged[paid], "refunded": refunded}
     result.double_refunds = {s: sorted(refs) for s, refs in by_step.items() if len(refs) > 1}
     refund_steps = Q(pk__in=[])
+    parents: dict[str, str] = {}
     for steps in audited_steps(REFUND):
         refund_steps |= steps
     done = StepClaim.objects.filter(refund_steps, state=ClaimState.DONE)
@@ -313,16 +314,27 @@ def audit_refunds(
     result.unfenced = sorted(succeeded - fenced)
     scoped = list(done.filter(claims or Q()).values_list("provider_reference", flat=True))
     result.done_claims = len(scoped)
-    listed = set(refunds_by_intent)
-    intents_of = dict(
-        done.filter(provider_reference__in=scoped).values_list(
-            "provider_reference", "request__payment_intent"
+    listed = set(refunds_by_payment)
+    for kind, step, item in refund_parents():
+        parents.update(
+            done.filter(operation__kind=kind, step=step, provider_reference__in=scoped).values_list(
+                "provider_reference", f"request__{item}"
+            )
         )
-    )
-    # Only a refund of a listed intent can be judged unknown: the others were not asked for.
+    # Only a refund of a listed payment can be judged unknown: the others were not asked for.
     result.unknown_references = sorted(
-        ref
-        for ref in scoped
-        if ref not in succeeded and (judge_all or intents_of.get(ref) in listed)
+        ref for ref in scoped if ref not in succeeded and (judge_all or parents.get(ref) in listed)
     )
     return result
+
+
+def refund_parents() -> list[tuple[str, str, str]]:
+    """(kind, step, request item) of each refund step: the item of its stored request that
+    names the payment it refunds (its effect's AUDIT_PARENT)."""
+    found = []
+    for kind, spec in sorted(registered_handlers().items()):
+        for step, effect in sorted(spec.effects.items()):
+            item = getattr(effect, "AUDIT_PARENT", "")
+            if getattr(effect, "AUDITED", "") == REFUND and item:
+                found.append((kind, step, item))
+    return found

@@ -1,7 +1,7 @@
 """`fence_audit` over a window of any length in the memory of one day.
 
-The window is audited one day at a time: that day's intents and refunds are
-listed at the provider (one listing each, by `created`), that day's claims
+The window is audited one day at a time: that day's payments and refunds are
+listed at the system (its declared `ledger`: one listing each, by `created`), that day's claims
 read through the primary key (a range of ids found by bisection: a claim's
 id grows with its `claimed_at`), judged by `audit` and `audit_refunds`, and
 only totals and the first findings are kept. After each day the checkpoint
@@ -10,8 +10,8 @@ next `--since last` where it stopped.
 
 What a day cannot see: two successes for one order on different days (each
 day's is fenced by its own claim: the per-step check still finds a second
-success for one step, as its claim carries the other reference), and an
-intent's refunds spread over several days (each day's are judged against
+success for one step, as its claim carries the other reference), and a
+payment's refunds spread over several days (each day's are judged against
 the whole charge).
 """
 
@@ -25,11 +25,11 @@ from typing import Any
 from django.db.models import Q
 
 from payments.engine.history import first_id_from
+from payments.engine.systems import Ledger, LedgerEntry
 from payments.models import StepClaim
 from payments.observability.audit import AuditResult, RefundAuditResult, audit, audit_refunds
-from payments.provider.client import PaymentIntent, ProviderClient, Refund
 
-#: Intents and refunds are listed this much beyond each day on both sides: the
+#: Payments and refunds are listed this much beyond each day on both sides: the
 #: provider's clock and ours differ, and a claim of the day must find its object.
 CLOCK_MARGIN = timedelta(minutes=5)
 DAY = timedelta(days=1)
@@ -179,28 +179,30 @@ class DayAudit:
 
 
 def audit_day(
-    client: ProviderClient, start: datetime, end: datetime, *, first: bool, last: bool
+    ledger: Callable[[int, int], Ledger],
+    start: datetime,
+    end: datetime,
+    *,
+    first: bool,
+    last: bool,
 ) -> DayAudit:
-    """Audit the claims of [start, end) against the provider's objects of that day."""
+    """Audit the claims of [start, end) against a system's objects of that day (`ledger`:
+    its declaration's)."""
     listed_from = int((start - CLOCK_MARGIN).timestamp())
     listed_to = int((end + CLOCK_MARGIN).timestamp())
-    intents: list[PaymentIntent] = list(
-        client.list_payment_intents(created_gte=listed_from, created_lte=listed_to)
-    )
-    refunds: list[Refund] = list(
-        client.list_refunds(created_gte=listed_from, created_lte=listed_to)
-    )
+    listed = ledger(listed_from, listed_to)
+    payments, refunds = listed.payments, listed.refunds
     day = claims_of(start, end)
     # Stale uncertain claims are judged once per run (whatever their age), not per day.
-    charges = audit(intents, day, stale_claims=Q(pk__in=[]))
-    charged = {intent.id: intent.amount_received or intent.amount for intent in intents}
-    refunds_of: dict[str, list[Refund]] = {}
+    charges = audit(payments, day, stale_claims=Q(pk__in=[]))
+    charged = {payment.id: payment.amount for payment in payments}
+    refunds_of: dict[str, list[LedgerEntry]] = {}
     for refund in refunds:
-        refunds_of.setdefault(refund.payment_intent, []).append(refund)
+        refunds_of.setdefault(refund.parent, []).append(refund)
     judged = audit_refunds(refunds_of, charged, day, judge_all=True)
     own_from = listed_from if first else int(start.timestamp())
     own_to = listed_to + 1 if last else int(end.timestamp())
-    created = {intent.id: intent.created for intent in intents}
+    created = {payment.id: payment.created for payment in payments}
 
     def owned(reference: str) -> bool:
         when = created.get(reference)
@@ -210,7 +212,7 @@ def audit_day(
         charges=charges,
         refunds=judged,
         owned=owned,
-        provider_successes=sum(1 for i in intents if i.status == "succeeded" and owned(i.id)),
-        intents_listed=len(intents),
+        provider_successes=sum(1 for p in payments if p.succeeded and owned(p.id)),
+        intents_listed=len(payments),
         refunds_listed=len(refunds),
     )

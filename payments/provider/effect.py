@@ -37,6 +37,7 @@ from payments.exceptions import ConfigurationError
 from payments.provider.client import PaymentIntent, ProviderClient
 from payments.provider.errors import ResourceMissing
 from payments.provider.events import ProviderEvents
+from payments.provider.ledger import ledger
 
 alerts = logging.getLogger("payments.alerts")
 
@@ -62,7 +63,12 @@ def describe(reference: str) -> Described | None:
     except ResourceMissing as exc:
         raise NotAtSystem(reference) from exc
     metadata = dict(getattr(found, "metadata", {}) or {})
-    return Described({str(k): str(v) for k, v in metadata.items()}, str(found.status))
+    return Described(
+        {str(k): str(v) for k, v in metadata.items()},
+        str(found.status),
+        amount=found.amount,
+        currency=str(found.currency),
+    )
 
 
 #: The payment provider of the PROVIDER_* settings, as the fence must know it: a
@@ -80,6 +86,7 @@ PAYMENT_PROVIDER = declare(
         object_noun="payment",
         describe=describe,
         events=ProviderEvents(),
+        ledger=ledger,
     )
 )
 
@@ -123,11 +130,13 @@ class ProviderEffect:
     EVENTS: frozenset[str] = frozenset()
     #: The request key naming the existing object the call acts on ("" : it creates one).
     TARGET = ""
-    #: What fence_audit counts a done step as: "payment_intent" (money taken: one success
-    #: per order), "refund", or "" (moves no money: a hold, a release); AUDIT_ID is the
-    #: result's key naming that object.
+    #: What fence_audit counts a done step as: "payment" (money taken: one success per
+    #: order), "refund", or "" (moves no money: a hold, a release); AUDIT_ID is the
+    #: result's key naming that object; AUDIT_PARENT (a refund) the request item naming
+    #: the payment it gives money back from.
     AUDITED = ""
     AUDIT_ID = "reference"
+    AUDIT_PARENT = ""
 
     def __init__(self, run: Any, step: str, client: ProviderClient | None = None) -> None:
         self.run = run

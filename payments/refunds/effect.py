@@ -24,6 +24,7 @@ class RefundEffect(ProviderEffect):
     """Refund an operation's amount of its order's payment intent, once."""
 
     AUDITED = "refund"  # the refund audit lists it by its reference
+    AUDIT_PARENT = "payment_intent"  # the request item naming the payment it refunds
     MAY_HAVE_HAPPENED = "The customer may already have been refunded."
     VOIDS = ""  # a refund cannot be called back
     EVENTS = frozenset({"refund.created", "refund.updated", "refund.failed", "charge.refunded"})

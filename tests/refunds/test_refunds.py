@@ -242,9 +242,14 @@ def test_fence_audit__finds_a_double_refund_and_a_refund_outside_the_fence(provi
 def test_refund_audit__refunds_above_the_charge_are_an_over_refund():
     from payments.observability.audit import audit_refunds
     from payments.provider.client import Refund
+    from payments.provider.ledger import refund_entry
 
     refunds = [
-        Refund(id=f"re_{i}", amount=600, currency="eur", payment_intent="pi_1", status="succeeded")
+        refund_entry(
+            Refund(
+                id=f"re_{i}", amount=600, currency="eur", payment_intent="pi_1", status="succeeded"
+            )
+        )
         for i in range(2)
     ]
     result = audit_refunds({"pi_1": refunds}, {"pi_1": 1000})

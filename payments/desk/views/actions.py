@@ -264,8 +264,10 @@ def _mark_failed_plan(op: Operation, step: str) -> dict[str, Any]:
     request = claim.request or {}
     effect = get_handler(op.kind).effects.get(step)
     voids = str(getattr(effect, "VOIDS", ""))
-    # The provider's object the step works on, voided first (an intent is cancelled).
-    target = claim.provider_reference or str(request.get("payment_intent") or "")
+    # The object the step works on (its effect's TARGET), voided first (an intent is
+    # cancelled).
+    item = str(getattr(effect, "TARGET", "") or "")
+    target = claim.provider_reference or (str(request.get(item) or "") if item else "")
     return {
         # The provider showed it succeeded: the page offers "mark succeeded" with it instead.
         "provider_succeeded": succeeded_at_provider(claim),

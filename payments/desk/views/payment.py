@@ -46,6 +46,7 @@ from payments.desk.display import (
 from payments.desk.views.queries import first_error_of, not_found_kind
 from payments.engine.handlers import get_handler
 from payments.engine.outcomes import Outcome
+from payments.engine.systems import reference_system
 from payments.exceptions import ConfigurationError
 from payments.models import (
     UNSETTLED_CLAIM_STATES,
@@ -58,13 +59,11 @@ from payments.models import (
     StepClaim,
 )
 from payments.money import format_money
-from payments.provider.client import ProviderClient
-from payments.provider.errors import ProviderError
 
 logger = logging.getLogger("payments.admin")
 
 #: What a step's effect counts as at the provider (ProviderEffect.AUDITED).
-CHARGE, REFUND = "payment_intent", "refund"
+CHARGE, REFUND = "payment", "refund"
 #: A charge the provider showed succeeded that no step recorded done yet (its answer was lost).
 AT_PROVIDER = "at the provider, not yet settled"
 #: The states of a charge that took the money: recorded done, a provider success outside the
@@ -158,7 +157,7 @@ _STATES = {*ClaimState.values, *OperationState.values}
 
 def _declared(kind: str, name: str) -> dict[str, str]:
     """Step -> its effect's declaration `name`: AUDITED (what it counts as at the provider:
-    "payment_intent", "refund") or HOLD (what it does to a hold: "hold", "capture", ...)."""
+    "payment", "refund") or HOLD (what it does to a hold: "hold", "capture", ...)."""
     try:
         spec = get_handler(kind)
     except ConfigurationError:
@@ -362,7 +361,7 @@ def _note_duplicate_refunds(charge: Movement, rows: list[Movement]) -> None:
         op = m.operation
         if m.what != "refund" or op is None or not op.params.get("duplicate"):
             continue
-        if str(op.params.get("payment_intent")) != charge.reference:
+        if desk_refund.refunded_payment(op) != charge.reference:
             continue
         if op.state == OperationState.FAILED:
             continue
@@ -380,14 +379,15 @@ def _shown_money(claim: StepClaim, amount: int | None, currency: str) -> tuple[i
 
 
 def _outside_the_fence(reference: str) -> Movement:
-    """A provider success no step recorded: asked at the provider for its amount and state."""
+    """A success no step recorded: asked at its system (its declared `describe`) for its
+    amount and state."""
+    system = reference_system(reference)
     try:
-        with ProviderClient.from_settings() as client:
-            intent = client.retrieve_payment_intent(reference)
-        return Movement(
-            "charge", reference, intent.amount, intent.currency, intent.status, None, ""
-        )
-    except ProviderError as exc:  # the page still shows the reference, and why no amount
+        found = system.describe(reference) if system and system.describe else None
+        if found is None:
+            return Movement("charge", reference, None, "", "not looked up", None, "")
+        return Movement("charge", reference, found.amount, found.currency, found.status, None, "")
+    except Exception as exc:  # the page still shows the reference, and why no amount
         logger.warning("could not look up %s: %s", reference, type(exc).__name__)
         return Movement(
             "charge", reference, None, "", f"not looked up ({type(exc).__name__})", None, ""

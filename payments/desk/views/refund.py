@@ -251,6 +251,6 @@ def _left(order: Any, duplicate: Movement | None, asked: list[desk_refund.AskedR
         int(a.operation.params.get("amount") or 0)
         for a in asked
         if a.operation.state != OperationState.FAILED
-        and a.operation.params.get("payment_intent") == duplicate.reference
+        and desk_refund.refunded_payment(a.operation) == duplicate.reference
     )
     return format_money(max(duplicate.amount - taken, 0), order.currency)

@@ -24,7 +24,9 @@ from django.utils import timezone
 from payments.conf import payments_settings
 from payments.engine import fence
 from payments.engine.effects import EffectResult
+from payments.engine.facts import SystemUnavailable
 from payments.engine.outcomes import Outcome
+from payments.engine.systems import DEFAULT_SYSTEM, system_named
 from payments.models import ClaimState, FenceAuditRun, StepClaim
 from payments.observability.audit import audit
 from payments.observability.audit_window import WindowAudit, audit_day, days
@@ -85,9 +87,11 @@ class Command(BaseCommand):
         checkpoint: datetime | None = None
         spans = list(days(window_start, started))
         try:
+            ledger = system_named(DEFAULT_SYSTEM).ledger
+            assert ledger is not None  # the provider's declaration lists its objects
             with ProviderClient.from_settings() as client:
                 for n, (start, end) in enumerate(spans):
-                    day = audit_day(client, start, end, first=n == 0, last=n == len(spans) - 1)
+                    day = audit_day(ledger, start, end, first=n == 0, last=n == len(spans) - 1)
                     self._note_on_claims(client, day.charges.unfenced)
                     totals.add_day(day)
                     checkpoint = end
@@ -100,8 +104,9 @@ class Command(BaseCommand):
                     # garbage (responses, parsed pages) are held while the next is listed.
                     del day
                     gc.collect()
-        except ProviderError as exc:
-            reason = f"provider could not be read: {type(exc).__name__}"
+        except (ProviderError, SystemUnavailable) as exc:
+            cause = exc.__cause__ if isinstance(exc, SystemUnavailable) else exc
+            reason = f"provider could not be read: {type(cause or exc).__name__}"
             summary = {
                 **totals.as_summary(),
                 "error": reason,
