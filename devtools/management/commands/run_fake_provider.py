@@ -317,6 +317,7 @@ class Command(BaseCommand):
 
 def _refuse_other_contract_options(options: dict[str, Any], rates: dict[str, float]) -> None:
     """Refuse an option of another contract given a value other than its default."""
+    other: dict[str, Any]
     if options["contract"] == "accounting":
         # Its faults are queued or given rates over its control API (/_fake/faults, /config).
         other = {**STRIPE_ONLY, **ADYEN_ONLY, **dict.fromkeys(rates, 0.0), "webhook_url": None}
