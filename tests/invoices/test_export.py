@@ -8,10 +8,12 @@ the commit that marks the order paid.
 
 from __future__ import annotations
 
+import io
 from datetime import timedelta
 
 import pytest
 import requests
+from django.core.management import call_command
 from django.db import transaction
 
 from payments.engine import fence
@@ -179,3 +181,30 @@ def test_past_the_keys_retention__the_engine_never_replays__the_list_decides(
     assert len(accounting.state.invoices(external_id=external_id(export))) == 1
     export.refresh_from_db()
     assert export.state == OperationState.SUCCEEDED
+
+
+def test_wrong_api_key__401__the_export_fails_without_a_retry_or_an_invoice(
+    accounting, queue, settings
+):
+    settings.PAYMENTS = {
+        **settings.PAYMENTS,
+        "SYSTEMS": {ACCOUNTING: entry(accounting, API_KEY="acct_rotated")},
+    }
+
+    _, op = paid(queue, "exp-401")
+
+    export = export_of(op)
+    assert export.state == OperationState.FAILED
+    assert claim_of(export).state == ClaimState.FAILED
+    assert "HTTP 401" in export.last_error
+    assert accounting.state.stats()["create_requests"] == 0  # refused before it ran
+    assert accounting.state.invoices() == []
+
+
+def test_exported_order__the_fence_audit_stays_clean(accounting, queue):
+    paid(queue, "exp-audit")
+    out = io.StringIO()
+
+    call_command("fence_audit", stdout=out)  # exit 1 (CommandError) on any finding
+
+    assert len(accounting.state.invoices()) == 1

@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 from django.urls import reverse
 
+from payments.engine.recovery import reconcile
 from payments.models import OperationState
 from tests.invoices.conftest import export_of
 from tests.support import flows
@@ -56,3 +57,18 @@ def test_export_kind__listed_by_the_kind_filter_and_by_default(accounting, queue
     assert export.key in [op.key for op in default.context["cl"].result_list]
     # The local follow-ups (ledger line, sales counter) stay hidden by default.
     assert {op.kind for op in default.context["cl"].result_list} == {"checkout", "invoice_export"}
+
+
+def test_export_page__its_steps_and_the_invoice_reference(accounting, queue):
+    export = uncertain_export(accounting, queue)
+    reconcile()  # the same-key replay answers the stored 201
+    run_worker(queue)
+    export.refresh_from_db()
+    client = client_for(make_user("vera", *VIEW))
+
+    page = client.get(reverse("admin:payments_operation_change", args=[export.pk]))
+
+    assert page.status_code == 200
+    (invoice,) = accounting.state.invoices()
+    assert invoice["id"] in page.content.decode()
+    assert "invoice of order" in page.content.decode()  # its own words, not a charge
