@@ -208,3 +208,28 @@ def test_exported_order__the_fence_audit_stays_clean(accounting, queue):
     call_command("fence_audit", stdout=out)  # exit 1 (CommandError) on any finding
 
     assert len(accounting.state.invoices()) == 1
+
+
+def test_key_in_flight__409_is_no_failure__settled_once_the_held_request_ends(accounting, queue):
+    # The first request is held at the accounting system past the worker's read timeout;
+    # the same-key replay meets 409 (in flight): nothing executed, nothing decided.
+    accounting.state.enqueue_faults("hold")
+    _, op = paid(queue, "exp-held")
+    export = export_of(op)
+    assert export.state == OperationState.UNCERTAIN
+
+    reconcile()
+
+    assert accounting.state.stats()["in_flight_rejections"] == 1
+    export.refresh_from_db()
+    assert export.state == OperationState.UNCERTAIN  # never failed, never a new key
+    assert accounting.state.invoices() == []
+
+    assert accounting.state.release() == 1  # the held request executes now
+    reconcile(operation_ids=[export.pk])  # looked at now, not at its next look (backed off)
+    run_worker(queue)
+
+    export.refresh_from_db()
+    assert export.state == OperationState.SUCCEEDED
+    (invoice,) = accounting.state.invoices(external_id=external_id(export))
+    assert claim_of(export).provider_reference == invoice["id"]
