@@ -22,7 +22,9 @@ from django.utils.html import format_html, format_html_join
 from payments.conf import payments_settings
 from payments.desk.display import when
 from payments.engine import fence
-from payments.engine.steps import replay_allowed, replay_deadline
+from payments.engine.steps import claim_system, replay_allowed, replay_deadline
+from payments.engine.systems import ExternalSystem, system_of
+from payments.exceptions import ConfigurationError
 from payments.models import (
     INCIDENT_LOOKS,
     UNSETTLED_CLAIM_STATES,
@@ -52,19 +54,30 @@ def _grace() -> timedelta:
     return timedelta(seconds=payments_settings().reconcile_grace)
 
 
+def system_words(claim: StepClaim) -> ExternalSystem:
+    """The declaration of the system the claim's step calls, for its words (the default
+    system's when the operation's kind is no longer registered)."""
+    try:
+        return claim_system(claim)
+    except ConfigurationError:
+        return system_of(None)
+
+
 def seen_words(claim: StepClaim) -> str:
-    """What the provider last showed for the step ("" when it showed nothing yet)."""
+    """What the step's system last showed for it, in the words its declaration gives ("" when
+    it showed nothing yet)."""
     view = claim.provider_view if isinstance(claim.provider_view, dict) else {}
     if not view:
         return ""
     at = when(view.get("checked_at"))
+    system = system_words(claim)
     if view.get("status") == "not_found":
-        return f"the provider's consistent list at {at} shows no object for it"
+        return f"{system.label}'s consistent list at {at} shows no {system.object_noun} for it"
     status = str(view.get("status") or view.get("outcome") or "unknown").replace("_", " ")
     amount = format_money(view.get("amount"), view.get("currency"))
     reference = str(view.get("reference") or "its object")
     money = f", {amount}" if amount != "-" else ""
-    return f"the provider at {at} shows {reference} {status}{money}"
+    return f"{system.label} at {at} shows {reference} {status}{money}"
 
 
 def look_words(look: ClaimLook) -> str:
@@ -134,8 +147,10 @@ def evidence_html(op: Operation) -> str:
     ).select_related("look")
     items = []
     for claim in claims.order_by("claimed_at", "pk"):
+        claim.operation = op  # the page's: its kind names the step's system, no query
         look = look_of(claim)
         seen = seen_words(claim)
+        system = system_words(claim)
         how = (
             look_words(look)
             if look is not None
@@ -146,7 +161,7 @@ def evidence_html(op: Operation) -> str:
                 claim.step,
                 seen[:1].upper() + seen[1:] + "."
                 if seen
-                else "No object seen at the provider yet.",
+                else f"No {system.object_noun} seen at {system.label} yet.",
                 how[:1].upper() + how[1:] + ".",
                 next_step(op, claim, look),
             )

@@ -72,3 +72,21 @@ def test_export_page__its_steps_and_the_invoice_reference(accounting, queue):
     (invoice,) = accounting.state.invoices()
     assert invoice["id"] in page.content.decode()
     assert "invoice of order" in page.content.decode()  # its own words, not a charge
+
+
+def test_export_evidence__in_the_accounting_systems_words(accounting, queue):
+    accounting.state.enqueue_faults("hold")  # the first request held: its key in flight
+    _, op = flows.order_and_checkout(key="desk-held")
+    run_worker(queue)
+    export = export_of(op)
+    client = client_for(make_user("vera", *VIEW))
+    url = reverse("admin:payments_operation_change", args=[export.pk])
+
+    before = client.get(url).content.decode()
+    reconcile()  # a 409 for the replay, and a list that shows no invoice yet
+    after = client.get(url).content.decode()
+    accounting.state.release()
+
+    assert "No invoice seen at the accounting system yet." in before
+    assert "The accounting system&#x27;s consistent list at" in after
+    assert "shows no invoice for it" in after
