@@ -7,6 +7,9 @@ at stake. The desk reads the system's declaration (`moves_money`), never the exp
 
 from __future__ import annotations
 
+import csv
+import io
+
 import pytest
 from django.urls import reverse
 
@@ -57,6 +60,9 @@ def test_export_kind__listed_by_the_kind_filter_and_by_default(accounting, queue
     assert export.key in [op.key for op in default.context["cl"].result_list]
     # The local follow-ups (ledger line, sales counter) stay hidden by default.
     assert {op.kind for op in default.context["cl"].result_list} == {"checkout", "invoice_export"}
+    exported = client.get(f"{CHANGELIST}export.csv", {"kind": "invoice_export"})
+    rows = list(csv.DictReader(io.StringIO(b"".join(exported.streaming_content).decode())))
+    assert [(r["key"], r["follow_up"]) for r in rows] == [(export.key, "")]
 
 
 def test_export_page__its_steps_and_the_invoice_reference(accounting, queue):
