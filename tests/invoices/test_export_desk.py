@@ -78,6 +78,8 @@ def test_export_page__its_steps_and_the_invoice_reference(accounting, queue):
     (invoice,) = accounting.state.invoices()
     assert invoice["id"] in page.content.decode()
     assert "invoice of order" in page.content.decode()  # its own words, not a charge
+    found = client.get(CHANGELIST, {"q": invoice["id"]})
+    assert [op.key for op in found.context["cl"].result_list] == [export.key]
 
 
 def test_export_evidence__in_the_accounting_systems_words(accounting, queue):
