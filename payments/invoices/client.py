@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -32,7 +34,7 @@ import requests
 from payments.conf import payments_settings
 from payments.exceptions import ConfigurationError
 from payments.invoices.names import ACCOUNTING
-from payments.provider.client import new_session
+from payments.provider.client import MAX_IDLE_SECONDS, new_session
 from payments.provider.errors import (
     IdempotencyConflict,
     InvalidRequest,
@@ -49,17 +51,24 @@ INVOICES_PATH = "/v1/invoices"
 KEY_REUSED = "idempotency_key_reused"
 REPLAYED_HEADER = "Idempotent-Replayed"
 
-_sessions: dict[int, requests.Session] = {}
+#: This process's session and when it was last used: (pid, session, monotonic time).
+_session: tuple[int, requests.Session, float] | None = None
+_session_lock = threading.Lock()
 
 
 def _process_session() -> requests.Session:
-    """This process's session (kept-alive connections reused across jobs; a new one after a
-    fork, never the parent's sockets)."""
-    pid = os.getpid()
-    if pid not in _sessions:
-        _sessions.clear()  # the parent's: its sockets are the parent's connections
-        _sessions[pid] = new_session(pool_maxsize=2)
-    return _sessions[pid]
+    """This process's session: kept-alive connections reused across jobs, rebuilt after a
+    fork (never the parent's sockets) and after MAX_IDLE_SECONDS unused, before the server
+    closes its idle connections under a new request (as the provider's client does)."""
+    global _session
+    with _session_lock:
+        now, current = time.monotonic(), _session
+        if current is None or current[0] != os.getpid() or now - current[2] > MAX_IDLE_SECONDS:
+            if current is not None and current[0] == os.getpid():
+                current[1].close()
+            current = (os.getpid(), new_session(pool_maxsize=2), now)
+        _session = (current[0], current[1], now)
+        return current[1]
 
 
 #: Called once per request with what the fence's rows keep of it (method, path, status,
