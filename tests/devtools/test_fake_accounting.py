@@ -5,8 +5,13 @@ Real HTTP against a real server on a free port; the clock is injected to age key
 
 from __future__ import annotations
 
+import signal
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
+from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -231,3 +236,28 @@ def test_command__accounting_refuses_another_contracts_options():
         call_command("run_fake_provider", "--contract", "accounting", "--hmac-key", "00")
     with pytest.raises(CommandError, match="does not apply to --contract accounting"):
         call_command("run_fake_provider", "--contract", "accounting", "--slow-rate", "0.5")
+
+
+def test_command__serves_the_accounting_contract_until_sigterm():
+    process = subprocess.Popen(
+        [sys.executable, "manage.py", "run_fake_provider", "--contract", "accounting",
+         "--port", "0", "--api-key", API_KEY, "--key-retention", "120"],
+        cwd=Path(__file__).resolve().parents[2],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )  # fmt: skip
+    try:
+        assert process.stdout is not None
+        url = process.stdout.readline().split("listening on ", 1)[1].strip()
+        server = SimpleNamespace(url=url)
+        assert requests.get(url + "/_fake/health", timeout=2).json()["contract"] == "accounting"
+        assert create(server).status_code == 201
+        stats = requests.get(url + "/_fake/stats", timeout=2).json()
+        assert (stats["invoices"], stats["config"]["key_retention"]) == (1, 120)
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=5) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
