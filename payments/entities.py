@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Final
 
+from payments.conf import payments_settings
 from payments.fence import create_follow_ups_in_tx
 from payments.models import Operation, Order
 from payments.money import format_money
@@ -17,6 +18,17 @@ from payments.money import format_money
 RECORD_SALE: Final = "record_sale"
 COUNT_SALE: Final = "count_sale"
 FOLLOW_UPS = (RECORD_SALE, COUNT_SALE)
+#: And, where the deployment turns it on, the order's invoice exported to the accounting
+#: system (payments.invoices): PAYMENTS["SYSTEMS"]["accounting"]["OPTIONS"]["EXPORT_PAID_ORDERS"].
+INVOICE_EXPORT: Final = "invoice_export"
+ACCOUNTING: Final = "accounting"
+
+
+def follow_ups() -> tuple[str, ...]:
+    """The follow-up kinds a paid order gets in this deployment."""
+    entry = payments_settings().system(ACCOUNTING)
+    exporting = entry is not None and entry.option("EXPORT_PAID_ORDERS", False) is True
+    return (*FOLLOW_UPS, INVOICE_EXPORT) if exporting else FOLLOW_UPS
 
 
 def write_follow_ups_in_tx(
@@ -36,7 +48,7 @@ def write_follow_ups_in_tx(
         "reference": reference,
     }
     create_follow_ups_in_tx(
-        parent, FOLLOW_UPS, entity_type="order", entity_id=order.pk, params=params, actor=actor
+        parent, follow_ups(), entity_type="order", entity_id=order.pk, params=params, actor=actor
     )
 
 

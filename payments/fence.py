@@ -28,6 +28,8 @@
 - `declare_system`, `ExternalSystem`, `Read`: declare the external system an effect
   calls (its key retention, reads, words, references) and name it in the effect's
   `SYSTEM`; its settings entry is PAYMENTS["SYSTEMS"][name] (payments.conf).
+- `note_request`: what a system's client calls once per request it sends (method, path,
+  status, key): the fence keeps it on the row it writes, for the desk's evidence.
 
 Handlers live in `payments/<package>/handler.py` (a package with an
 `__init__.py`), or in modules that one imports: web and worker processes
@@ -46,6 +48,7 @@ from payments.engine import fence as _fence
 from payments.engine.dispatch import create_and_dispatch_all_in_tx
 from payments.engine.dispatch import create_and_dispatch_in_tx as create_operation_in_tx
 from payments.engine.effects import ClaimView, DeliveryPolicy, EffectResult
+from payments.engine.exchanges import sent as note_request
 from payments.engine.handlers import DeskHooks as Desk
 from payments.engine.handlers import EntityHook, ReversalHook, Run, handler, registered_handlers
 from payments.engine.handlers import message_handler as message
@@ -68,6 +71,7 @@ __all__ = [
     "declare_system",
     "message",
     "money_steps",
+    "note_request",
     "operation",
     "start_operation",
 ]

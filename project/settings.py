@@ -272,6 +272,17 @@ _PAYMENTS_ENV = {
     "PURGE_BATCH_SIZE": ("PAYMENTS_PURGE_BATCH_SIZE", env.int),
 }
 PAYMENTS = {key: read(var) for key, (var, read) in _PAYMENTS_ENV.items() if var in env}
+# The external systems besides the payment provider, one entry each (docs/handlers.md,
+# "Adding an external system"). The accounting system of the invoice export
+# (payments/invoices): paid orders are exported only where ACCOUNTING_EXPORT is on.
+PAYMENTS["SYSTEMS"] = {
+    "accounting": {
+        "URL": env.str("ACCOUNTING_URL", default="http://127.0.0.1:8767"),
+        "API_KEY": env.str("ACCOUNTING_API_KEY", default="acct_test_fake"),
+        "KEY_RETENTION": env.int("ACCOUNTING_KEY_RETENTION", default=24 * 3600),
+        "OPTIONS": {"EXPORT_PAID_ORDERS": env.bool("ACCOUNTING_EXPORT", default=False)},
+    },
+}
 
 # The console backend (DEBUG's default) prints customers' addresses into the logs;
 # without DEBUG it is refused at start-up, and the default is SMTP (EMAIL_HOST...).
@@ -465,6 +476,10 @@ if not DEBUG:
         f"{name} must be set when DEBUG is off (the defaults are the fake provider's)."
         for name in ("PAYMENT_PROVIDER_URL", "PAYMENT_PROVIDER_API_KEY")
         if not env.str(name, default="")
+    ] + [
+        f"{name} must be set when DEBUG is off and ACCOUNTING_EXPORT is on."
+        for name in ("ACCOUNTING_URL", "ACCOUNTING_API_KEY")
+        if env.bool("ACCOUNTING_EXPORT", default=False) and not env.str(name, default="")
     ]
     if API_TOKEN and len(API_TOKEN) < MIN_API_TOKEN_LENGTH:
         _refused.append(

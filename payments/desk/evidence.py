@@ -23,7 +23,7 @@ from payments.conf import payments_settings
 from payments.desk.display import when
 from payments.engine import fence
 from payments.engine.steps import claim_system, replay_allowed, replay_deadline
-from payments.engine.systems import Read
+from payments.engine.systems import ExternalSystem, Read, system_of
 from payments.exceptions import ConfigurationError
 from payments.models import (
     INCIDENT_LOOKS,
@@ -54,36 +54,40 @@ def _grace() -> timedelta:
     return timedelta(seconds=payments_settings().reconcile_grace)
 
 
+def system_words(claim: StepClaim) -> ExternalSystem:
+    """The declaration of the system the claim's step calls, for its words (the default
+    system's when the operation's kind is no longer registered)."""
+    try:
+        return claim_system(claim)
+    except ConfigurationError:
+        return system_of(None)
+
+
 def system_label(claim: StepClaim) -> str:
     """How the desk names the system the claim's step calls ("the provider", "Adyen")."""
-    try:
-        return claim_system(claim).label
-    except ConfigurationError:  # a package removed since: its claims stay readable
-        return f"the {claim.system or 'external'} system"
+    return system_words(claim).label
 
 
 def _reads(claim: StepClaim) -> tuple[Read, ...]:
-    """The reads the claim's system offers (a removed package's: none)."""
-    try:
-        return claim_system(claim).reads
-    except ConfigurationError:
-        return ()
+    """The reads the claim's system offers."""
+    return system_words(claim).reads
 
 
 def seen_words(claim: StepClaim) -> str:
-    """What the system last showed for the step ("" when it showed nothing yet)."""
+    """What the step's system last showed for it, in the words its declaration gives ("" when
+    it showed nothing yet)."""
     view = claim.provider_view if isinstance(claim.provider_view, dict) else {}
     if not view:
         return ""
     at = when(view.get("checked_at"))
-    who = system_label(claim)
+    system = system_words(claim)
     if view.get("status") == "not_found":
-        return f"{who}'s consistent list at {at} shows no object for it"
+        return f"{system.label}'s consistent list at {at} shows no {system.object_noun} for it"
     status = str(view.get("status") or view.get("outcome") or "unknown").replace("_", " ")
     amount = format_money(view.get("amount"), view.get("currency"))
     reference = str(view.get("reference") or "its object")
     money = f", {amount}" if amount != "-" else ""
-    return f"{who} at {at} shows {reference} {status}{money}"
+    return f"{system.label} at {at} shows {reference} {status}{money}"
 
 
 def look_words(look: ClaimLook) -> str:
@@ -165,8 +169,10 @@ def evidence_html(op: Operation) -> str:
     ).select_related("look")
     items = []
     for claim in claims.order_by("claimed_at", "pk"):
+        claim.operation = op  # the page's: its kind names the step's system, no query
         look = look_of(claim)
         seen = seen_words(claim)
+        system = system_words(claim)
         how = (
             look_words(look)
             if look is not None
@@ -177,7 +183,7 @@ def evidence_html(op: Operation) -> str:
                 claim.step,
                 seen[:1].upper() + seen[1:] + "."
                 if seen
-                else f"No object seen at {system_label(claim)} yet.",
+                else f"No {system.object_noun} seen at {system.label} yet.",
                 how[:1].upper() + how[1:] + ".",
                 next_step(op, claim, look),
             )

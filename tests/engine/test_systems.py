@@ -71,7 +71,9 @@ def test_systems_setting__an_entry_read__its_retention_and_options(settings):
 def test_checks__an_entry_for_no_declared_system__and_a_used_system_not_configured(
     settings, monkeypatch
 ):
-    settings.PAYMENTS = {**settings.PAYMENTS, "SYSTEMS": {"nobody": ENTRY}}
+    # The systems the project configures stay (the accounting system's entry); one more.
+    configured = settings.PAYMENTS.get("SYSTEMS", {})
+    settings.PAYMENTS = {**settings.PAYMENTS, "SYSTEMS": {**configured, "nobody": ENTRY}}
     monkeypatch.setattr(PaymentIntentCharge, "SYSTEM", BOOKS.name)
 
     found = [(e.id, e.msg) for e in check_external_systems()]

@@ -2,7 +2,9 @@
 
 `--contract stripe` (the default) serves the Stripe-compatible fake of
 `devtools.fake_provider.server`; `--contract adyen` serves the fake Adyen Checkout API
-of `devtools.fake_provider.adyen` (its contract and sources in that package's docstring).
+of `devtools.fake_provider.adyen` (its contract and sources in that package's docstring);
+`--contract accounting` serves the fake accounting API of the invoice export
+(`devtools.fake_provider.accounting`, its contract in that package's docstring).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from typing import Any
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
+from devtools.fake_provider.accounting.server import FakeAccountingServer
 from devtools.fake_provider.adyen.contract import KEY_RETENTION_MINIMUM
 from devtools.fake_provider.adyen.server import FakeAdyenServer
 from devtools.fake_provider.server import FakeProviderServer
@@ -26,10 +29,10 @@ RATE_OPTIONS = (
     "fail_after_rate",
     "rate_limit_rate",
 )
-CONTRACTS = ("stripe", "adyen")
+CONTRACTS = ("stripe", "adyen", "accounting")
 #: Seconds each contract keeps an idempotency key by default: Stripe's 24 hours,
-#: Adyen's documented minimum of 7 days.
-KEY_RETENTION = {"stripe": 86400.0, "adyen": KEY_RETENTION_MINIMUM}
+#: Adyen's documented minimum of 7 days, the accounting API's 24 hours.
+KEY_RETENTION = {"stripe": 86400.0, "adyen": KEY_RETENTION_MINIMUM, "accounting": 86400.0}
 #: Options that only the Stripe fake has, with their defaults (refused with adyen).
 STRIPE_ONLY = {
     "tls": False,
@@ -49,7 +52,8 @@ class Command(BaseCommand):
         "Serve a fake payment provider (its own in-memory state) with optional seeded fault "
         "injection: the Stripe-compatible one (--contract stripe, the default; see "
         "devtools.fake_provider.server) or Adyen's Checkout API (--contract adyen; see "
-        "devtools.fake_provider.adyen). Control it over /_fake/."
+        "devtools.fake_provider.adyen), or the accounting API of the invoice export "
+        "(--contract accounting; see devtools.fake_provider.accounting). Control it over /_fake/."
     )
     # The fake shares nothing with the app; it must start even when the app's
     # own configuration checks fail (it is what those checks talk to).
@@ -146,7 +150,7 @@ class Command(BaseCommand):
             "--api-key",
             default=None,
             help="The only API key to accept (default: any key starting with sk_ with "
-            "stripe, any X-API-Key with adyen).",
+            "stripe, any X-API-Key with adyen, any Bearer key with accounting).",
         )
         parser.add_argument(
             "--hmac-key",
@@ -181,7 +185,10 @@ class Command(BaseCommand):
         for name in ("slow_delay", "latency", "search_lag", "key_retention"):
             if options[name] < 0:
                 raise CommandError(f"--{name.replace('_', '-')} must not be negative.")
-        _refuse_other_contract_options(options)
+        _refuse_other_contract_options(options, rates)
+        if options["contract"] == "accounting":
+            self._serve(self._accounting(options), options)
+            return
         if options["contract"] == "adyen":
             self._serve(self._adyen(options, rates), options)
             return
@@ -254,7 +261,28 @@ class Command(BaseCommand):
         except OSError as exc:
             raise CommandError(f"Cannot bind {options['host']}:{options['port']}: {exc}") from exc
 
-    def _serve(self, server: FakeProviderServer | FakeAdyenServer, options: dict[str, Any]) -> None:
+    def _accounting(self, options: dict[str, Any]) -> FakeAccountingServer:
+        """Build the fake accounting API from the options (its faults: the control API)."""
+        try:
+            return FakeAccountingServer(
+                options["host"],
+                options["port"],
+                api_key=options["api_key"],
+                seed=options["seed"],
+                slow_delay=options["slow_delay"],
+                latency=options["latency"],
+                key_retention=options["key_retention"],
+            )
+        except ValueError as exc:
+            raise CommandError(str(exc)) from exc
+        except OSError as exc:
+            raise CommandError(f"Cannot bind {options['host']}:{options['port']}: {exc}") from exc
+
+    def _serve(
+        self,
+        server: FakeProviderServer | FakeAdyenServer | FakeAccountingServer,
+        options: dict[str, Any],
+    ) -> None:
         """Serve until SIGINT or SIGTERM, then stop the server."""
         stop = threading.Event()
         # Set an event from the handlers; the main thread does the shutdown, so
@@ -264,7 +292,9 @@ class Command(BaseCommand):
             for sig in (signal.SIGINT, signal.SIGTERM)
         }
         server.start()
-        if isinstance(server, FakeAdyenServer):
+        if isinstance(server, FakeAccountingServer):
+            self.stdout.write(f"Fake accounting API listening on {server.url}")
+        elif isinstance(server, FakeAdyenServer):
             self.stdout.write(f"Fake Adyen Checkout API listening on {server.url}")
             self.stdout.write(f"Checkout base URL (the library's baseUrl): {server.checkout_url}")
             if server.notifications is not None:
@@ -285,9 +315,14 @@ class Command(BaseCommand):
                 self.stdout.write(f"Stopped; stats: {server.state.stats()}")
 
 
-def _refuse_other_contract_options(options: dict[str, Any]) -> None:
-    """Refuse an option of the other contract given a value other than its default."""
-    other = STRIPE_ONLY if options["contract"] == "adyen" else ADYEN_ONLY
+def _refuse_other_contract_options(options: dict[str, Any], rates: dict[str, float]) -> None:
+    """Refuse an option of another contract given a value other than its default."""
+    other: dict[str, Any]
+    if options["contract"] == "accounting":
+        # Its faults are queued or given rates over its control API (/_fake/faults, /config).
+        other = {**STRIPE_ONLY, **ADYEN_ONLY, **dict.fromkeys(rates, 0.0), "webhook_url": None}
+    else:
+        other = STRIPE_ONLY if options["contract"] == "adyen" else ADYEN_ONLY
     for name, default in other.items():
         if options[name] != default:
             raise CommandError(

@@ -15,7 +15,12 @@ from django.utils import timezone
 
 from payments.desk.display import AGED_STATES, is_stale, when
 from payments.desk.views.base import VIEW_PERMISSION, DeskBase
-from payments.desk.views.queries import attempts_of, follow_up_kinds, lookups_of
+from payments.desk.views.queries import (
+    attempts_of,
+    external_kinds,
+    follow_up_kinds,
+    lookups_of,
+)
 from payments.models import Operation, StepClaim
 from payments.money import decimal_amount
 
@@ -42,7 +47,7 @@ def _csv_safe(value: object) -> str:
 def _csv_lines(operations: Iterable[Operation]) -> Iterator[str]:
     writer = csv.writer(_Echo())
     yield writer.writerow(CSV_COLUMNS)
-    kinds = set(follow_up_kinds())
+    kinds, external = set(follow_up_kinds()), set(external_kinds())
     now = timezone.now()
     for op in cast("QuerySet[Operation]", operations).iterator(chunk_size=500):
         params = op.params if isinstance(op.params, dict) else {}
@@ -55,7 +60,8 @@ def _csv_lines(operations: Iterable[Operation]) -> Iterator[str]:
             op.state, "yes" if is_stale(op, now) else "",
             when(getattr(op, "state_since", None)) if op.state in AGED_STATES else "",
             attempts_of(op), lookups_of(op), op.last_error, references,
-            "yes" if op.parent_id is not None or op.kind in kinds else "",
+            "yes" if (op.parent_id is not None and op.kind not in external) or op.kind in kinds
+            else "",
             when(op.created_at), when(op.updated_at),
         )  # fmt: skip
         yield writer.writerow([_csv_safe(v) for v in values])

@@ -25,6 +25,7 @@ from django.utils import timezone
 
 from payments.desk.display import reference_link, when
 from payments.engine.handlers import registered_handlers
+from payments.engine.systems import system_of
 from payments.models import (
     UNFINISHED_OPERATION_STATES,
     ClaimState,
@@ -179,9 +180,27 @@ def follow_up_kinds() -> list[str]:
     return sorted(kind for kind, spec in registered_handlers().items() if spec.consumer is not None)
 
 
+def external_kinds() -> list[str]:
+    """The kinds whose handlers call an external system (a step under a claim and a key)."""
+    return sorted(kind for kind, spec in registered_handlers().items() if spec.effects)
+
+
+def moneyless_kinds() -> list[str]:
+    """The kinds whose external steps all call systems that move no money (each system's
+    declaration, `moves_money`): an amount in their params is not money at stake."""
+    return sorted(
+        kind
+        for kind, spec in registered_handlers().items()
+        if spec.effects and not any(system_of(e).moves_money for e in spec.effects.values())
+    )
+
+
 def follow_up_q() -> Q:
-    """Operations that follow up another one: written by a parent step, or a message handler's."""
-    return Q(parent__isnull=False) | Q(kind__in=follow_up_kinds())
+    """Follow-ups that only write the database: a message handler's, or one a parent step
+    wrote whose kind calls no external system. One that calls a system (an export) can be
+    uncertain or need review: the desk counts and lists it like any operation."""
+    local = Q(parent__isnull=False) & ~Q(kind__in=external_kinds())
+    return local | Q(kind__in=follow_up_kinds())
 
 
 #: How far back the desk's summaries count failed operations: failed is final, and every
@@ -244,11 +263,13 @@ def money_by_state_and_kind(
     """Sum the params' amounts per state, kind and currency: {state: {kind: [(currency, n)]}}.
 
     Only operations whose params carry an integer amount count (a checkout or a
-    refund does; a kind without money does not). A refund's amount gives money
-    back, a checkout's takes it: they are never added together.
+    refund does; a kind without money does not, nor one whose systems move none: an
+    invoice's total is not money at stake). A refund's amount gives money back, a
+    checkout's takes it: they are never added together.
     """
     rows = (
-        queryset.annotate(amount_text=KT("params__amount"), currency=Lower(KT("params__currency")))
+        queryset.exclude(kind__in=moneyless_kinds())
+        .annotate(amount_text=KT("params__amount"), currency=Lower(KT("params__currency")))
         .filter(amount_text__regex=r"^[0-9]{1,18}$")
         .exclude(currency__isnull=True)
         .values("state", "kind", "currency")

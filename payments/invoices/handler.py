@@ -1,0 +1,33 @@
+"""The `invoice_export` operation: a paid order's invoice, exported once.
+
+Written as a follow-up of the operation that paid the order (payments.entities.follow_ups,
+in the transaction that marks the order paid, where the deployment turns it on with
+`PAYMENTS["SYSTEMS"]["accounting"]["OPTIONS"]["EXPORT_PAID_ORDERS"]`); its job is enqueued
+on commit and the sweeper re-enqueues it if that is lost. One external step.
+"""
+
+from __future__ import annotations
+
+from payments.entities import lock_order
+from payments.fence import Desk, Run, operation
+from payments.invoices.effect import ExportInvoice
+from payments.invoices.names import EXPORT, INVOICE_EXPORT
+from payments.models import Operation, Order
+from payments.money import format_money
+
+
+def describe(op: Operation) -> str:
+    """One line for the desk: what is exported (no money moves)."""
+    total = format_money(op.params.get("amount"), op.params.get("currency"))
+    return f"invoice of order {op.params.get('order_id')} ({total}) to the accounting system"
+
+
+@operation(
+    INVOICE_EXPORT,
+    entity=Order,
+    steps={EXPORT: ExportInvoice},
+    desk=Desk(lock_entity=lock_order, describe=describe),
+)
+def export_invoice(run: Run) -> None:
+    """Make the order's invoice at the accounting system, once."""
+    run.external(EXPORT)

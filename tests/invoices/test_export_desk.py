@@ -1,0 +1,100 @@
+"""The desk shows the export as an operation to work that moves no money.
+
+Issue 38's traps: an export with a parent was hidden as a "follow-up" (Needs attention read
+"0 Uncertain", the kind filter showed nothing), and its invoice total was counted as money
+at stake. The desk reads the system's declaration (`moves_money`), never the export's name.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+
+import pytest
+from django.urls import reverse
+
+from payments.engine.recovery import reconcile
+from payments.models import OperationState
+from tests.invoices.conftest import export_of
+from tests.support import flows
+from tests.support.users import VIEW, client_for, make_user
+from tests.support.workers import run_worker
+
+# Transactional: the checkout and its export run in a worker (a claim commits before its call).
+pytestmark = pytest.mark.django_db(transaction=True)
+
+NEEDS_ATTENTION = reverse("admin:payments_operation_needs_attention")
+CHANGELIST = reverse("admin:payments_operation_changelist")
+
+
+def uncertain_export(accounting, queue):
+    accounting.state.enqueue_faults("drop_after_commit")
+    _, op = flows.order_and_checkout(key="desk-exp")
+    run_worker(queue)
+    export = export_of(op)
+    assert export.state == OperationState.UNCERTAIN
+    return export
+
+
+def test_uncertain_export__under_needs_attention__not_money_at_stake(accounting, queue):
+    export = uncertain_export(accounting, queue)
+    client = client_for(make_user("vera", *VIEW))
+
+    page = client.get(NEEDS_ATTENTION)
+
+    uncertain = next(r for r in page.context["states"] if r["state"] == OperationState.UNCERTAIN)
+    assert uncertain["count"] == 1
+    assert uncertain["totals"] == ["-"]  # an invoice's total moves no money
+    assert [r["operation"].key for r in page.context["cases"].rows] == [export.key]
+    assert page.context["follow_ups_open"] == 0  # the ledger line and counter succeeded
+
+
+def test_export_kind__listed_by_the_kind_filter_and_by_default(accounting, queue):
+    export = uncertain_export(accounting, queue)
+    client = client_for(make_user("vera", *VIEW))
+
+    by_kind = client.get(CHANGELIST, {"kind": "invoice_export"})
+    default = client.get(CHANGELIST)
+
+    assert [op.key for op in by_kind.context["cl"].result_list] == [export.key]
+    assert export.key in [op.key for op in default.context["cl"].result_list]
+    # The local follow-ups (ledger line, sales counter) stay hidden by default.
+    assert {op.kind for op in default.context["cl"].result_list} == {"checkout", "invoice_export"}
+    exported = client.get(f"{CHANGELIST}export.csv", {"kind": "invoice_export"})
+    rows = list(csv.DictReader(io.StringIO(b"".join(exported.streaming_content).decode())))
+    assert [(r["key"], r["follow_up"]) for r in rows] == [(export.key, "")]
+
+
+def test_export_page__its_steps_and_the_invoice_reference(accounting, queue):
+    export = uncertain_export(accounting, queue)
+    reconcile()  # the same-key replay answers the stored 201
+    run_worker(queue)
+    export.refresh_from_db()
+    client = client_for(make_user("vera", *VIEW))
+
+    page = client.get(reverse("admin:payments_operation_change", args=[export.pk]))
+
+    assert page.status_code == 200
+    (invoice,) = accounting.state.invoices()
+    assert invoice["id"] in page.content.decode()
+    assert "invoice of order" in page.content.decode()  # its own words, not a charge
+    found = client.get(CHANGELIST, {"q": invoice["id"]})
+    assert [op.key for op in found.context["cl"].result_list] == [export.key]
+
+
+def test_export_evidence__in_the_accounting_systems_words(accounting, queue):
+    accounting.state.enqueue_faults("hold")  # the first request held: its key in flight
+    _, op = flows.order_and_checkout(key="desk-held")
+    run_worker(queue)
+    export = export_of(op)
+    client = client_for(make_user("vera", *VIEW))
+    url = reverse("admin:payments_operation_change", args=[export.pk])
+
+    before = client.get(url).content.decode()
+    reconcile()  # a 409 for the replay, and a list that shows no invoice yet
+    after = client.get(url).content.decode()
+    accounting.state.release()
+
+    assert "No invoice seen at the accounting system yet." in before
+    assert "The accounting system&#x27;s consistent list at" in after
+    assert "shows no invoice for it" in after
