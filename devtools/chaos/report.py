@@ -110,6 +110,7 @@ def table(result: ChaosResult) -> list[str]:
     ]
     shown = _shown(r)
     rows += [(label, shown.get(key, "-")) for label, key in ROWS]
+    rows += export_rows(r)
     rows += webhook_rows(r)
     rows += incident_rows(r)
     rows += latency_rows(r)
@@ -123,6 +124,27 @@ def _shown(r: dict[str, object]) -> dict[str, object]:
     assert isinstance(presses, dict)
     line = ", ".join(f"{k} {n}" for k, n in sorted(presses.items())) or "none"
     return {**r, "reckless_line": line}
+
+
+EXPORT_ROWS = [
+    ("invoice exports (the accounting system)", "export_operations"),
+    ("  by state", "states"),
+    ("  faults at the accounting system", "export_faults"),
+    ("  same-key replays it answered", "export_replays"),
+    ("  invoices at the accounting system", "invoices_at_accounting"),
+    ("  double invoices", "double_invoices"),
+    ("  invoices outside the fence", "invoices_outside_the_fence"),
+    ("  paid orders exported exactly once", "paid_orders_exported_once"),
+]
+
+
+def export_rows(r: dict[str, object]) -> list[tuple[str, object]]:
+    """The invoice export's figures (devtools.chaos.export), or "off"."""
+    export = r.get("export")
+    if not isinstance(export, dict):
+        return [("invoice export", "off")]
+    values = {**export, "states": _states(cast(dict[str, int], export["export_by_state"]))}
+    return [(label, values.get(key)) for label, key in EXPORT_ROWS]
 
 
 def webhook_rows(r: dict[str, object]) -> list[tuple[str, object]]:

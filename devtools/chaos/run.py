@@ -30,6 +30,7 @@ from redis import Redis
 from redis.exceptions import RedisError
 from rq.worker import Worker
 
+from devtools.chaos.export import Export
 from devtools.chaos.incident import (
     RECOVERY_PATIENCE,
     IncidentFigures,
@@ -107,6 +108,9 @@ class ChaosConfig:
     #: held in flight, `incident_drop` of the answers dropped; devtools.chaos.incident); 0: none.
     incident: float = 0.0
     incident_drop: float = 0.3
+    #: Every paid order exported to a fake accounting API of the run (devtools.chaos.export),
+    #: under the charges' drop, fail and slow rates and the same worker kills.
+    export: bool = True
 
 
 @dataclass
@@ -188,6 +192,13 @@ def run_chaos(
     webhooks = Webhooks(stack) if config.webhooks else None
     if webhooks is not None:
         env.update(webhooks.env())
+    export = (
+        Export(config.drop_rate, config.fail_rate / 2, config.slow_rate, seed=config.seed)
+        if config.export
+        else None
+    )
+    if export is not None:
+        env.update(export.env())
     fail_half = config.fail_rate / 2
     faults = [
         "--seed", str(config.seed),
@@ -202,6 +213,8 @@ def run_chaos(
     stop = threading.Event()
     try:
         stack.start_provider(provider_port, *faults)
+        if export is not None:
+            export.start(stack)
         stack.start_api(api_port)
         if webhooks is not None:
             webhooks.start_endpoint()
@@ -270,6 +283,10 @@ def run_chaos(
         provider_url = f"http://127.0.0.1:{provider_port}"
         caught = result.report.get("incident")
         result.report = _measure(result, provider_url)
+        if export is not None:
+            result.report["export"] = read_db(
+                lambda: export.figures([order for order, _ in result.orders], CHARGED)
+            )
         if isinstance(caught, IncidentFigures):
             result.report["incident"] = caught.as_report()
         result.report["webhooks"] = webhooks is not None
@@ -903,6 +920,11 @@ def _money_violations(r: dict[str, object]) -> list[str]:
         problems.append("an order with more than one invoice")
     if r["double_captures"]:
         problems.append(f"{r['double_captures']} orders captured twice")
+    export = r.get("export")
+    if isinstance(export, dict) and export["double_invoices"]:
+        problems.append(f"{export['double_invoices']} invoices exported twice")
+    if isinstance(export, dict) and export["invoices_outside_the_fence"]:
+        problems.append(f"{export['invoices_outside_the_fence']} invoices outside the fence")
     return problems
 
 
@@ -924,6 +946,9 @@ def _settled_violations(r: dict[str, object]) -> list[str]:
         problems.append(f"{r['holds_left_after_failure']} holds left on failed captures")
     if r["paid_orders_with_one_invoice"] != r["orders_paid"]:
         problems.append("a paid order without exactly one invoice")
+    export = r.get("export")
+    if isinstance(export, dict) and export["paid_orders_exported_once"] != r["orders_paid"]:
+        problems.append("a paid order not exported exactly once to the accounting system")
     if r["paid_orders_with_one_ledger_line"] != r["orders_paid"]:
         problems.append("a paid order without exactly one ledger line")
     if r["refunds_refused_by_api"]:

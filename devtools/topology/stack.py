@@ -86,6 +86,12 @@ class Stack:
         )
         return proc
 
+    def start_fake(self, name: str, args: list[str], *, health: str) -> Proc:
+        """Start `run_fake_provider args` (another system's fake), once `health` answers."""
+        proc = self._spawn(name, ["run_fake_provider", *args])
+        wait_http(health, what=f"fake {name}")
+        return proc
+
     def start_api(self, port: int, name: str = "api") -> Proc:
         """Start a web process (the project's runserver) on `port`, named `name` in the logs."""
         proc = self._spawn(name, ["runserver", "--noreload", "--skip-checks", f"127.0.0.1:{port}"])

@@ -41,6 +41,12 @@ def test_chaos_run_with_webhooks_and_a_dropped_endpoint__no_double_charge_nothin
     assert report["paid_orders_with_one_invoice"] == report["orders_paid"]
     assert report["paid_orders_with_one_ledger_line"] == report["orders_paid"]
     assert report["orders_paid"] + report["orders_declined_or_failed"] == 30
+    # The invoice export, a third system under the same faults and kills: one invoice per
+    # paid order at the accounting system's own list, none outside the fence.
+    export = report["export"]
+    assert export["double_invoices"] == export["invoices_outside_the_fence"] == 0
+    assert export["paid_orders_exported_once"] == report["orders_paid"]
+    assert export["invoices_at_accounting"] == report["orders_paid"]
     # Refunds: a few, partial and full, each made once at the provider under its claim.
     assert report["refunds_asked"] >= 3
     assert report["refunds_refused_by_api"] == 0

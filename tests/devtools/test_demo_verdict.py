@@ -128,3 +128,21 @@ def test_never_claimed__a_success_whose_claim_is_in_flight_is_not_counted(provid
 
     assert never_claimed([reference], metadata) == 0
     assert never_claimed([reference, "pi_outside", "pi_no_key"], metadata) == 2
+
+
+EXPORTED = {"double_invoices": 0, "invoices_outside_the_fence": 0, "paid_orders_exported_once": 10}
+
+
+def test_export__a_double_invoice_is_a_violation_drained_or_not():
+    export = {**EXPORTED, "double_invoices": 1}
+    assert _violations(result_with(settled_in_time=False, export=export)) == [
+        "1 invoices exported twice"
+    ]
+
+
+def test_export__a_paid_order_not_exported_yet_is_one_only_once_drained():
+    export = {**EXPORTED, "paid_orders_exported_once": 9}
+    assert _violations(result_with(settled_in_time=False, export=export)) == []
+    assert _violations(result_with(export=export)) == [
+        "a paid order not exported exactly once to the accounting system"
+    ]

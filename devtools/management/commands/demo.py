@@ -55,6 +55,7 @@ class DemoOptions(TypedDict):
     search_lag: float
     grace: int
     no_webhooks: bool
+    no_export: bool
     endpoint_down: float
     incident: float
     incident_drop: float
@@ -161,6 +162,13 @@ class Command(BaseCommand):
             "workers' replays alone.",
         )
         parser.add_argument(
+            "--no-export",
+            action="store_true",
+            help="No invoice export: by default every paid order is exported to a fake "
+            "accounting API of the run's own, under the same drop, fail and slow rates and "
+            "worker kills; the report counts its invoices (one per export).",
+        )
+        parser.add_argument(
             "--endpoint-down",
             type=float,
             default=d.endpoint_down,
@@ -233,7 +241,7 @@ class Command(BaseCommand):
             webhooks=not options["no_webhooks"], endpoint_down=options["endpoint_down"],
             reckless=not options["no_reckless"], search_lag=options["search_lag"],
             grace=options["grace"], incident=options["incident"],
-            incident_drop=options["incident_drop"],
+            incident_drop=options["incident_drop"], export=not options["no_export"],
         )  # fmt: skip
         var = Path(settings.BASE_DIR) / "var"
         self.stdout.write(
