@@ -138,12 +138,19 @@ class ProviderEffect:
     AUDIT_ID = "reference"
     AUDIT_PARENT = ""
 
+    #: The provider's client (None on another system's effect: its package builds its own).
+    client: ProviderClient
+
     def __init__(self, run: Any, step: str, client: ProviderClient | None = None) -> None:
         self.run = run
         self.step = step
         self.operation = run.operation
         # Built now, before any claim: a wrong configuration fails the step, not its call.
-        self.client = client or ProviderClient.from_settings()
+        # Only the provider's own effects get its client: another system's package builds
+        # its client from its own settings entry (its effect's __init__).
+        if client is None and self.SYSTEM == DEFAULT_SYSTEM:
+            client = ProviderClient.from_settings()
+        self.client = client  # type: ignore[assignment]
 
     @property
     def params(self) -> dict[str, Any]:

@@ -7,6 +7,7 @@ after it forgot the key (it would execute the request again).
 
 from __future__ import annotations
 
+import dataclasses
 from datetime import timedelta
 
 import pytest
@@ -117,8 +118,7 @@ def test_past_a_short_retention__the_reconciler_never_replays__it_reads(
     """The accounting API keeps keys an hour: 50 minutes after the first request a replay
     could execute it again; the reconciler reads the consistent list instead."""
     op, claim, _ = builders.uncertain(key="clock-books", charged=True, age=timedelta(minutes=50))
-    settings.PAYMENTS = {**settings.PAYMENTS, "SYSTEMS": {BOOKS.name: ENTRY}}
-    monkeypatch.setattr(PaymentIntentCharge, "SYSTEM", BOOKS.name)
+    _provider_as(settings, monkeypatch, reads=BOOKS.reads, retention=3600)
     creates = provider.state.stats()["create_requests"]
 
     report = reconcile()
@@ -139,12 +139,18 @@ BLIND = systems.declare(
         name="blind_test", label="the blind test system", key_retention=4 * 3600, reads=()
     )
 )
-BLIND_ENTRY = {"URL": "http://127.0.0.1:9", "API_KEY": "k", "KEY_RETENTION": 4 * 3600}
+
+
+def _provider_as(settings, monkeypatch, *, reads, retention: int) -> None:
+    """The fake provider's claims, as if its system declared these reads and kept keys this
+    long (its effects keep the provider's client: a real HTTP server answers)."""
+    declared = dataclasses.replace(systems.system_named("provider"), reads=reads)
+    monkeypatch.setitem(systems._declared, "provider", declared)
+    settings.PAYMENTS = {**settings.PAYMENTS, "PROVIDER_KEY_RETENTION": retention}
 
 
 def _blind(settings, monkeypatch) -> None:
-    settings.PAYMENTS = {**settings.PAYMENTS, "SYSTEMS": {BLIND.name: BLIND_ENTRY}}
-    monkeypatch.setattr(PaymentIntentCharge, "SYSTEM", BLIND.name)
+    _provider_as(settings, monkeypatch, reads=BLIND.reads, retention=BLIND.key_retention)
 
 
 @pytest.mark.django_db(transaction=True)
