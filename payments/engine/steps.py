@@ -53,10 +53,18 @@ def view_of(claim: StepClaim) -> ClaimView:
 
 
 def claim_system(claim: StepClaim) -> ExternalSystem:
-    """The external system the claim's step calls (its effect's SYSTEM)."""
+    """The external system the claim's step calls (its effect's SYSTEM).
+
+    An effect class that serves several systems (a shop paying through one of two
+    providers) names the one of the claim's operation with `system_for(operation)`.
+    """
     from payments.engine.handlers import get_handler  # handlers import this module
 
-    return system_of(get_handler(claim.operation.kind).effects.get(claim.step))
+    effect = get_handler(claim.operation.kind).effects.get(claim.step)
+    system_for = getattr(effect, "system_for", None)
+    if system_for is not None:
+        return systems.system_named(system_for(claim.operation))
+    return system_of(effect)
 
 
 def replay_deadline(claim: StepClaim) -> datetime:
