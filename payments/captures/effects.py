@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from payments.adyen.choice import ByPaymentSystem
+from payments.adyen.effects import AdyenAuthorization, AdyenCancel, AdyenCapture
 from payments.fence import ClaimView, EffectResult, PaymentIntentEffect, ProviderEffect
 from payments.provider.client import PaymentIntent
 from payments.provider.errors import (
@@ -189,3 +191,25 @@ class Release(_OnTheIntent):
     @classmethod
     def money(cls, result: dict[str, Any]) -> tuple[int, str] | None:
         return None
+
+
+# The steps as the handler declares them: each builds Adyen's twin for an order whose shop
+# pays through Adyen (payments.adyen.choice), the provider's PaymentIntent call otherwise.
+
+
+class OrderAuthorization(ByPaymentSystem, Authorization):
+    """Hold the order's amount at the shop's payment system."""
+
+    ADYEN = AdyenAuthorization
+
+
+class OrderCapture(ByPaymentSystem, Capture):
+    """Capture part or all of the hold at the shop's payment system."""
+
+    ADYEN = AdyenCapture
+
+
+class OrderRelease(ByPaymentSystem, Release):
+    """Release the hold at the shop's payment system."""
+
+    ADYEN = AdyenCancel

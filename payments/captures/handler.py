@@ -16,7 +16,8 @@ from typing import Any
 from django.db import transaction
 from django.utils import timezone
 
-from payments.captures.effects import AUTHORIZE, Authorization, Capture, Release
+from payments.adyen.choice import system_params
+from payments.captures.effects import AUTHORIZE, OrderAuthorization, OrderCapture, OrderRelease
 from payments.entities import lock_order, write_follow_ups_in_tx
 from payments.exceptions import InvalidTransition
 from payments.fence import Desk, Run, create_operation_in_tx, operation
@@ -56,6 +57,7 @@ def request_capture(
             "currency": order.currency,
             "payment_method": payment_method,
             "amount_to_capture": amount,
+            **system_params(client),
         }
         known = Operation.objects.filter(client=client, scope=KeyScope.CLIENT, key=key).exists()
         if not known and order.status != OrderStatus.PENDING:
@@ -121,7 +123,12 @@ def mark_failed(operation: Operation) -> None:
 @operation(
     CAPTURE,
     entity=Order,
-    steps={AUTHORIZE: Authorization, CAPTURE_STEP: Capture, RELEASE: Release, RECORD: None},
+    steps={
+        AUTHORIZE: OrderAuthorization,
+        CAPTURE_STEP: OrderCapture,
+        RELEASE: OrderRelease,
+        RECORD: None,
+    },
     on_give_up=release_hold,  # runs run.external(RELEASE): its own claim and key
     on_failure=mark_failed,
     desk=Desk(lock_entity=lock_order, describe=describe),
