@@ -15,8 +15,6 @@ from typing import Any
 
 from django.test import Client
 
-from payments.models import ApiClient
-
 API_KEY = "AQEfake_test_key"
 MERCHANT = "ShopECOM"
 HMAC_KEY = "44782DEF547AAA06C910C43932B1EB0C71FC68D9D0C057550C48EC2ACF6BA056"
@@ -32,8 +30,12 @@ def settings_entry(checkout_url: str, **options: Any) -> dict[str, Any]:
     }
 
 
-def adyen_shop(name: str = "adyen-shop") -> ApiClient:
+def adyen_shop(name: str = "adyen-shop") -> Any:
     """A shop (an API client) that pays through Adyen."""
+    # Imported here: worker processes' settings (tests/adyen/worker_settings.py) import this
+    # module before Django's apps are loaded.
+    from payments.models import ApiClient
+
     return ApiClient.objects.create(name=name, payment_system="adyen")
 
 
