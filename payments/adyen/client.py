@@ -20,6 +20,7 @@ from typing import Any
 
 import Adyen  # type: ignore[import-untyped]  # the library ships no type information
 import requests
+from Adyen.exceptions import AdyenAPIResponseError  # type: ignore[import-untyped]
 
 from payments.adyen.errors import AdyenError, from_answer, from_transport
 from payments.adyen.system import NAME
@@ -112,7 +113,7 @@ class AdyenClient:
             result = send()
         except requests.RequestException as exc:
             raise from_transport(exc, context=f"adyen {context}") from exc
-        except Adyen.AdyenAPIResponseError as exc:
+        except AdyenAPIResponseError as exc:  # any non-2xx answer (Adyen/client.py)
             body = exc.message if isinstance(exc.message, dict) else {}
             raise from_answer(
                 int(exc.status_code or 0), body, exc.headers or {}, context=f"adyen {context}"
