@@ -1,0 +1,104 @@
+"""The fake Adyen delivering its signed notifications over HTTP to the app's own endpoint,
+and the desk showing what an Adyen step waits for.
+
+Transactional: the live server answers from its own thread and connection, and the
+worker must see what it committed.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from datetime import timedelta
+
+import pytest
+from django.urls import reverse
+
+from devtools.fake_provider.adyen.server import FakeAdyenServer
+from devtools.fake_provider.testing import TEST_PAYMENTS
+from payments.adyen.models import Notification
+from payments.captures.handler import request_capture
+from payments.checkout.handler import request_checkout
+from payments.checkout.orders import create_order
+from payments.engine.recovery import reconcile
+from payments.models import ClaimState, Invoice, OperationState, Order, OrderStatus
+from tests.support.adyen import API_KEY, ENDPOINT, HMAC_KEY, MERCHANT, adyen_shop, settings_entry
+from tests.support.builders import backdate
+from tests.support.workers import run_worker
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+CARD = json.dumps({"type": "scheme", "holderName": "John Smith"})
+
+
+@pytest.fixture
+def adyen_to_app(live_server, settings) -> Iterator[FakeAdyenServer]:
+    """The fake Adyen, its notification URL the app's endpoint on a live server."""
+    server = FakeAdyenServer(
+        api_key=API_KEY,
+        merchant_accounts=[MERCHANT],
+        notification_url=f"{live_server.url}{ENDPOINT}",
+        hmac_key=HMAC_KEY,
+        notification_options={"retry_delays": [0.05], "timeout": 5.0},
+    ).start()
+    settings.PAYMENTS = {
+        **settings.PAYMENTS,
+        **TEST_PAYMENTS,
+        "SYSTEMS": {"adyen": settings_entry(server.checkout_url)},
+    }
+    yield server
+    server.stop()
+
+
+def test_capture__the_fakes_capture_notification_reaches_the_endpoint_and_settles_it(
+    adyen_to_app, queue
+):
+    shop = adyen_shop()
+    order = create_order(amount=6000, currency="eur", email="live@example.com", client=shop)
+    op, _ = request_capture(
+        order_id=order.pk, key="live-cap", payment_method=CARD, actor="t", client=shop
+    )
+
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        run_worker(queue)
+        reconcile()  # what run_recovery does: a notification stored while the claim was busy
+        op.refresh_from_db()
+        if op.state == OperationState.SUCCEEDED:
+            break
+        time.sleep(0.1)
+
+    assert op.state == OperationState.SUCCEEDED
+    order.refresh_from_db()
+    assert order.status == OrderStatus.PAID
+    assert Invoice.objects.get(order=order).amount == 6000
+    assert set(Notification.objects.values_list("event_code", flat=True)) == {
+        "AUTHORISATION",
+        "CAPTURE",
+    }
+    sent = adyen_to_app.notifications.stats()
+    assert sent["accepted"] == 2, sent  # the endpoint's "[accepted]" stopped Adyen's retries
+
+
+def test_desk__an_adyen_charge_past_its_deadline__shows_its_review(adyen, queue, admin_client):
+    """Its notification never reaches the app (`adyen` catches them): review, not a guess."""
+    shop = adyen_shop()
+    order = create_order(amount=2500, currency="eur", email="desk@example.com", client=shop)
+    op, _ = request_checkout(
+        order_id=order.pk, key="desk-lost", payment_method=CARD, actor="t", client=shop
+    )
+    adyen.state.enqueue_faults("drop_after_accept")
+    run_worker(queue)
+    claim = op.claims.get(step="charge")
+    backdate(claim, timedelta(days=8))
+    reconcile()
+
+    page = admin_client.get(reverse("admin:payments_operation_change", args=[op.pk]))
+
+    op.refresh_from_db()
+    claim.refresh_from_db()
+    assert (op.state, claim.state) == (OperationState.NEEDS_REVIEW, ClaimState.UNCERTAIN)
+    assert page.status_code == 200
+    assert b"no longer keeps its key" in page.content
+    assert Order.objects.get(pk=order.pk).status == OrderStatus.PROCESSING
