@@ -8,7 +8,7 @@ import pytest
 
 from devtools.fake_provider.adyen.server import FakeAdyenServer
 from devtools.fake_provider.testing import TEST_PAYMENTS
-from tests.support.adyen import API_KEY, HMAC_KEY, MERCHANT, Catcher, settings_entry
+from tests.support.adyen import API_KEY, ENDPOINT, HMAC_KEY, MERCHANT, Catcher, settings_entry
 
 
 @pytest.fixture
@@ -35,5 +35,24 @@ def adyen(notes: Catcher, settings) -> Iterator[FakeAdyenServer]:
         "SYSTEMS": {"adyen": settings_entry(server.checkout_url)},
     }
     settings.EMAIL_BACKEND = "django.core.mail.backends.locmem.EmailBackend"
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def adyen_to_app(live_server, settings) -> Iterator[FakeAdyenServer]:
+    """The fake Adyen, its notification URL the app's endpoint on a live server."""
+    server = FakeAdyenServer(
+        api_key=API_KEY,
+        merchant_accounts=[MERCHANT],
+        notification_url=f"{live_server.url}{ENDPOINT}",
+        hmac_key=HMAC_KEY,
+        notification_options={"retry_delays": [0.05], "timeout": 5.0},
+    ).start()
+    settings.PAYMENTS = {
+        **settings.PAYMENTS,
+        **TEST_PAYMENTS,
+        "SYSTEMS": {"adyen": settings_entry(server.checkout_url)},
+    }
     yield server
     server.stop()

@@ -9,46 +9,24 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
 from datetime import timedelta
 
 import pytest
 from django.urls import reverse
 
-from devtools.fake_provider.adyen.server import FakeAdyenServer
-from devtools.fake_provider.testing import TEST_PAYMENTS
 from payments.adyen.models import Notification
 from payments.captures.handler import request_capture
 from payments.checkout.handler import request_checkout
 from payments.checkout.orders import create_order
 from payments.engine.recovery import reconcile
 from payments.models import ClaimState, Invoice, OperationState, Order, OrderStatus
-from tests.support.adyen import API_KEY, ENDPOINT, HMAC_KEY, MERCHANT, adyen_shop, settings_entry
+from tests.support.adyen import adyen_shop
 from tests.support.builders import backdate
 from tests.support.workers import run_worker
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
 CARD = json.dumps({"type": "scheme", "holderName": "John Smith"})
-
-
-@pytest.fixture
-def adyen_to_app(live_server, settings) -> Iterator[FakeAdyenServer]:
-    """The fake Adyen, its notification URL the app's endpoint on a live server."""
-    server = FakeAdyenServer(
-        api_key=API_KEY,
-        merchant_accounts=[MERCHANT],
-        notification_url=f"{live_server.url}{ENDPOINT}",
-        hmac_key=HMAC_KEY,
-        notification_options={"retry_delays": [0.05], "timeout": 5.0},
-    ).start()
-    settings.PAYMENTS = {
-        **settings.PAYMENTS,
-        **TEST_PAYMENTS,
-        "SYSTEMS": {"adyen": settings_entry(server.checkout_url)},
-    }
-    yield server
-    server.stop()
 
 
 def test_capture__the_fakes_capture_notification_reaches_the_endpoint_and_settles_it(
