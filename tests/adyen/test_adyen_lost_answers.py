@@ -32,6 +32,7 @@ from payments.models import (
     OrderStatus,
     StepClaim,
 )
+from payments.refunds.handler import request_refund
 from tests.support.adyen import HMAC_KEY, adyen_shop, deliver, item, settings_entry
 from tests.support.builders import backdate
 from tests.support.workers import run_worker
@@ -215,3 +216,34 @@ def test_notification__signed_with_the_key_the_fake_uses__verified_by_the_apps_c
 
     assert signed(sample, HMAC_KEY)
     assert not signed(sample, "11" * 32)
+
+
+def test_refund_received_answer_lost__replayed_same_key__one_refund__settled_by_notification(
+    adyen, queue, notes
+):
+    """The 201 was lost: the replay learns the refund's pspReference (Adyen replays the
+    first answer, refunds nothing again); its REFUND notification then settles it."""
+    shop = adyen_shop()
+    order = create_order(amount=3000, currency="eur", email="r@example.com", client=shop)
+    paid, _ = request_checkout(
+        order_id=order.pk, key="paid-r", payment_method=CARD, actor="t", client=shop
+    )
+    run_worker(queue)
+    refund, _ = request_refund(order_id=order.pk, key="lost-r", amount=3000, actor="t", client=shop)
+    adyen.state.enqueue_faults("drop_after_accept")
+    run_worker(queue)
+    claim = refund.claims.get(step="refund")
+    assert (claim.state, claim.provider_reference) == (ClaimState.UNCERTAIN, "")
+
+    reconcile()
+
+    claim.refresh_from_db()
+    (body,) = notes.wait_for("REFUND")
+    assert claim.state == ClaimState.UNCERTAIN  # received: the outcome is the notification's
+    assert claim.provider_reference == item(body)["pspReference"]
+    assert deliver(body) == (200, "[accepted]")
+    run_worker(queue)
+    refund.refresh_from_db()
+    assert refund.state == OperationState.SUCCEEDED
+    assert adyen.state.stats()["modifications"]["REFUND"] == 1
+    assert Order.objects.get(pk=order.pk).status == OrderStatus.REFUNDED
