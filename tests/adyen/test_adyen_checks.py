@@ -12,7 +12,7 @@ def ids(settings, **options) -> list[str]:
     entry = settings_entry("https://checkout-test.adyen.com/v72")
     entry["OPTIONS"] = {**entry["OPTIONS"], **options}
     settings.PAYMENTS = {**settings.PAYMENTS, "SYSTEMS": {"adyen": entry}}
-    return [error.id for error in check_adyen_settings()]
+    return [str(error.id) for error in check_adyen_settings()]
 
 
 def test_checks__a_complete_entry__passes(settings):

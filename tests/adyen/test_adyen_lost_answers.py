@@ -199,8 +199,10 @@ def test_notification__forged__refused_401_and_nothing_changes(adyen, queue, not
     assert claim.state == ClaimState.DONE
 
 
-def test_notification__signed_with_the_key_the_fake_uses__verified_by_the_apps_code(notes):
-    """The app's verifier and the fake's signer are two implementations of Adyen's rule."""
+def test_notification__signature__the_apps_rule_is_adyens_librarys_and_the_fakes():
+    """The app's verifier, the fake's signer and Adyen's own library agree on Adyen's rule."""
+    from Adyen.util import generate_notification_sig  # type: ignore[import-untyped]
+
     from payments.adyen.notifications import signed
 
     sample = {
@@ -216,6 +218,8 @@ def test_notification__signed_with_the_key_the_fake_uses__verified_by_the_apps_c
 
     assert signed(sample, HMAC_KEY)
     assert not signed(sample, "11" * 32)
+    library = generate_notification_sig(sample, HMAC_KEY)
+    assert sample["additionalData"]["hmacSignature"] == library.decode()
 
 
 def test_refund_received_answer_lost__replayed_same_key__one_refund__settled_by_notification(
