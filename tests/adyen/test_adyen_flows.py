@@ -8,14 +8,17 @@ these tests are about.
 from __future__ import annotations
 
 import json
+import threading
 
 import pytest
+from django.db import connection
 
 from devtools.fake_provider.adyen.notifications import sign
 from payments.adyen.models import Notification
 from payments.captures.handler import request_capture
 from payments.checkout.handler import request_checkout
 from payments.checkout.orders import create_order
+from payments.engine.failpoints import AFTER_PROVIDER_ACCEPT, hooked
 from payments.engine.handlers import money_moved
 from payments.engine.recovery import reconcile
 from payments.models import (
@@ -228,3 +231,52 @@ def test_refund__refused_in_its_notification__the_step_fails_and_nothing_is_cred
     claim = refund.claims.get(step="refund")
     assert claim.state == ClaimState.FAILED and "Insufficient balance" in claim.error
     assert not CreditNote.objects.filter(order=order).exists()
+
+
+def test_notification_while_the_worker_holds_the_claim__kept_busy__the_workers_answer_settles(
+    adyen, queue, notes
+):
+    """Adyen's AUTHORISATION comes between its answer and the worker's record (another
+    connection, as the web process): the claim is the worker's, so the notification is
+    stored and changes nothing; the worker records its own answer, once."""
+    op = adyen_checkout(adyen_shop())
+    answers: list[tuple[int, str]] = []
+
+    def deliver_from_the_web() -> None:
+        (body,) = notes.wait_for("AUTHORISATION")
+
+        def web() -> None:
+            try:
+                answers.append(deliver(body))
+            finally:
+                connection.close()
+
+        thread = threading.Thread(target=web)
+        thread.start()
+        thread.join(timeout=10)
+
+    with hooked(AFTER_PROVIDER_ACCEPT, deliver_from_the_web):
+        run_worker(queue)
+
+    assert answers == [(200, "[accepted]")]
+    assert Notification.objects.get().outcome == "busy"
+    op.refresh_from_db()
+    assert op.state == OperationState.SUCCEEDED
+    charge = op.claims.get(step="charge")
+    assert charge.provider_reference == Notification.objects.get().psp_reference
+    assert adyen.state.authorised_count() == 1
+
+
+def test_checkout__adyen_shop_without_settings_entry__needs_review_and_nothing_sent(
+    adyen, queue, settings
+):
+    settings.PAYMENTS = {**settings.PAYMENTS, "SYSTEMS": {}}
+    op = adyen_checkout(adyen_shop())
+
+    run_worker(queue)
+
+    op.refresh_from_db()
+    assert op.state == OperationState.NEEDS_REVIEW
+    assert 'PAYMENTS["SYSTEMS"]["adyen"]' in op.last_error
+    assert not op.claims.exists()  # the effect is built before any claim: nothing was sent
+    assert adyen.state.stats()["payments"] == 0
