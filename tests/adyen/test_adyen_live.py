@@ -20,7 +20,7 @@ from payments.checkout.handler import request_checkout
 from payments.checkout.orders import create_order
 from payments.engine.recovery import reconcile
 from payments.models import ClaimState, Invoice, OperationState, Order, OrderStatus
-from tests.support.adyen import adyen_shop
+from tests.support.adyen import adyen_shop, deliver
 from tests.support.builders import backdate
 from tests.support.workers import run_worker
 
@@ -80,3 +80,29 @@ def test_desk__an_adyen_charge_past_its_deadline__shows_its_review(adyen, queue,
     assert page.status_code == 200
     assert b"no longer keeps its key" in page.content
     assert Order.objects.get(pk=order.pk).status == OrderStatus.PROCESSING
+
+
+def test_desk__notifications_listed_read_only(adyen, queue, notes, admin_client):
+    op = adyen_checkout_paid(adyen, queue)
+    (body,) = notes.wait_for("AUTHORISATION")
+    deliver(body)
+
+    listing = admin_client.get(reverse("admin:adyen_notification_changelist"))
+    row = Notification.objects.get()
+    change = admin_client.post(reverse("admin:adyen_notification_change", args=[row.pk]), {})
+
+    assert listing.status_code == 200
+    assert row.psp_reference.encode() in listing.content
+    assert row.psp_reference == op.claims.get(step="charge").provider_reference
+    assert change.status_code == 403  # read-only, even for a superuser
+    assert admin_client.get(reverse("admin:adyen_notification_add")).status_code == 403
+
+
+def adyen_checkout_paid(adyen, queue):
+    shop = adyen_shop()
+    order = create_order(amount=1500, currency="eur", email="n@example.com", client=shop)
+    op, _ = request_checkout(
+        order_id=order.pk, key="n-1", payment_method=CARD, actor="t", client=shop
+    )
+    run_worker(queue)
+    return op
