@@ -59,7 +59,7 @@ class _OnTheIntent(PaymentIntentEffect):
         return self.retrieve(request["payment_intent"])
 
 
-class Authorization(PaymentIntentEffect):
+class IntentAuthorization(PaymentIntentEffect):
     """Hold the order's amount on the card (`capture_method=manual`)."""
 
     MAY_HAVE_HAPPENED = "The customer's card may already hold the amount."
@@ -119,7 +119,7 @@ class Authorization(PaymentIntentEffect):
         return None
 
 
-class Capture(_OnTheIntent):
+class IntentCapture(_OnTheIntent):
     """Capture `amount_to_capture` of the hold (Stripe releases the rest)."""
 
     MAY_HAVE_HAPPENED = "The held amount may already have been captured."
@@ -161,7 +161,7 @@ class Capture(_OnTheIntent):
         return None
 
 
-class Release(_OnTheIntent):
+class IntentRelease(_OnTheIntent):
     """Cancel the intent, which releases a hold nobody will capture."""
 
     HOLD = RELEASES_HOLD
@@ -197,19 +197,19 @@ class Release(_OnTheIntent):
 # pays through Adyen (payments.adyen.choice), the provider's PaymentIntent call otherwise.
 
 
-class OrderAuthorization(ByPaymentSystem, Authorization):
+class Authorization(ByPaymentSystem, IntentAuthorization):
     """Hold the order's amount at the shop's payment system."""
 
     ADYEN = AdyenAuthorization
 
 
-class OrderCapture(ByPaymentSystem, Capture):
+class Capture(ByPaymentSystem, IntentCapture):
     """Capture part or all of the hold at the shop's payment system."""
 
     ADYEN = AdyenCapture
 
 
-class OrderRelease(ByPaymentSystem, Release):
+class Release(ByPaymentSystem, IntentRelease):
     """Release the hold at the shop's payment system."""
 
     ADYEN = AdyenCancel

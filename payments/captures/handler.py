@@ -17,7 +17,7 @@ from django.db import transaction
 from django.utils import timezone
 
 from payments.adyen.choice import system_params
-from payments.captures.effects import AUTHORIZE, OrderAuthorization, OrderCapture, OrderRelease
+from payments.captures.effects import AUTHORIZE, Authorization, Capture, Release
 from payments.entities import lock_order, write_follow_ups_in_tx
 from payments.exceptions import InvalidTransition
 from payments.fence import Desk, Run, create_operation_in_tx, operation
@@ -123,12 +123,7 @@ def mark_failed(operation: Operation) -> None:
 @operation(
     CAPTURE,
     entity=Order,
-    steps={
-        AUTHORIZE: OrderAuthorization,
-        CAPTURE_STEP: OrderCapture,
-        RELEASE: OrderRelease,
-        RECORD: None,
-    },
+    steps={AUTHORIZE: Authorization, CAPTURE_STEP: Capture, RELEASE: Release, RECORD: None},
     on_give_up=release_hold,  # runs run.external(RELEASE): its own claim and key
     on_failure=mark_failed,
     desk=Desk(lock_entity=lock_order, describe=describe),
