@@ -198,6 +198,9 @@ class ApiClient(models.Model):
     name = models.CharField(max_length=100, unique=True)
     is_active = models.BooleanField(default=True)
     created_at = models.DateTimeField(auto_now_add=True)
+    #: The declared external system its payments go through ("provider": PROVIDER_*); each
+    #: operation records it when created, so a change applies to new payments only.
+    payment_system = models.CharField(max_length=50, default="provider")
 
     def __str__(self) -> str:
         return self.name

@@ -62,6 +62,8 @@ INSTALLED_APPS = [
     "drf_spectacular",
     "inbox",
     "payments",
+    # Adyen as a second payment system: its notifications table and endpoint.
+    "payments.adyen",
     # Creates the payments.manage_queues permission after migrate (no models).
     "payments.desk.rq_access.QueueAccessConfig",
     # Admin login lockout (settings below).

@@ -17,4 +17,6 @@ urlpatterns = [
     path("healthz", healthz, name="healthz"),
     path("metrics", metrics_view, name="metrics"),
     path("webhooks/provider", provider_webhook, name="provider_webhook"),
+    # Adyen's signed notifications (the URL configured in Adyen's Customer Area).
+    path("adyen/", include("payments.adyen.urls")),
 ]

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from payments.adyen.choice import ByPaymentSystem
+from payments.adyen.effects import AdyenAuthorization, AdyenCancel, AdyenCapture
 from payments.fence import ClaimView, EffectResult, ProviderEffect
 from payments.provider.client import PaymentIntent
 from payments.provider.effect import PaymentIntentEffect
@@ -58,7 +60,7 @@ class _OnTheIntent(PaymentIntentEffect):
         return self.retrieve(request["payment_intent"])
 
 
-class Authorization(PaymentIntentEffect):
+class IntentAuthorization(PaymentIntentEffect):
     """Hold the order's amount on the card (`capture_method=manual`)."""
 
     MAY_HAVE_HAPPENED = "The customer's card may already hold the amount."
@@ -118,7 +120,7 @@ class Authorization(PaymentIntentEffect):
         return None
 
 
-class Capture(_OnTheIntent):
+class IntentCapture(_OnTheIntent):
     """Capture `amount_to_capture` of the hold (Stripe releases the rest)."""
 
     MAY_HAVE_HAPPENED = "The held amount may already have been captured."
@@ -160,7 +162,7 @@ class Capture(_OnTheIntent):
         return None
 
 
-class Release(_OnTheIntent):
+class IntentRelease(_OnTheIntent):
     """Cancel the intent, which releases a hold nobody will capture."""
 
     HOLD = RELEASES_HOLD
@@ -190,3 +192,25 @@ class Release(_OnTheIntent):
     @classmethod
     def money(cls, result: dict[str, Any]) -> tuple[int, str] | None:
         return None
+
+
+# The steps as the handler declares them: each builds Adyen's twin for an order whose shop
+# pays through Adyen (payments.adyen.choice), the provider's PaymentIntent call otherwise.
+
+
+class Authorization(ByPaymentSystem, IntentAuthorization):
+    """Hold the order's amount at the shop's payment system."""
+
+    ADYEN = AdyenAuthorization
+
+
+class Capture(ByPaymentSystem, IntentCapture):
+    """Capture part or all of the hold at the shop's payment system."""
+
+    ADYEN = AdyenCapture
+
+
+class Release(ByPaymentSystem, IntentRelease):
+    """Release the hold at the shop's payment system."""
+
+    ADYEN = AdyenCancel

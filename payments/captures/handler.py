@@ -16,6 +16,7 @@ from typing import Any
 from django.db import transaction
 from django.utils import timezone
 
+from payments.adyen.choice import system_params
 from payments.captures.effects import AUTHORIZE, Authorization, Capture, Release
 from payments.entities import lock_order, write_follow_ups_in_tx
 from payments.exceptions import InvalidTransition
@@ -56,6 +57,7 @@ def request_capture(
             "currency": order.currency,
             "payment_method": payment_method,
             "amount_to_capture": amount,
+            **system_params(client),
         }
         known = Operation.objects.filter(client=client, scope=KeyScope.CLIENT, key=key).exists()
         if not known and order.status != OrderStatus.PENDING:

@@ -21,6 +21,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from payments.adyen.choice import ByPaymentSystem
+from payments.adyen.effects import AdyenCharge
 from payments.checkout.names import CHARGE, CHECKOUT
 from payments.fence import ClaimView, EffectResult
 from payments.models import Operation, StepClaim
@@ -168,3 +170,10 @@ class PaymentIntentCharge(PaymentIntentEffect):
                 raise
             intent = self.client.retrieve_payment_intent(target)  # succeeded, or cancelled before
         return self._settled(intent)
+
+
+class OrderCharge(ByPaymentSystem, PaymentIntentCharge):
+    """The order's charge through the system its shop pays with: the provider's
+    PaymentIntent, or an Adyen payment (payments.adyen.choice)."""
+
+    ADYEN = AdyenCharge

@@ -19,7 +19,8 @@ from django.db.models import CharField, Exists, OuterRef, Q, QuerySet, Subquery
 from django.db.models.functions import Cast
 from django.utils import timezone
 
-from payments.checkout.charge import PaymentIntentCharge
+from payments.adyen.choice import system_params
+from payments.checkout.charge import OrderCharge
 from payments.checkout.followups import write_follow_ups_in_tx
 from payments.checkout.names import CHARGE, CHECKOUT, CONFIRMATION_EMAIL, INVOICE, MARK_PAID
 from payments.entities import lock_order, money_line
@@ -88,6 +89,7 @@ def request_checkout(
             "amount": order.amount,
             "currency": order.currency,
             "payment_method": payment_method,
+            **system_params(client),
         }
         # The two Exists() read the statement's snapshot, taken before it waited
         # for the order's lock; the order's own columns are re-read after the
@@ -257,7 +259,7 @@ def describe_charge(operation: Operation) -> str:
 
 @operation(
     CHECKOUT,
-    steps={CHARGE: PaymentIntentCharge, INVOICE: None, CONFIRMATION_EMAIL: None, MARK_PAID: None},
+    steps={CHARGE: OrderCharge, INVOICE: None, CONFIRMATION_EMAIL: None, MARK_PAID: None},
     on_failure=mark_order_failed,
     on_resume=reopen_order,
     entity=Order,

@@ -55,13 +55,19 @@ def view_of(claim: StepClaim) -> ClaimView:
 
 
 def claim_system(claim: StepClaim) -> ExternalSystem:
-    """The external system the claim's step calls: the one its effect named at the claim,
-    else (a claim older than the column) its handler's effect's."""
+    """The external system the claim's step calls: the one its effect named when the claim
+    was made, else (a claim older than the column) its handler's effect's: the class's
+    `system_for(operation)` when it serves several systems (a shop paying through one of
+    two providers), else its SYSTEM."""
     if claim.system:
         return systems.system_named(claim.system)
     from payments.engine.handlers import get_handler  # handlers import this module
 
-    return system_of(get_handler(claim.operation.kind).effects.get(claim.step))
+    effect = get_handler(claim.operation.kind).effects.get(claim.step)
+    system_for = getattr(effect, "system_for", None)
+    if system_for is not None:
+        return systems.system_named(system_for(claim.operation))
+    return system_of(effect)
 
 
 def claim_system_named(name: str, kind: str, step: str) -> ExternalSystem | None:
@@ -353,9 +359,19 @@ def _settle_from_lookup(
 
     system = claim_system(claim)
     if not system.reads:
-        return _without_reads(claim, system, actor=actor, replayed=replay is not None, look=look)
+        # Nothing to read at the system; what its events told may be kept on our side (a
+        # notification stored while a worker held the claim): the effect's find says so.
+        try:
+            known = effect.find(view_of(claim))
+        except Exception:  # in progress, or what it keeps could not be read: nothing known
+            logger.info("step %s/%s: its effect's find told nothing", claim.operation.key, step)
+            known = None
+        if known is None:
+            return _without_reads(
+                claim, system, actor=actor, replayed=replay is not None, look=look
+            )
     try:
-        found = effect.find(view_of(claim))
+        found = known if not system.reads else effect.find(view_of(claim))
     except StillInProgress as exc:  # there, neither done nor refused: never "not found"
         telemetry.note(transaction=telemetry.NONE)
         reason = f"still in progress at the provider ({exc})"[:500]

@@ -25,7 +25,7 @@ from typing import Any
 from django.db.models import Q
 
 from payments.engine.history import first_id_from
-from payments.engine.systems import Ledger, LedgerEntry
+from payments.engine.systems import DEFAULT_SYSTEM, Ledger, LedgerEntry
 from payments.models import StepClaim
 from payments.observability.audit import AuditResult, RefundAuditResult, audit, audit_refunds
 
@@ -185,14 +185,17 @@ def audit_day(
     *,
     first: bool,
     last: bool,
+    system: str = DEFAULT_SYSTEM,
 ) -> DayAudit:
-    """Audit the claims of [start, end) against a system's objects of that day (`ledger`:
-    its declaration's)."""
+    """Audit `system`'s claims of [start, end) against its objects of that day (`ledger`:
+    its declaration's). A claim older than the claims' system column is the default
+    system's; another system's claims are judged against its own ledger, never this one."""
     listed_from = int((start - CLOCK_MARGIN).timestamp())
     listed_to = int((end + CLOCK_MARGIN).timestamp())
     listed = ledger(listed_from, listed_to)
     payments, refunds = listed.payments, listed.refunds
-    day = claims_of(start, end)
+    mine = ("", system) if system == DEFAULT_SYSTEM else (system,)
+    day = claims_of(start, end) & Q(system__in=mine)
     # Stale uncertain claims are judged once per run (whatever their age), not per day.
     charges = audit(payments, day, stale_claims=Q(pk__in=[]))
     charged = {payment.id: payment.amount for payment in payments}

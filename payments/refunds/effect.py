@@ -13,6 +13,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
+from payments.adyen.choice import ByPaymentSystem
+from payments.adyen.effects import AdyenRefund
 from payments.fence import ClaimView, EffectResult, ProviderEffect
 from payments.provider.client import Refund
 from payments.provider.errors import InvalidRequest, ResourceMissing
@@ -74,3 +76,9 @@ class RefundEffect(ProviderEffect):
         if refund.status in FAILED_STATUSES:
             return self.refused(refund.id, **data)
         return None
+
+
+class OrderRefund(ByPaymentSystem, RefundEffect):
+    """The refund at the system the order's payment went through (payments.adyen.choice)."""
+
+    ADYEN = AdyenRefund

@@ -19,6 +19,7 @@ from typing import Any
 
 from django.db import transaction
 
+from payments.adyen.choice import payment_system_of
 from payments.entities import lock_order, money_line
 from payments.exceptions import InvalidTransition
 from payments.fence import Desk, EffectResult, Run, create_operation_in_tx, operation
@@ -35,7 +36,7 @@ from payments.models import (
 from payments.money import format_money
 from payments.provider.client import ProviderClient
 from payments.provider.errors import ProviderError
-from payments.refunds.effect import RefundEffect
+from payments.refunds.effect import OrderRefund
 from payments.refunds.names import CREDIT_NOTE, REFUND, REFUND_REVERSED, REFUND_STEP
 from payments.refunds.rules import not_refundable, refuse_unseen_in_tx
 
@@ -104,6 +105,8 @@ def request_refund(
             "amount": int(amount),
             "currency": order.currency,
             "payment_intent": invoice.provider_reference if invoice is not None else "",
+            # The system the payment went through, whatever the shop pays with today.
+            **payment_system_of(invoice.provider_reference if invoice is not None else ""),
         }
         if not Operation.objects.filter(client=client, scope=scope, key=key).exists():
             refuse_unseen_in_tx(order, seen)
@@ -355,7 +358,7 @@ def describe_refund(operation: Operation) -> str:
 @operation(
     REFUND,
     entity=Order,
-    steps={REFUND_STEP: RefundEffect, CREDIT_NOTE: None},
+    steps={REFUND_STEP: OrderRefund, CREDIT_NOTE: None},
     on_reversal=reverse_refund,
     desk=Desk(
         lock_entity=lock_order,
