@@ -130,6 +130,12 @@ def next_step(op: Operation, claim: StepClaim, look: ClaimLook | None) -> str:
         if replay_allowed(claim)
         else f" {who[:1].upper() + who[1:]} may no longer keep its key: it is settled {after}."
     )
+    if not reads and op.state != OperationState.NEEDS_REVIEW and claim.provider_reference:
+        return (
+            f"Waiting for {who}'s event: it answered with {claim.provider_reference}, whose "
+            f"outcome only its event tells (it offers no look-up). Unsettled at "
+            f"{when(replay_deadline(claim))}, it goes to review."
+        )
     if not reads and op.state != OperationState.NEEDS_REVIEW:
         return (
             f"Waiting: {who} offers no look-up, so the fence replays the request under the same "
@@ -322,7 +328,7 @@ def why_waiting(operation_ids: list[int]) -> dict[int, str]:
         ClaimLook.objects.filter(
             claim__operation_id__in=operation_ids, claim__state__in=UNSETTLED_CLAIM_STATES
         )
-        .select_related("claim")
+        .select_related("claim__operation")  # its kind names a legacy claim's system
         .order_by("last_look_at")
     )
     said: dict[int, str] = {}

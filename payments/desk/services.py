@@ -46,7 +46,8 @@ from payments.engine.dispatch import dispatch_on_commit
 from payments.engine.effects import EffectResult, StillInProgress
 from payments.engine.handlers import HandlerSpec, get_handler
 from payments.engine.outcomes import Outcome
-from payments.engine.steps import past_grace, replay_allowed, view_of
+from payments.engine.steps import claim_system, past_grace, replay_allowed, view_of
+from payments.engine.systems import ExternalSystem
 from payments.exceptions import InvalidTransition
 from payments.models import ClaimLook, ClaimState, Operation, OperationState, StepClaim
 
@@ -368,9 +369,11 @@ def mark_step_failed(
             "nothing was changed",
             operation_key=op.key,
         ) from exc
-    fence.note_provider_view(
-        claim, now, source=f"mark failed by {actor}", actor=actor, requests=sent
-    )
+    system = claim_system(claim)
+    if now is not None or system.reads:  # a system without reads showed nothing: none noted
+        fence.note_provider_view(
+            claim, now, source=f"mark failed by {actor}", actor=actor, requests=sent
+        )
     if now is not None and now.outcome == Outcome.SUCCESS:
         _settle_done_and_resume(op, claim, spec, now, actor=actor, reason=reason, requests=sent)
         raise FoundSucceeded(
@@ -399,10 +402,10 @@ def mark_step_failed(
             row,
             ClaimState.FAILED,
             actor=actor,
-            reason=f"marked failed ({_voided(now)}): {reason}",
+            reason=f"marked failed ({_voided(now, system)}): {reason}",
             reference=now.reference if now is not None else None,
-            result=now.as_result() if now is not None else {"status": "not_found"},
-            error=f"marked failed by {actor} ({_voided(now)}): {reason}",
+            result=now.as_result() if now is not None else _unseen(system),
+            error=f"marked failed by {actor} ({_voided(now, system)}): {reason}",
             requests=sent,
         )
         if locked.state != OperationState.FAILED:
@@ -410,8 +413,8 @@ def mark_step_failed(
                 locked,
                 OperationState.FAILED,
                 actor=actor,
-                reason=f"step {step} marked failed ({_voided(now)}): {reason}",
-                last_error=f"step {step} marked failed by {actor} ({_voided(now)})",
+                reason=f"step {step} marked failed ({_voided(now, system)}): {reason}",
+                last_error=f"step {step} marked failed by {actor} ({_voided(now, system)})",
             )
             if spec.on_failure is not None:
                 spec.on_failure(locked)
@@ -419,8 +422,21 @@ def mark_step_failed(
     return settled
 
 
-def _voided(now: EffectResult | None) -> str:
-    """What the provider showed when a step was marked failed, in a few words."""
+def _unseen(system: ExternalSystem) -> dict[str, str]:
+    """The result of a step marked failed with nothing seen at its system: "not found" by a
+    consistent read, or (a system without reads) the operator's reading of its report."""
+    if system.reads:
+        return {"status": "not_found"}
+    return {
+        "status": "marked_failed",
+        "evidence": f"the operator's reading of {system.label}'s report",
+    }
+
+
+def _voided(now: EffectResult | None, system: ExternalSystem) -> str:
+    """What the system showed when a step was marked failed, in a few words."""
+    if now is None and not system.reads:
+        return f"{system.label} offers no look-up: the operator's reading of its report"
     if now is None:
         return "not at the provider, past the grace since the last request"
     status = str(now.data.get("status") or now.outcome)

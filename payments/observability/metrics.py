@@ -317,13 +317,16 @@ class FenceCollector(Collector):
         may be forgotten there (negative: past it; only a person settles it now)."""
         deadlines = GaugeMetricFamily(
             "payments_replay_deadline_seconds",
-            "Seconds until the nearest replay deadline of an uncertain claim, by external "
-            "system (its key's first use plus the system's key retention, less a margin); "
-            "negative once past. Absent: no uncertain claim on that system.",
+            "Seconds until the nearest replay deadline of an uncertain claim not held for a "
+            "person, by external system (its key's first use plus the system's key retention, "
+            "less a margin); negative once past. Absent: no such claim on that system.",
             labels=["system"],
         )
+        # A claim held for a person (its deadline passed, a contradiction) has its person:
+        # it must not hide the next claim nearing its own deadline.
         firsts = (
             StepClaim.objects.filter(state=ClaimState.UNCERTAIN)
+            .exclude(look__hold__gt="")
             .values_list("system", "operation__kind", "step")
             .annotate(first=Min("claimed_at"))
             .values_list("system", "operation__kind", "step", "first")

@@ -6,6 +6,7 @@ on commit, so `django_capture_on_commit_callbacks` shows what would be sent.
 
 from __future__ import annotations
 
+import dataclasses
 from datetime import timedelta
 
 import pytest
@@ -16,7 +17,7 @@ from payments.checkout.handler import CheckoutNotAllowed, request_checkout
 from payments.checkout.orders import create_order
 from payments.desk import services as desk
 from payments.desk.services import DeskError, ReasonRequired
-from payments.engine import fence
+from payments.engine import fence, systems
 from payments.engine.signals import operation_state_changed
 from payments.engine.writes import fence_writes
 from payments.models import (
@@ -505,3 +506,25 @@ def test_available_actions__explain_what_the_state_refuses(provider):
     assert actions.settleable_steps == ["charge"]
     assert "uncertain" in actions.refused["resume"]
     assert "only a failed operation" in actions.refused["new_attempt"]
+
+
+def test_mark_step_failed__a_system_without_reads__records_the_operators_reading_not_a_read(
+    provider, operator, settings, monkeypatch
+):
+    """Nothing was read (the system offers no look-up): the step is failed on the operator's
+    reading of the system's report, and says so; no "not found" is made up."""
+    declared = dataclasses.replace(systems.system_named("provider"), reads=())
+    monkeypatch.setitem(systems._declared, "provider", declared)
+    settings.PAYMENTS = {**settings.PAYMENTS, "PROVIDER_KEY_RETENTION": 4 * 3600}
+    op, claim, _ = builders.uncertain(key="blind-mark", charged=False, age=timedelta(hours=5))
+
+    settled = desk.mark_step_failed(op, "charge", user=operator, reason="Adyen report: none")
+
+    assert settled.state == ClaimState.FAILED
+    assert settled.result == {
+        "status": "marked_failed",
+        "evidence": "the operator's reading of the provider's report",
+    }
+    assert "offers no look-up: the operator's reading of its report" in settled.error
+    claim.refresh_from_db()
+    assert (claim.provider_view or {}).get("status") != "not_found"

@@ -6,11 +6,13 @@ subprocess runs of the command must see the committed rows.
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import os
 import subprocess
 import sys
+import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -20,7 +22,8 @@ from django.core.management.base import CommandError
 from django.db import connection, transaction
 from django.utils import timezone
 
-from payments.engine import fence
+from payments.engine import fence, systems
+from payments.engine.systems import Ledger, LedgerEntry
 from payments.engine.writes import fence_writes
 from payments.management.commands.fence_audit import parse_since
 from payments.models import ClaimState, FenceAuditRun, Operation
@@ -270,3 +273,23 @@ def test_fence_audit__shows_a_success_we_left_uncertain_on_its_claim(provider, q
     assert (view["source"], view["status"]) == ("fence_audit", "succeeded")
     assert view["reference"].startswith("pi_") and view["amount"] == claim.request["amount"]
     assert claim.state == ClaimState.UNCERTAIN  # an observation: the reconciler settles it
+
+
+def test_an_over_refund__the_table_names_the_payment_and_exits_1(monkeypatch):
+    """The table's over-refund line read a key the audit no longer writes (a KeyError, a
+    traceback instead of the finding, exactly when money was given back twice)."""
+    paid = LedgerEntry("pay_1", succeeded=True, metadata={}, amount=1000, created=int(time.time()))
+    refunds = [
+        LedgerEntry(f"ref_{n}", succeeded=True, metadata={}, amount=700, created=paid.created,
+                    parent="pay_1")
+        for n in (1, 2)
+    ]  # fmt: skip
+    declared = dataclasses.replace(
+        systems.system_named("provider"), ledger=lambda _f, _t: Ledger([paid], refunds)
+    )
+    monkeypatch.setitem(systems._declared, "provider", declared)
+
+    output, code = audit("--since", "1h")
+
+    assert "pay_1: refunded 1400 of 1000" in output
+    assert code == 1

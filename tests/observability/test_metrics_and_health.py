@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+from datetime import timedelta
 
 import pytest
 from django.contrib.auth import get_user_model
@@ -346,3 +347,16 @@ def test_healthz__503_naming_redis_when_it_is_unreachable(client, settings, clos
 def test_healthz__needs_no_authentication_and_answers_only_get(client, redis_conn):
     assert client.post("/healthz").status_code == 405
     assert client.head("/healthz").status_code == 200
+
+
+def test_metrics__a_claim_held_for_a_person__does_not_hide_the_next_deadline(
+    client, metrics_token, provider
+):
+    """Past its deadline a claim is held for a person; the gauge tells of the next one."""
+    _, held, _ = builders.uncertain(key="held", charged=False, age=timedelta(hours=30))
+    fence.hold_looks(held, "its replay window ended: a person decides")
+    _, waiting, _ = builders.uncertain(key="waiting", charged=False, age=timedelta(hours=2))
+
+    seconds = value(scrape(client), "payments_replay_deadline_seconds", system="provider")
+
+    assert 20 * 3600 < seconds < 21 * 3600  # 24 h less the hour's margin, 2 h gone

@@ -26,11 +26,10 @@ from payments.engine import fence
 from payments.engine.effects import EffectResult
 from payments.engine.facts import SystemUnavailable
 from payments.engine.outcomes import Outcome
-from payments.engine.systems import DEFAULT_SYSTEM, system_named
+from payments.engine.systems import DEFAULT_SYSTEM, ExternalSystem, NotAtSystem, system_named
 from payments.models import ClaimState, FenceAuditRun, StepClaim
 from payments.observability.audit import audit
 from payments.observability.audit_window import WindowAudit, audit_day, days
-from payments.provider.client import ProviderClient
 from payments.provider.errors import ProviderError
 
 _UNITS = {"m": "minutes", "h": "hours", "d": "days"}
@@ -87,23 +86,27 @@ class Command(BaseCommand):
         checkpoint: datetime | None = None
         spans = list(days(window_start, started))
         try:
-            ledger = system_named(DEFAULT_SYSTEM).ledger
-            assert ledger is not None  # the provider's declaration lists its objects
-            with ProviderClient.from_settings() as client:
-                for n, (start, end) in enumerate(spans):
-                    day = audit_day(ledger, start, end, first=n == 0, last=n == len(spans) - 1)
-                    self._note_on_claims(client, day.charges.unfenced)
-                    totals.add_day(day)
-                    checkpoint = end
-                    if options["verbosity"] >= 2:
-                        self.stdout.write(
-                            f"  {start:%Y-%m-%d %H:%M}: {day.intents_listed} intents, "
-                            f"{day.refunds_listed} refunds listed"
-                        )
-                    # One day at a time: neither this day's objects nor their cyclic
-                    # garbage (responses, parsed pages) are held while the next is listed.
-                    del day
-                    gc.collect()
+            system = system_named(DEFAULT_SYSTEM)
+            ledger = system.ledger
+            if ledger is None:
+                raise CommandError(
+                    f"fence audit: system {DEFAULT_SYSTEM!r} declares no ledger to audit against",
+                    returncode=2,
+                )
+            for n, (start, end) in enumerate(spans):
+                day = audit_day(ledger, start, end, first=n == 0, last=n == len(spans) - 1)
+                self._note_on_claims(system, day.charges.unfenced)
+                totals.add_day(day)
+                checkpoint = end
+                if options["verbosity"] >= 2:
+                    self.stdout.write(
+                        f"  {start:%Y-%m-%d %H:%M}: {day.intents_listed} intents, "
+                        f"{day.refunds_listed} refunds listed"
+                    )
+                # One day at a time: neither this day's objects nor their cyclic
+                # garbage (responses, parsed pages) are held while the next is listed.
+                del day
+                gc.collect()
         except (ProviderError, SystemUnavailable) as exc:
             cause = exc.__cause__ if isinstance(exc, SystemUnavailable) else exc
             reason = f"provider could not be read: {type(cause or exc).__name__}"
@@ -173,10 +176,10 @@ class Command(BaseCommand):
                 [f"{d['step']}: {', '.join(d['references'])}" for d in refunds["double_refunds"]],
             ),
             (
-                "Intents refunded more than they were charged (over-refunds)",
+                "Payments refunded more than they were charged (over-refunds)",
                 "over_refunds",
                 [
-                    f"{a['payment_intent']}: refunded {a['refunded']} of {a['charged']}"
+                    f"{a['payment']}: refunded {a['refunded']} of {a['charged']}"
                     for a in refunds["over_refunds"]
                 ],
             ),
@@ -203,31 +206,32 @@ class Command(BaseCommand):
                 self.stdout.write(f"  ... and {total - len(lines)} more")
 
     @staticmethod
-    def _note_on_claims(client: ProviderClient, unfenced: list[str]) -> None:
+    def _note_on_claims(system: ExternalSystem, unfenced: list[str]) -> None:
         """Show each unfenced success on the unsettled claim that asked for it (the desk reads it).
 
-        A claim left uncertain, or in review, whose request the provider did
-        execute: the operator sees the provider's answer beside ours. Findings
-        are few: one lookup each.
+        A claim left uncertain, or in review, whose request the system did
+        execute: the operator sees the system's answer beside ours. Findings
+        are few: one lookup each (the system's `describe`), none when it has none.
         """
         for ref in unfenced:
-            intent = client.retrieve_payment_intent(ref)
-            key, step = intent.metadata.get("operation_key"), intent.metadata.get("step")
+            try:
+                shown = system.describe(ref) if system.describe is not None else None
+            except NotAtSystem:
+                shown = None
+            if shown is None:
+                continue
+            key, step = shown.metadata.get("operation_key"), shown.metadata.get("step")
             if not key or not step:
                 continue
             claims = StepClaim.objects.filter(operation__key=key, step=step).exclude(
                 state=ClaimState.DONE
             )
-            if "operation_id" in intent.metadata:
-                claims = claims.filter(operation_id=intent.metadata["operation_id"])
+            if "operation_id" in shown.metadata:
+                claims = claims.filter(operation_id=shown.metadata["operation_id"])
             found = EffectResult(
                 Outcome.SUCCESS,
-                reference=intent.id,
-                data={
-                    "status": intent.status,
-                    "amount": intent.amount,
-                    "currency": intent.currency,
-                },
+                reference=ref,
+                data={"status": shown.status, "amount": shown.amount, "currency": shown.currency},
             )
             for claim in claims:
                 fence.note_provider_view(claim, found, source="fence_audit")
