@@ -285,6 +285,17 @@ PAYMENTS["SYSTEMS"] = {
         "OPTIONS": {"EXPORT_PAID_ORDERS": env.bool("ACCOUNTING_EXPORT", default=False)},
     },
 }
+# Adyen (payments/adyen, docs/adyen.md), for the shops whose payment_system is "adyen":
+# configured where ADYEN_URL is set (the Checkout API's base URL, its version included).
+if env.str("ADYEN_URL", default=""):
+    PAYMENTS["SYSTEMS"]["adyen"] = {
+        "URL": env.str("ADYEN_URL"),
+        "API_KEY": env.str("ADYEN_API_KEY"),
+        "OPTIONS": {
+            "MERCHANT_ACCOUNT": env.str("ADYEN_MERCHANT_ACCOUNT"),
+            "HMAC_KEY": env.str("ADYEN_HMAC_KEY"),
+        },
+    }
 
 # The console backend (DEBUG's default) prints customers' addresses into the logs;
 # without DEBUG it is refused at start-up, and the default is SMTP (EMAIL_HOST...).
