@@ -96,12 +96,23 @@ class Export:
             "invoices_at_accounting": sum(made[x] for x in exported),
             # the same export made twice at the accounting system: what the fence prevents
             "double_invoices": sum(1 for x in exported if made[x] > 1),
-            # an invoice no export operation asked for (the fake is the run's): outside the fence
-            "invoices_outside_the_fence": sum(n for x, n in made.items() if x not in exported),
+            # the same export made twice, of any operation (a leftover job of an earlier run
+            # exports to this run's fake too)
+            "double_invoices_any_operation": sum(1 for n in made.values() if n > 1),
+            # an invoice no export operation asked for: outside the fence
+            "invoices_outside_the_fence": sum(
+                n for x, n in made.items() if x not in exported and not _an_export(x)
+            ),
             "paid_orders_exported_once": sum(
                 1 for o in paid_ids if o in succeeded and made[_id_of(exported, o)] == 1
             ),
         }
+
+
+def _an_export(reference: str) -> bool:
+    """Whether an external id names an export operation of this database (`key@id`)."""
+    key, _, pk = reference.rpartition("@")
+    return pk.isdigit() and Operation.objects.filter(pk=int(pk), key=key).exists()
 
 
 def _id_of(exported: dict[str, Operation], order_id: int) -> str:

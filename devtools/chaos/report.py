@@ -110,6 +110,7 @@ def table(result: ChaosResult) -> list[str]:
     ]
     shown = _shown(r)
     rows += [(label, shown.get(key, "-")) for label, key in ROWS]
+    rows += adyen_rows(r)
     rows += export_rows(r)
     rows += webhook_rows(r)
     rows += incident_rows(r)
@@ -136,6 +137,35 @@ EXPORT_ROWS = [
     ("  invoices outside the fence", "invoices_outside_the_fence"),
     ("  paid orders exported exactly once", "paid_orders_exported_once"),
 ]
+
+
+ADYEN_ROWS = [
+    ("orders through the Adyen shop", "orders"),
+    ("  payments Adyen authorised", "adyen_payments_authorised"),
+    ("  of them taken (not cancelled since)", "adyen_payments_taken"),
+    ("  orders charged twice at Adyen", "adyen_double_charges"),
+    ("  Adyen payments outside the fence", "adyen_payments_outside_the_fence"),
+    ("  Adyen refunds", "adyen_refunds"),
+    ("  refund steps refunded twice at Adyen", "adyen_double_refunds"),
+    ("  Adyen payments refunded more than charged", "adyen_over_refunds"),
+    ("  Adyen payments captured twice", "adyen_double_captures"),
+    ("  faults at Adyen", "adyen_faults"),
+    ("  same-key replays Adyen answered", "adyen_replays"),
+    ("  notification items / accepted", "notifications_line"),
+]
+
+
+def adyen_rows(r: dict[str, object]) -> list[tuple[str, object]]:
+    """The Adyen shop's figures (devtools.chaos.adyen), or "off"."""
+    adyen = r.get("adyen")
+    if not isinstance(adyen, dict):
+        return [("orders through Adyen", "off")]
+    sent = adyen.get("adyen_notifications") or {}
+    line = (
+        f"{sent.get('items', '-')} / {sent.get('accepted', '-')}" if isinstance(sent, dict) else "-"
+    )
+    values = {**adyen, "notifications_line": line}
+    return [(label, values.get(key)) for label, key in ADYEN_ROWS]
 
 
 def export_rows(r: dict[str, object]) -> list[tuple[str, object]]:

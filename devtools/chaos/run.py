@@ -30,6 +30,9 @@ from redis import Redis
 from redis.exceptions import RedisError
 from rq.worker import Worker
 
+from devtools.chaos.adyen import CARD as ADYEN_CARD
+from devtools.chaos.adyen import DECLINED as ADYEN_DECLINED
+from devtools.chaos.adyen import AdyenShop
 from devtools.chaos.export import Export
 from devtools.chaos.incident import (
     RECOVERY_PATIENCE,
@@ -43,6 +46,7 @@ from devtools.databases.scratch import claim_scratch, flush_scratch
 from devtools.topology.stack import Proc, Stack, free_port
 from payments.conf import payments_settings
 from payments.engine.queues import payments_queue
+from payments.engine.systems import DEFAULT_SYSTEM
 from payments.models import (
     ClaimState,
     CreditNote,
@@ -63,6 +67,8 @@ from payments.refunds.names import REFUND, REFUND_STEP
 SETTLED = frozenset({OperationState.SUCCEEDED, OperationState.FAILED, OperationState.NEEDS_REVIEW})
 #: Orders that were charged: paid, and possibly given (part of) the money back since.
 CHARGED = frozenset({OrderStatus.PAID, OrderStatus.PARTIALLY_REFUNDED, OrderStatus.REFUNDED})
+#: The claims judged against the provider's lists: its own (older claims name none).
+PROVIDERS = Q(system__in=("", DEFAULT_SYSTEM))
 
 #: The demo's timeout chain: 1 + 3 < 6 <= 8 (a killed worker's work is picked up in 8 s).
 CHAOS_TIMEOUTS = {
@@ -111,6 +117,9 @@ class ChaosConfig:
     #: Every paid order exported to a fake accounting API of the run (devtools.chaos.export),
     #: under the charges' drop, fail and slow rates and the same worker kills.
     export: bool = True
+    #: The share of orders made and paid through a shop of the run's own that pays through a
+    #: fake Adyen (devtools.chaos.adyen), under the same rates and kills; 0: none.
+    adyen_rate: float = 0.3
 
 
 @dataclass
@@ -122,6 +131,8 @@ class ChaosResult:
     orders: list[tuple[int, int]] = field(default_factory=list)
     #: The keys of the orders paid by manual capture (a subset of `keys`).
     capture_keys: list[str] = field(default_factory=list)
+    #: The indexes (in `orders`) of the orders made and paid through the Adyen shop.
+    adyen_orders: set[int] = field(default_factory=set)
     #: Idempotency keys of the refunds the API accepted.
     refund_keys: list[str] = field(default_factory=list)
     #: Refunds the API refused (409): each one is a violation, the plan never exceeds a charge.
@@ -188,6 +199,7 @@ def run_chaos(
     }
     if config.flush:
         claim_scratch(payments_queue().connection, "the chaos run")
+    fail_half = config.fail_rate / 2
     stack = Stack(env=env, log_dir=log_dir / run_id)
     webhooks = Webhooks(stack) if config.webhooks else None
     if webhooks is not None:
@@ -199,7 +211,13 @@ def run_chaos(
     )
     if export is not None:
         env.update(export.env())
-    fail_half = config.fail_rate / 2
+    adyen = (
+        AdyenShop(config.drop_rate, fail_half, config.slow_rate, seed=config.seed)
+        if config.adyen_rate > 0
+        else None
+    )
+    if adyen is not None:
+        env.update(adyen.env())
     faults = [
         "--seed", str(config.seed),
         "--drop-after-accept-rate", str(config.drop_rate),
@@ -215,6 +233,8 @@ def run_chaos(
         stack.start_provider(provider_port, *faults)
         if export is not None:
             export.start(stack)
+        if adyen is not None:
+            adyen.start(stack, api_port, run_id)
         stack.start_api(api_port)
         if webhooks is not None:
             webhooks.start_endpoint()
@@ -250,9 +270,10 @@ def run_chaos(
         incident = _start_incident(config, result, provider_port, stop, say)
         reckless = _start_reckless(config, run_id, env, stop) if config.reckless else None
         api = _api_session()
-        result.keys = _checkout(config, rng, api, api_port, run_id, stack, result, say)
+        shops = Shops(api, adyen.session() if adyen is not None else None)
+        result.keys = _checkout(config, rng, shops, api_port, run_id, stack, result, say)
         plan = plan_refunds(config, [amount for _, amount in result.orders])
-        _refund(plan, api, api_port, run_id, result, deadline, say)
+        _refund(plan, shops, api_port, run_id, result, deadline, say)
         attempts = reckless.keys if reckless is not None else list
         result.settled_in_time = _wait_settled(
             run_id, deadline - time.monotonic(), say, attempts=attempts
@@ -282,7 +303,13 @@ def run_chaos(
         result.drained_seconds = time.monotonic() - started
         provider_url = f"http://127.0.0.1:{provider_port}"
         caught = result.report.get("incident")
-        result.report = _measure(result, provider_url)
+        adyen_refunded = read_db(adyen.refunded_by_order) if adyen is not None else {}
+        result.report = _measure(result, provider_url, adyen_refunded)
+        if adyen is not None:
+            result.report["adyen"] = {
+                "orders": len(result.adyen_orders),
+                **read_db(adyen.figures),
+            }
         if export is not None:
             result.report["export"] = read_db(
                 lambda: export.figures([order for order, _ in result.orders], CHARGED)
@@ -394,10 +421,25 @@ def _api_session() -> requests.Session:
     return api
 
 
+@dataclass
+class Shops:
+    """The API sessions the run's orders are made through: the provider's shop (API_TOKEN's
+    client) and, when the run has one, the shop that pays through Adyen."""
+
+    provider: requests.Session
+    adyen: requests.Session | None
+
+    def of(self, result: ChaosResult, index: int) -> requests.Session:
+        """The session of the shop that made order `index`."""
+        if index in result.adyen_orders and self.adyen is not None:
+            return self.adyen
+        return self.provider
+
+
 def _checkout(
     config: ChaosConfig,
     rng: random.Random,
-    api: requests.Session,
+    shops: Shops,
     api_port: int,
     run_id: str,
     stack: Stack,
@@ -408,13 +450,20 @@ def _checkout(
     keys = []
     for i in range(config.orders):
         amount = 500 + rng.randrange(50_000)
+        through_adyen = shops.adyen is not None and rng.random() < config.adyen_rate
+        if through_adyen:
+            result.adyen_orders.add(i)
+        api = shops.of(result, i)
         order = _post(
             api,
             f"{base}/orders",
             {"amount": amount, "currency": "eur", "email": f"chaos{i}@example.com"},
         )
         key = f"chaos-{run_id}-{i}"
-        card = "pm_card_chargeDeclined" if rng.random() < config.decline_rate else "pm_card_visa"
+        declined = rng.random() < config.decline_rate
+        card = "pm_card_chargeDeclined" if declined else "pm_card_visa"
+        if through_adyen:
+            card = ADYEN_DECLINED if declined else ADYEN_CARD
         if rng.random() < config.capture_rate:  # a hold, then a capture of part or all of it
             captured = max(1, int(amount * (0.5 + 0.5 * rng.random())))
             body = {"payment_method": card, "amount_to_capture": captured}
@@ -510,7 +559,7 @@ def plan_refunds(config: ChaosConfig, amounts: list[int]) -> dict[int, tuple[int
 
 def _refund(
     plan: dict[int, tuple[int, ...]],
-    api: requests.Session,
+    shops: Shops,
     api_port: int,
     run_id: str,
     result: ChaosResult,
@@ -549,7 +598,7 @@ def _refund(
                     key = f"chaos-{run_id}-refund-{i}-{n}"
                     try:
                         _post(
-                            api,
+                            shops.of(result, i),
                             f"{base}/orders/{order_id}/refunds",
                             {"amount": amount},
                             headers={"Idempotency-Key": key},
@@ -637,7 +686,12 @@ def _wait_settled(
     return False
 
 
-def _measure(result: ChaosResult, provider_url: str) -> dict[str, object]:
+def _measure(
+    result: ChaosResult, provider_url: str, adyen_refunded: dict[int, int]
+) -> dict[str, object]:
+    """The run's figures at the provider (its lists) and in the database; the Adyen shop's
+    orders are judged against Adyen's own record (devtools.chaos.adyen), their refunds
+    given back counted per order here too (`adyen_refunded`)."""
     keys = [*result.keys, *result.attempt_keys]
     ops = Operation.objects.filter(key__in=result.keys)
     order_ids = [int(i) for i in ops.values_list("entity_id", flat=True)]
@@ -649,7 +703,7 @@ def _measure(result: ChaosResult, provider_url: str) -> dict[str, object]:
         pi for pi in client.list_payment_intents() if pi.metadata.get("operation_key") in wanted
     ]
     charged_orders = {int(pi.metadata["order_id"]) for pi in intents if pi.status == "succeeded"}
-    found = audit([intent_entry(pi) for pi in intents], Q(operation__key__in=keys))
+    found = audit([intent_entry(pi) for pi in intents], Q(operation__key__in=keys) & PROVIDERS)
     # Paid, whether refunded since or not: a refund does not undo the charge's invoice.
     paid = Order.objects.filter(pk__in=order_ids, status__in=CHARGED)
     invoices = dict(
@@ -724,7 +778,7 @@ def _measure(result: ChaosResult, provider_url: str) -> dict[str, object]:
         "uncertain_settled_by_an_operator": len(settled & operated),
         # still unknown, parked for a person (needs review) when the run ended
         "uncertain_left_for_review": left.filter(state=OperationState.NEEDS_REVIEW).count(),
-        **_measure_refunds(result, order_ids, intents, client),
+        **_measure_refunds(result, order_ids, intents, client, adyen_refunded),
         "workers_killed": result.killed,
         "redis_flushed": result.flushed,
         "drain_seconds": round(result.drained_seconds, 1),
@@ -763,8 +817,10 @@ def _measure_refunds(
     order_ids: list[int],
     intents: list[PaymentIntent],
     client: ProviderClient,
+    adyen_refunded: dict[int, int],
 ) -> dict[str, object]:
-    """The refund figures, against the provider's own list of refunds of the run's charges."""
+    """The refund figures, against the provider's own list of refunds of the run's charges
+    (and Adyen's refunds per order, for the orders' own figures)."""
     amount_of = dict(result.orders)
     # What each charge took: a capture may take part of what it held.
     charged = {pi.id: pi.amount_received or pi.amount for pi in intents if pi.status == "succeeded"}
@@ -772,12 +828,14 @@ def _measure_refunds(
     refunds_by_intent = {
         pi: [refund_entry(r) for r in client.list_refunds(payment_intent=pi)] for pi in charged
     }
-    refund_claims = Q(operation__kind=REFUND, operation__entity_id__in=[str(i) for i in order_ids])
+    refund_claims = (
+        Q(operation__kind=REFUND, operation__entity_id__in=[str(i) for i in order_ids]) & PROVIDERS
+    )
     # The fence_audit's own judgement: double refunds per step, refunds without a claim.
     found = audit_refunds(refunds_by_intent, charged, refund_claims)
     # Over-refunds per order, across all its charges.
     order_of_intent = {pi.id: int(pi.metadata["order_id"]) for pi in intents}
-    refunded_at_provider: dict[int, int] = {}
+    refunded_at_provider: dict[int, int] = dict(adyen_refunded)
     for intent, refunds in refunds_by_intent.items():
         order_id = order_of_intent[intent]
         for refund in refunds:
@@ -920,9 +978,20 @@ def _money_violations(r: dict[str, object]) -> list[str]:
         problems.append("an order with more than one invoice")
     if r["double_captures"]:
         problems.append(f"{r['double_captures']} orders captured twice")
+    adyen = r.get("adyen")
+    if isinstance(adyen, dict):
+        for figure, words in (
+            ("adyen_double_charges", "orders charged twice at Adyen"),
+            ("adyen_double_refunds", "refund steps refunded twice at Adyen"),
+            ("adyen_over_refunds", "Adyen payments refunded more than charged"),
+            ("adyen_double_captures", "Adyen payments captured twice"),
+            ("adyen_payments_outside_the_fence", "Adyen payments outside the fence"),
+        ):
+            if adyen[figure]:
+                problems.append(f"{adyen[figure]} {words}")
     export = r.get("export")
-    if isinstance(export, dict) and export["double_invoices"]:
-        problems.append(f"{export['double_invoices']} invoices exported twice")
+    if isinstance(export, dict) and export["double_invoices_any_operation"]:
+        problems.append(f"{export['double_invoices_any_operation']} invoices exported twice")
     if isinstance(export, dict) and export["invoices_outside_the_fence"]:
         problems.append(f"{export['invoices_outside_the_fence']} invoices outside the fence")
     return problems

@@ -130,11 +130,15 @@ def test_never_claimed__a_success_whose_claim_is_in_flight_is_not_counted(provid
     assert never_claimed([reference, "pi_outside", "pi_no_key"], metadata) == 2
 
 
-EXPORTED = {"double_invoices": 0, "invoices_outside_the_fence": 0, "paid_orders_exported_once": 10}
+EXPORTED = {
+    "double_invoices_any_operation": 0,
+    "invoices_outside_the_fence": 0,
+    "paid_orders_exported_once": 10,
+}
 
 
 def test_export__a_double_invoice_is_a_violation_drained_or_not():
-    export = {**EXPORTED, "double_invoices": 1}
+    export = {**EXPORTED, "double_invoices_any_operation": 1}
     assert _violations(result_with(settled_in_time=False, export=export)) == [
         "1 invoices exported twice"
     ]

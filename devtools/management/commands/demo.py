@@ -56,6 +56,7 @@ class DemoOptions(TypedDict):
     grace: int
     no_webhooks: bool
     no_export: bool
+    adyen_rate: float
     endpoint_down: float
     incident: float
     incident_drop: float
@@ -162,6 +163,15 @@ class Command(BaseCommand):
             "workers' replays alone.",
         )
         parser.add_argument(
+            "--adyen-rate",
+            type=_rate,
+            default=d.adyen_rate,
+            metavar="RATE",
+            help="The share of orders made and paid (checkouts, captures, refunds) through a "
+            "shop that pays through a fake Adyen of the run's own, under the same rates and "
+            "kills, its signed notifications to the run's web process; 0: none.",
+        )
+        parser.add_argument(
             "--no-export",
             action="store_true",
             help="No invoice export: by default every paid order is exported to a fake "
@@ -242,6 +252,7 @@ class Command(BaseCommand):
             reckless=not options["no_reckless"], search_lag=options["search_lag"],
             grace=options["grace"], incident=options["incident"],
             incident_drop=options["incident_drop"], export=not options["no_export"],
+            adyen_rate=options["adyen_rate"],
         )  # fmt: skip
         var = Path(settings.BASE_DIR) / "var"
         self.stdout.write(
