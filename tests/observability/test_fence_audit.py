@@ -293,3 +293,15 @@ def test_an_over_refund__the_table_names_the_payment_and_exits_1(monkeypatch):
 
     assert "pay_1: refunded 1400 of 1000" in output
     assert code == 1
+
+
+def test_the_systems_it_does_not_audit__named_with_why(provider):
+    """Adyen offers no list to audit against, the accounting system moves no money: the
+    report says so instead of leaving them out in silence (issue 38: it 'ignores' them)."""
+    output, code = audit("--since", "1h")
+    as_json = json.loads(audit("--since", "1h", "--format", "json")[0])
+
+    assert "Not audited: Adyen (adyen): it offers no list of its payments" in output
+    assert "Not audited: the accounting system (accounting): it moves no money" in output
+    assert {"adyen", "accounting"} <= {item["system"] for item in as_json["not_audited"]}
+    assert code == 0

@@ -26,7 +26,13 @@ from payments.engine import fence
 from payments.engine.effects import EffectResult
 from payments.engine.facts import SystemUnavailable
 from payments.engine.outcomes import Outcome
-from payments.engine.systems import DEFAULT_SYSTEM, ExternalSystem, NotAtSystem, system_named
+from payments.engine.systems import (
+    DEFAULT_SYSTEM,
+    ExternalSystem,
+    NotAtSystem,
+    declared,
+    system_named,
+)
 from payments.models import ClaimState, FenceAuditRun, StepClaim
 from payments.observability.audit import audit
 from payments.observability.audit_window import WindowAudit, audit_day, days
@@ -126,6 +132,7 @@ class Command(BaseCommand):
         exit_code = 0 if totals.clean else 1
         summary = {
             **totals.as_summary(),
+            "not_audited": not_audited(),
             "since": options["since"],
             "window_start": window_start.isoformat(),
             "checkpoint": started.isoformat(),
@@ -261,6 +268,8 @@ class Command(BaseCommand):
             f"{summary['provider_successes']} provider successes, {summary['done_claims']} "
             "done claims in the window."
         )
+        for item in summary.get("not_audited", []):
+            self.stdout.write(f"Not audited: {item['label']} ({item['system']}): {item['why']}")
         sections = [
             (
                 "Entities charged more than once (double charges, across operations)",
@@ -300,3 +309,24 @@ class Command(BaseCommand):
             self.stdout.write(
                 self.style.SUCCESS("Clean: every provider success has exactly one done claim.")
             )
+
+
+def not_audited() -> list[dict[str, str]]:
+    """The declared systems this audit does not judge, and why: it lists the provider's
+    objects (its declared ledger); another system that moves money has its own record
+    (Adyen's settlement report, no list API), one that moves none has no money to check."""
+    found = []
+    for system in declared():
+        if system.name == DEFAULT_SYSTEM:
+            continue
+        if not system.moves_money:
+            why = "it moves no money; its own reads settle each step"
+        elif system.ledger is None:
+            why = (
+                "it offers no list of its payments to audit against: reconcile its done "
+                "steps with its own report (the desk shows each step's reference)"
+            )
+        else:
+            why = "its ledger is not audited by this command yet"
+        found.append({"system": system.name, "label": system.label, "why": why})
+    return found
