@@ -480,10 +480,7 @@ def _without_reads(
         LookShowed.UNREADABLE if replayed else LookShowed.NO_READ,
         f"{system.label} offers no look-up",
     )
-    if claim.state != ClaimState.UNCERTAIN:
-        fence.settle_claim(
-            claim, ClaimState.UNCERTAIN, actor=actor, error=f"{system.label} offers no look-up"
-        )
+    _still_uncertain(claim, actor, f"{system.label} offers no look-up")
     if fence.db_now() >= deadline:
         fence.hold_looks(
             claim,
