@@ -1,15 +1,18 @@
-"""A worker killed at each fence point of an Adyen charge: redelivered, one payment at Adyen.
+"""A worker killed at each fence point of an Adyen charge and capture: redelivered, once at Adyen.
 
 Real processes: `manage.py rqworker` (SIGKILLed by the failpoint), `run_recovery` beside
-it, the fake Adyen over HTTP. Transactional: the worker processes must see committed rows.
+it, the fake Adyen over HTTP; the workers read Adyen's entry from ADYEN_* variables, as a
+deployment's do. Transactional: the worker processes must see committed rows.
 """
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
+from devtools.fake_provider.adyen.server import FakeAdyenServer
 from payments.captures.handler import request_capture
 from payments.checkout.handler import request_checkout
 from payments.checkout.orders import create_order
@@ -20,12 +23,33 @@ from payments.engine.failpoints import (
     POINTS,
 )
 from payments.models import ClaimState, Invoice, Operation, OperationState, OrderStatus
-from tests.support.adyen import adyen_shop
-from tests.support.workers import SIMPLE, Supervisor, wait_until, worker_env
+from tests.support.adyen import adyen_shop, worker_env_of
+from tests.support.workers import SIMPLE, Supervisor, worker_env
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
 CARD = json.dumps({"type": "scheme", "holderName": "John Smith"})
+
+
+def crash_once_until_done(
+    fake: FakeAdyenServer, op: Operation, point: str, tmp_path: Path, timeout: float
+) -> None:
+    """Run a worker that is killed at `point` the first time a step reaches it (restarted
+    as a supervisor would), next to the recovery loop, until `op` succeeds."""
+    marker = tmp_path / "failpoint"
+    env = worker_env(
+        fake.url,
+        FENCE_FAILPOINTS=point,
+        FENCE_FAILPOINT_MARKER=str(marker),
+        **worker_env_of(fake.checkout_url),
+    )
+    supervisor = Supervisor(env, f"adyen-{op.key}", SIMPLE)
+    stderr = supervisor.run_until(
+        lambda: Operation.objects.get(pk=op.pk).state == OperationState.SUCCEEDED,
+        timeout=timeout,
+        what=f"{op.kind} to succeed after a crash at {point}",
+    )
+    assert marker.with_name(f"failpoint.{point}").exists(), f"no crash happened:\n{stderr}"
 
 
 @pytest.mark.parametrize("point", POINTS)
@@ -35,26 +59,9 @@ def test_adyen_crash_at_point__redelivery_charges_once_and_finishes(point, adyen
     op, _ = request_checkout(
         order_id=order.pk, key=f"adyen-crash-{point}", payment_method=CARD, actor="t", client=shop
     )
-    marker = tmp_path / "failpoint"
-    env = worker_env(
-        adyen.url,
-        FENCE_FAILPOINTS=point,
-        FENCE_FAILPOINT_MARKER=str(marker),
-        DJANGO_SETTINGS_MODULE="tests.adyen.worker_settings",
-        ADYEN_URL=adyen.checkout_url,
-    )
-    supervisor = Supervisor(env, f"adyen-crash-{point}", SIMPLE)
 
-    def succeeded() -> bool:
-        supervisor.poll()
-        return Operation.objects.get(pk=op.pk).state == OperationState.SUCCEEDED
+    crash_once_until_done(adyen, op, point, tmp_path, timeout=40)
 
-    try:
-        wait_until(succeeded, timeout=40, what=f"operation to succeed after a crash at {point}")
-    finally:
-        stderr = supervisor.stop()
-
-    assert marker.with_name(f"failpoint.{point}").exists(), f"no crash happened:\n{stderr}"
     order.refresh_from_db()
     assert order.status == OrderStatus.PAID
     assert adyen.state.authorised_count() == 1  # one payment at Adyen, whatever the crash
@@ -75,26 +82,9 @@ def test_adyen_capture_crash_at_point__one_hold_one_capture_and_finishes(
     op, _ = request_capture(
         order_id=order.pk, key=f"adyen-cap-{point}", payment_method=CARD, actor="t", client=shop
     )
-    marker = tmp_path / "failpoint"
-    env = worker_env(
-        adyen_to_app.url,
-        FENCE_FAILPOINTS=point,
-        FENCE_FAILPOINT_MARKER=str(marker),
-        DJANGO_SETTINGS_MODULE="tests.adyen.worker_settings",
-        ADYEN_URL=adyen_to_app.checkout_url,
-    )
-    supervisor = Supervisor(env, f"adyen-cap-{point}", SIMPLE)
 
-    def succeeded() -> bool:
-        supervisor.poll()
-        return Operation.objects.get(pk=op.pk).state == OperationState.SUCCEEDED
+    crash_once_until_done(adyen_to_app, op, point, tmp_path, timeout=60)
 
-    try:
-        wait_until(succeeded, timeout=60, what=f"capture to succeed after a crash at {point}")
-    finally:
-        stderr = supervisor.stop()
-
-    assert marker.with_name(f"failpoint.{point}").exists(), f"no crash happened:\n{stderr}"
     assert [(e["eventCode"], e["amount"]["value"]) for e in adyen_to_app.state.timeline()] == [
         ("AUTHORISATION", 4000),
         ("CAPTURE", 4000),

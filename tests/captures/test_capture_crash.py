@@ -11,7 +11,7 @@ import pytest
 from payments.captures.handler import request_capture
 from payments.checkout.orders import create_order
 from payments.models import ClaimState, Invoice, Operation, OperationState, OrderStatus
-from tests.support.workers import SIMPLE, Supervisor, wait_until, worker_env
+from tests.support.workers import SIMPLE, Supervisor, worker_env
 
 # Transactional: the worker processes must see the committed rows.
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -35,13 +35,11 @@ def test_crash_after_the_providers_200__redelivery_holds_once_and_captures_once(
     supervisor = Supervisor(env, f"capture-crash-{step}", SIMPLE)
 
     def succeeded() -> bool:
-        supervisor.poll()
         return Operation.objects.get(pk=op.pk).state == OperationState.SUCCEEDED
 
-    try:
-        wait_until(succeeded, timeout=40, what=f"capture to succeed after a crash at {point}")
-    finally:
-        stderr = supervisor.stop()
+    stderr = supervisor.run_until(
+        succeeded, timeout=40, what=f"capture to succeed after a crash at {point}"
+    )
 
     assert marker.with_name(f"failpoint.{point}").exists(), f"no crash happened:\n{stderr}"
     (intent,) = provider.state.intents(metadata={"operation_key": op.key})

@@ -28,7 +28,6 @@ from tests.support.workers import (
     SIMPLE,
     Supervisor,
     run_worker,
-    wait_until,
     worker_env,
 )
 
@@ -50,13 +49,11 @@ def test_crash_at_point__redelivery_charges_once_and_finishes(
     supervisor = Supervisor(env, f"crash-{point}", worker_class)
 
     def succeeded() -> bool:
-        supervisor.poll()
         return Operation.objects.get(pk=op.pk).state == OperationState.SUCCEEDED
 
-    try:
-        wait_until(succeeded, timeout=40, what=f"operation to succeed after a crash at {point}")
-    finally:
-        stderr = supervisor.stop()
+    stderr = supervisor.run_until(
+        succeeded, timeout=40, what=f"operation to succeed after a crash at {point}"
+    )
 
     assert marker.with_name(f"failpoint.{point}").exists(), f"no crash happened:\n{stderr}"
     order.refresh_from_db()
@@ -87,13 +84,11 @@ def test_refund_crash_at_point__redelivery_refunds_once_and_finishes(
     supervisor = Supervisor(env, f"refund-crash-{point}", worker_class)
 
     def succeeded() -> bool:
-        supervisor.poll()
         return Operation.objects.get(pk=op.pk).state == OperationState.SUCCEEDED
 
-    try:
-        wait_until(succeeded, timeout=40, what=f"refund to succeed after a crash at {point}")
-    finally:
-        stderr = supervisor.stop()
+    stderr = supervisor.run_until(
+        succeeded, timeout=40, what=f"refund to succeed after a crash at {point}"
+    )
 
     assert marker.with_name(f"failpoint.{point}").exists(), f"no crash happened:\n{stderr}"
     order.refresh_from_db()

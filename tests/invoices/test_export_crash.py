@@ -14,7 +14,7 @@ from payments.invoices.names import EXPORT
 from payments.models import ClaimState, Operation, OperationState
 from tests.invoices.conftest import accounting_env, export_of
 from tests.support import flows
-from tests.support.workers import SIMPLE, Supervisor, wait_until
+from tests.support.workers import SIMPLE, Supervisor
 
 # Transactional: the worker processes must see the committed rows.
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -32,14 +32,12 @@ def test_worker_killed_after_the_201__redelivered__exactly_one_invoice(
     supervisor = Supervisor(env, "export-crash", SIMPLE)
 
     def exported() -> bool:
-        supervisor.poll()
         export = Operation.objects.filter(parent=op, kind="invoice_export").first()
         return export is not None and export.state == OperationState.SUCCEEDED
 
-    try:
-        wait_until(exported, timeout=60, what=f"the export to succeed after a crash at {point}")
-    finally:
-        stderr = supervisor.stop()
+    stderr = supervisor.run_until(
+        exported, timeout=60, what=f"the export to succeed after a crash at {point}"
+    )
 
     assert marker.with_name(f"failpoint.{point}").exists(), f"no crash happened:\n{stderr}"
     export = export_of(op)

@@ -30,10 +30,19 @@ def settings_entry(checkout_url: str, **options: Any) -> dict[str, Any]:
     }
 
 
+def worker_env_of(checkout_url: str) -> dict[str, str]:
+    """The variables a worker process reads Adyen's entry from (project/settings.py), the
+    same entry as `settings_entry`'s."""
+    return {
+        "ADYEN_URL": checkout_url,
+        "ADYEN_API_KEY": API_KEY,
+        "ADYEN_MERCHANT_ACCOUNT": MERCHANT,
+        "ADYEN_HMAC_KEY": HMAC_KEY,
+    }
+
+
 def adyen_shop(name: str = "adyen-shop") -> Any:
     """A shop (an API client) that pays through Adyen."""
-    # Imported here: worker processes' settings (tests/adyen/worker_settings.py) import this
-    # module before Django's apps are loaded.
     from payments.models import ApiClient
 
     return ApiClient.objects.create(name=name, payment_system="adyen")

@@ -155,3 +155,20 @@ class Supervisor:
         self.stderr.append(stop_worker(self.worker))
         self.stderr.append(stop_worker(self.recovery))
         return "\n".join(self.stderr)
+
+    def run_until(self, condition: Callable[[], bool], timeout: float, what: str) -> str:
+        """Keep the worker running until `condition` holds, then stop both processes and
+        return what they wrote to stderr. On a time-out the failure carries the end of that
+        stderr: a worker that cannot start says why there, not in a bare time-out."""
+
+        def holds() -> bool:
+            self.poll()
+            return condition()
+
+        try:
+            wait_until(holds, timeout=timeout, what=what)
+        except AssertionError as timed_out:
+            raise AssertionError(
+                f"{timed_out}; the processes' stderr:\n{self.stop()[-4000:]}"
+            ) from None
+        return self.stop()

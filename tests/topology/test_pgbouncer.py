@@ -133,13 +133,11 @@ def test_crash_after_provider_accept_through_pgbouncer__redelivery_charges_once(
     supervisor = Supervisor(env, "pooled-crash")  # restarts the killed rqworker; run_recovery
 
     def succeeded() -> bool:
-        supervisor.poll()
         return checkout_settled(op)
 
-    try:
-        wait_until(succeeded, timeout=40, what="the checkout and its follow-ups to succeed")
-    finally:
-        stderr = supervisor.stop()
+    stderr = supervisor.run_until(
+        succeeded, timeout=40, what="the checkout and its follow-ups to succeed"
+    )
 
     assert marker.with_name(f"failpoint.{AFTER_PROVIDER_ACCEPT}").exists(), stderr
     assert supervisor.restarts >= 1
