@@ -8,27 +8,23 @@ from __future__ import annotations
 
 from typing import Final
 
-from payments.conf import payments_settings
-from payments.fence import create_follow_ups_in_tx
+from payments.fence import create_follow_ups_in_tx, kinds_following
 from payments.models import Operation, Order
 from payments.money import format_money
 
-#: The follow-ups of a paid order, whatever paid it (a checkout, a capture): a ledger line
-#: and the day's sales counter, delivered behind the inbox (payments.checkout.followups).
-RECORD_SALE: Final = "record_sale"
-COUNT_SALE: Final = "count_sale"
-FOLLOW_UPS = (RECORD_SALE, COUNT_SALE)
-#: And, where the deployment turns it on, the order's invoice exported to the accounting
-#: system (payments.invoices): PAYMENTS["SYSTEMS"]["accounting"]["OPTIONS"]["EXPORT_PAID_ORDERS"].
-INVOICE_EXPORT: Final = "invoice_export"
-ACCOUNTING: Final = "accounting"
+#: The business event of an order paid, whatever paid it (a checkout, a capture). Each
+#: package that has something to do then declares it on its operation,
+#: `follows=Follows(ORDER_PAID)` (payments.fence): the checkout's ledger line and sales
+#: counter (payments.checkout.followups), the invoice export (payments.invoices).
+ORDER_PAID: Final = "order_paid"
+#: The checkout's own confirmation e-mail: a follow-up of ORDER_PAID declared with
+#: `replaces=ORDER_CONFIRMATION` (an e-mail provider's) sends it instead.
+ORDER_CONFIRMATION: Final = "order_confirmation"
 
 
 def follow_ups() -> tuple[str, ...]:
     """The follow-up kinds a paid order gets in this deployment."""
-    entry = payments_settings().system(ACCOUNTING)
-    exporting = entry is not None and entry.option("EXPORT_PAID_ORDERS", False) is True
-    return (*FOLLOW_UPS, INVOICE_EXPORT) if exporting else FOLLOW_UPS
+    return kinds_following(ORDER_PAID)
 
 
 def write_follow_ups_in_tx(

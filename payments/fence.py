@@ -22,6 +22,9 @@
 - `create_operation_in_tx`: write an operation in the caller's transaction and
   deliver it once that commits (the service an API view and the desk both call).
 - `create_follow_ups_in_tx`: write an operation's follow-ups (derived keys) likewise.
+- `Follows`, `kinds_following`, `replaced_by`: an operation declares the business event it
+  follows (`@operation(..., follows=Follows(ORDER_PAID))`, `@message` too); the event's
+  writer asks which kinds follow it, and whether a follow-up replaces an effect of its own.
 - `money_steps`: the (kind, step) pairs whose effects take money (an order's charges).
 - `DeliveryPolicy`: at most once or at least once, for a side effect without a lookup.
 - `EffectResult`, `ClaimView`: a settled answer, and a claim as an effect sees it.
@@ -49,6 +52,7 @@ from payments.engine.dispatch import create_and_dispatch_all_in_tx
 from payments.engine.dispatch import create_and_dispatch_in_tx as create_operation_in_tx
 from payments.engine.effects import ClaimView, DeliveryPolicy, EffectResult
 from payments.engine.exchanges import sent as note_request
+from payments.engine.follow_ups import Follows, kinds_following, replaced_by
 from payments.engine.handlers import DeskHooks as Desk
 from payments.engine.handlers import EntityHook, ReversalHook, Run, handler, registered_handlers
 from payments.engine.handlers import message_handler as message
@@ -63,16 +67,19 @@ __all__ = [
     "DeliveryPolicy",
     "EffectResult",
     "ExternalSystem",
+    "Follows",
     "ProviderEffect",
     "Read",
     "Run",
     "create_follow_ups_in_tx",
     "create_operation_in_tx",
     "declare_system",
+    "kinds_following",
     "message",
     "money_steps",
     "note_request",
     "operation",
+    "replaced_by",
     "start_operation",
 ]
 
@@ -87,6 +94,7 @@ def operation(
     on_resume: EntityHook | None = None,
     on_give_up: Callable[[Run], None] | None = None,
     on_reversal: ReversalHook | None = None,
+    follows: Follows | None = None,
 ) -> Callable[[Callable[[Run], Any]], Callable[[Run], Any]]:
     """Register the decorated function as the fenced handler of operations of `kind`.
 
@@ -98,6 +106,8 @@ def operation(
       external step succeeded (cancel a held authorisation: a step of its own,
       declared in `steps`); the operation then fails.
     - `on_reversal(operation, found)`: undo a done step's writes the provider reversed.
+    - `follows`: the business event its operations follow, `Follows(ORDER_PAID, when=...)`:
+      the event's writer writes one of them with each event, while `when()` holds.
     """
     effects = {step: effect for step, effect in steps.items() if effect is not None}
     for step, effect in effects.items():
@@ -114,6 +124,7 @@ def operation(
         on_resume=on_resume,
         on_give_up=on_give_up,
         on_reversal=on_reversal,
+        follows=follows,
     )
 
 

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 import requests
 
 from devtools.topology.stack import Stack, free_port
-from payments.entities import INVOICE_EXPORT
 from payments.invoices.effect import external_id
+from payments.invoices.names import INVOICE_EXPORT
 from payments.models import Operation, OperationState, Order
 
 API_KEY = "acct_chaos"

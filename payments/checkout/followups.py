@@ -23,12 +23,15 @@ from payments.checkout.names import (
     RECORD_SALE,
     SALES_STATS_CONSUMER,
 )
-from payments.entities import FOLLOW_UPS, write_follow_ups_in_tx  # noqa: F401  (re-exported)
-from payments.fence import message
+from payments.entities import ORDER_PAID, write_follow_ups_in_tx  # noqa: F401  (re-exported)
+from payments.fence import Follows, message
 from payments.models import LedgerEntry, Operation, SalesDay
 
+#: The kinds this package adds to every paid order, in the order they are written.
+FOLLOW_UPS = (RECORD_SALE, COUNT_SALE)
 
-@message(RECORD_SALE, consumer=LEDGER_CONSUMER)
+
+@message(RECORD_SALE, consumer=LEDGER_CONSUMER, follows=Follows(ORDER_PAID))
 def record_sale(op: Operation) -> None:
     """Write the order's sales-ledger line. Runs in the message's inbox transaction."""
     LedgerEntry.objects.create(
@@ -39,7 +42,7 @@ def record_sale(op: Operation) -> None:
     )
 
 
-@message(COUNT_SALE, consumer=SALES_STATS_CONSUMER)
+@message(COUNT_SALE, consumer=SALES_STATS_CONSUMER, follows=Follows(ORDER_PAID))
 def count_sale(op: Operation) -> None:
     """Add the order to its day's sales counter. Runs in the message's inbox transaction."""
     add_to_sales_day(op.created_at.date(), op.params["currency"], op.params["amount"])

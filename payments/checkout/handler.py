@@ -23,7 +23,7 @@ from payments.adyen.choice import system_params
 from payments.checkout.charge import OrderCharge
 from payments.checkout.followups import write_follow_ups_in_tx
 from payments.checkout.names import CHARGE, CHECKOUT, CONFIRMATION_EMAIL, INVOICE, MARK_PAID
-from payments.entities import lock_order, money_line
+from payments.entities import ORDER_CONFIRMATION, ORDER_PAID, lock_order, money_line
 from payments.exceptions import InvalidTransition
 from payments.fence import (
     DeliveryPolicy,
@@ -32,6 +32,7 @@ from payments.fence import (
     create_operation_in_tx,
     money_steps,
     operation,
+    replaced_by,
 )
 from payments.models import (
     ApiClient,
@@ -183,7 +184,12 @@ def issue_invoice(order: Order, reference: str) -> dict[str, Any]:
 
 
 def send_confirmation(order: Order, reference: str) -> dict[str, Any]:
-    """Send the order confirmation e-mail."""
+    """Send the order confirmation e-mail, unless a follow-up of the paid order sends it
+    instead (declared `Follows(ORDER_PAID, replaces=ORDER_CONFIRMATION)`: an e-mail
+    provider's package), then recorded as the step's result."""
+    sender = replaced_by(ORDER_PAID, ORDER_CONFIRMATION)
+    if sender is not None:
+        return {"sent": False, "sent_by": sender}
     amount = format_money(order.amount, order.currency)  # JPY has no minor unit, KWD three
     send_mail(
         subject=f"Order {order.pk} is paid",

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 from typing import Final
 
-from payments.entities import COUNT_SALE, RECORD_SALE
-
 __all__ = [
     "CHARGE",
     "CHECKOUT",
@@ -32,8 +30,10 @@ INVOICE: Final = "invoice"
 CONFIRMATION_EMAIL: Final = "confirmation_email"
 MARK_PAID: Final = "mark_paid"
 
-#: The follow-ups of a paid order (declared with what every business package shares about
-#: orders, payments.entities), delivered behind the inbox to these consumers.
+#: The follow-ups of a paid order (payments.checkout.followups): a ledger line and the
+#: day's sales counter, delivered behind the inbox to these consumers.
+RECORD_SALE: Final = "record_sale"
+COUNT_SALE: Final = "count_sale"
 
 LEDGER_CONSUMER: Final = "ledger"
 SALES_STATS_CONSUMER: Final = "sales_stats"

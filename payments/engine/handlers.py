@@ -36,6 +36,7 @@ from inbox.handlers import current_message, inbox_guard, inbox_handler
 from payments.conf import payments_settings
 from payments.engine import fence, telemetry
 from payments.engine.effects import DeliveryPolicy, EffectResult, ExternalEffect, reversal_step
+from payments.engine.follow_ups import Follows, declare_follow_up
 from payments.engine.steps import run_external_step
 from payments.engine.unit import WorkUnit
 from payments.exceptions import ConfigurationError, StepBusy, StepDoneMeanwhile, StepTransient
@@ -192,11 +193,13 @@ def check_discoverable(module: str) -> None:
             )
 
 
-def _register(spec: HandlerSpec, module: str) -> None:
+def _register(spec: HandlerSpec, module: str, follows: Follows | None = None) -> None:
     check_discoverable(module)
     existing = _HANDLERS.get(spec.kind)
     if existing is not None and existing.func is not spec.func:
         raise ConfigurationError(f"a handler for {spec.kind!r} is already registered")
+    if follows is not None:
+        declare_follow_up(spec.kind, follows)
     _HANDLERS[spec.kind] = spec
 
 
@@ -212,6 +215,7 @@ def handler(
     on_reversal: ReversalHook | None = None,
     on_give_up: Callable[[Run], None] | None = None,
     order: tuple[str, ...] = (),
+    follows: Follows | None = None,
 ) -> Callable[[Callable[[Run], object]], Callable[[Run], object]]:
     """Register the decorated function as the fenced handler of operations of `kind`.
 
@@ -223,7 +227,7 @@ def handler(
     model name, their entity_id its integer primary key): the worker reads the
     row in the lease's round trip, and the handler gets it as `run.entity`
     (read as it was right after the lease; lock it again where a step needs it
-    locked).
+    locked). `follows`: the business event its operations follow (payments.engine.follow_ups).
     """
     key = entity._meta.pk if entity is not None else None
     while key is not None and key.is_relation:  # a parent's key (multi-table inheritance)
@@ -251,13 +255,16 @@ def handler(
                 order=order,
             ),
             func.__module__,
+            follows,
         )
         return func
 
     return register
 
 
-def message_handler(kind: str, *, consumer: str) -> Callable[[EntityHook], EntityHook]:
+def message_handler(
+    kind: str, *, consumer: str, follows: Follows | None = None
+) -> Callable[[EntityHook], EntityHook]:
     """Register the decorated function as the handler of `kind` messages behind the inbox.
 
     The function gets the operation, locked, inside the transaction that also
@@ -302,7 +309,7 @@ def message_handler(kind: str, *, consumer: str) -> Callable[[EntityHook], Entit
                 return handle(delivered[0]) if first else None
 
         deliver.__name__ = deliver.__qualname__ = f"deliver_{kind}"
-        _register(HandlerSpec(kind=kind, func=deliver, consumer=consumer), func.__module__)
+        _register(HandlerSpec(kind=kind, func=deliver, consumer=consumer), func.__module__, follows)
         return func
 
     return register

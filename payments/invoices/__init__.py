@@ -2,8 +2,8 @@
 
 The worked example of docs/handlers.md "Adding an external system": a package that adds
 a system the fence calls, built on the handler API (`payments.fence`) and touching no
-shared module but its hook where a paid order's follow-ups are written
-(`payments.entities.follow_ups`) and its settings entry, `PAYMENTS["SYSTEMS"]["accounting"]`.
+shared module: its operation declares that it follows a paid order
+(`Follows(ORDER_PAID)`), and its settings entry is `PAYMENTS["SYSTEMS"]["accounting"]`.
 
 - `system`: what the fence must know of the accounting API (`declare_system`): its key
   retention, that it compares bodies under a key, that a list by `external_id` settles a

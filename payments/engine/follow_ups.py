@@ -1,0 +1,75 @@
+"""Follow-ups declared by the package that runs them, not listed where they are written.
+
+A business event (a paid order) is written by one package (the checkout's
+`mark_paid`, the capture's `record`); what follows it is declared by each package
+that has something to do then: the checkout's ledger line and sales counter, the
+invoice export where the deployment turns it on, an e-mail provider's
+confirmation. The writer asks `kinds_following(event)` and writes one operation
+per kind, in its own transaction; a package that adds a follow-up edits no other.
+
+A follow-up may replace a built-in effect of the writer (the checkout's own
+confirmation e-mail, when an e-mail provider sends it instead): the writer asks
+`replaced_by(effect)` and skips its own. `when` is read each time, from settings,
+so that a deployment turns a follow-up on or off without code.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from payments.exceptions import ConfigurationError
+
+
+def _always() -> bool:
+    return True
+
+
+@dataclass(frozen=True)
+class Follows:
+    """What an operation follows (`@operation(..., follows=Follows(ORDER_PAID))`).
+
+    - `event`: the business event's name (payments.entities.ORDER_PAID).
+    - `when()`: whether this deployment runs the follow-up (read from settings, each time).
+    - `replaces`: a built-in effect of the event's writer this follow-up makes instead
+      (payments.entities.ORDER_CONFIRMATION: the checkout's own confirmation e-mail).
+    """
+
+    event: str
+    when: Callable[[], bool] = _always
+    replaces: str | None = None
+
+
+@dataclass(frozen=True)
+class FollowUp:
+    kind: str
+    follows: Follows
+
+
+_FOLLOW_UPS: list[FollowUp] = []
+
+
+def declare_follow_up(kind: str, follows: Follows) -> None:
+    """Declare that operations of `kind` follow `follows.event` (through `@operation` and
+    `@message`, which check first that workers discover the declaring module)."""
+    for known in _FOLLOW_UPS:
+        if known.kind == kind and known.follows.event == follows.event:
+            if known.follows == follows:
+                return  # the same declaration again
+            raise ConfigurationError(
+                f"{kind!r} is already declared a follow-up of {follows.event!r}"
+            )
+    _FOLLOW_UPS.append(FollowUp(kind, follows))
+
+
+def kinds_following(event: str) -> tuple[str, ...]:
+    """The kinds that follow `event` in this deployment, in the order they were declared."""
+    return tuple(f.kind for f in _FOLLOW_UPS if f.follows.event == event and f.follows.when())
+
+
+def replaced_by(event: str, effect: str) -> str | None:
+    """The follow-up kind of `event` that makes the writer's `effect` instead, or None."""
+    for f in _FOLLOW_UPS:
+        if (f.follows.event, f.follows.replaces) == (event, effect) and f.follows.when():
+            return f.kind
+    return None
