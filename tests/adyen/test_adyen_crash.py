@@ -1,4 +1,4 @@
-"""A worker killed at each fence point of an Adyen charge and capture: redelivered, once at Adyen.
+"""A worker killed at each fence point of an Adyen charge, capture and refund: once at Adyen.
 
 Real processes: `manage.py rqworker` (SIGKILLed by the failpoint), `run_recovery` beside
 it, the fake Adyen over HTTP; the workers read Adyen's entry from ADYEN_* variables, as a
@@ -22,9 +22,17 @@ from payments.engine.failpoints import (
     AFTER_RECORD_COMMIT,
     POINTS,
 )
-from payments.models import ClaimState, Invoice, Operation, OperationState, OrderStatus
+from payments.models import (
+    ClaimState,
+    CreditNote,
+    Invoice,
+    Operation,
+    OperationState,
+    OrderStatus,
+)
+from payments.refunds.handler import request_refund
 from tests.support.adyen import adyen_shop, worker_env_of
-from tests.support.workers import SIMPLE, Supervisor, worker_env
+from tests.support.workers import SIMPLE, Supervisor, run_worker, worker_env
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -94,4 +102,34 @@ def test_adyen_capture_crash_at_point__one_hold_one_capture_and_finishes(
         ("authorize", ClaimState.DONE),
         ("capture", ClaimState.DONE),
         ("record", ClaimState.DONE),
+    }
+
+
+@pytest.mark.parametrize("point", [AFTER_CLAIM_COMMIT, AFTER_PROVIDER_ACCEPT, AFTER_RECORD_COMMIT])
+def test_adyen_refund_crash_at_point__one_refund_at_adyen_one_credit_note(
+    point, adyen_to_app, queue, tmp_path
+):
+    """The refund is received (`[refund-received]`), then settled by its REFUND notification
+    at the app's live endpoint (a web process's write: no worker records it done, so
+    there is no before_record_commit to kill); the worker is killed at the point."""
+    shop = adyen_shop()
+    order = create_order(amount=2500, currency="eur", email="crash@example.com", client=shop)
+    request_checkout(
+        order_id=order.pk, key=f"adyen-paid-{point}", payment_method=CARD, actor="t", client=shop
+    )
+    run_worker(queue)  # paid, in this process, before any failpoint is armed
+    op, _ = request_refund(
+        order_id=order.pk, key=f"adyen-ref-{point}", amount=1000, actor="t", client=shop
+    )
+
+    crash_once_until_done(adyen_to_app, op, point, tmp_path, timeout=60)
+
+    order.refresh_from_db()
+    assert (order.status, order.refunded_amount) == (OrderStatus.PARTIALLY_REFUNDED, 1000)
+    refunds = [e for e in adyen_to_app.state.timeline() if e["eventCode"] == "REFUND"]
+    assert [e["amount"]["value"] for e in refunds] == [1000]  # one refund at Adyen
+    assert CreditNote.objects.filter(order=order).count() == 1
+    assert set(op.claims.values_list("step", "state")) == {
+        ("refund", ClaimState.DONE),
+        ("credit_note", ClaimState.DONE),
     }
