@@ -42,7 +42,7 @@ from payments.desk.display import (
     state_badge,
     when,
 )
-from payments.desk.evidence import evidence_html, why_waiting
+from payments.desk.evidence import evidence_html, operation_label, query_title, why_waiting
 from payments.desk.filters import DateRangeFilter
 from payments.desk.lists import (
     BoundedListMixin,
@@ -431,7 +431,7 @@ class OperationAdmin(NamedPermissionsMixin, DeskViewsMixin, BoundedListMixin, ad
             reason,
         )
 
-    @admin.display(description="at the provider")
+    @admin.display(description="seen at its system")
     def provider_side(self, obj: Operation) -> str:
         table = provider_view_table(
             obj.claims.order_by("claimed_at", "pk"), obj.params, what=money_line(obj)
@@ -441,8 +441,10 @@ class OperationAdmin(NamedPermissionsMixin, DeskViewsMixin, BoundedListMixin, ad
             return format_html("{}{}", evidence, table)
         if obj.state in (OperationState.SUCCEEDED, OperationState.FAILED):
             return mark_safe('<span class="quiet">No lookup recorded.</span>')
-        return mark_safe(
-            '<span class="quiet">Not looked up yet: “Query provider now” asks the provider.</span>'
+        return format_html(
+            '<span class="quiet">Not looked up yet: “{}” asks {}.</span>',
+            query_title(obj),
+            operation_label(obj),
         )
 
     @admin.display(description="updated", ordering="updated_at")
@@ -547,7 +549,7 @@ def _button(info: str, op: Operation, action: str, refused: str, step: str = "")
         label = f"{DESK_ACTIONS[action].title.replace('step', step)}"
     else:
         url = reverse(f"{info}_desk", args=[op.pk, action])
-        label = DESK_ACTIONS[action].title
+        label = query_title(op) if action == "query_provider" else DESK_ACTIONS[action].title
     return {"action": action, "label": label, "url": url, "refused": refused}
 
 

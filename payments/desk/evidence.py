@@ -22,7 +22,7 @@ from django.utils.html import format_html, format_html_join
 from payments.conf import payments_settings
 from payments.desk.display import when
 from payments.engine import fence
-from payments.engine.steps import claim_system, replay_allowed, replay_deadline
+from payments.engine.steps import claim_system, replay_allowed, replay_deadline, step_system
 from payments.engine.systems import ExternalSystem, Read, system_of
 from payments.exceptions import ConfigurationError
 from payments.models import (
@@ -68,6 +68,30 @@ def system_label(claim: StepClaim) -> str:
     return system_words(claim).label
 
 
+def operation_label(op: Operation) -> str:
+    """How the desk names the system(s) an operation's external steps call: one label
+    ("Adyen", "the accounting system"), or "each step's system" for several."""
+    from payments.engine.handlers import registered_handlers  # handlers import the engine
+
+    spec = registered_handlers().get(op.kind)
+    labels: list[str] = []
+    for step in spec.effects if spec is not None else ():
+        try:
+            system = step_system("", op.kind, step, op) or system_of(None)
+        except ConfigurationError:
+            system = system_of(None)
+        if system.label not in labels:
+            labels.append(system.label)
+    if not labels:
+        return system_of(None).label
+    return labels[0] if len(labels) == 1 else "each step's system"
+
+
+def query_title(op: Operation) -> str:
+    """The look-up button of an operation, in its system's words ("Query Adyen now")."""
+    return f"Query {operation_label(op)} now"
+
+
 def _reads(claim: StepClaim) -> tuple[Read, ...]:
     """The reads the claim's system offers."""
     return system_words(claim).reads
@@ -94,7 +118,8 @@ def look_words(look: ClaimLook) -> str:
     """How the last look went, in the system's own words."""
     who = system_label(look.claim)
     count = f"looked {look.looks} time{'s' if look.looks != 1 else ''}"
-    last = f"last at {when(look.last_look_at)} ({look.source or 'a look'})"
+    source = "" if look.showed == LookShowed.NO_READ else f" ({look.source or 'a look'})"
+    last = f"last at {when(look.last_look_at)}{source}"
     showed = LookShowed(look.showed).label.lower() if look.showed else "nothing"
     if look.in_flight_since:
         showed = f"a request under its key is in flight at {who} since {when(look.in_flight_since)}"
@@ -102,7 +127,7 @@ def look_words(look: ClaimLook) -> str:
         showed = f"{who} has not answered since {when(look.unread_since)}"
     elif look.showed == LookShowed.NO_READ:
         showed = f"{who} offers no look-up"
-    detail = f": {look.detail}" if look.detail else ""
+    detail = f": {look.detail}" if look.detail and look.detail != showed else ""
     return f"{count}, {last}: {showed}{detail}"
 
 
@@ -182,7 +207,7 @@ def evidence_html(op: Operation) -> str:
         how = (
             look_words(look)
             if look is not None
-            else f"not looked up yet: “Query provider now” asks {system_label(claim)}"
+            else f"not looked up yet: “{query_title(op)}” asks {system_label(claim)}"
         )
         items.append(
             (

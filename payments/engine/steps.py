@@ -59,29 +59,39 @@ def claim_system(claim: StepClaim) -> ExternalSystem:
     was made, else (a claim older than the column) its handler's effect's: the class's
     `system_for(operation)` when it serves several systems (a shop paying through one of
     two providers), else its SYSTEM."""
-    if claim.system:
-        return systems.system_named(claim.system)
-    from payments.engine.handlers import get_handler  # handlers import this module
-
-    effect = get_handler(claim.operation.kind).effects.get(claim.step)
-    system_for = getattr(effect, "system_for", None)
-    if system_for is not None:
-        return systems.system_named(system_for(claim.operation))
-    return system_of(effect)
+    found = step_system(claim.system, claim.operation.kind, claim.step, claim.operation)
+    if found is None:
+        raise ConfigurationError(f"no handler is registered for {claim.operation.kind!r}")
+    return found
 
 
 def claim_system_named(name: str, kind: str, step: str) -> ExternalSystem | None:
-    """`claim_system` from a claim's columns (its system, its operation's kind, its step);
-    None for a system or a kind no longer known (a removed package's leftovers)."""
-    from payments.engine.handlers import registered_handlers  # handlers import this module
-
+    """`claim_system` from a claim's columns (its system, its operation's kind, its step),
+    for a count that reads no operation; None for a system or a kind no longer known (a
+    removed package's leftovers)."""
     try:
-        if name:
-            return systems.system_named(name)
-        spec = registered_handlers().get(kind)
-        return system_of(spec.effects.get(step)) if spec is not None else None
+        return step_system(name, kind, step, None)
     except ConfigurationError:
         return None
+
+
+def step_system(
+    name: str, kind: str, step: str, operation: Operation | None
+) -> ExternalSystem | None:
+    """The one rule of both: the claim's recorded system, else its step's effect's (its
+    `system_for(operation)` when the operation is at hand), None for an unknown kind."""
+    if name:
+        return systems.system_named(name)
+    from payments.engine.handlers import registered_handlers  # handlers import this module
+
+    spec = registered_handlers().get(kind)
+    if spec is None:
+        return None
+    effect = spec.effects.get(step)
+    system_for = getattr(effect, "system_for", None)
+    if system_for is not None and operation is not None:
+        return systems.system_named(system_for(operation))
+    return system_of(effect)
 
 
 def replay_deadline(claim: StepClaim) -> datetime:

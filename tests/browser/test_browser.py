@@ -144,7 +144,7 @@ def test_operator_queries_the_provider_and_sees_the_payment_settle(
     assert badge.inner_text() == "Uncertain"
     shot(page, "04-operation-uncertain")
 
-    page.get_by_role("link", name="Query provider now").click()
+    page.get_by_role("link", name="Query the provider now").click()
     assert page.get_by_text("What will happen").is_visible()
     shot(page, "05-confirm-query")
 
@@ -180,6 +180,8 @@ def test_operator_queries_the_provider_and_sees_the_payment_settle(
     assert seen_reference in unfenced.inner_text()
     assert unfenced.get_by_role("link", name=seen.key).is_visible()  # linked to its operation
     assert "{'" not in audit.inner_text()  # a table, not a Python dict
+    # The systems it did not judge, each named with why (the accounting system: no money).
+    assert "Not audited: the accounting system\tIt moves no money" in audit.inner_text()
     shot(page, "08-needs-attention")
 
     page.goto(f"{live_server.url}/admin/payments/operation/{lost.pk}/steps/charge/mark_succeeded/")
@@ -329,7 +331,7 @@ def test_operator_settles_uncertain_refunds(page, live_server, provider, queue, 
     assert "Mark refund succeeded" in buttons and "Mark refund failed" in buttons
     refund_page(page, "2x-refund-02-operation-uncertain")
 
-    page.get_by_role("link", name="Query provider now").click()
+    page.get_by_role("link", name="Query the provider now").click()
     assert page.locator(".desk-amount").inner_text() == line
     refund_page(page, "2x-refund-03-confirm-query")
     page.get_by_role("button", name="Yes, query the provider").click()
@@ -435,7 +437,7 @@ def test_mark_failed_confirmation__warns_and_says_what_it_will_do(
     # Nobody has asked the provider since the operation became uncertain: the button is off.
     confirm = page.get_by_role("button", name="Check and mark failed")
     assert confirm.is_disabled()
-    assert "“Query provider now” first" in page.locator(".desk-state-forbids").inner_text()
+    assert "“Query the provider now” first" in page.locator(".desk-state-forbids").inner_text()
     shot(page, "20-mark-failed-confirm")
 
     # A look-up that found nothing (the provider's search lags an hour) lets it be pressed.

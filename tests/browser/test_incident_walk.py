@@ -109,7 +109,7 @@ def test_an_operator_walks_the_desk_during_a_provider_incident(
     tab.goto(f"{live_server.url}/admin/payments/operation/{lost.pk}/steps/charge/mark_failed/")
     body = tab.locator("#content").inner_text()
     assert "the fence looks again at" in body
-    assert "Query provider now” first" not in body
+    assert "Query the provider now” first" not in body
     shot(tab, "mark-failed-waits")
 
     tab.goto(f"{live_server.url}/admin/payments/operation/?state__exact=uncertain")

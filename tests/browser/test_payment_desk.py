@@ -190,7 +190,7 @@ def test_desk_pages__cases_chart_actions_and_the_rq_permission(tab, live_server,
     # Attempts count requests sent: one call, whatever look-ups followed.
     assert tab.locator("div.field-attempts_shown .readonly").inner_text().startswith("1")
     labels = buttons.all_inner_texts()
-    assert labels[0] == "Query provider now" and labels[-1] == "Mark charge failed"
+    assert labels[0] == "Query the provider now" and labels[-1] == "Mark charge failed"
     mark_failed = buttons.last
     if lost.claims.get(step="charge").provider_view is None:
         assert mark_failed.get_attribute("aria-disabled") == "true"

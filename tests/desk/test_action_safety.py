@@ -47,7 +47,8 @@ def test_mark_failed__off_until_the_provider_is_asked_in_this_state_and_last(pro
     after = client.get(change_url(op)).content.decode()
 
     assert (
-        buttons(before)[0] == "Query provider now" and buttons(before)[-1] == "Mark charge failed"
+        buttons(before)[0] == "Query the provider now"
+        and buttons(before)[-1] == "Mark charge failed"
     )
     assert re.search(r'<span class="[^"]*desk-mark_failed desk-danger"[^>]*aria-disabled', before)
     assert "nobody has asked the provider about step charge" in before

@@ -136,7 +136,7 @@ def test_operation_page__steps_audit_trail_and_rq_job_link(provider, operator, q
     assert claim.idempotency_key in page
     assert "Audit trail" in page and "worker-1/4242" in page and "ReadTimeout" in page
     assert reverse("django_rq:job_detail", args=[0, job_id]) in page
-    assert "Query provider now" in page
+    assert "Query the provider now" in page
     assert desk_url(op, "mark_succeeded", "charge") in page
     assert "Resume with the same key is unavailable" in page  # with the reason why
     # alice may not start new attempts: the button is shown off, naming the permission

@@ -91,7 +91,7 @@ def test_operation_page__the_money_the_provider_showed__while_a_request_is_in_fl
 def test_mark_failed__refused_while_unanswered__names_the_wait_not_a_query(
     provider, operator, settings
 ):
-    """Finding 1: the disabled button pointed to "Query provider now", which could not succeed."""
+    """Finding 1: the disabled button pointed to "Query the provider now", which could not succeed."""
     op, _, _ = builders.uncertain(key="inc-mark", charged=False)
     provider_down(settings)
     reconcile(operation_ids=[op.pk])
@@ -99,7 +99,7 @@ def test_mark_failed__refused_while_unanswered__names_the_wait_not_a_query(
 
     page = text(client_for(operator).get(url))
 
-    assert "Query provider now” first" not in page
+    assert "Query the provider now” first" not in page
     assert "has not given an answer about step charge" in page
     assert "the fence looks again at" in page
 

@@ -65,7 +65,7 @@ def test_query_racing_the_last_transient_attempt__never_charges_a_failed_order(
     provider, queue, operator, monkeypatch
 ):
     """Hole 1: the worker released its claim after its 3rd refusal and is about to give up;
-    the operator presses "Query provider now". The query must not replay the charge beside
+    the operator presses "Query the provider now". The query must not replay the charge beside
     the worker, and the worker must not fail a claim someone else holds."""
     order, op = checkout("race")
     provider.state.enqueue_faults("fail_before", 3)  # every attempt refused, nothing executed

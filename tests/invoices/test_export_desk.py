@@ -17,7 +17,7 @@ from payments.engine.recovery import reconcile
 from payments.models import OperationState
 from tests.invoices.conftest import export_of
 from tests.support import flows
-from tests.support.users import VIEW, client_for, make_user
+from tests.support.users import RECONCILE, VIEW, client_for, make_user
 from tests.support.workers import run_worker
 
 # Transactional: the checkout and its export run in a worker (a claim commits before its call).
@@ -98,3 +98,18 @@ def test_export_evidence__in_the_accounting_systems_words(accounting, queue):
     assert "No invoice seen at the accounting system yet." in before
     assert "The accounting system&#x27;s consistent list at" in after
     assert "shows no invoice for it" in after
+
+
+def test_export_page__its_look_up_button_names_the_accounting_system(accounting, queue):
+    """The button and the refusal of "mark failed" said "the provider" for every system."""
+    export = uncertain_export(accounting, queue)
+    client = client_for(make_user("rita", *VIEW, RECONCILE))
+
+    page = client.get(reverse("admin:payments_operation_change", args=[export.pk])).content
+    mark_failed = client.get(
+        reverse("admin:payments_operation_desk_step", args=[export.pk, "export", "mark_failed"])
+    ).content.decode()
+
+    assert "Query the accounting system now" in page.decode()
+    assert "Query the provider now" not in page.decode()
+    assert "nobody has asked the accounting system about step export" in mark_failed

@@ -34,14 +34,23 @@ from payments.desk.display import (
     succeeded_at_provider,
     when,
 )
-from payments.desk.evidence import SETTLED_OUTCOMES, after_query, look_of, query_tally
+from payments.desk.evidence import (
+    SETTLED_OUTCOMES,
+    after_query,
+    evidence_html,
+    look_of,
+    operation_label,
+    query_tally,
+    query_title,
+    system_label,
+)
 from payments.desk.rules import FoundSucceeded, declined_payment_method
 from payments.desk.views.base import DeskBase, operator_of
 from payments.engine import fence
 from payments.engine.handlers import get_handler
-from payments.engine.steps import replay_allowed
+from payments.engine.steps import claim_system, replay_allowed
 from payments.exceptions import PaymentsError
-from payments.models import INCIDENT_LOOKS, Operation, OperationState, StepClaim
+from payments.models import INCIDENT_LOOKS, LookShowed, Operation, OperationState, StepClaim
 
 # --- forms -----------------------------------------------------------------------
 
@@ -163,9 +172,10 @@ class DeskAction:
 def _run_query(op: Operation, step: str, request: HttpRequest, data: dict[str, Any]) -> str:
     report = desk.query_provider([op.pk], user=operator_of(request))
     row = report.rows[0] if report.rows else None
+    asked = f"Queried {operation_label(op)}"
     if row is None:
-        return "Queried the provider: nothing to settle."
-    return f"Queried the provider: {query_words(row)}."
+        return f"{asked}: nothing to settle."
+    return f"{asked}: {query_words(row)}."
 
 
 def _seen(row: Any) -> str:
@@ -276,6 +286,7 @@ def _mark_failed_plan(op: Operation, step: str) -> dict[str, Any]:
         "void_target": target if voids else claim.provider_reference,
         "last_request_at": fence.last_request_at(claim),
         "grace_minutes": payments_settings().reconcile_grace // 60,
+        "no_read": not claim_system(claim).reads,
         "replay_first": op.state not in desk.WORKER_STATES
         and not claim.provider_reference
         and replay_allowed(claim),
@@ -314,6 +325,10 @@ def mark_failed_refusal(op: Operation, step: str) -> str:
     if asked_in_this_state(op, step):
         return ""
     look = look_of(claim) if claim is not None else None
+    if look is not None and look.hold and look.showed == LookShowed.NO_READ:
+        # Held because its system offers no look-up: asking again cannot tell more. The
+        # operator's reading of the system's report is what decides (services records it).
+        return ""
     if look is not None and look.in_flight_since is not None:
         return (
             f"a request under step {step}'s key is in flight at the provider since "
@@ -330,13 +345,17 @@ def mark_failed_refusal(op: Operation, step: str) -> str:
             "cancels what the provider holds)"
         )
     return (
-        f"nobody has asked the provider about step {step} since the operation became "
-        f"{op.get_state_display().lower()}: “Query provider now” first"
+        f"nobody has asked {system_label(claim) if claim else operation_label(op)} about "
+        f"step {step} since the operation became {op.get_state_display().lower()}: "
+        f"“{query_title(op)}” first"
     )
 
 
-def action_title(spec: DeskAction, step: str) -> str:
-    """The action as its button names it: "Mark refund succeeded" for step refund."""
+def action_title(spec: DeskAction, step: str, op: Operation) -> str:
+    """The action as its button names it: "Mark refund succeeded" for step refund, "Query
+    Adyen now" for an operation on Adyen."""
+    if spec.name == "query_provider":
+        return query_title(op)
     return spec.title.replace("step", step) if step else spec.title
 
 
@@ -411,7 +430,7 @@ def _query_report_message(rows: list[Any], summary: str) -> str:
         ),
     )
     return format_html(
-        'Queried the provider for {} operation(s): {}.<ul class="desk-query-report">{}</ul>',
+        'Queried their systems for {} operation(s): {}.<ul class="desk-query-report">{}</ul>',
         len(rows),
         query_tally([row.outcome for row in rows]),
         items,
@@ -477,8 +496,8 @@ class ActionViewsMixin(DeskBase):
         handler = get_handler(op.kind)
         context = {
             **self.admin_site.each_context(request),
-            "title": f"{action_title(spec, step)}: {op.key}",
-            "action_title": action_title(spec, step),
+            "title": f"{action_title(spec, step, op)}: {op.key}",
+            "action_title": action_title(spec, step, op),
             "opts": self.opts,
             "original": op,
             "action": spec,
@@ -502,9 +521,12 @@ class ActionViewsMixin(DeskBase):
                 for c in op.claims.order_by("claimed_at", "pk")
             ],
             "state_badge": state_badge(op.state),
+            # What the system showed, else the fence's looks (a system without reads shows
+            # nothing: its looks and holds are what the operator has).
             "provider_view": provider_view_table(
                 op.claims.order_by("claimed_at", "pk"), op.params, what=money_line(op)
-            ),
+            )
+            or evidence_html(op),
             "next_key": _next_key_or_blank(op) if action == "new_attempt" else "",
             "mark_succeeded_url": reverse(
                 f"admin:{self.opts.app_label}_{self.opts.model_name}_desk_step",
@@ -513,6 +535,7 @@ class ActionViewsMixin(DeskBase):
             if step
             else "",
             **(_mark_failed_plan(op, step) if action == "mark_failed" else {}),
+            "system": operation_label(op),
             "change_url": change_url,
             # A refused mark-failed keeps its button off: pressing again changes nothing.
             "refused": _refusal(op, action, step) or refused_now,
@@ -524,7 +547,7 @@ class ActionViewsMixin(DeskBase):
 
     # --- the changelist bulk action ------------------------------------------------
 
-    @admin.action(description="Query provider now", permissions=["reconcile"])
+    @admin.action(description="Query their systems now", permissions=["reconcile"])
     def query_selected(self, request: HttpRequest, queryset: QuerySet[Operation]):
         """Ask the provider about the selected operations, after a confirmation page."""
         if request.POST.get("post"):
@@ -537,7 +560,9 @@ class ActionViewsMixin(DeskBase):
             by_pk = {op.pk: op for op in ops}
             for row in report.rows:
                 self.log_change(
-                    request, by_pk[row.operation_id], f"Queried the provider: {row.outcome}"
+                    request,
+                    by_pk[row.operation_id],
+                    f"Queried {operation_label(by_pk[row.operation_id])}: {row.outcome}",
                 )
             self.message_user(
                 request,
@@ -547,7 +572,7 @@ class ActionViewsMixin(DeskBase):
             return None  # back to the changelist
         context = {
             **self.admin_site.each_context(request),
-            "title": "Query provider now",
+            "title": "Query their systems now",
             "opts": self.opts,
             "queryset": queryset,
             "rows": [

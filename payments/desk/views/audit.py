@@ -128,7 +128,13 @@ def audit_view(run: FenceAuditRun | None, request: HttpRequest) -> dict[str, Any
         "other": [
             (name.replace("_", " ").capitalize(), _plain(value))
             for name, value in sorted(summary.items())
-            if name not in known
+            if name not in known and name != "not_audited"
+        ],
+        # The systems this audit did not judge, each in its own words, and why.
+        "not_audited": [
+            (str(item.get("label") or item.get("system") or "?"), str(item.get("why") or ""))
+            for item in _listed(summary.get("not_audited"))
+            if isinstance(item, dict)
         ],
     }
 
