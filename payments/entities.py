@@ -22,13 +22,14 @@ ORDER_PAID: Final = "order_paid"
 ORDER_CONFIRMATION: Final = "order_confirmation"
 
 
-def follow_ups() -> tuple[str, ...]:
-    """The follow-up kinds a paid order gets in this deployment."""
-    return kinds_following(ORDER_PAID)
-
-
 def write_follow_ups_in_tx(
-    order: Order, reference: str, *, parent: Operation, actor: str, amount: int | None = None
+    order: Order,
+    reference: str,
+    *,
+    parent: Operation,
+    actor: str,
+    amount: int | None = None,
+    made_by: tuple[str, ...] = (),
 ) -> None:
     """Write the paid order's follow-up operations. Runs inside the caller's transaction.
 
@@ -36,6 +37,9 @@ def write_follow_ups_in_tx(
     client chose, a follow-up's key fits and can never collide with a client's.
     Their INSERTs go in one round trip, their jobs in one Redis pipeline.
     `amount`: what was taken, when less than the order's amount (a partial capture).
+    `made_by`: the follow-up kinds the writer recorded as making one of its effects
+    instead of itself (the confirmation step's result's `sent_by`): of the kinds that
+    replace an effect, only these are written (payments.engine.follow_ups).
     """
     params = {
         "order_id": order.pk,
@@ -43,8 +47,9 @@ def write_follow_ups_in_tx(
         "currency": order.currency,
         "reference": reference,
     }
+    kinds = kinds_following(ORDER_PAID, made_by=made_by)
     create_follow_ups_in_tx(
-        parent, follow_ups(), entity_type="order", entity_id=order.pk, params=params, actor=actor
+        parent, kinds, entity_type="order", entity_id=order.pk, params=params, actor=actor
     )
 
 

@@ -200,10 +200,16 @@ def send_confirmation(order: Order, reference: str) -> dict[str, Any]:
     return {"sent": True}
 
 
-def mark_paid(order: Order, reference: str, operation: Operation) -> dict[str, Any]:
-    """Mark the order paid and write its follow-ups. Runs inside the step's transaction."""
+def mark_paid(
+    order: Order, reference: str, operation: Operation, confirmation: dict[str, Any]
+) -> dict[str, Any]:
+    """Mark the order paid and write its follow-ups: among them the one that sent the
+    confirmation instead of the checkout, where that step recorded one (`sent_by`),
+    whatever the settings say now. Runs inside the step's transaction."""
     Order.objects.filter(pk=order.pk).update(status=OrderStatus.PAID, updated_at=timezone.now())
-    write_follow_ups_in_tx(order, reference, parent=operation, actor="checkout")
+    sent_by = confirmation.get("sent_by")
+    made_by = (str(sent_by),) if sent_by else ()
+    write_follow_ups_in_tx(order, reference, parent=operation, actor="checkout", made_by=made_by)
     return {"status": OrderStatus.PAID}
 
 
@@ -284,9 +290,9 @@ def checkout(run: Run) -> None:
     charge = run.external(CHARGE)
     reference = charge["reference"]
     run.local(INVOICE, lambda: issue_invoice(order, reference))
-    run.side_effect(
+    confirmation = run.side_effect(
         CONFIRMATION_EMAIL,
         lambda: send_confirmation(order, reference),
         policy=DeliveryPolicy.AT_MOST_ONCE,
     )
-    run.local(MARK_PAID, lambda: mark_paid(order, reference, run.operation))
+    run.local(MARK_PAID, lambda: mark_paid(order, reference, run.operation, confirmation))

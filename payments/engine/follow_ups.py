@@ -8,9 +8,14 @@ confirmation. The writer asks `kinds_following(event)` and writes one operation
 per kind, in its own transaction; a package that adds a follow-up edits no other.
 
 A follow-up may replace a built-in effect of the writer (the checkout's own
-confirmation e-mail, when an e-mail provider sends it instead): the writer asks
-`replaced_by(effect)` and skips its own. `when` is read each time, from settings,
-so that a deployment turns a follow-up on or off without code.
+confirmation e-mail, when an e-mail provider sends it instead). That is decided
+once, where the effect would be made: the writer asks `replaced_by(event,
+effect)`, skips its own and records which kind makes it instead; when it writes
+the event's follow-ups it names that record (`made_by`), and a replacing kind is
+written only where a record names it. So the customer gets the effect once even
+if `when` (read from settings each time) changes between the two steps, or a
+writer that never makes the effect (a capture sends no confirmation) writes
+the event. One follow-up at most may replace a given effect of an event.
 """
 
 from __future__ import annotations
@@ -42,6 +47,8 @@ class Follows:
 
 @dataclass(frozen=True)
 class FollowUp:
+    """One declaration: operations of `kind` follow `follows.event`."""
+
     kind: str
     follows: Follows
 
@@ -59,12 +66,28 @@ def declare_follow_up(kind: str, follows: Follows) -> None:
             raise ConfigurationError(
                 f"{kind!r} is already declared a follow-up of {follows.event!r}"
             )
+        if follows.replaces is not None and (known.follows.event, known.follows.replaces) == (
+            follows.event,
+            follows.replaces,
+        ):
+            raise ConfigurationError(
+                f"{kind!r} and {known.kind!r} both replace {follows.replaces!r} of "
+                f"{follows.event!r}: the effect would be made twice; keep one"
+            )
     _FOLLOW_UPS.append(FollowUp(kind, follows))
 
 
-def kinds_following(event: str) -> tuple[str, ...]:
-    """The kinds that follow `event` in this deployment, in the order they were declared."""
-    return tuple(f.kind for f in _FOLLOW_UPS if f.follows.event == event and f.follows.when())
+def kinds_following(event: str, *, made_by: tuple[str, ...] = ()) -> tuple[str, ...]:
+    """The kinds to write with `event`, in the order they were declared: those that
+    replace nothing, where `when()` holds; and the replacing kinds the writer recorded
+    as making one of its effects instead (`made_by`, from `replaced_by`), whatever
+    `when()` says now."""
+    return tuple(
+        f.kind
+        for f in _FOLLOW_UPS
+        if f.follows.event == event
+        and (f.kind in made_by if f.follows.replaces is not None else f.follows.when())
+    )
 
 
 def replaced_by(event: str, effect: str) -> str | None:

@@ -288,9 +288,9 @@ def call_effect(
             raise StepRefused(reason, operation_key=op_key, step=step, provider_code=code) from exc
         # An object still in progress (a pending refund) names itself: keep its reference.
         reference = str(getattr(exc, "reference", "") or "") or None
-        if reference is not None:
-            # The system accepted the request and answered an object in progress (Adyen's
-            # received refund): killed here, that answer is lost as after any accept.
+        if reference is not None and not quiet:
+            # The system accepted a worker's request and answered an object in progress
+            # (Adyen's received refund): killed here, that answer is lost as after any accept.
             failpoint(AFTER_PROVIDER_ACCEPT, step)
         if quiet and claim.state == ClaimState.UNCERTAIN and reference is None:
             fence.release_claim(claim, actor=actor, reason=reason, audited=False)

@@ -363,7 +363,7 @@ def test_bulk_query_provider__confirms_then_settles_each_operation(provider, ope
     confirm = client.post(CHANGELIST, selection)
 
     assert confirm.status_code == 200
-    assert "Yes, query the provider" in confirm.content.decode()
+    assert "Yes, query their systems" in confirm.content.decode()
     assert StepClaim.objects.filter(state=ClaimState.UNCERTAIN).count() == 2
 
     done = client.post(CHANGELIST, {**selection, "post": "yes"}, follow=True)

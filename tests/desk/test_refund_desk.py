@@ -203,7 +203,7 @@ def test_refund_bulk_query__confirmation_speaks_of_the_refunds(provider, queue, 
     assert response.status_code == 200
     text = words(response.content.decode())
     assert f"€6.00 refund of order {order.pk}" in text
-    assert "Yes, query the provider" in text
+    assert "Yes, query their systems" in text
     assert checkout_words_in(text) == []
 
 

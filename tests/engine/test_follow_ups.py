@@ -14,11 +14,13 @@ from __future__ import annotations
 import pytest
 from django.core import mail
 
+from payments.captures.handler import request_capture
+from payments.checkout import handler as checkout_handler
+from payments.checkout.orders import create_order
 from payments.engine import follow_ups, handlers
 from payments.entities import ORDER_CONFIRMATION, ORDER_PAID
-from payments.entities import follow_ups as paid_order_kinds
 from payments.exceptions import ConfigurationError
-from payments.fence import Follows, message
+from payments.fence import Follows, kinds_following, message
 from payments.models import ClaimState, Operation, OperationState
 from tests.support import flows
 from tests.support.workers import run_worker
@@ -53,7 +55,7 @@ def test_an_operation_declared_to_follow_a_paid_order__is_written_and_delivered(
 
     run_worker(queue)
 
-    assert NOTIFY in paid_order_kinds()
+    assert NOTIFY in kinds_following(ORDER_PAID)
     (notify,) = Operation.objects.filter(parent=op, kind=NOTIFY)
     assert notify.state == OperationState.SUCCEEDED
     assert seen == [order.pk]
@@ -68,7 +70,7 @@ def test_a_follow_up_switched_off_by_its_when__is_not_written(provider, queue):
 
     assert Operation.objects.get(pk=op.pk).state == OperationState.SUCCEEDED
     assert not Operation.objects.filter(parent=op, kind=NOTIFY).exists()
-    assert NOTIFY not in paid_order_kinds()
+    assert NOTIFY not in kinds_following(ORDER_PAID)
 
 
 def test_a_follow_up_replacing_the_confirmation__the_checkout_sends_none_of_its_own(
@@ -90,3 +92,53 @@ def test_a_kind_declared_to_follow_the_same_event_twice_otherwise__is_refused():
     declare(NOTIFY, Follows(ORDER_PAID))
     with pytest.raises(ConfigurationError, match="already declared a follow-up"):
         follow_ups.declare_follow_up(NOTIFY, Follows(ORDER_PAID, replaces=ORDER_CONFIRMATION))
+
+
+@pytest.mark.parametrize("at_email, at_mark_paid", [(True, False), (False, True)])
+def test_when_changes_between_the_email_and_mark_paid__the_customer_is_confirmed_once(
+    at_email, at_mark_paid, provider, queue, monkeypatch
+):
+    """The deployment turns the replacing follow-up on or off between the checkout's
+    e-mail step and mark_paid (a retry, a desk resume, a rolling deploy): what the e-mail
+    step recorded decides, never the settings read again."""
+    on = {"now": at_email}
+    seen = declare(
+        CONFIRM, Follows(ORDER_PAID, when=lambda: on["now"], replaces=ORDER_CONFIRMATION)
+    )
+    mark_paid = checkout_handler.mark_paid
+
+    def settings_changed_meanwhile(*args):
+        on["now"] = at_mark_paid
+        return mark_paid(*args)
+
+    monkeypatch.setattr(checkout_handler, "mark_paid", settings_changed_meanwhile)
+    order, op = flows.order_and_checkout(key=f"follows-flip-{at_email}")
+
+    run_worker(queue)
+
+    confirmations = len(mail.outbox) + len(seen)
+    assert confirmations == 1, (mail.outbox, seen)
+    assert Operation.objects.filter(parent=op, kind=CONFIRM).exists() is at_email
+
+
+def test_two_follow_ups_replacing_the_same_effect__the_second_is_refused():
+    declare(CONFIRM, Follows(ORDER_PAID, replaces=ORDER_CONFIRMATION))
+    with pytest.raises(ConfigurationError, match="both replace 'order_confirmation'"):
+        declare(NOTIFY, Follows(ORDER_PAID, replaces=ORDER_CONFIRMATION))
+
+
+def test_a_captured_order__gets_no_replacing_follow_up__the_capture_sends_no_confirmation(
+    provider, queue
+):
+    seen = declare(CONFIRM, Follows(ORDER_PAID, replaces=ORDER_CONFIRMATION))
+    order = create_order(amount=3000, currency="eur", email="cap@example.com")
+    op, _ = request_capture(
+        order_id=order.pk, key="follows-cap", payment_method="pm_card_visa", actor="t"
+    )
+
+    run_worker(queue)
+
+    op.refresh_from_db()
+    assert op.state == OperationState.SUCCEEDED
+    assert seen == [] and mail.outbox == []
+    assert not Operation.objects.filter(parent=op, kind=CONFIRM).exists()

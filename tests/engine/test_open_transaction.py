@@ -68,11 +68,11 @@ def test_a_step_failing_after_the_email__keeps_the_emails_outcome__and_the_retry
     failures = []
     mark_paid = checkout_handler.mark_paid
 
-    def broken_once(order, reference, operation):
+    def broken_once(order, reference, operation, confirmation):
         if not failures:
             failures.append("mark_paid")
             raise RuntimeError("mark_paid bug")
-        return mark_paid(order, reference, operation)
+        return mark_paid(order, reference, operation, confirmation)
 
     monkeypatch.setattr(checkout_handler, "mark_paid", broken_once)
     op = checkout("unit-2")

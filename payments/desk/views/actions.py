@@ -50,7 +50,7 @@ from payments.engine import fence
 from payments.engine.handlers import get_handler
 from payments.engine.steps import claim_system, replay_allowed
 from payments.exceptions import PaymentsError
-from payments.models import INCIDENT_LOOKS, LookShowed, Operation, OperationState, StepClaim
+from payments.models import INCIDENT_LOOKS, Operation, OperationState, StepClaim
 
 # --- forms -----------------------------------------------------------------------
 
@@ -325,10 +325,6 @@ def mark_failed_refusal(op: Operation, step: str) -> str:
     if asked_in_this_state(op, step):
         return ""
     look = look_of(claim) if claim is not None else None
-    if look is not None and look.hold and look.showed == LookShowed.NO_READ:
-        # Held because its system offers no look-up: asking again cannot tell more. The
-        # operator's reading of the system's report is what decides (services records it).
-        return ""
     if look is not None and look.in_flight_since is not None:
         return (
             f"a request under step {step}'s key is in flight at the provider since "
@@ -536,6 +532,8 @@ class ActionViewsMixin(DeskBase):
             else "",
             **(_mark_failed_plan(op, step) if action == "mark_failed" else {}),
             "system": operation_label(op),
+            # Whether every system the operation's steps call offers a read.
+            "system_reads": all(claim_system(c).reads for c in op.claims.all()),
             "change_url": change_url,
             # A refused mark-failed keeps its button off: pressing again changes nothing.
             "refused": _refusal(op, action, step) or refused_now,
