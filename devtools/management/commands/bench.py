@@ -18,6 +18,8 @@ from django.db import connection
 from devtools.bench import instructions
 from devtools.bench.desk import desk_pages, desk_rows
 from devtools.bench.doc import page, write_between_markers
+from devtools.bench.peer import DOC_TABLE as PEER_TABLE
+from devtools.bench.peer import peer_figures, peer_markdown, peer_rows
 from devtools.bench.runner import (
     WORKER_CLASSES,
     Bench,
@@ -53,6 +55,9 @@ class BenchOptions(TypedDict):
     purge_rows: int
     purge_batch: int | None
     only: str | None
+    peer_orders: int
+    peer_rounds: int
+    peer_crash_orders: int
     web_workers: int
     web_orders: int
     web_duplicates: int
@@ -127,10 +132,22 @@ class Command(BaseCommand):
         )
         parser.add_argument(
             "--only",
-            choices=["web", "desk"],
+            choices=["web", "desk", "peer"],
             default=None,
             help="Run one section only (web: the web tier's load, direct vs PgBouncer; desk: "
-            "the desk's pages with --desk-operations operations).",
+            "the desk's pages with --desk-operations operations; peer: the fence beside DBOS).",
+        )
+        parser.add_argument(
+            "--peer-orders", type=int, default=200, help="Checkouts per batch against DBOS."
+        )
+        parser.add_argument(
+            "--peer-rounds", type=int, default=3, help="Rounds of one batch a side against DBOS."
+        )
+        parser.add_argument(
+            "--peer-crash-orders",
+            type=int,
+            default=10,
+            help="Orders of DBOS's crash check, with and without the idempotency key.",
         )
         parser.add_argument(
             "--desk-operations",
@@ -204,6 +221,11 @@ class Command(BaseCommand):
                 bench.reset()
             self._report(figures, out, options)
             return
+        if only == "peer":
+            with Bench(latency=options["latency"], log_dir=log_dir, say=say) as bench:
+                figures["peer"] = self._peer(bench, options, say)
+            self._report(figures, out, options)
+            return
         if only == "web":
             with Bench(latency=options["latency"], log_dir=log_dir, say=say) as bench:
                 figures["web_tier"] = self._web_tier(bench, options, log_dir)
@@ -260,6 +282,7 @@ class Command(BaseCommand):
             figures["faster_worker_class"] = best
             say("database round trips per checkout, fenced and unfenced (2 workers)...")
             figures["db_round_trips"] = db_round_trips(bench, options["count_orders"], workers=2)
+            figures["peer"] = self._peer(bench, options, say)
             figures["instructions_per_checkout"] = self._instructions(bench, options, say)
             say("provider session reuse over plain HTTP...")
             bench.set_latency(0)
@@ -342,6 +365,15 @@ class Command(BaseCommand):
             say=self.stdout.write,
         )
 
+    def _peer(self, bench: Bench, options: BenchOptions, say: Callable[[str], None]) -> dict:
+        say(
+            f"the fence beside DBOS: {options['peer_rounds']} rounds of "
+            f"{options['peer_orders']} checkouts a side, then DBOS's crash check..."
+        )
+        return peer_figures(
+            bench, options["peer_orders"], options["peer_rounds"], options["peer_crash_orders"]
+        )
+
     def _report(self, figures: dict[str, Any], out: Path, options: BenchOptions) -> None:
         """Save the figures, print the table and the web tier's verdict; a full run also
         writes the table into docs/benchmarks.md (a section alone would replace it with
@@ -349,6 +381,8 @@ class Command(BaseCommand):
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(figures, indent=2, sort_keys=True))
         table = _table(figures)
+        if "peer" in figures:  # its own section of docs/benchmarks.md, below
+            table += [f"  {a}: {b}" for a, b in peer_rows(figures["peer"])]
         for line in table:
             self.stdout.write(line)
         verdict = _web_verdict(figures["web_tier"]) if "web_tier" in figures else []
@@ -361,6 +395,11 @@ class Command(BaseCommand):
             except ValueError as exc:
                 raise CommandError(str(exc)) from exc
             self.stdout.write(f"Written into {page()}")
+        if "peer" in figures and not options["no_doc"]:  # its own section: --only peer too
+            try:
+                write_between_markers(page(), PEER_TABLE, peer_markdown(figures["peer"]))
+            except ValueError as exc:
+                raise CommandError(str(exc)) from exc
 
 
 def _opt_in_backend(bench: Bench, options: BenchOptions, n: int, best: str) -> dict[str, Any]:
