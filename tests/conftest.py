@@ -53,6 +53,7 @@ TIERS = {
     "browser/*": "browser",  # headless Chromium
     "topology/*": "topology",  # PgBouncer, Redis Sentinel, a PostgreSQL cluster of its own
     "crash/*": "crash",  # real workers SIGKILLed, the chaos run
+    "*/test_*_crash.py": "crash",  # a system's own kills (adyen/, invoices/, captures/)
     "devtools/test_bench_*": "bench",  # make bench's figures; valgrind's instruction count
     "api/test_fuzz.py": "slow",  # schemathesis: every operation, then 100 stateful chains
     "engine/test_properties.py": "slow",  # a Hypothesis state machine over real workers

@@ -13,10 +13,11 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def example(path: str) -> str:
+    """The page's first Python block that declares an operation (its handler example)."""
     text = (ROOT / path).read_text()
-    blocks = re.findall(r"```python\n(.*?)```", text, flags=re.S)
-    (block,) = [b for b in blocks if "@operation(" in b]
-    return block
+    blocks = [b for b in re.findall(r"```python\n(.*?)```", text, flags=re.S) if "@operation(" in b]
+    assert blocks, f"{path} has no handler example"
+    return blocks[0]
 
 
 def test_readme_example__is_the_capture_handler_verbatim():

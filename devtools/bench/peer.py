@@ -328,7 +328,6 @@ def _fence_batch(bench: Any, n: int, workers: int) -> dict[str, Any]:
 
 def _dbos_batch(bench: Any, n: int, workers: int) -> dict[str, Any]:
     """One batch of the DBOS twin: enqueue n workflows, then start the workers and time them."""
-    from devtools.bench.cpu import CpuMeter, processes_named, tree_pids
     from devtools.bench.runner import _orders as make_orders
     from devtools.bench.runner import wal_bytes_since as since
     from devtools.bench.runner import wal_position as position
@@ -357,15 +356,7 @@ def _dbos_batch(bench: Any, n: int, workers: int) -> dict[str, Any]:
         )  # fmt: skip
         for i in range(workers)
     ]
-    provider = [p for p in bench.stack.procs if p.name == "provider"]
-    meter = CpuMeter(
-        {
-            "workers": tree_pids(lambda: [p.popen.pid for p in procs]),
-            "postgres": processes_named("postgres"),
-            "redis": processes_named("redis-server"),
-            "provider": tree_pids(lambda: [p.popen.pid for p in provider]),
-        }
-    )
+    meter = bench.meter(procs)
     deadline = time.monotonic() + 600
     metered_from: int | None = None
     while True:

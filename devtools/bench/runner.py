@@ -157,6 +157,18 @@ class Bench:
         # provider must forget the last batch or it would replay its answers.
         self.control("reset")
 
+    def meter(self, procs: list[Any]) -> CpuMeter:
+        """A CPU meter over these worker processes, PostgreSQL, Redis and the provider."""
+        provider = [p for p in self.stack.procs if p.name == "provider"]
+        return CpuMeter(
+            {
+                "workers": tree_pids(lambda: [p.popen.pid for p in procs]),
+                "postgres": processes_named("postgres"),
+                "redis": processes_named("redis-server"),
+                "provider": tree_pids(lambda: [p.popen.pid for p in provider]),
+            }
+        )
+
     def batch(
         self,
         prepare: Callable[[], int],
@@ -184,15 +196,7 @@ class Bench:
         wal_from = wal_position()
         path = WORKER_CLASSES.get(worker_class, worker_class)
         procs = [self.stack.start_worker(path, env=self.worker_env) for _ in range(workers)]
-        provider = [p for p in self.stack.procs if p.name == "provider"]
-        meter = CpuMeter(
-            {
-                "workers": tree_pids(lambda: [p.popen.pid for p in procs]),
-                "postgres": processes_named("postgres"),
-                "redis": processes_named("redis-server"),
-                "provider": tree_pids(lambda: [p.popen.pid for p in provider]),
-            }
-        )
+        meter = self.meter(procs)
         finished = FinishedJobRegistry(queue=self.queue)
         failed = FailedJobRegistry(queue=self.queue)
         deadline = time.monotonic() + 600

@@ -11,10 +11,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from payments.desk.display import when
+from payments.desk.evidence import system_label
 from payments.engine import fence
 from payments.engine.effects import ReferenceNotFound
 from payments.engine.handlers import HandlerSpec, get_handler
-from payments.engine.steps import claim_system, view_of
+from payments.engine.steps import view_of
 from payments.exceptions import InvalidTransition, PaymentsError
 from payments.models import ClaimState, KeyScope, Operation, OperationState, StepClaim
 from payments.provider.errors import ProviderError
@@ -162,15 +163,6 @@ def available_actions(operation: Operation) -> DeskActions:
 # --- checks (raise DeskError; read-only) -----------------------------------------
 
 
-def step_label(op: Operation, claim: StepClaim) -> str:
-    """How the desk names the system a step calls ("the provider", "Adyen")."""
-    claim.operation = op
-    try:
-        return claim_system(claim).label
-    except PaymentsError:  # a kind no longer registered: the default system's words
-        return "its system"
-
-
 def check_resume(op: Operation, claims: list[StepClaim], *, reopen: bool = False) -> None:
     if op.state == OperationState.SUCCEEDED:
         raise DeskError("it succeeded; there is nothing to resume", operation_key=op.key)
@@ -183,7 +175,7 @@ def check_resume(op: Operation, claims: list[StepClaim], *, reopen: bool = False
     for claim in claims:
         if claim.state == ClaimState.UNCERTAIN:
             raise DeskError(
-                f"step {claim.step} is uncertain: query {step_label(op, claim)}, or mark "
+                f"step {claim.step} is uncertain: query {system_label(claim)}, or mark "
                 "the step succeeded or failed after checking",
                 operation_key=op.key,
             )
