@@ -32,7 +32,7 @@ from typing import Any, ClassVar
 
 from payments.adyen.client import CANCELS, CAPTURES, REFUNDS, AdyenClient, Answer
 from payments.adyen.models import Notification
-from payments.adyen.system import NAME
+from payments.adyen.system import NAME, PSP_REFERENCE
 from payments.engine.effects import StillInProgress
 from payments.fence import ClaimView, EffectResult, ProviderEffect
 
@@ -170,6 +170,21 @@ class AdyenPayment(AdyenEffect):
         params = self.params
         key = "held" if self.MANUAL else "amount"
         return {key: int(params["amount"]), "currency": str(params["currency"])}
+
+    def verify(self, claim: ClaimView, reference: str) -> EffectResult:
+        """An operator's reference for this payment: a signed notification decides when one
+        came (it must name that reference, succeeded); without one, Adyen offers nothing to
+        read, and the operator's reading of Adyen's report is recorded as the evidence."""
+        if self.notification(claim) is not None:
+            return super().verify(claim, reference)
+        if not PSP_REFERENCE.fullmatch(reference):
+            raise ValueError(f"{reference!r} is not an Adyen pspReference (16 letters and digits)")
+        return self.succeeded(
+            reference,
+            **self.money_data(),
+            status="Authorised",
+            evidence="the operator's reading of Adyen's report",
+        )
 
     def settled_by(self, note: Notification) -> EffectResult:
         if note.success:

@@ -13,10 +13,14 @@
 
 from __future__ import annotations
 
+import re
+
 from payments.fence import ExternalSystem, declare_system
 
 #: The system's name: its entry in PAYMENTS["SYSTEMS"] and ApiClient.payment_system.
 NAME = "adyen"
+#: A pspReference: 16 upper-case letters and digits.
+PSP_REFERENCE = re.compile(r"[A-Z0-9]{16}")
 #: Adyen's documented minimum key retention (seven days).
 KEY_RETENTION = 7 * 24 * 3600
 
@@ -31,7 +35,7 @@ ADYEN = declare_system(
         compares_parameters=False,
         reads=(),
         moves_money=True,
-        reference_patterns=(r"[A-Z0-9]{16}",),
+        reference_patterns=(PSP_REFERENCE.pattern,),
         object_noun="payment",
     )
 )

@@ -17,7 +17,9 @@ from devtools.fake_provider.adyen.notifications import sign
 from payments.adyen.models import Notification
 from payments.checkout.handler import request_checkout
 from payments.checkout.orders import create_order
+from payments.desk import services as desk
 from payments.desk.evidence import next_step
+from payments.desk.rules import DeskError
 from payments.engine.dispatch import dispatch
 from payments.engine.recovery import reconcile
 from payments.engine.steps import replay_allowed, replay_deadline
@@ -33,8 +35,9 @@ from payments.models import (
     StepClaim,
 )
 from payments.refunds.handler import request_refund
-from tests.support.adyen import HMAC_KEY, adyen_shop, deliver, item, settings_entry
+from tests.support.adyen import HMAC_KEY, MERCHANT, adyen_shop, deliver, item, settings_entry
 from tests.support.builders import backdate
+from tests.support.users import RECONCILE, make_user
 from tests.support.workers import run_worker
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -125,6 +128,61 @@ def test_lost_answer_past_the_deadline__never_replayed__review_with_its_evidence
     assert next_step(op, claim, look).startswith("Held for a person: Adyen offers no look-up")
     assert not replay_allowed(claim)
     assert deadline in op.last_error
+
+
+def held_past_deadline(adyen, queue) -> tuple[Operation, StepClaim]:
+    op, claim = lost_charge(adyen, queue)
+    backdate(claim, timedelta(days=7))
+    reconcile()
+    op.refresh_from_db()
+    assert op.state == OperationState.NEEDS_REVIEW
+    return op, claim
+
+
+def test_held_charge__marked_succeeded_from_adyens_report__done_and_the_order_paid(adyen, queue):
+    """Adyen offers no look-up and no notification came: the operator's reading of Adyen's
+    report is the evidence (the dead end was: "no signed notification says it succeeded")."""
+    op, claim = held_past_deadline(adyen, queue)
+    psp = adyen.state.payments()[0].psp
+    rita = make_user("rita", RECONCILE)
+
+    desk.mark_step_succeeded(op, "charge", reference=psp, user=rita, reason="Adyen report, 5 Dec")
+    run_worker(queue)
+
+    claim.refresh_from_db()
+    op.refresh_from_db()
+    assert (claim.state, claim.provider_reference) == (ClaimState.DONE, psp)
+    assert claim.result["evidence"] == "the operator's reading of Adyen's report"
+    assert op.state == OperationState.SUCCEEDED
+    assert Order.objects.get(pk=op.params["order_id"]).status == OrderStatus.PAID
+    assert adyen.state.authorised_count() == 1  # marking it succeeded moved no money
+
+
+def test_held_charge__a_reference_that_is_no_psp__or_that_a_notification_contradicts__refused(
+    adyen, queue
+):
+    op, claim = held_past_deadline(adyen, queue)
+    rita = make_user("rita", RECONCILE)
+    with pytest.raises(DeskError, match="not an Adyen pspReference"):
+        desk.mark_step_succeeded(op, "charge", reference="pi_123", user=rita, reason="typo")
+    Notification.objects.create(  # a refusal Adyen signed, stored as the endpoint stores one
+        psp_reference="REFUSED000000001",
+        original_reference="",
+        merchant_account=MERCHANT,
+        merchant_reference=claim.request["reference"],
+        event_code="AUTHORISATION",
+        success=False,
+        amount=2500,
+        currency="EUR",
+        outcome="busy",
+    )
+
+    with pytest.raises(DeskError, match="no signed AUTHORISATION notification says"):
+        desk.mark_step_succeeded(
+            op, "charge", reference="ABCDEFGHIJKLMNOP", user=rita, reason="wrong line"
+        )
+    claim.refresh_from_db()
+    assert claim.state == ClaimState.UNCERTAIN
 
 
 def test_notification__settles_an_uncertain_charge_without_a_replay(adyen, queue, notes):
