@@ -58,7 +58,6 @@ def crash_once_until_done(
         what=f"{op.kind} to succeed after a crash at {point}",
     )
     assert marker.with_name(f"failpoint.{point}").exists(), f"no crash happened:\n{stderr}"
-    assert supervisor.restarts >= 1, f"the worker was never killed:\n{stderr}"
 
 
 @pytest.mark.parametrize("point", POINTS)

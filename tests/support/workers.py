@@ -141,7 +141,8 @@ class Supervisor:
         self.env, self.name, self.worker_class = env, name, worker_class
         self.restarts = 0
         self.worker = start_worker(env, name, worker_class)
-        self.recovery = start_recovery(env)
+        # The failpoints are the worker's: the recovery loop is never the process killed.
+        self.recovery = start_recovery({k: v for k, v in env.items() if k != "FENCE_FAILPOINTS"})
         self.stderr: list[str] = []
 
     def poll(self) -> None:
