@@ -194,8 +194,7 @@ def reset() -> None:
             [SYSTEM_SCHEMA, DATASOURCE_SCHEMA],
         )
         tables = [row[0] for row in cursor.fetchall()]
-        kept = {f"{SYSTEM_SCHEMA}.dbos_migrations", f"{DATASOURCE_SCHEMA}.dbos_migrations"}
-        emptied = [t for t in tables if t not in kept and not t.endswith("migrations")]
+        emptied = [t for t in tables if not t.endswith("migrations")]  # keep their versions
         if emptied:
             cursor.execute(f"TRUNCATE {', '.join(emptied)} CASCADE")
 

@@ -6,6 +6,7 @@ saved whole under artifacts/screenshots/ and checked to fit the window.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -25,10 +26,9 @@ PASSWORD = "correct-horse-battery-9"
 def desk_tab(width: int, live_url: str, username: str, *perms: str) -> Iterator[Any]:
     """A tab `width` px wide, logged in as a new operator with `perms`."""
     assert Path(CHROMIUM).exists(), "Debian's chromium is missing: apt-get install chromium"
-    import os
-
     from playwright import sync_api
 
+    saved = os.environ.get("DJANGO_ALLOW_ASYNC_UNSAFE")
     os.environ["DJANGO_ALLOW_ASYNC_UNSAFE"] = "true"  # the live server runs in a thread
     SHOTS.mkdir(parents=True, exist_ok=True)
     user = make_user(username, *perms)
@@ -48,7 +48,10 @@ def desk_tab(width: int, live_url: str, username: str, *perms: str) -> Iterator[
         finally:
             browser.close()
             connections.close_all()  # the live server's threads' connections
-            os.environ.pop("DJANGO_ALLOW_ASYNC_UNSAFE", None)
+            if saved is None:
+                os.environ.pop("DJANGO_ALLOW_ASYNC_UNSAFE", None)
+            else:
+                os.environ["DJANGO_ALLOW_ASYNC_UNSAFE"] = saved
 
 
 def shot(page: Any, name: str) -> None:

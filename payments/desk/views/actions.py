@@ -43,12 +43,13 @@ from payments.desk.evidence import (
     query_tally,
     query_title,
     system_label,
+    system_words,
 )
 from payments.desk.rules import FoundSucceeded, declined_payment_method
 from payments.desk.views.base import DeskBase, operator_of
 from payments.engine import fence
 from payments.engine.handlers import get_handler
-from payments.engine.steps import claim_system, replay_allowed
+from payments.engine.steps import replay_allowed
 from payments.exceptions import PaymentsError
 from payments.models import INCIDENT_LOOKS, Operation, OperationState, StepClaim
 
@@ -286,7 +287,7 @@ def _mark_failed_plan(op: Operation, step: str) -> dict[str, Any]:
         "void_target": target if voids else claim.provider_reference,
         "last_request_at": fence.last_request_at(claim),
         "grace_minutes": payments_settings().reconcile_grace // 60,
-        "no_read": not claim_system(claim).reads,
+        "no_read": not system_words(claim).reads,
         "replay_first": op.state not in desk.WORKER_STATES
         and not claim.provider_reference
         and replay_allowed(claim),
@@ -533,7 +534,7 @@ class ActionViewsMixin(DeskBase):
             **(_mark_failed_plan(op, step) if action == "mark_failed" else {}),
             "system": operation_label(op),
             # Whether every system the operation's steps call offers a read.
-            "system_reads": all(claim_system(c).reads for c in op.claims.all()),
+            "system_reads": all(system_words(c).reads for c in op.claims.all()),
             "change_url": change_url,
             # A refused mark-failed keeps its button off: pressing again changes nothing.
             "refused": _refusal(op, action, step) or refused_now,
