@@ -19,7 +19,9 @@ class InboxEntryAdmin(admin.ModelAdmin):
     # Exact match: ids are pasted whole from logs, and a substring search would
     # scan the whole table.
     search_fields = ("message_id__exact",)
-    ordering = ("-handled_at",)
+    # Newest first, by id (recorded order): read through the primary key, so that no
+    # index on handled_at is written for each message (migration 0003).
+    ordering = ("-id",)
     # The default paginator counts the whole table; the inbox can be large.
     show_full_result_count = False
 

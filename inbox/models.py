@@ -31,9 +31,10 @@ class InboxEntry(models.Model):
                 fields=["consumer", "message_id"], name=CONSUMER_MESSAGE_UNIQUE
             ),
         ]
+        # No index on handled_at alone (dropped in migration 0003): the admin lists the
+        # newest entries first by id, in the order they were recorded, through the
+        # primary key; one consumer's, through the purge's index.
         indexes = [
-            # The admin lists the newest entries first.
-            models.Index(fields=["handled_at"], name="inbox_entry_handled_at_idx"),
             # The purge walks each consumer's rows oldest first, by (handled_at, id).
             models.Index(fields=["consumer", "handled_at", "id"], name=PURGE_INDEX),
         ]

@@ -403,11 +403,16 @@ class StepClaim(FenceModel):
                 condition=Q(state__in=UNSETTLED_CLAIM_STATES),
             ),
             # One index for both lookups by reference: equality (webhooks, the desk) and
-            # prefix (`pi_`, `re_`: the audits), which a default-collation btree cannot serve.
+            # prefix (`pi_`, `re_`), which a default-collation btree cannot serve. Over the
+            # claims that carry a reference only (migration 0025): a local step's claim, and
+            # an external one until its answer, write no entry. Equality and IN lookups
+            # imply the condition; a prefix lookup must state it (`.exclude(
+            # provider_reference="")`) to read through the index.
             models.Index(
                 fields=["provider_reference"],
-                name="payments_claim_reference",
+                name="payments_claim_ref_given",
                 opclasses=["varchar_pattern_ops"],
+                condition=~Q(provider_reference=""),
             ),
         ]
 
