@@ -2,6 +2,7 @@ from __future__ import annotations
 
 from django.apps import AppConfig
 from django.contrib.admin import apps as admin_apps
+from django.core.exceptions import ImproperlyConfigured
 
 
 class DeskAdminConfig(admin_apps.AdminConfig):
@@ -20,8 +21,16 @@ class PaymentsConfig(AppConfig):
         # Every business package's `handler` module registers its handlers (the engine
         # runs none it was not told of); then the system checks and metrics' receivers.
         from payments import checks  # noqa: F401
-        from payments.engine.handlers import discover_handlers
+        from payments.conf import payments_settings
+        from payments.engine.handlers import discover_app_handlers, discover_handlers
         from payments.observability import metrics  # noqa: F401
 
         assert self.module is not None  # set by Django before ready()
         discover_handlers(self.module)
+        # Then every installed app's `handler` module, and PAYMENTS["HANDLER_MODULES"]
+        # (a bad PAYMENTS is payments.E009's to report, with every other bad key).
+        try:
+            extra = payments_settings().handler_modules
+        except ImproperlyConfigured:
+            extra = ()
+        discover_app_handlers(extra)

@@ -57,6 +57,13 @@ Every key, its default and its meaning:
     `payments.E013` reports an entry for no declared system, and a declared
     system an effect uses without an entry.
 
+``HANDLER_MODULES`` (``()``)
+    Dotted paths of modules that declare handlers, imported at start-up besides
+    each installed app's ``handler`` module (``bookings/handler.py``) and the
+    ``handler`` module of each package of ``payments``: for handlers kept
+    elsewhere, e.g. ``["bookings.deposits.fenced"]``. A path that cannot be
+    imported stops start-up with an ImportError naming it.
+
 `payments.E009` reports a bad value at start-up; the timeout chain between
 them is checked by `payments.E002`-`E005`.
 """
@@ -113,6 +120,7 @@ class PaymentsSettings:
     retention_days: int = 400
     purge_batch_size: int = 500
     systems: tuple[tuple[str, SystemSettings], ...] = ()
+    handler_modules: tuple[str, ...] = ()
 
     def system(self, name: str) -> SystemSettings | None:
         """The entry of an external system besides the provider, or None when not configured."""
@@ -294,4 +302,17 @@ def _read(raw: object) -> PaymentsSettings:
             "PURGE_BATCH_SIZE", get("purge_batch_size"), integer=True, minimum=1
         ),
         systems=_systems(raw.get("SYSTEMS", {})),
+        handler_modules=_modules("HANDLER_MODULES", get("handler_modules")),
     )
+
+
+def _modules(name: str, value: object) -> tuple[str, ...]:
+    """A list of dotted module paths (`bookings.deposits.fenced`)."""
+    if isinstance(value, str) or not isinstance(value, list | tuple):
+        raise ImproperlyConfigured(f"PAYMENTS['{name}'] must be a list of dotted module paths.")
+    for path in value:
+        if not isinstance(path, str) or not all(part.isidentifier() for part in path.split(".")):
+            raise ImproperlyConfigured(
+                f"PAYMENTS['{name}']: {path!r} is not a dotted module path (e.g. 'bookings.fenced')."
+            )
+    return tuple(value)

@@ -29,8 +29,10 @@ from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any, cast
 
+from django.apps import apps
 from django.db import DatabaseError, models
 from django.db.models import Exists, Model, OuterRef
+from django.utils.module_loading import module_has_submodule
 
 from inbox.handlers import current_message, inbox_guard, inbox_handler
 from payments.conf import payments_settings
@@ -188,8 +190,9 @@ def check_discoverable(module: str) -> None:
         if module.startswith(f"{root}."):
             raise ConfigurationError(
                 f"a handler is declared in {module}, which start-up discovery did not import: "
-                f"declare it in (or import it from) {root}.<package>.handler, in a package with "
-                "an __init__.py, so that every worker registers it too"
+                f"declare it in (or import it from) {root}.<package>.handler (payments' "
+                f"packages, each with an __init__.py), {root}.handler (an installed app's) or a "
+                "module named in PAYMENTS['HANDLER_MODULES'], so that every worker registers it too"
             )
 
 
@@ -334,6 +337,37 @@ def discover_handlers(package: ModuleType) -> list[str]:
             importlib.import_module(name)
             found.append(name)
     _DISCOVERED.add(package.__name__)  # from now on, a late registration is refused
+    return found
+
+
+#: The module an installed app declares its handlers in (`<app>/handler.py`), imported at
+#: start-up by discover_app_handlers, as django.contrib.admin imports each app's `admin`.
+HANDLER_MODULE = "handler"
+
+
+def discover_app_handlers(extra: Iterable[str] = ()) -> list[str]:
+    """Import every installed app's `handler` module, then each module named in `extra`
+    (PAYMENTS["HANDLER_MODULES"]); return the modules imported, in that order.
+
+    Called from the payments app's ready(), after payments' own packages: an app
+    of the project (`bookings`, listed in INSTALLED_APPS) has its handlers in
+    `bookings/handler.py` and every process registers them. From then on each
+    installed app is a discovery root, as payments is: a handler declared later
+    under it (a module only the web's URLs import) is refused, since workers would
+    not know it. A module of `extra` that cannot be imported raises ImportError, at
+    start-up, with its name.
+    """
+    found = []
+    configs = list(apps.get_app_configs())
+    for config in configs:
+        if module_has_submodule(config.module, HANDLER_MODULE):
+            name = f"{config.name}.{HANDLER_MODULE}"
+            importlib.import_module(name)
+            found.append(name)
+    for name in extra:
+        importlib.import_module(name)
+        found.append(name)
+    _DISCOVERED.update(config.name for config in configs)
     return found
 
 

@@ -162,3 +162,68 @@ def test_a_step_missing_from_steps__parks_the_operation_for_review(monkeypatch):
     op.refresh_from_db()
     assert "does not declare" in op.last_error
     assert not op.claims.exists()
+
+
+@pytest.fixture
+def project_app(tmp_path, monkeypatch):
+    """An app of the project's own (`bookings_<n>`, beside payments in INSTALLED_APPS)."""
+    name = f"bookings_{tmp_path.name.replace('-', '_')}"
+    root = tmp_path / name
+    root.mkdir()
+    (root / "__init__.py").write_text("")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(handlers, "_HANDLERS", dict(handlers._HANDLERS))
+    monkeypatch.setattr(handlers, "_DISCOVERED", set(handlers._DISCOVERED))
+
+    def add(path: str, text: str) -> None:
+        (root / path).parent.mkdir(parents=True, exist_ok=True)
+        (root / path).write_text(textwrap.dedent(text))
+
+    yield name, add
+    for module in [m for m in sys.modules if m == name or m.startswith(f"{name}.")]:
+        del sys.modules[module]
+
+
+def test_an_installed_apps_handler_module__is_discovered_at_start_up(project_app, settings):
+    """PaymentsConfig.ready(), run again by the new INSTALLED_APPS: an app of the
+    project has its handlers in `<app>/handler.py`; a module in HANDLER_MODULES too."""
+    name, add = project_app
+    add("handler.py", HANDLER.format(kind=f"{name}-deposit"))
+    add("more/__init__.py", "")
+    add("more/fenced.py", HANDLER.format(kind=f"{name}-refund"))
+    settings.PAYMENTS = {**settings.PAYMENTS, "HANDLER_MODULES": [f"{name}.more.fenced"]}
+    settings.INSTALLED_APPS = [*settings.INSTALLED_APPS, name]  # runs every app's ready()
+
+    assert {f"{name}-deposit", f"{name}-refund"} <= set(handlers.registered_handlers())
+    assert handlers.discover_app_handlers([f"{name}.more.fenced"]) == [
+        f"{name}.handler",
+        f"{name}.more.fenced",
+    ]
+
+
+def test_an_installed_apps_late_handler__is_refused(project_app, settings):
+    """A handler under an installed app in a module discovery did not import (its
+    views, say) is refused: workers, which import no views, would not know it."""
+    name, add = project_app
+    add("views.py", HANDLER.format(kind=f"{name}-late"))
+    settings.INSTALLED_APPS = [*settings.INSTALLED_APPS, name]  # runs every app's ready()
+
+    with pytest.raises(ConfigurationError, match=rf"{name}\.handler \(an installed app's\)"):
+        importlib.import_module(f"{name}.views")
+    assert f"{name}-late" not in handlers.registered_handlers()
+
+
+def test_a_handler_module_that_cannot_be_imported__stops_start_up(project_app, settings):
+    name, _ = project_app
+    with pytest.raises(ImportError, match=f"{name}.missing"):
+        handlers.discover_app_handlers([f"{name}.missing"])
+
+
+@pytest.mark.parametrize("bad", ["bookings.fenced", ["bookings fenced"], [3]])
+def test_handler_modules_setting__a_bad_value_is_refused(bad):
+    from django.core.exceptions import ImproperlyConfigured
+
+    from payments.conf import _read
+
+    with pytest.raises(ImproperlyConfigured, match="HANDLER_MODULES"):
+        _read({"HANDLER_MODULES": bad})
