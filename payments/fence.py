@@ -99,7 +99,8 @@ def operation(
     """Register the decorated function as the fenced handler of operations of `kind`.
 
     - `steps`: every step in run order; an external one maps to its effect class.
-    - `entity`: the model of the operations' entity (`run.entity`, integer key).
+    - `entity`: the model of the operations' entity (`run.entity`; an integer, UUID or
+      text key of at most 64 characters).
     - `on_failure(operation)`: business writes when the operation fails (in its tx).
     - `on_resume(operation)`: undo on_failure when a failed operation runs again.
     - `on_give_up(run)`: compensate when the operation gives up after an earlier

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any, NoReturn, cast
 
-from django.db import DatabaseError, IntegrityError, connection, transaction
+from django.db import DatabaseError, IntegrityError, connection, models, transaction
 from django.db.models.functions import Now
 from django.utils import timezone
 from psycopg.sql import SQL, Identifier
@@ -44,6 +44,7 @@ from payments.engine.signals import operation_state_changed
 from payments.engine.sql import QUERIES
 from payments.engine.writes import fence_writer
 from payments.exceptions import (
+    ConfigurationError,
     InvalidTransition,
     NotClaimOwner,
     OperationConflict,
@@ -509,16 +510,62 @@ class LeaseResult:
 _READ_ENTITY: dict[type[Any], str] = {}
 
 
+#: How read_entity tells that an operation's entity_id (text, at most 64 characters) can
+#: be a key of each kind, and casts it: (the test, the cast), by entity_key_kind's answer.
+ENTITY_KEYS: dict[str, tuple[str, str]] = {
+    "integer": ("entity_id ~ '^-?[0-9]{1,18}$'", "entity_id::bigint"),
+    "uuid": (
+        "entity_id ~* '^[0-9a-f]{8}-?([0-9a-f]{4}-?){3}[0-9a-f]{12}$'",
+        "entity_id::uuid",
+    ),
+    "text": ("true", "entity_id::text"),
+}
+
+#: The most characters an entity's key may have as text: Operation.entity_id's length.
+ENTITY_KEY_LENGTH = 64
+
+
+def entity_key_kind(model: type[Any]) -> str:
+    """The kind of `model`'s primary key as an entity's (a key of ENTITY_KEYS).
+
+    Integer keys (AutoField, BigAutoField, IntegerField...), UUIDField, and
+    CharField / TextField / SlugField keys that fit in entity_id's 64
+    characters. Raises ConfigurationError for any other (a date, a foreign
+    key's composite...), naming the model and the field.
+    """
+    key = model._meta.pk
+    while key is not None and key.is_relation:  # a parent's key (multi-table inheritance)
+        key = key.target_field
+    if isinstance(key, models.IntegerField):
+        return "integer"
+    if isinstance(key, models.UUIDField):
+        return "uuid"
+    if isinstance(key, models.CharField | models.TextField):
+        if key.max_length is None or key.max_length > ENTITY_KEY_LENGTH:
+            raise ConfigurationError(
+                f"{model.__name__}'s primary key {key.name} may be longer than an entity's "
+                f"{ENTITY_KEY_LENGTH} characters: give it max_length={ENTITY_KEY_LENGTH} or less"
+            )
+        return "text"
+    raise ConfigurationError(
+        f"{model.__name__}'s primary key {getattr(key, 'name', key)} "
+        f"({type(key).__name__}) cannot be an entity's: use an integer, UUID or text key"
+    )
+
+
 def _read_entity_sql(model: type[Any]) -> str:
     sql = _READ_ENTITY.get(model)
     if sql is None:
         columns = [Identifier(f.column) for f in model._meta.concrete_fields]
+        key_test, key = ENTITY_KEYS[entity_key_kind(model)]
         sql = _READ_ENTITY[model] = (
             SQL(QUERIES["read_entity"])
             .format(
                 columns=SQL(", ").join(columns),
                 table=Identifier(model._meta.db_table),
                 pk=Identifier(model._meta.pk.column),
+                key_test=SQL(key_test),  # a constant of ENTITY_KEYS, never input
+                key=SQL(key),
             )
             .as_string()
         )

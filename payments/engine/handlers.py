@@ -27,10 +27,10 @@ import pkgutil
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from types import ModuleType
-from typing import Any, cast
+from typing import Any
 
 from django.apps import apps
-from django.db import DatabaseError, models
+from django.db import DatabaseError
 from django.db.models import Exists, Model, OuterRef
 from django.utils.module_loading import module_has_submodule
 
@@ -227,20 +227,17 @@ def handler(
     declares is reported by the `payments.E010` check, so a rename cannot
     silently derive a new idempotency key for a step that already ran.
     `entity` is the model of the operations' entity (their entity_type is its
-    model name, their entity_id its integer primary key): the worker reads the
+    model name, their entity_id its primary key as text: an integer, UUID or text
+    key, fence.entity_key_kind): the worker reads the
     row in the lease's round trip, and the handler gets it as `run.entity`
     (read as it was right after the lease; lock it again where a step needs it
     locked). `follows`: the business event its operations follow (payments.engine.follow_ups).
     """
-    key = entity._meta.pk if entity is not None else None
-    while key is not None and key.is_relation:  # a parent's key (multi-table inheritance)
-        key = cast(Any, key).target_field
-    if entity is not None and not isinstance(
-        key, models.AutoField | models.BigAutoField | models.IntegerField
-    ):
-        raise ConfigurationError(
-            f"handler {kind!r}: entity {entity.__name__} needs an integer primary key"
-        )
+    if entity is not None:
+        try:
+            fence.entity_key_kind(entity)
+        except ConfigurationError as exc:
+            raise ConfigurationError(f"handler {kind!r}: {exc}") from None
 
     def register(func: Callable[[Run], object]) -> Callable[[Run], object]:
         _register(

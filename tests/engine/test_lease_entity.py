@@ -106,16 +106,93 @@ def test_a_handler_without_entity__run_entity_refused():
         _ = run.entity
 
 
-def test_an_entity_without_an_integer_key__refused_at_registration():
-    class Coded(models.Model):  # noqa: DJ008
-        code = models.CharField(max_length=8, primary_key=True)
+class Booking(models.Model):  # noqa: DJ008
+    """An entity keyed by a UUID (a project's own model)."""
+
+    id = models.UUIDField(primary_key=True)
+    guest = models.CharField(max_length=40)
+
+    class Meta:
+        app_label = "payments"
+        managed = False
+        db_table = "test_entity_booking"
+
+
+class Room(models.Model):  # noqa: DJ008
+    """An entity keyed by text."""
+
+    code = models.CharField(max_length=12, primary_key=True)
+    floor = models.IntegerField()
+
+    class Meta:
+        app_label = "payments"
+        managed = False
+        db_table = "test_entity_room"
+
+
+@pytest.fixture
+def keyed_tables():
+    """Booking's and Room's tables, for this test only."""
+    with connection.schema_editor() as editor:
+        editor.create_model(Booking)
+        editor.create_model(Room)
+    yield
+    with connection.schema_editor() as editor:
+        editor.delete_model(Booking)
+        editor.delete_model(Room)
+
+
+@pytest.mark.parametrize(
+    "model, row, other",
+    [
+        (Booking, {"id": "7d1c8e0e-3f4a-4b8e-9a55-2b0d6f1c9e01", "guest": "Ada"}, "not-a-uuid"),
+        (Room, {"code": "B-204", "floor": 2}, "C-999"),
+    ],
+    ids=["uuid", "text"],
+)
+def test_an_entity_keyed_by_a_uuid_or_text__read_with_the_lease(keyed_tables, model, row, other):
+    """read_entity casts entity_id to the key's own type; a text that is no key of that
+    type (or no row) reads nothing and the lease is still taken."""
+    entity = model.objects.create(**row)
+    name = model._meta.model_name
+    found = checkout_of(f"ent-{name}", name, str(entity.pk))
+    missing = checkout_of(f"ent-{name}-other", name, other)
+
+    leased = fence.acquire_lease(found.pk, owner="w/1", seconds=30, entities=(model,))
+    assert leased.acquired and str(leased.entities[model].pk) == str(entity.pk)
+    assert fence.entity_key_kind(model) == ("uuid" if model is Booking else "text")
+    leased = fence.acquire_lease(missing.pk, owner="w/1", seconds=30, entities=(model,))
+    assert leased.acquired and leased.entities == {model: None}
+
+
+def test_an_entity_keyed_by_a_uuid_or_text__accepted_at_registration(monkeypatch):
+    from payments.engine import handlers
+
+    monkeypatch.setattr(handlers, "_HANDLERS", dict(handlers._HANDLERS))
+    handler("booking-deposit", entity=Booking)(lambda run: None)
+    handler("room-deposit", entity=Room)(lambda run: None)
+    assert {Booking, Room} <= set(entity_models())
+
+
+def test_an_entity_whose_key_cannot_be_an_entitys__refused_at_registration():
+    class Dated(models.Model):  # noqa: DJ008
+        day = models.DateField(primary_key=True)
 
         class Meta:
             app_label = "payments"
             managed = False
 
-    with pytest.raises(ConfigurationError, match="integer primary key"):
-        handler("coded-thing", entity=Coded)
+    class Long(models.Model):  # noqa: DJ008
+        code = models.CharField(max_length=100, primary_key=True)
+
+        class Meta:
+            app_label = "payments"
+            managed = False
+
+    with pytest.raises(ConfigurationError, match="handler 'dated-thing'.*integer, UUID or text"):
+        handler("dated-thing", entity=Dated)
+    with pytest.raises(ConfigurationError, match="max_length=64 or less"):
+        handler("long-thing", entity=Long)
 
 
 class Missing(models.Model):  # noqa: DJ008

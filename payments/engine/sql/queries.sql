@@ -61,13 +61,15 @@ FROM created
 
 -- read_entity --
 -- The operation's entity when it is one of a handler's model's rows (entity_type is the
--- model's name, entity_id its integer key), else nothing. The one template: the model is
+-- model's name, entity_id its key as text), else nothing. The one template: the model is
 -- the handler's, unknown here, so its columns, table and key ({columns}, {table}, {pk})
--- are composed in as identifiers by psycopg.sql (fence._read_entity_sql), once per model.
+-- are composed in as identifiers by psycopg.sql (fence._read_entity_sql), once per model,
+-- and so are the test that entity_id can be the key and its cast to the key's type
+-- ({key_test}, {key}: fence.ENTITY_KEYS, one pair per kind of key: integer, UUID, text),
+-- so that a text that is no key reads nothing instead of failing the cast.
 SELECT {columns} FROM {table}
 WHERE {pk} = (
-    SELECT CASE WHEN entity_type = %(entity_type)s::text AND entity_id ~ '^[0-9]{{1,18}}$'
-                THEN entity_id::bigint END
+    SELECT CASE WHEN entity_type = %(entity_type)s::text AND {key_test} THEN {key} END
     FROM payments_operation WHERE id = %(id)s
 )
 
