@@ -58,6 +58,7 @@ TIERS = {
     "api/test_fuzz.py": "slow",  # schemathesis: every operation, then 100 stateful chains
     "engine/test_properties.py": "slow",  # a Hypothesis state machine over real workers
     "hardening/test_serving.py": "slow",  # real gunicorn and runserver processes
+    "packaging/*": "slow",  # pip builds the wheel; a fresh project installs it
 }
 
 

@@ -2,7 +2,7 @@
 
 Django's History template (admin/object_history.html) shows its own date
 format and the logged message as written; the desk's override of it
-(templates/admin/payments/operation/object_history.html) passes both through
+(payments/templates/admin/payments/operation/object_history.html) passes both through
 these, so the History reads like the rest of the desk.
 """
 

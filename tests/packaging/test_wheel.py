@@ -1,0 +1,76 @@
+"""`pip wheel .` builds the fence and the inbox, and nothing else (pyproject.toml).
+
+Built from a copy of what the wheel is made of (the build writes build/ and
+*.egg-info beside its sources), with pip and build isolation, as a project
+installing the repository would.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+APPS = ("payments", "inbox")
+
+
+def sources(app: str) -> set[str]:
+    """Every file of an app the wheel must carry: code, SQL, templates."""
+    return {
+        path.relative_to(ROOT).as_posix()
+        for path in (ROOT / app).rglob("*")
+        if path.is_file() and "__pycache__" not in path.parts and path.suffix != ".pyc"
+    }
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory) -> zipfile.ZipFile:
+    work = tmp_path_factory.mktemp("wheel")
+    tree = work / "src"
+    tree.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, tree / name)
+    for app in APPS:
+        shutil.copytree(ROOT / app, tree / app, ignore=shutil.ignore_patterns("__pycache__"))
+    done = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", str(tree), "--no-deps", "-q", "-w", str(work)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    (built,) = work.glob("*.whl")
+    return zipfile.ZipFile(built)
+
+
+def test_the_wheel_carries_every_file_of_the_fence_and_the_inbox(wheel):
+    names = set(wheel.namelist())
+    for app in APPS:
+        missing = sources(app) - names
+        assert not missing, sorted(missing)[:10]
+    assert "payments/engine/sql/queries.sql" in names
+    assert "payments/templates/admin/payments/operation/change_form.html" in names
+
+
+def test_the_wheel_carries_nothing_of_the_tools_the_tests_or_this_project(wheel):
+    tops = {name.split("/")[0] for name in wheel.namelist()}
+    assert {top for top in tops if not top.endswith(".dist-info")} == set(APPS)
+
+
+def test_the_wheel_names_its_runtime_dependencies_and_not_the_tools(wheel):
+    (metadata,) = [n for n in wheel.namelist() if n.endswith(".dist-info/METADATA")]
+    text = wheel.read(metadata).decode()
+    requires = [
+        line.split(":", 1)[1].strip()
+        for line in text.splitlines()
+        if line.startswith("Requires-Dist:")
+    ]
+    for needed in ("Django", "django-rq", "rq", "psycopg", "djangorestframework"):
+        assert any(r.startswith(needed) for r in requires), requires
+    for tool in ("pytest", "dbos", "stripe", "playwright"):
+        assert not any(r.lower().startswith(tool) for r in requires), requires
