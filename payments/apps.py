@@ -18,17 +18,15 @@ class PaymentsConfig(AppConfig):
     verbose_name = "Payments"
 
     def ready(self) -> None:
-        # Every business package's `handler` module registers its handlers (the engine
-        # runs none it was not told of); then the system checks and metrics' receivers.
+        # Every installed app's `handler` module registers its handlers (the engine runs
+        # none it was not told of), and each module of PAYMENTS["HANDLER_MODULES"]; then
+        # the system checks and metrics' receivers.
         from payments import checks  # noqa: F401
         from payments.conf import payments_settings
-        from payments.engine.handlers import discover_app_handlers, discover_handlers
+        from payments.engine.handlers import discover_app_handlers
         from payments.observability import metrics  # noqa: F401
 
-        assert self.module is not None  # set by Django before ready()
-        discover_handlers(self.module)
-        # Then every installed app's `handler` module, and PAYMENTS["HANDLER_MODULES"]
-        # (a bad PAYMENTS is payments.E009's to report, with every other bad key).
+        # A bad PAYMENTS is payments.E009's to report, with every other bad key.
         try:
             extra = payments_settings().handler_modules
         except ImproperlyConfigured:

@@ -34,8 +34,9 @@
 - `note_request`: what a system's client calls once per request it sends (method, path,
   status, key): the fence keeps it on the row it writes, for the desk's evidence.
 
-Handlers live in `payments/<package>/handler.py` (a package with an
-`__init__.py`), or in modules that one imports: web and worker processes
+Handlers live in `<app>/handler.py` of an installed app (the shop's examples:
+`payments/checkout/handler.py`, the app `payments.checkout`), in a module named in
+PAYMENTS["HANDLER_MODULES"], or in modules those import: web and worker processes
 import exactly those at start-up, and refuse a handler registered later.
 """
 

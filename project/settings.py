@@ -62,6 +62,12 @@ INSTALLED_APPS = [
     "drf_spectacular",
     "inbox",
     "payments",
+    # The shop's operations, examples of fenced business: each app's handler.py is found
+    # at start-up; a project using the fence leaves out those it does not run.
+    "payments.checkout",
+    "payments.captures",
+    "payments.refunds",
+    "payments.invoices",
     # Adyen as a second payment system: its notifications table and endpoint.
     "payments.adyen",
     # Creates the payments.manage_queues permission after migrate (no models).

@@ -23,10 +23,8 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import logging
-import pkgutil
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from types import ModuleType
 from typing import Any
 
 from django.apps import apps
@@ -171,28 +169,34 @@ _HANDLERS: dict[str, HandlerSpec] = {}
 GIVE_UP_STEP = ":give_up"
 
 
-#: Set once discover_handlers has imported every handler module of its root.
+#: The installed apps, once discover_app_handlers has imported their handler modules.
 _DISCOVERED: set[str] = set()
 
 
 def check_discoverable(module: str) -> None:
     """Refuse a handler that worker processes would not know.
 
-    Web and worker processes know the same handlers: those that the discovery
-    rule imports at start-up (`<root>.<package>.handler` of every regular
-    package, with an `__init__.py`, under a root, and what those modules
-    import). A handler under a root that registers after discovery came from
-    a module only this process imported (the web, through its URLs): workers
-    would park its operations in needs_review, so this process refuses it too.
-    Modules outside every root (tests) may register at any time.
+    Web and worker processes know the same handlers: those that start-up
+    discovery imports (each installed app's `handler` module, each module of
+    PAYMENTS["HANDLER_MODULES"], and what those modules import). A handler under
+    an installed app that registers after discovery came from a module only this
+    process imported (the web, through its URLs), or from a package that is not
+    an installed app of its own: workers would park its operations in
+    needs_review, so this process refuses it too. Modules outside every
+    installed app (tests) may register at any time.
     """
-    for root in _DISCOVERED:
+    for root in sorted(_DISCOVERED, key=len, reverse=True):
         if module.startswith(f"{root}."):
+            package = module.rsplit(".", 1)[0]
+            where = (
+                f"declare it in (or import it from) {package}.handler"
+                if package in _DISCOVERED
+                else f"add {package!r} to INSTALLED_APPS, its handlers in {package}.handler"
+            )
             raise ConfigurationError(
                 f"a handler is declared in {module}, which start-up discovery did not import: "
-                f"declare it in (or import it from) {root}.<package>.handler (payments' "
-                f"packages, each with an __init__.py), {root}.handler (an installed app's) or a "
-                "module named in PAYMENTS['HANDLER_MODULES'], so that every worker registers it too"
+                f"{where}, or name its module in PAYMENTS['HANDLER_MODULES'], so that every "
+                "worker registers it too"
             )
 
 
@@ -320,23 +324,6 @@ def succeed_message_in_tx(operation_id: int, worker_id: str) -> Operation:
     return fence.succeed_message_in_tx(operation_id, actor=worker_id, reason="delivered")
 
 
-def discover_handlers(package: ModuleType) -> list[str]:
-    """Import the `handler` module of every subpackage of `package`; return their names.
-
-    Called from the app's ready(): a new business package (payments/refunds/)
-    registers its handlers by having a `handler.py`, nothing to remember.
-    An unfinished operation whose kind no handler declares is payments.E010.
-    """
-    found = []
-    for info in pkgutil.iter_modules(package.__path__):
-        name = f"{package.__name__}.{info.name}.handler"
-        if info.ispkg and importlib.util.find_spec(name) is not None:
-            importlib.import_module(name)
-            found.append(name)
-    _DISCOVERED.add(package.__name__)  # from now on, a late registration is refused
-    return found
-
-
 #: The module an installed app declares its handlers in (`<app>/handler.py`), imported at
 #: start-up by discover_app_handlers, as django.contrib.admin imports each app's `admin`.
 HANDLER_MODULE = "handler"
@@ -346,12 +333,12 @@ def discover_app_handlers(extra: Iterable[str] = ()) -> list[str]:
     """Import every installed app's `handler` module, then each module named in `extra`
     (PAYMENTS["HANDLER_MODULES"]); return the modules imported, in that order.
 
-    Called from the payments app's ready(), after payments' own packages: an app
-    of the project (`bookings`, listed in INSTALLED_APPS) has its handlers in
-    `bookings/handler.py` and every process registers them. From then on each
-    installed app is a discovery root, as payments is: a handler declared later
-    under it (a module only the web's URLs import) is refused, since workers would
-    not know it. A module of `extra` that cannot be imported raises ImportError, at
+    Called from the payments app's ready(): an app (`bookings`, or one of the
+    shop's examples, `payments.checkout`, listed in INSTALLED_APPS) has its
+    handlers in `<app>/handler.py` and every process registers them, nothing to
+    remember. From then on each installed app is a discovery root: a handler
+    declared later under it (a module only the web's URLs import) is refused,
+    since workers would not know it. A module of `extra` that cannot be imported raises ImportError, at
     start-up, with its name.
     """
     found = []

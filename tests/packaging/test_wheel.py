@@ -7,16 +7,12 @@ installing the repository would.
 
 from __future__ import annotations
 
-import shutil
-import subprocess
-import sys
 import zipfile
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-APPS = ("payments", "inbox")
+from tests.packaging.conftest import APPS, ROOT
 
 
 def sources(app: str) -> set[str]:
@@ -29,23 +25,8 @@ def sources(app: str) -> set[str]:
 
 
 @pytest.fixture(scope="module")
-def wheel(tmp_path_factory) -> zipfile.ZipFile:
-    work = tmp_path_factory.mktemp("wheel")
-    tree = work / "src"
-    tree.mkdir()
-    for name in ("pyproject.toml", "README.md"):
-        shutil.copy(ROOT / name, tree / name)
-    for app in APPS:
-        shutil.copytree(ROOT / app, tree / app, ignore=shutil.ignore_patterns("__pycache__"))
-    done = subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", str(tree), "--no-deps", "-q", "-w", str(work)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stderr[-2000:]
-    (built,) = work.glob("*.whl")
-    return zipfile.ZipFile(built)
+def wheel(wheel_path: Path) -> zipfile.ZipFile:
+    return zipfile.ZipFile(wheel_path)
 
 
 def test_the_wheel_carries_every_file_of_the_fence_and_the_inbox(wheel):

@@ -1,0 +1,154 @@
+"""docs/install.md, done: a project made by `django-admin startproject` installs the
+wheel into a virtualenv of its own, adds an app whose model is keyed by a UUID,
+fences an operation on it, and a FenceWorker runs it once.
+
+Nothing of this repository is on the project's path but the wheel: the project
+sees only what a `pip install` gives it. Its database is a new one, dropped after.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import uuid
+from pathlib import Path
+
+import pytest
+from redis import Redis
+
+from tests.conftest import TEST_REDIS_URL
+
+SETTINGS = """
+INSTALLED_APPS += ["django_rq", "rest_framework", "rest_framework_api_key", "inbox", "payments",
+                   "bookings"]
+DATABASES = {{"default": {{"ENGINE": "django.db.backends.postgresql", "NAME": "{database}",
+                          "USER": "postgres", "HOST": "127.0.0.1", "PORT": 5432}}}}
+RQ_QUEUES = {{"payments": {{"URL": "{redis}", "DEFAULT_TIMEOUT": 30}}}}
+RQ = {{"QUEUE_CLASS": "inbox.queues.MessageQueue",
+      "WORKER_CLASS": "payments.engine.worker.FenceWorker"}}
+INBOX = {{"RETENTION": {{"default": 8 * 24 * 3600}}, "REDELIVERY_HORIZON": 7 * 24 * 3600}}
+"""
+
+MODELS = """
+import uuid
+
+from django.db import models
+
+
+class Booking(models.Model):
+    id = models.UUIDField(primary_key=True, default=uuid.uuid4)
+    guest = models.CharField(max_length=100)
+    deposit = models.IntegerField()
+    status = models.CharField(max_length=20, default="new")
+"""
+
+# docs/install.md's handler, with a file for the side effect to append to.
+HANDLER = """
+from pathlib import Path
+
+from django.db import transaction
+
+from payments.fence import DeliveryPolicy, Run, create_operation_in_tx, operation
+
+from bookings.models import Booking
+
+CONFIRM = "confirm_booking"
+
+
+def send_mail_to(booking):
+    with open(Path(__file__).parent / "sent.txt", "a") as sent:
+        sent.write(f"{booking.guest}\\n")
+
+
+@operation(CONFIRM, entity=Booking, steps={"notify": None, "mark_confirmed": None})
+def confirm_booking(run: Run) -> None:
+    run.side_effect("notify", lambda: send_mail_to(run.entity), policy=DeliveryPolicy.AT_MOST_ONCE)
+    run.local(
+        "mark_confirmed",
+        lambda: Booking.objects.filter(pk=run.entity.pk).update(status="confirmed"),
+    )
+
+
+def request_confirmation(booking, key):
+    with transaction.atomic():
+        return create_operation_in_tx(
+            key=key, kind=CONFIRM, entity_type="booking", entity_id=booking.pk,
+            params={"deposit": booking.deposit}, actor="shop",
+        )
+"""
+
+START = """
+from bookings.handler import request_confirmation
+from bookings.models import Booking
+
+booking = Booking.objects.create(guest="Ada", deposit=5000)
+request_confirmation(booking, "book-1")
+request_confirmation(booking, "book-1")  # the same key again: the same operation
+"""
+
+REPORT = """
+from bookings.models import Booking
+from payments.models import Operation
+
+op = Operation.objects.get(key="book-1")
+steps = sorted((c.step, c.state) for c in op.claims.all())
+print("REPORT", Operation.objects.count(), op.state, steps, Booking.objects.get().status)
+"""
+
+
+def run(args: list[str], cwd: Path, env: dict[str, str], timeout: int = 300) -> str:
+    done = subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, f"{args}:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    return done.stdout
+
+
+@pytest.fixture
+def database():
+    name = f"fresh_project_{uuid.uuid4().hex[:10]}"
+    subprocess.run(["createdb", "-h", "127.0.0.1", "-U", "postgres", name], check=True)
+    yield name
+    subprocess.run(["dropdb", "-h", "127.0.0.1", "-U", "postgres", "--if-exists", name], check=True)
+
+
+def test_a_new_project_installs_the_wheel_and_fences_a_model_of_its_own(
+    tmp_path, wheel_path, database
+):
+    redis_url = TEST_REDIS_URL
+    Redis.from_url(redis_url).flushdb()
+    env = {k: v for k, v in os.environ.items() if k not in ("DJANGO_SETTINGS_MODULE", "PYTHONPATH")}
+    venv = tmp_path / "venv"
+    run([sys.executable, "-m", "venv", str(venv)], tmp_path, env)
+    python = str(venv / "bin" / "python")
+    run([python, "-m", "pip", "install", "-q", str(wheel_path)], tmp_path, env, timeout=600)
+    project = tmp_path / "site"
+    project.mkdir()
+    run([str(venv / "bin" / "django-admin"), "startproject", "site_conf", "."], project, env)
+    settings = project / "site_conf" / "settings.py"
+    settings.write_text(settings.read_text() + SETTINGS.format(database=database, redis=redis_url))
+    app = project / "bookings"
+    (app / "migrations").mkdir(parents=True)
+    for name, text in {
+        "__init__.py": "",
+        "migrations/__init__.py": "",
+        "models.py": MODELS,
+        "handler.py": HANDLER,
+    }.items():
+        (app / name).write_text(textwrap.dedent(text))
+
+    manage = [python, "manage.py"]
+    run([*manage, "check", "--fail-level", "WARNING"], project, env)
+    run([*manage, "makemigrations", "bookings", "-v", "0"], project, env)
+    run([*manage, "migrate", "-v", "0"], project, env)
+    run([*manage, "shell", "-c", START], project, env)
+    run([*manage, "rqworker", "payments", "--burst"], project, env)
+    report = run([*manage, "shell", "-c", REPORT], project, env)
+
+    assert (
+        "REPORT 1 succeeded [('mark_confirmed', 'done'), ('notify', 'done')] confirmed" in report
+    ), report
+    assert (app / "sent.txt").read_text() == "Ada\n"
+    # Nothing of this repository was on the project's path: payments came from the wheel.
+    where = run([python, "-c", "import payments; print(payments.__file__)"], project, env)
+    assert "site-packages" in where
