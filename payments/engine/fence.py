@@ -1087,7 +1087,7 @@ def settle_claim(
     """
     if state == ClaimState.DONE:
         # Killed here, the outcome is not recorded: what a crash before the commit leaves.
-        failpoint(BEFORE_RECORD_COMMIT)
+        failpoint(BEFORE_RECORD_COMMIT, claim.step)
     params = _settle_params(claim, state, actor, reason, reference, result, error, requests)
     row = _settled(claim, params)
     if row is None:
@@ -1183,7 +1183,7 @@ def queue_outcome_in_tx(
     """
     if state == ClaimState.DONE:
         # Killed here, the outcome is not recorded: what a crash before the commit leaves.
-        failpoint(BEFORE_RECORD_COMMIT)
+        failpoint(BEFORE_RECORD_COMMIT, claim.step)
     key, step = claim.operation.key, claim.step
     params = _settle_params(claim, state, actor, reason, reference, result, "", requests)
     params["refusal"] = (

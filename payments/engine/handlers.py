@@ -36,6 +36,7 @@ from inbox.handlers import current_message, inbox_guard, inbox_handler
 from payments.conf import payments_settings
 from payments.engine import fence, telemetry
 from payments.engine.effects import DeliveryPolicy, EffectResult, ExternalEffect, reversal_step
+from payments.engine.failpoints import AFTER_CLAIM_COMMIT, AFTER_PROVIDER_ACCEPT, failpoint
 from payments.engine.follow_ups import Follows, declare_follow_up
 from payments.engine.steps import run_external_step
 from payments.engine.unit import WorkUnit
@@ -658,6 +659,7 @@ class Run:
                 )
                 return result
             resend = True
+        failpoint(AFTER_CLAIM_COMMIT, step)  # claimed and committed, nothing sent yet
         try:
             result = dict(func() or {})
         except Exception as exc:  # the effect's own failure; the policy decides
@@ -672,6 +674,7 @@ class Run:
             )
             self._settle_done(claim, result, reason=reason)
             return result
+        failpoint(AFTER_PROVIDER_ACCEPT, step)  # sent, its outcome not recorded yet
         result.update({"policy": str(policy), "resent": resend})
         self._settle_done(claim, result)
         return result

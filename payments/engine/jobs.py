@@ -22,7 +22,7 @@ def run_operation(operation_id: int) -> str:
         outcome = runtime.execute(operation_id, worker_id=_worker_id(job), job=job)
     except Operation.DoesNotExist:
         _malformed(job, f"operation {operation_id} does not exist")
-    failpoint(AFTER_RECORD_COMMIT)
+    failpoint(AFTER_RECORD_COMMIT, _kind(job))  # `after_record_commit@<kind>` names one kind
     if outcome == "deferred":  # another worker's live lease or claim: look again after it
         op = Operation.objects.get(pk=operation_id)
         at = op.lease_expires_at if op.state == OperationState.RUNNING else op.next_attempt_at
@@ -39,8 +39,13 @@ def deliver_message(operation_id: int) -> str:
         outcome = messages.deliver(operation_id, worker_id=_worker_id(job), job=job, kind=kind)
     except Operation.DoesNotExist:
         _malformed(job, f"operation {operation_id} does not exist")
-    failpoint(AFTER_INBOX_COMMIT)
+    failpoint(AFTER_INBOX_COMMIT, _kind(job))
     return outcome
+
+
+def _kind(job: Any) -> str:
+    """The operation kind the job names (its meta), for a failpoint of one kind only."""
+    return str(job.meta.get(KIND_META_KEY) or "") if job is not None else ""
 
 
 def _worker_id(job: Any) -> str:

@@ -1,0 +1,322 @@
+"""The test kit for handler authors: run the jobs, and crash a real worker at every fence point.
+
+Public and shipped with the fence (docs/testing.md); imported by tests only, never by the
+fence itself. With pytest-django, in a test marked `django_db(transaction=True)` (worker
+processes must see the committed rows):
+
+    from payments.testing import crash_matrix, run_jobs
+
+    def test_confirm_booking__once_whatever_the_crash():
+        def start(key):
+            return request_confirmation(Booking.objects.create(guest="Ada"), key)
+
+        table = crash_matrix(start, count=lambda op: {"notify": sent_to(op)})
+        table.assert_held()   # prints the table; fails naming each point that did not hold
+
+`run_jobs()` runs what the queue holds in this process, on the fence's worker class.
+`crash_matrix` starts, for each fence point of each step the operation declares (and its
+final commit), a fresh operation and a real `rqworker` process told to SIGKILL itself
+there (FENCE_FAILPOINTS), restarted as a supervisor would, beside the recovery loop
+(`run_recovery`), until the operation is final. Then it checks what the fence promises:
+the operation succeeded, every declared step's claim is done, and each effect ran as its
+kind allows (an effect with a lookup exactly once; a side effect at most once or at least
+once, as its policy says), counted by your `count(op)`. A point the run never reached (a
+local step has no claim commit of its own before a call) is reported as such, not failed.
+
+The worker processes run `python -m django` with a settings module the kit writes: yours
+(DJANGO_SETTINGS_MODULE), with DEBUG on (failpoints are honoured only then), the test
+database's name, and short leases (`LEASE_SECONDS`), so that a killed worker's lease runs
+out within seconds. Your project's directory must be the current one (as for pytest).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from django.conf import settings
+from django.db import connection
+
+from payments.engine.failpoints import (
+    AFTER_CLAIM_COMMIT,
+    AFTER_PROVIDER_ACCEPT,
+    AFTER_RECORD_COMMIT,
+    BEFORE_RECORD_COMMIT,
+)
+from payments.engine.handlers import get_handler
+from payments.models import ClaimState, Operation, OperationState
+
+__all__ = ["CrashCase", "CrashTable", "crash_matrix", "crash_points", "run_jobs"]
+
+#: The workers' claim lease and job timeout in a crash matrix (seconds): how long a killed
+#: worker's operation waits before the next worker takes it over.
+LEASE_SECONDS = 3
+
+#: The fence points of one step, in protocol order: its claim committed, the external
+#: system's accept (the effect happened, nothing recorded), and its record's commit.
+STEP_POINTS = (AFTER_CLAIM_COMMIT, AFTER_PROVIDER_ACCEPT, BEFORE_RECORD_COMMIT)
+
+
+def run_jobs(queue: str = "") -> None:
+    """Run every job of the fence's queue (PAYMENTS["QUEUE"]) in this process, until it is
+    empty, on the fence's worker class (payments.engine.worker.FenceWorker)."""
+    import django_rq
+
+    from payments.conf import payments_settings
+    from payments.engine.worker import FenceWorker
+
+    rq_queue = django_rq.get_queue(queue or payments_settings().queue)
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:  # work() installs its own signal handlers; the test runner gets its own back
+        FenceWorker([rq_queue], connection=rq_queue.connection).work(burst=True)
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
+
+
+def crash_points(kind: str) -> list[str]:
+    """Every point a crash matrix kills a worker at, for operations of `kind`: each fence
+    point of each step its handler declares, in run order (`after_provider_accept@charge`),
+    then the operation's final commit, before its job is acknowledged
+    (`after_record_commit@<kind>`)."""
+    spec = get_handler(kind)
+    steps = spec.order or spec.step_order
+    return [f"{point}@{step}" for step in steps for point in STEP_POINTS] + [
+        f"{AFTER_RECORD_COMMIT}@{kind}"
+    ]
+
+
+@dataclass
+class CrashCase:
+    """One row of the matrix: where the worker was killed, and what the fence left."""
+
+    point: str
+    operation: str = ""
+    crashed: bool = False
+    state: str = ""
+    steps: dict[str, str] = field(default_factory=dict)
+    counts: dict[str, int] = field(default_factory=dict)
+    seconds: float = 0.0
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def held(self) -> bool:
+        return not self.problems
+
+
+@dataclass
+class CrashTable:
+    """The matrix's rows; `str()` is its table, `assert_held()` fails on any row that broke."""
+
+    kind: str
+    cases: list[CrashCase]
+
+    def __str__(self) -> str:
+        head = f"crash matrix of {self.kind}: {len(self.cases)} points"
+        lines = [head, f"{'point':44} {'crashed':12} {'state':10} {'effects':24} verdict"]
+        for case in self.cases:
+            counts = ", ".join(f"{k}={v}" for k, v in sorted(case.counts.items())) or "-"
+            verdict = "held" if case.held else "BROKE: " + "; ".join(case.problems)
+            crashed = "yes" if case.crashed else "not reached"
+            lines.append(f"{case.point:44} {crashed:12} {case.state:10} {counts:24} {verdict}")
+        return "\n".join(lines)
+
+    @property
+    def broken(self) -> list[CrashCase]:
+        return [case for case in self.cases if not case.held]
+
+    def assert_held(self) -> None:
+        """Print the table; raise AssertionError naming every point where the fence broke."""
+        print(self)
+        if self.broken:
+            raise AssertionError(
+                f"{len(self.broken)} of {len(self.cases)} crash points broke:\n{self}"
+            )
+
+
+def crash_matrix(
+    start: Callable[[str], Any],
+    *,
+    count: Callable[[Operation], Mapping[str, int]] | None = None,
+    check: Callable[[Operation], None] | None = None,
+    points: list[str] | None = None,
+    env: Mapping[str, str] | None = None,
+    handler_modules: list[str] | None = None,
+    timeout: float = 60.0,
+) -> CrashTable:
+    """Kill a real worker at every fence point of an operation; see what each redelivery left.
+
+    `start(key)` starts one operation with that key, as your service does, and returns it
+    (an Operation, or a tuple whose first item is one, as `create_operation_in_tx`
+    returns). `count(op)`: how many times each external step's effect happened at the
+    external system (its fake's record), by step name; an effect with a lookup must
+    have happened once, an at-most-once side effect at most once, an at-least-once one at
+    least once. `check(op)`: your own assertions on the business rows (raise to fail the
+    row). `points`: a subset of crash_points(kind). `env`: more environment for the
+    worker processes (a fake system's URL). `handler_modules`: modules of handlers the
+    workers must import besides the discovered ones (a handler a test declares; its
+    PAYMENTS["HANDLER_MODULES"]). `timeout`: seconds each case may take.
+    """
+    workdir = Path(tempfile.mkdtemp(prefix="fence-crash-"))
+    module = _worker_settings(workdir, handler_modules or [])
+    base_env = {
+        **os.environ,
+        **(env or {}),
+        "DJANGO_SETTINGS_MODULE": module,
+        "PYTHONPATH": os.pathsep.join(
+            [str(workdir), os.getcwd(), os.environ.get("PYTHONPATH", "")]
+        ),
+    }
+    cases: list[CrashCase] = []
+    kind = ""
+    probe: list[str] | None = points
+    for index in range(10_000):
+        if probe is not None and index >= len(probe):
+            break
+        op = _operation_of(start(f"crash-{os.getpid()}-{index}"))
+        kind = op.kind
+        if probe is None:
+            probe = crash_points(kind)
+        point = probe[index]
+        cases.append(_run_case(op, point, workdir, base_env, count, check, timeout))
+    return CrashTable(kind, cases)
+
+
+def _operation_of(started: Any) -> Operation:
+    op = started[0] if isinstance(started, tuple) else started
+    if not isinstance(op, Operation):
+        raise TypeError(f"start(key) returned {started!r}, not an Operation")
+    return op
+
+
+def _worker_settings(workdir: Path, handler_modules: list[str]) -> str:
+    """Write the workers' settings module: the project's, on the test database, DEBUG on
+    (failpoints), short leases. Returns its name."""
+    name = f"fence_crash_settings_{os.getpid()}"
+    project = os.environ.get("DJANGO_SETTINGS_MODULE") or settings.SETTINGS_MODULE
+    database = connection.settings_dict["NAME"]
+    (workdir / f"{name}.py").write_text(
+        f"from {project} import *  # noqa: F403\n"
+        f"DEBUG = True\n"
+        f"DATABASES['default']['NAME'] = {database!r}\n"
+        f"DATABASES['default'].pop('TEST', None)\n"
+        f"PAYMENTS = {{**globals().get('PAYMENTS', {{}}), 'JOB_TIMEOUT': {LEASE_SECONDS}, "
+        f"'CLAIM_LEASE': {LEASE_SECONDS}, 'PROVIDER_CONNECT_TIMEOUT': 0.5, "
+        f"'PROVIDER_READ_TIMEOUT': 1.0, 'RETRY_BACKOFF': [0, 0]}}\n"
+        f"PAYMENTS['HANDLER_MODULES'] = [*PAYMENTS.get('HANDLER_MODULES', ()), "
+        f"*{handler_modules!r}]\n"
+        f"for _queue in RQ_QUEUES.values():\n"
+        f"    _queue['DEFAULT_TIMEOUT'] = {LEASE_SECONDS}\n"
+    )
+    return name
+
+
+def _start(args: list[str], env: Mapping[str, str]) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "django", *args],
+        env=dict(env),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
+
+
+def _stop(proc: subprocess.Popen) -> str:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        _, err = proc.communicate(timeout=15)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        _, err = proc.communicate()
+    return (err or b"").decode(errors="replace")
+
+
+FINAL = (OperationState.SUCCEEDED, OperationState.FAILED, OperationState.NEEDS_REVIEW)
+
+
+def _run_case(
+    op: Operation,
+    point: str,
+    workdir: Path,
+    base_env: Mapping[str, str],
+    count: Callable[[Operation], Mapping[str, int]] | None,
+    check: Callable[[Operation], None] | None,
+    timeout: float,
+) -> CrashCase:
+    from payments.conf import payments_settings
+
+    marker = workdir / f"failpoint-{op.pk}"
+    env = {**base_env, "FENCE_FAILPOINTS": point, "FENCE_FAILPOINT_MARKER": str(marker)}
+    case = CrashCase(point=point, operation=op.key)
+    queue = payments_settings().queue
+    worker_args = ["rqworker", queue, "--with-scheduler", "--worker-ttl", "30"]
+    recovery_env = {k: v for k, v in env.items() if k != "FENCE_FAILPOINTS"}
+    recovery = _start(["run_recovery", "--interval", "0.5"], recovery_env)
+    worker = _start([*worker_args, "--name", f"crash-{op.pk}-0"], env)
+    stderr: list[str] = []
+    began = time.monotonic()
+    restarts = 0
+    try:
+        while time.monotonic() - began < timeout:
+            if worker.poll() is not None:  # killed at the point: restart it, as systemd would
+                stderr.append(_stop(worker))
+                restarts += 1
+                worker = _start([*worker_args, "--name", f"crash-{op.pk}-{restarts}"], env)
+            op.refresh_from_db()
+            if op.state in FINAL:
+                break
+            time.sleep(0.1)
+    finally:
+        stderr.append(_stop(worker))
+        stderr.append(_stop(recovery))
+    case.seconds = time.monotonic() - began
+    case.crashed = marker.with_name(f"{marker.name}.{point}").exists()
+    op.refresh_from_db()
+    case.state = op.state
+    case.steps = dict(op.claims.values_list("step", "state"))
+    if op.state != OperationState.SUCCEEDED:
+        tail = "\n".join(stderr)[-1500:]
+        case.problems.append(f"operation {op.state}, not succeeded ({op.last_error!r}) {tail}")
+    _check_steps(op, case, count, check)
+    return case
+
+
+def _check_steps(
+    op: Operation,
+    case: CrashCase,
+    count: Callable[[Operation], Mapping[str, int]] | None,
+    check: Callable[[Operation], None] | None,
+) -> None:
+    """Each declared step done (once: its claim is unique), each effect as its kind allows."""
+    from payments.engine.effects import DeliveryPolicy
+
+    spec = get_handler(op.kind)
+    for step in spec.order or spec.step_order:
+        state = case.steps.get(step)
+        if state is not None and state != ClaimState.DONE:
+            case.problems.append(f"step {step} {state}")
+    counts = dict(count(op)) if count is not None else {}
+    case.counts = counts
+    for step, times in counts.items():
+        claim = op.claims.filter(step=step).first()
+        policy = str((claim.result or {}).get("policy", "")) if claim is not None else ""
+        if step in spec.effects and times != 1:
+            case.problems.append(f"{step} happened {times} times at the external system")
+        elif policy == DeliveryPolicy.AT_MOST_ONCE and times > 1:
+            case.problems.append(f"{step} (at most once) happened {times} times")
+        elif policy == DeliveryPolicy.AT_LEAST_ONCE and times < 1:
+            case.problems.append(f"{step} (at least once) never happened")
+    if check is not None:
+        try:
+            check(op)
+        except AssertionError as exc:
+            case.problems.append(f"check: {exc}")

@@ -1,0 +1,84 @@
+"""payments.testing's crash matrix on the shop's checkout: a real worker SIGKILLed at every
+fence point of every step (and after its final commit), restarted, beside the recovery
+loop; each redelivery charges once, invoices once, and the checkout succeeds.
+
+This is the kit a handler author runs on their own operation (docs/testing.md): the test
+is written only with what payments.testing offers, plus the fake provider's record.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from payments.checkout.handler import request_checkout
+from payments.checkout.orders import create_order
+from payments.models import Invoice, Operation
+from payments.testing import crash_matrix, crash_points
+from tests.support.workers import worker_env
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+def test_every_crash_point_of_the_checkout__charged_once_invoiced_once(provider, queue):
+    def start(key: str) -> Operation:
+        order = create_order(amount=2500, currency="eur", email="kit@example.com")
+        op, _ = request_checkout(
+            order_id=order.pk, key=key, payment_method="pm_card_visa", actor="kit"
+        )
+        return op
+
+    def charged(op: Operation) -> dict[str, int]:
+        intents = provider.state.intents(metadata={"operation_key": op.key})
+        return {"charge": sum(i["status"] == "succeeded" for i in intents)}
+
+    def invoiced_once(op: Operation) -> None:
+        assert Invoice.objects.filter(order_id=op.params["order_id"]).count() == 1
+
+    env = {k: v for k, v in worker_env(provider.url).items() if k != "DJANGO_SETTINGS_MODULE"}
+    table = crash_matrix(start, count=charged, check=invoiced_once, env=env)
+
+    assert [case.point for case in table.cases] == crash_points("checkout")
+    table.assert_held()
+    crashed = {case.point for case in table.cases if case.crashed}
+    # Every point of the external charge and of the e-mail (a side effect) was reached.
+    for point in ("after_claim_commit", "after_provider_accept", "before_record_commit"):
+        assert f"{point}@charge" in crashed, table
+    assert "after_provider_accept@confirmation_email" in crashed, table
+    assert "after_record_commit@checkout" in crashed, table
+
+
+def test_an_effect_called_outside_the_fence__the_matrix_names_the_point(tmp_path, monkeypatch):
+    """A handler that sends in its body, before its fenced step: killed after the step's
+    claim commit, the redelivery sends again; the matrix reports the point as broken."""
+    from django.db import transaction
+
+    from payments.fence import create_operation_in_tx
+    from tests.kit.unfenced import UNFENCED, sent_file
+
+    monkeypatch.setenv("KIT_SENT_DIR", str(tmp_path))
+
+    def start(key: str) -> Operation:
+        with transaction.atomic():
+            op, _ = create_operation_in_tx(
+                key=key, kind=UNFENCED, entity_type="kit", entity_id=1, params={}, actor="kit"
+            )
+        return op
+
+    def sent(op: Operation) -> dict[str, int]:
+        path = sent_file(op.key)
+        return {"notify": len(path.read_text().splitlines()) if path.exists() else 0}
+
+    table = crash_matrix(
+        start,
+        count=sent,
+        points=["after_claim_commit@notify"],
+        env={"KIT_SENT_DIR": str(tmp_path)},
+        handler_modules=["tests.kit.unfenced"],
+    )
+
+    (case,) = table.cases
+    assert case.crashed and case.state == "succeeded"
+    assert case.counts == {"notify": 2}
+    assert not case.held and "notify (at most once) happened 2 times" in case.problems[0]
+    with pytest.raises(AssertionError, match="1 of 1 crash points broke"):
+        table.assert_held()
