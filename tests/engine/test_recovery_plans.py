@@ -14,9 +14,12 @@ would read the history).
 
 from __future__ import annotations
 
+import io
 from collections.abc import Iterator
 
 import pytest
+from django.core.management import call_command
+from django.db import connection
 
 from payments.engine import fence
 from payments.engine.handlers import unknown_recorded_names
@@ -26,7 +29,8 @@ from payments.engine.recovery import (
     stranded_operations,
     sweep,
 )
-from payments.models import Operation, OperationState, StepClaim
+from payments.engine.writes import fence_writes
+from payments.models import ClaimState, Operation, OperationState, StepClaim
 from tests.support.history import FENCE_TABLES, planner_sees_larger, write_history
 from tests.support.plans import history_read_by, statements_sent
 
@@ -36,6 +40,10 @@ COUNT = 3000
 #: Rows a scan may read per unfinished or failed operation (its claims, over a nested loop's
 #: iterations): which plan the planner picks for them depends on statistics earlier tests left.
 PER_OPERATION = 4
+#: Tables thirty times larger: a history of about 90,000 operations, whose done claims a
+#: hash still holds in PostgreSQL's default work_mem (`make bench-history` met it from
+#: 10,000 to 300,000 operations); at a thousand times a hash would not fit.
+HASHABLE_SCALE = 30
 
 
 @pytest.fixture
@@ -81,3 +89,31 @@ def test_history__the_recovery_queries_still_find_their_rows(history):
     assert StepClaim.objects.filter(claims_to_reconcile()).count() == uncertain > 0
     assert not Operation.objects.filter(stranded_operations()).exists()
     assert unknown_recorded_names() == []
+
+
+@pytest.mark.parametrize("scale", [HASHABLE_SCALE, 1000])
+def test_declined_history__the_reconcile_command_reads_no_claim_history(scale):
+    """Declined checkouts are failed operations, a few in every hundred of a year's.
+
+    Inside one OR with the uncertain arm, the stranded pass's failed arm ran its
+    EXISTS hashed: every done claim with a reference read to test them (#39: 4 ms
+    at 10,000 operations, 117 ms at 300,000). A statement of its own, it probes
+    each failed operation's claims by the unique (operation, step) index.
+    """
+    write_history(COUNT, open_every=COUNT + 2, failed_every=10)
+    with fence_writes():  # hand-made state: a quiet night, nothing left to look at
+        StepClaim.objects.filter(state=ClaimState.UNCERTAIN).update(
+            state=ClaimState.DONE, provider_reference="pi_quiet"
+        )
+        Operation.objects.filter(state=OperationState.UNCERTAIN).update(
+            state=OperationState.SUCCEEDED
+        )
+    failed = Operation.objects.filter(state=OperationState.FAILED).count()
+    with planner_sees_larger(FENCE_TABLES, scale=scale), connection.cursor() as cursor:
+        cursor.execute("SET LOCAL work_mem = '4MB'")  # PostgreSQL's default, as the bench ran
+        statements = statements_sent(lambda: call_command("reconcile", stdout=io.StringIO()))
+        read = history_read_by(statements, PER_OPERATION * failed)
+    assert len(statements) >= 2  # the claims to look at, the stranded operations
+    assert read == [], "\n".join(read)
+    # The bound is far below a read of the done claims (what the hash read).
+    assert PER_OPERATION * failed < StepClaim.objects.filter(state=ClaimState.DONE).count() / 2

@@ -1,7 +1,9 @@
 """`make bench-history`: the operator pages, recovery, the audit and checkouts, small and large.
 
 Real checkouts run through the worker against the fake provider (the
-template, then a batch timed on the nearly empty database); their rows are copied
+template, then a batch timed on the nearly empty database, then `--declined`
+checkouts the provider refuses: failed operations, as a shop's history holds
+them); their rows are copied
 (devtools.bench.history) to `--small` operations, everything is measured,
 then copied on to `--operations` and measured again. Each figure is printed
 at both sizes with the ratio large/small and the issue's goal beside it, and
@@ -31,6 +33,8 @@ from django.urls import reverse
 from devtools.bench.doc import page, write_between_markers
 from devtools.bench.history import Template, copies_for, first_free_copy, load
 from devtools.bench.runner import WORKER_CLASSES, Bench, fenced
+from payments.checkout.handler import request_checkout
+from payments.checkout.orders import create_order
 from payments.engine.recovery import reconcile, sweep
 from payments.models import Operation, StepClaim
 
@@ -51,6 +55,8 @@ PAGES = (
 #: The issue's goals (#32), at the large size: a page's p95, a recovery interval's SQL.
 PAGE_P95_MS = 300.0
 RECOVERY_SQL_MS = 50.0
+#: `manage.py reconcile` with nothing to do, large over small (#39): flat with history.
+RECONCILE_RATIO = 3.0
 #: The 30-day audit's peak memory over the 1-day one's; checkouts large over empty.
 AUDIT_MEMORY_RATIO = 2.0
 CHECKOUT_RATIO = 0.95
@@ -62,7 +68,8 @@ class Command(BaseCommand):
     help = (
         "Load a year of history copied from real checkouts and measure, at --small and at "
         "--operations operations: the operator pages' server time (p50/p95), one recovery "
-        "interval, the 1-day and 30-day fence_audit (time, peak memory) and checkout "
+        "interval, `manage.py reconcile`, the 1-day and 30-day fence_audit (time, peak "
+        "memory) and checkout "
         "throughput, with the ratio large/small. Needs a database of its own (its name must "
         "end in _bench): it empties it."
     )
@@ -71,6 +78,13 @@ class Command(BaseCommand):
         parser.add_argument("--operations", type=int, default=1_000_000, help="Large size.")
         parser.add_argument("--small", type=int, default=10_000, help="Small size.")
         parser.add_argument("--template", type=int, default=20, help="Real checkouts copied.")
+        parser.add_argument(
+            "--declined",
+            type=int,
+            default=20,
+            help="Checkouts the provider refuses, copied with the real ones: the failed "
+            "operations of the history (20 beside the 320 paid: 2%% of its operations).",
+        )
         parser.add_argument("--samples", type=int, default=20, help="Requests per page.")
         parser.add_argument("--checkouts", type=int, default=100, help="Checkouts per batch.")
         parser.add_argument(
@@ -106,7 +120,15 @@ class Command(BaseCommand):
             bench.batch(fenced(options["template"]), workers=1, worker_class=worker_class)
             say("checkouts on the empty database...")
             empty = _checkouts_per_second(bench, worker_class, options)
-            template = Template.read()  # both batches' rows: real checkouts, all of them
+            if options["declined"]:
+                say(f"{options['declined']} checkouts the provider refuses...")
+                bench.batch(
+                    _declined(options["declined"]),
+                    workers=1,
+                    worker_class=worker_class,
+                    keep_rows=True,
+                )
+            template = Template.read()  # every batch's rows: real checkouts, all of them
             spread = copies_for(template, options["operations"])
             figures: dict[str, dict[str, float]] = {}
             for label, size in (("small", options["small"]), ("large", options["operations"])):
@@ -139,6 +161,9 @@ class Command(BaseCommand):
         rounds = [_recovery_interval() for _ in range(5)]
         found["recovery interval ms"] = statistics.median(r[0] for r in rounds) * 1000
         found["recovery interval SQL ms"] = statistics.median(r[1] for r in rounds) * 1000
+        rounds = [_reconcile_command() for _ in range(5)]
+        found["reconcile ms"] = statistics.median(r[0] for r in rounds) * 1000
+        found["reconcile SQL ms"] = statistics.median(r[1] for r in rounds) * 1000
         for window in ("1d", "30d"):
             seconds, peak = _audit(window)
             found[f"audit {window} s"] = seconds
@@ -179,7 +204,8 @@ def _table(
     small, large = figures["small"], figures["large"]
     lines = [
         f"{options['small']:,} and {options['operations']:,} operations "
-        f"({options['template']} real checkouts copied; {options['samples']} requests a page, "
+        f"({options['template']} real checkouts and {options['declined']} declined ones "
+        f"copied; {options['samples']} requests a page, "
         f"{options['checkouts']} checkouts a batch, the fastest of "
         f"{options['checkout_rounds']} batches, 1 worker).",
         "",
@@ -188,7 +214,7 @@ def _table(
     ]
     for name, value in small.items():
         ratio = large[name] / value if value else float("nan")
-        goal, met = _goal(name, large[name])
+        goal, met = _goal(name, value, large[name])
         lines.append(f"| {name} | {value:.2f} | {large[name]:.2f} | {ratio:.2f} | {goal} | {met} |")
     audit = [size["audit 30d peak MB"] / size["audit 1d peak MB"] for size in (small, large)]
     lines.append(
@@ -203,12 +229,15 @@ def _table(
     return lines
 
 
-def _goal(name: str, large: float) -> tuple[str, str]:
+def _goal(name: str, small: float, large: float) -> tuple[str, str]:
     """The goal a figure is held to at the large size, and whether it meets it."""
     if name.endswith("p95 ms"):
         return f"<= {PAGE_P95_MS:g}", _yes(large <= PAGE_P95_MS)
     if name == "recovery interval SQL ms":
         return f"<= {RECOVERY_SQL_MS:g}", _yes(large <= RECOVERY_SQL_MS)
+    if name == "reconcile SQL ms":
+        ratio = large / small if small else float("inf")
+        return f"large/small <= {RECONCILE_RATIO:g}", _yes(ratio <= RECONCILE_RATIO)
     return "", ""
 
 
@@ -228,6 +257,7 @@ def _terms() -> dict[str, str]:
     last = StepClaim.objects.order_by("-id").values_list("id", flat=True).first() or 0
     middle = (
         StepClaim.objects.filter(id__gte=last // 2, provider_reference__startswith="pi_")
+        .exclude(provider_reference="")
         .order_by("id")
         .only("provider_reference")
         .first()
@@ -258,9 +288,42 @@ def _p95(times: list[float]) -> float:
     return ordered[min(len(ordered) - 1, int(round(0.95 * (len(ordered) - 1))))]
 
 
+def _declined(n: int) -> Callable[[], int]:
+    """Ask for n checkouts with a card the provider refuses: each a failed operation."""
+
+    def prepare() -> int:
+        for i in range(n):
+            order = create_order(amount=1000 + i, currency="eur", email="bench@example.com")
+            request_checkout(
+                order_id=order.pk,
+                key=f"bench-declined-{order.pk}",
+                payment_method="pm_card_chargeDeclined",
+                actor="bench",
+            )
+        return n  # a refused checkout has no follow-up
+
+    return prepare
+
+
 def _recovery_interval() -> tuple[float, float]:
     """One round of `run_recovery` (a sweep and a reconciler round; nothing due): its
     seconds, and the seconds its SQL statements took (the rest is Redis and Python)."""
+
+    def interval() -> None:
+        sweep()
+        reconcile(time_budget=30.0)
+
+    return _with_sql_time(interval)
+
+
+def _reconcile_command() -> tuple[float, float]:
+    """`manage.py reconcile` (nothing uncertain, nothing stranded: it reads the failed
+    operations and the unsettled claims only): its seconds, and its SQL statements'."""
+    return _with_sql_time(lambda: call_command("reconcile", stdout=io.StringIO()))
+
+
+def _with_sql_time(call: Callable[[], object]) -> tuple[float, float]:
+    """Run `call`: its seconds, and the seconds its SQL statements took."""
     in_sql: list[float] = []
 
     def timed(execute: Any, sql: str, params: Any, many: bool, context: Any) -> Any:
@@ -272,8 +335,7 @@ def _recovery_interval() -> tuple[float, float]:
 
     started = time.perf_counter()
     with connection.execute_wrapper(timed):
-        sweep()
-        reconcile(time_budget=30.0)
+        call()
     return time.perf_counter() - started, sum(in_sql)
 
 
