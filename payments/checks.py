@@ -342,13 +342,69 @@ def check_recorded_names_are_registered(
     return [
         Error(
             f"{problem}, but no registered handler declares it.",
-            hint="A renamed kind or step derives new idempotency keys for steps that already "
-            "ran: deploy the rename only once no operation that recorded the old name is "
-            "unfinished, or keep the old name.",
+            hint="Its handler was not found at start-up (its app is not in INSTALLED_APPS, "
+            "or the handler is not in the app's handler.py nor in a module of "
+            "PAYMENTS['HANDLER_MODULES']), or it was renamed: a renamed kind or step derives "
+            "new idempotency keys for steps that already ran, so deploy a rename only once no "
+            "operation that recorded the old name is unfinished, or keep the old name.",
             id="payments.E010",
         )
         for problem in problems
     ]
+
+
+@register()
+def check_rq_classes(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
+    """The fence's queue is an inbox MessageQueue and its workers are FenceWorkers."""
+    from django_rq.queues import get_queue_class
+    from django_rq.workers import get_worker_class
+
+    try:
+        name = payments_settings().queue
+    except ImproperlyConfigured:
+        return []  # payments.E009 reports it
+    config = getattr(settings, "RQ_QUEUES", {}).get(name)
+    if config is None:
+        return [
+            Error(
+                f"RQ_QUEUES has no {name!r} queue, the one the fence's jobs go through "
+                "(PAYMENTS['QUEUE']).",
+                hint=f"Add RQ_QUEUES[{name!r}] = {{'URL': 'redis://...', 'DEFAULT_TIMEOUT': 30}}.",
+                id="payments.E014",
+            )
+        ]
+    from inbox.queues import MessageQueue
+    from payments.engine.worker import FenceWorker
+
+    found: list[CheckMessage] = []
+    try:
+        queue_class = get_queue_class(config)
+        worker_class = get_worker_class()
+    except Exception as exc:  # a class path that does not import
+        return [Error(f"RQ's queue or worker class cannot be loaded: {exc}", id="payments.E014")]
+    if not issubclass(queue_class, MessageQueue):
+        found.append(
+            CheckWarning(
+                f"The {name!r} queue's class is {queue_class.__module__}."
+                f"{queue_class.__name__}, not inbox.queues.MessageQueue: jobs carry no message "
+                "id, and the inbox cannot tell a redelivered follow-up from a new one.",
+                hint="Set RQ['QUEUE_CLASS'] = 'inbox.queues.MessageQueue' (docs/install.md).",
+                id="payments.W008",
+            )
+        )
+    if not issubclass(worker_class, FenceWorker):
+        found.append(
+            CheckWarning(
+                f"RQ's worker class is {worker_class.__module__}.{worker_class.__name__}, not "
+                "payments.engine.worker.FenceWorker: `rqworker` starts workers that skip the "
+                "fence's start-up refusals (migrations not applied, unknown operation kinds) "
+                "and its database health checks.",
+                hint="Set RQ['WORKER_CLASS'] = 'payments.engine.worker.FenceWorker' "
+                "(docs/install.md); a worker started with --worker-class is not concerned.",
+                id="payments.W008",
+            )
+        )
+    return found
 
 
 @register()

@@ -308,3 +308,23 @@ def test_payments_settings__read_once_per_dict__a_new_dict_is_read_at_once(setti
     settings.PAYMENTS = {**settings.PAYMENTS, "MAX_ATTEMPTS": 0}
     with pytest.raises(ImproperlyConfigured, match="MAX_ATTEMPTS"):
         payments_settings()
+
+
+# --- E014, W008: the fence's queue, its queue class and its worker class -----------
+
+
+def test_w008__quiet_on_this_projects_rq_settings():
+    assert checks.check_rq_classes() == []
+
+
+def test_w008__fires_on_rq_defaults_a_new_project_would_keep(settings):
+    """No RQ dict: django-rq's DjangoRQ queue and forking Worker (what a newcomer got)."""
+    settings.RQ = {}
+    found = checks.check_rq_classes()
+    assert ids(found) == ["payments.W008", "payments.W008"]
+    assert "MessageQueue" in found[0].hint and "FenceWorker" in found[1].hint
+
+
+def test_e014__fires_when_the_fences_queue_is_not_configured(settings):
+    settings.RQ_QUEUES = {"default": {"URL": TEST_REDIS_URL}}
+    assert ids(checks.check_rq_classes()) == ["payments.E014"]
