@@ -70,7 +70,7 @@ from payments.desk.views.queries import (
 from payments.desk.views.refund import refund_urls
 from payments.desk.views.rq_links import job_link
 from payments.desk.views.search import lead_from_provider
-from payments.engine.handlers import money_moved
+from payments.engine.handlers import money_moved, registered_handlers
 from payments.models import (
     ApiClient,
     ClaimState,
@@ -281,7 +281,7 @@ class OperationAdmin(NamedPermissionsMixin, DeskViewsMixin, BoundedListMixin, ad
     """Operations: find them, read them, and act through the desk."""
 
     list_display = (
-        "key", "kind", "order_link", "amount", "badge", "state_age", "attempts_shown", "updated",
+        "key", "kind", "entity_link", "amount", "badge", "state_age", "attempts_shown", "updated",
     )  # fmt: skip
     list_display_links = ("key",)
     list_filter = (
@@ -301,7 +301,7 @@ class OperationAdmin(NamedPermissionsMixin, DeskViewsMixin, BoundedListMixin, ad
     fields = readonly_fields = (
         "key",
         "kind",
-        "order_link",
+        "entity_link",
         "money",
         "badge",
         "state_age",
@@ -467,12 +467,20 @@ class OperationAdmin(NamedPermissionsMixin, DeskViewsMixin, BoundedListMixin, ad
     def dispatched(self, obj: Operation) -> str:
         return when(obj.dispatched_at)
 
-    @admin.display(description="order", ordering="entity_id")
-    def order_link(self, obj: Operation) -> str:
-        if obj.entity_type != "order":
+    @admin.display(description="acts on", ordering="entity_id")
+    def entity_link(self, obj: Operation) -> str:
+        """The operation's entity in its handler's words (the model's verbose name), linked
+        to its admin page when the model has one: "Order 42", "Booking 7d1c…"."""
+        spec = registered_handlers().get(obj.kind)
+        model = spec.entity if spec is not None else None
+        if model is None or model._meta.model_name != obj.entity_type:
             return f"{obj.entity_type} {obj.entity_id}"
-        url = reverse("admin:payments_order_change", args=[obj.entity_id])
-        return format_html('<a href="{}">Order&nbsp;{}</a>', url, obj.entity_id)
+        name = str(model._meta.verbose_name).capitalize()
+        if not self.admin_site.is_registered(model):
+            return f"{name} {obj.entity_id}"
+        meta = model._meta
+        url = reverse(f"admin:{meta.app_label}_{meta.model_name}_change", args=[obj.entity_id])
+        return format_html('<a href="{}">{}&nbsp;{}</a>', url, name, obj.entity_id)
 
     @admin.display(description="RQ job")
     def rq_job(self, obj: Operation) -> str:

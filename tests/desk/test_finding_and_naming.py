@@ -224,3 +224,31 @@ def test_history__a_look_up_from_the_list_with_the_provider_down_reads_in_words(
 
     assert f"Queried the provider: {QUERY_WORDS['retry_later']}" in table
     assert not CODE.search(table)
+
+
+@pytest.mark.django_db
+def test_the_operations_entity__in_its_handlers_words_linked_when_it_has_a_page(monkeypatch):
+    """The list's "acts on" column names the entity by its handler's model (not the shop's
+    "order" for every kind): linked to the model's admin page when it has one."""
+    from django.contrib import admin as django_admin
+    from django.db import models
+
+    from payments.admin import OperationAdmin
+    from payments.engine import handlers
+    from payments.models import Operation
+
+    class Rental(models.Model):  # noqa: DJ008
+        code = models.CharField(max_length=12, primary_key=True)
+
+        class Meta:
+            app_label = "payments"
+            managed = False
+
+    monkeypatch.setattr(handlers, "_HANDLERS", dict(handlers._HANDLERS))
+    handlers.handler("rent-it", entity=Rental)(lambda run: None)
+    column = OperationAdmin(Operation, django_admin.site).entity_link
+
+    rental = Operation(kind="rent-it", entity_type="rental", entity_id="R-1001")
+    assert column(rental) == "Rental R-1001"  # no admin page: named, not linked
+    order = Operation(kind="checkout", entity_type="order", entity_id="42")
+    assert column(order) == '<a href="/admin/payments/order/42/change/">Order&nbsp;42</a>'
