@@ -31,10 +31,6 @@ class DeskError(InvalidTransition):
         super().__init__(f"{operation_key}: {message}" if operation_key else message)
 
 
-class FoundSucceeded(DeskError):
-    """The provider showed the step succeeded: it was recorded done instead of what was asked."""
-
-
 class ReasonRequired(DeskError):
     """A judgement (resume, mark a step, new attempt) needs a written reason."""
 

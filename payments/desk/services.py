@@ -28,7 +28,6 @@ from payments.desk.display import when
 from payments.desk.rules import (
     DeskActions,
     DeskError,
-    FoundSucceeded,
     ReasonRequired,
     available_actions,
     check_entity_reopenable,
@@ -66,6 +65,7 @@ __all__ = [
     "ReasonRequired",
     "available_actions",
     "mark_step_failed",
+    "MarkedFailed",
     "mark_step_succeeded",
     "next_attempt_key",
     "query_provider",
@@ -297,9 +297,21 @@ def _refuse_while_in_flight(claim: StepClaim, step: str) -> None:
         )
 
 
+@dataclass(frozen=True)
+class MarkedFailed:
+    """What `mark_step_failed` did. `found_succeeded`: the provider showed the step
+    succeeded, so it was recorded done instead (and the operation resumes), `detail`
+    saying so; else the step was marked failed as asked (or the provider's own refusal
+    failed it). Either way the action is over and audited: an outcome, not an error."""
+
+    claim: StepClaim
+    found_succeeded: bool = False
+    detail: str = ""
+
+
 def mark_step_failed(
     operation: Operation | int, step: str, *, user: AbstractBaseUser, reason: str
-) -> StepClaim:
+) -> MarkedFailed:
     """Record an unsettled step as failed and fail the operation (its failure hook runs).
 
     A step marked failed must not have charged, or the charge would stand
@@ -309,11 +321,12 @@ def mark_step_failed(
       run the operation), the request is replayed with that same key: the
       provider answers what it did (and a request that never reached it runs
       now, as the operation intended). A success settles the step done and the
-      operation resumes; the action is refused;
+      operation resumes: the outcome says so (`found_succeeded`);
     - then the operator takes the claim and the step's effect voids it
       (`void`): an intent is cancelled at the provider, so that it can never
       be charged; one that succeeded refuses the cancel, and the step is
-      recorded done instead (the operation resumes, nothing is marked failed);
+      recorded done instead (the operation resumes, nothing is marked failed:
+      `found_succeeded` again);
     - without an object at the provider (the consistent list by creation
       window is empty), "not found" counts only once RECONCILE_GRACE has
       passed since the last request sent under the key, whoever sent it.
@@ -330,14 +343,15 @@ def mark_step_failed(
         claim.refresh_from_db()
         _refuse_while_in_flight(claim, step)
         if claim.state == ClaimState.DONE:
-            raise FoundSucceeded(
-                f"the provider shows step {step} succeeded ({claim.provider_reference}): it is "
-                "recorded as done and the operation resumes; nothing was marked failed",
-                operation_key=op.key,
+            return MarkedFailed(
+                claim,
+                found_succeeded=True,
+                detail=f"the provider shows step {step} succeeded ({claim.provider_reference}): "
+                "it is recorded as done and the operation resumes; nothing was marked failed",
             )
         if claim.state == ClaimState.FAILED:
             logger.info("operation %s step %s: the provider refused it", op.key, step)
-            return claim  # the provider's own refusal settled it, and failed the operation
+            return MarkedFailed(claim)  # the provider's own refusal failed the operation
         op.refresh_from_db()
         claim = settleable_claim(op, list(op.claims.all()), step, spec)
     # The operator owns the claim while the provider is asked and told: no worker,
@@ -376,11 +390,13 @@ def mark_step_failed(
         )
     if now is not None and now.outcome == Outcome.SUCCESS:
         _settle_done_and_resume(op, claim, spec, now, actor=actor, reason=reason, requests=sent)
-        raise FoundSucceeded(
-            f"the provider shows step {step} succeeded ({now.reference}) and refused to "
-            "cancel it: it is recorded as done and the operation resumes; nothing was "
+        claim.refresh_from_db()
+        return MarkedFailed(
+            claim,
+            found_succeeded=True,
+            detail=f"the provider shows step {step} succeeded ({now.reference}) and refused "
+            "to cancel it: it is recorded as done and the operation resumes; nothing was "
             "marked failed",
-            operation_key=op.key,
         )
     if now is None and not past_grace(claim):
         fence.release_claim(
@@ -419,7 +435,7 @@ def mark_step_failed(
             if spec.on_failure is not None:
                 spec.on_failure(locked)
     logger.info("operation %s step %s marked failed by an operator", op.key, step)
-    return settled
+    return MarkedFailed(settled)
 
 
 def _unseen(system: ExternalSystem) -> dict[str, str]:

@@ -17,6 +17,7 @@ from django.utils import timezone
 
 from payments.admin import BADGE_COLOURS
 from payments.desk import services as desk
+from payments.engine import fence
 from payments.engine.jobs import run_operation
 from payments.engine.writes import fence_writes
 from payments.models import (
@@ -312,6 +313,34 @@ def test_desk_action__mark_step_failed(provider, operator):
     assert op.state == OperationState.FAILED
     assert order_of(op).status == OrderStatus.PAYMENT_FAILED
     assert log_messages(op, operator) == ["Marked step charge failed: none at provider"]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_desk_action__mark_failed_that_the_provider_shows_succeeded__done_and_said_so(
+    provider, operator
+):
+    """The provider shows the charge succeeded: the step is recorded done and the operation
+    resumes. The action completed, otherwise than asked: the desk goes back to the
+    operation with a warning and logs it, instead of a form error (409) on the confirmation
+    page for something that had already happened."""
+    op, claim, reference = builders.uncertain(charged=True, age=timedelta(days=2))
+    builders.move(op, OperationState.NEEDS_REVIEW, reason="outcome unknown")
+    # A look-up in this state that found nothing yet (as the reconciler records one during
+    # a lagging search) lets the button be pressed; the desk's own read then finds it.
+    fence.note_provider_view(claim, None, source="reconciler")
+
+    response = client_for(operator).post(
+        desk_url(op, "mark_failed", "charge"), {"reason": "looks failed"}, follow=True
+    )
+
+    assert response.status_code == 200 and response.redirect_chain[-1][1] == 302
+    shown = [(m.level_tag, str(m)) for m in response.context["messages"]]
+    assert [level for level, _ in shown] == ["warning"], shown
+    assert shown[0][1].startswith("Not marked failed: the provider shows step charge"), shown
+    assert f"succeeded ({reference})" in shown[0][1], shown
+    claim.refresh_from_db()
+    assert claim.state == ClaimState.DONE
+    assert log_messages(op, operator)[0].startswith("Not marked failed: the provider shows")
 
 
 def test_desk_action__start_new_attempt(provider, senior):

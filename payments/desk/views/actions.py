@@ -45,7 +45,7 @@ from payments.desk.evidence import (
     system_label,
     system_words,
 )
-from payments.desk.rules import FoundSucceeded, declined_payment_method
+from payments.desk.rules import declined_payment_method
 from payments.desk.views.base import DeskBase, operator_of
 from payments.engine import fence
 from payments.engine.handlers import get_handler
@@ -159,6 +159,15 @@ class MarkSucceededForm(ReasonForm):
 
 
 @dataclass(frozen=True)
+class ActionDone:
+    """An action that completed otherwise than asked (a step marked failed that the
+    provider showed succeeded, recorded done): audited and shown as a warning."""
+
+    message: str
+    warning: bool = True
+
+
+@dataclass(frozen=True)
 class DeskAction:
     """One button of the desk: its confirmation page and the service it calls."""
 
@@ -167,7 +176,7 @@ class DeskAction:
     verb: str
     form: type[forms.Form]
     permissions: tuple[str, ...]
-    run: Callable[[Operation, str, HttpRequest, dict[str, Any]], str]
+    run: Callable[[Operation, str, HttpRequest, dict[str, Any]], str | ActionDone]
 
 
 def _run_query(op: Operation, step: str, request: HttpRequest, data: dict[str, Any]) -> str:
@@ -233,8 +242,12 @@ def _run_mark_succeeded(op: Operation, step: str, request: HttpRequest, data: di
     return f"Marked step {step} succeeded with {ref}: {data['reason']}"
 
 
-def _run_mark_failed(op: Operation, step: str, request: HttpRequest, data: dict) -> str:
-    desk.mark_step_failed(op, step, user=operator_of(request), reason=data["reason"])
+def _run_mark_failed(
+    op: Operation, step: str, request: HttpRequest, data: dict
+) -> str | ActionDone:
+    marked = desk.mark_step_failed(op, step, user=operator_of(request), reason=data["reason"])
+    if marked.found_succeeded:  # done, otherwise than asked: say so, as a warning
+        return ActionDone(f"Not marked failed: {marked.detail}")
     return f"Marked step {step} failed: {data['reason']}"
 
 
@@ -467,10 +480,6 @@ class ActionViewsMixin(DeskBase):
             try:
                 # The desk service owns the transaction (and keeps HTTP calls out of it).
                 message = spec.run(op, step, request, form.cleaned_data)
-            except FoundSucceeded as exc:  # the provider's answer was recorded instead
-                form.add_error(None, f"Not marked failed: {exc.detail}")
-                status, refused_now = 409, f"the provider showed it succeeded: {exc.detail}"
-                op = self.get_object(request, unquote(object_id)) or op
             except PaymentsError as exc:
                 # Refused: the same form again, with what was typed and why nothing changed.
                 form.add_error(None, f"Nothing was changed: {getattr(exc, 'detail', exc)}")
@@ -479,8 +488,10 @@ class ActionViewsMixin(DeskBase):
                     refused_now = str(getattr(exc, "detail", exc))
                 op = self.get_object(request, unquote(object_id)) or op  # it may have moved
             else:
+                done = message if isinstance(message, ActionDone) else ActionDone(message, False)
+                message = done.message
                 self.log_change(request, op, message)
-                level = messages.SUCCESS
+                level = messages.WARNING if done.warning else messages.SUCCESS
                 if action == "query_provider":  # a look-up that settled nothing is no success
                     op = self.get_object(request, unquote(object_id)) or op
                     level = (
