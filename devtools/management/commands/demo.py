@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TypedDict, Unpack
 
@@ -270,14 +273,21 @@ class Command(BaseCommand):
                 else "webhooks off"
             )
         )
-        if options["topology"] == "ha":
-            if options["fault_gap"] <= 0:
-                raise CommandError("--fault-gap must be positive.")
-            gap = options["fault_gap"]
-            schedule = HaSchedule(first_after=min(5.0, gap), gap=gap, window=min(5.0, gap / 2))
-            result = run_ha(config, log_dir=var / "log", say=self.stdout.write, schedule=schedule)
-        else:
-            result = run_chaos(config, log_dir=var / "log", say=self.stdout.write)
+        # The in-process actors (the reckless operator, the reconciler the report runs) log
+        # JSON records: to a file, so that the console shows the run's progress and report.
+        in_process = var / "log" / "demo.log"
+        self.stdout.write(f"In-process logs: {in_process}")
+        with logs_to(in_process):
+            if options["topology"] == "ha":
+                if options["fault_gap"] <= 0:
+                    raise CommandError("--fault-gap must be positive.")
+                gap = options["fault_gap"]
+                schedule = HaSchedule(first_after=min(5.0, gap), gap=gap, window=min(5.0, gap / 2))
+                result = run_ha(
+                    config, log_dir=var / "log", say=self.stdout.write, schedule=schedule
+                )
+            else:
+                result = run_chaos(config, log_dir=var / "log", say=self.stdout.write)
         if not result.report:
             raise CommandError("the chaos run did not finish; see the logs")
         self.stdout.write("")
@@ -308,3 +318,31 @@ class Command(BaseCommand):
                 "credit note per refund; every operation settled."
             )
         )
+
+
+@contextmanager
+def logs_to(path: Path) -> Iterator[None]:
+    """Send this process's log records to `path` (with the console's format and filters)
+    instead of the console while the block runs; the console handlers come back after."""
+    root = logging.getLogger()
+    consoles = [
+        h
+        for h in root.handlers
+        if isinstance(h, logging.StreamHandler) and not isinstance(h, logging.FileHandler)
+    ]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    to_file = logging.FileHandler(path, mode="w")
+    if consoles:
+        to_file.setFormatter(consoles[0].formatter)
+        for kept in consoles[0].filters:
+            to_file.addFilter(kept)
+    for console in consoles:
+        root.removeHandler(console)
+    root.addHandler(to_file)
+    try:
+        yield
+    finally:
+        root.removeHandler(to_file)
+        to_file.close()
+        for console in consoles:
+            root.addHandler(console)
