@@ -31,9 +31,15 @@ BEFORE_GIVE_UP = "before_give_up"
 _HOOKS: dict[str, Callable[[], None]] = {}
 
 
+def point_at(name: str, qualifier: str) -> str:
+    """A point at one step (or one operation kind) only: `after_provider_accept@charge`."""
+    return f"{name}@{qualifier}"
+
+
 @contextmanager
 def hooked(name: str, callback: Callable[[], None]) -> Iterator[None]:
-    """Run `callback` whenever this process reaches the point `name`, inside the block."""
+    """Run `callback` whenever this process reaches the point `name` (every step's), or
+    `point_at(name, step)` (that step's only), inside the block."""
     _HOOKS[name] = callback
     try:
         yield
@@ -47,14 +53,14 @@ def failpoint(name: str, step: str = "") -> None:
     A test names the point (`after_provider_accept`), or the point at one step only
     (`after_provider_accept@capture`) when an operation has several external steps.
     """
-    hook = _HOOKS.get(name)
+    hook = _HOOKS.get(point_at(name, step)) or _HOOKS.get(name)
     if hook is not None:
         hook()
     wanted = os.environ.get("FENCE_FAILPOINTS")
     if not wanted or not settings.DEBUG:
         return
     asked = wanted.split(",")
-    token = name if name in asked else f"{name}@{step}" if f"{name}@{step}" in asked else ""
+    token = name if name in asked else point_at(name, step) if point_at(name, step) in asked else ""
     if not token:
         return
     marker = os.environ.get("FENCE_FAILPOINT_MARKER")

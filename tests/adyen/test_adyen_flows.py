@@ -18,7 +18,7 @@ from payments.adyen.models import Notification
 from payments.captures.handler import request_capture
 from payments.checkout.handler import request_checkout
 from payments.checkout.orders import create_order
-from payments.engine.failpoints import AFTER_PROVIDER_ACCEPT, hooked
+from payments.engine.failpoints import AFTER_PROVIDER_ACCEPT, hooked, point_at
 from payments.engine.handlers import money_moved
 from payments.engine.recovery import reconcile
 from payments.models import (
@@ -255,7 +255,7 @@ def test_notification_while_the_worker_holds_the_claim__kept_busy__the_workers_a
         thread.start()
         thread.join(timeout=10)
 
-    with hooked(AFTER_PROVIDER_ACCEPT, deliver_from_the_web):
+    with hooked(point_at(AFTER_PROVIDER_ACCEPT, "charge"), deliver_from_the_web):
         run_worker(queue)
 
     assert answers == [(200, "[accepted]")]

@@ -16,6 +16,7 @@ from payments.models import Invoice, Operation
 from payments.testing import crash_matrix, crash_points
 from tests.support.workers import worker_env
 
+# Transactional: the matrix's worker processes must see the operations the test commits.
 pytestmark = pytest.mark.django_db(transaction=True)
 
 
