@@ -22,6 +22,8 @@ class InboxEntryAdmin(admin.ModelAdmin):
     # Newest first, by id (recorded order): read through the primary key, so that no
     # index on handled_at is written for each message (migration 0003).
     ordering = ("-id",)
+    # No column sorts: handled_at has no index of its own, and a sort would read every row.
+    sortable_by = ()
     # The default paginator counts the whole table; the inbox can be large.
     show_full_result_count = False
 

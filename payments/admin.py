@@ -15,7 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from django.contrib import admin, messages
-from django.contrib.admin.utils import unquote
+from django.contrib.admin.utils import quote, unquote
 from django.contrib.admin.views.main import SEARCH_VAR
 from django.core.exceptions import PermissionDenied
 from django.db.models import Exists, OuterRef, Prefetch, Q, QuerySet
@@ -479,7 +479,9 @@ class OperationAdmin(NamedPermissionsMixin, DeskViewsMixin, BoundedListMixin, ad
         if not self.admin_site.is_registered(model):
             return f"{name} {obj.entity_id}"
         meta = model._meta
-        url = reverse(f"admin:{meta.app_label}_{meta.model_name}_change", args=[obj.entity_id])
+        url = reverse(
+            f"admin:{meta.app_label}_{meta.model_name}_change", args=[quote(obj.entity_id)]
+        )
         return format_html('<a href="{}">{}&nbsp;{}</a>', url, name, obj.entity_id)
 
     @admin.display(description="RQ job")

@@ -405,9 +405,10 @@ class StepClaim(FenceModel):
             # One index for both lookups by reference: equality (webhooks, the desk) and
             # prefix (`pi_`, `re_`), which a default-collation btree cannot serve. Over the
             # claims that carry a reference only (migration 0025): a local step's claim, and
-            # an external one until its answer, write no entry. Equality and IN lookups
-            # imply the condition; a prefix lookup must state it (`.exclude(
-            # provider_reference="")`) to read through the index.
+            # an external one until its answer, write no entry. An equality lookup implies
+            # the condition; an IN list does only up to 100 items without '' (PostgreSQL's
+            # proof gives up past that), and a prefix never: those state it, with
+            # `.exclude(provider_reference="")`, to read through the index.
             models.Index(
                 fields=["provider_reference"],
                 name="payments_claim_ref_given",

@@ -157,7 +157,9 @@ class ProviderIncident(threading.Thread):
         recorded = set(
             StepClaim.objects.filter(
                 provider_reference__in=list(taken.values()), state=ClaimState.DONE
-            ).values_list("provider_reference", flat=True)
+            )
+            .exclude(provider_reference="")
+            .values_list("provider_reference", flat=True)
         )
         for key, reference in taken.items():
             f.taken_at_midpoint += 1

@@ -265,7 +265,9 @@ def latencies(provider_url: str, operations: Q) -> dict[str, object]:
     done_by = dict(
         StepClaim.objects.filter(
             state=ClaimState.DONE, provider_reference__in=[row["id"] for row in timeline]
-        ).values_list("provider_reference", "operation__key")
+        )
+        .exclude(provider_reference="")
+        .values_list("provider_reference", "operation__key")
     )
     success_at: dict[tuple[str, str], float] = {}
     for row in timeline:

@@ -188,11 +188,13 @@ def check_discoverable(module: str) -> None:
     """
     for root in sorted(_DISCOVERED, key=len, reverse=True):
         if module.startswith(f"{root}."):
-            package = module.rsplit(".", 1)[0]
+            # Under payments, a business package is an app of its own; anywhere else, the
+            # installed app the module belongs to has the handler module.
+            app = root if root != "payments" else ".".join(module.split(".")[:2])
             where = (
-                f"declare it in (or import it from) {package}.handler"
-                if package in _DISCOVERED
-                else f"add {package!r} to INSTALLED_APPS, its handlers in {package}.handler"
+                f"declare it in (or import it from) {app}.handler"
+                if app in _DISCOVERED
+                else f"add {app!r} to INSTALLED_APPS, its handlers in {app}.handler"
             )
             raise ConfigurationError(
                 f"a handler is declared in {module}, which start-up discovery did not import: "

@@ -8,15 +8,18 @@ replacement, `payments_claim_ref_given`, is partial (`provider_reference <>
 ''`): a fenced checkout writes 1 entry instead of 6 (tests/engine/test_indexes.py,
 docs/benchmarks.md's WAL by relation).
 
-Built CONCURRENTLY (`atomic = False`) before the old index is dropped
-CONCURRENTLY: lookups by reference keep an index all along, and neither step
-blocks writes. An index an interrupted build left INVALID is dropped and built
-again (payments 0021's `drop_if_invalid`).
+Built CONCURRENTLY (`atomic = False`) here; the old index is dropped
+CONCURRENTLY by 0026, a migration of its own, so that each step can be run
+again after an interruption (a DROP INDEX CONCURRENTLY waits for every older
+transaction, and a deploy's time-out may stop it): lookups by reference keep
+an index all along, and neither step blocks writes. An index an interrupted
+build left INVALID is dropped and built again (payments 0021's
+`drop_if_invalid`).
 """
 
 from importlib import import_module
 
-from django.contrib.postgres.operations import AddIndexConcurrently, RemoveIndexConcurrently
+from django.contrib.postgres.operations import AddIndexConcurrently
 from django.db import migrations, models
 from django.db.models import Q
 
@@ -24,7 +27,7 @@ drop_if_invalid = import_module("payments.migrations.0021_succeeded_index").drop
 
 
 class Migration(migrations.Migration):
-    atomic = False  # CREATE / DROP INDEX CONCURRENTLY cannot run in a transaction
+    atomic = False  # CREATE INDEX CONCURRENTLY cannot run in a transaction
 
     dependencies = [("payments", "0024_apiclient_payment_system")]
 
@@ -39,5 +42,4 @@ class Migration(migrations.Migration):
                 condition=~Q(provider_reference=""),
             ),
         ),
-        RemoveIndexConcurrently(model_name="stepclaim", name="payments_claim_reference"),
     ]

@@ -309,7 +309,9 @@ def audit_refunds(
         refund_steps |= steps
     done = StepClaim.objects.filter(refund_steps, state=ClaimState.DONE)
     fenced = set(
-        done.filter(provider_reference__in=succeeded).values_list("provider_reference", flat=True)
+        done.filter(provider_reference__in=succeeded)
+        .exclude(provider_reference="")  # the partial index, whatever the list's length
+        .values_list("provider_reference", flat=True)
     )
     result.unfenced = sorted(succeeded - fenced)
     scoped = list(done.filter(claims or Q()).values_list("provider_reference", flat=True))
@@ -317,9 +319,9 @@ def audit_refunds(
     listed = set(refunds_by_payment)
     for kind, step, item in refund_parents():
         parents.update(
-            done.filter(operation__kind=kind, step=step, provider_reference__in=scoped).values_list(
-                "provider_reference", f"request__{item}"
-            )
+            done.filter(operation__kind=kind, step=step, provider_reference__in=scoped)
+            .exclude(provider_reference="")
+            .values_list("provider_reference", f"request__{item}")
         )
     # Only a refund of a listed payment can be judged unknown: the others were not asked for.
     result.unknown_references = sorted(

@@ -224,7 +224,9 @@ class _FindingsNow:
             str(ref): f"{key}/{step}"
             for ref, key, step in StepClaim.objects.filter(
                 state=ClaimState.DONE, provider_reference__in=refs
-            ).values_list("provider_reference", "operation__key", "step")
+            )
+            .exclude(provider_reference="")  # the partial index, whatever the list's length
+            .values_list("provider_reference", "operation__key", "step")
         }
         # A step may keep the object the audit counts in its result (a capture: its intent):
         # the done claims of the operations the provider's metadata names.
