@@ -22,13 +22,15 @@ class PaymentsConfig(AppConfig):
         # none it was not told of), and each module of PAYMENTS["HANDLER_MODULES"]; then
         # the system checks and metrics' receivers.
         from payments import checks  # noqa: F401
-        from payments.conf import payments_settings
+        from payments.conf import handler_modules_alone, payments_settings
         from payments.engine.handlers import discover_app_handlers
         from payments.observability import metrics  # noqa: F401
 
-        # A bad PAYMENTS is payments.E009's to report, with every other bad key.
+        # A bad PAYMENTS is payments.E009's to report, with every other bad key; but the
+        # handler modules are read on their own then, so that no process (gunicorn runs
+        # no checks) starts without handlers its workers have.
         try:
             extra = payments_settings().handler_modules
         except ImproperlyConfigured:
-            extra = ()
+            extra = handler_modules_alone()
         discover_app_handlers(extra)

@@ -316,3 +316,12 @@ def _modules(name: str, value: object) -> tuple[str, ...]:
                 f"PAYMENTS['{name}']: {path!r} is not a dotted module path (e.g. 'bookings.fenced')."
             )
     return tuple(value)
+
+
+def handler_modules_alone() -> tuple[str, ...]:
+    """PAYMENTS["HANDLER_MODULES"], validated alone (another key may be bad: E009 says
+    which). Raises ImproperlyConfigured when this one is."""
+    raw = getattr(settings, "PAYMENTS", None) or {}
+    if not isinstance(raw, dict):
+        return ()
+    return _modules("HANDLER_MODULES", raw.get("HANDLER_MODULES", ()))

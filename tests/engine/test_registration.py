@@ -195,3 +195,17 @@ def test_handler_modules_setting__a_bad_value_is_refused(bad):
 
     with pytest.raises(ImproperlyConfigured, match="HANDLER_MODULES"):
         _read({"HANDLER_MODULES": bad})
+
+
+def test_handler_modules__read_alone_when_another_payments_key_is_bad(settings):
+    """A bad PAYMENTS key is E009's to report, but the handler modules are still read (and
+    a bad one of them refused) at start-up: gunicorn runs no checks."""
+    from django.core.exceptions import ImproperlyConfigured
+
+    from payments.conf import handler_modules_alone
+
+    settings.PAYMENTS = {"MAX_ATTEMPTS": 0, "HANDLER_MODULES": ["tests.kit.unfenced"]}
+    assert handler_modules_alone() == ("tests.kit.unfenced",)
+    settings.PAYMENTS = {"MAX_ATTEMPTS": 0, "HANDLER_MODULES": "tests.kit.unfenced"}
+    with pytest.raises(ImproperlyConfigured, match="HANDLER_MODULES"):
+        handler_modules_alone()
