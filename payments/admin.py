@@ -539,8 +539,18 @@ class OperationAdmin(NamedPermissionsMixin, DeskViewsMixin, BoundedListMixin, ad
             return []
         available = desk.available_actions(op)
         info = f"admin:{self.opts.app_label}_{self.opts.model_name}"
-        # Ordered by safety: the look-up first, the one that may lose money last.
-        buttons = [_button(info, op, "query_provider", "")]
+        # Ordered by safety: the look-up first, the one that may lose money last. An
+        # operation whose handler calls no external system has nothing to look up.
+        spec = registered_handlers().get(op.kind)
+        nothing_to_ask = spec is not None and not spec.effects
+        buttons = [
+            _button(
+                info,
+                op,
+                "query_provider",
+                "its steps call no external system that can be asked" if nothing_to_ask else "",
+            )
+        ]
         buttons.append(_button(info, op, "resume", available.refused.get("resume", "")))
         for step in available.settleable_steps:
             buttons.append(_button(info, op, "mark_succeeded", "", step))

@@ -81,3 +81,25 @@ def test_query_words__say_what_the_provider_showed_and_succeed_only_when_settled
     row = QueryOutcome(1, "k", outcome, before, after)
     assert words in query_words(row)
     assert (query_level([row]) == messages.SUCCESS) is success
+
+
+def test_query__off_for_an_operation_whose_steps_call_no_external_system(monkeypatch):
+    """A newcomer's operation with local steps and a side effect only: "Query the provider
+    now" asked nothing and said nothing; the button is off, with the reason."""
+    from django.db import transaction
+
+    from payments.engine import handlers
+    from payments.fence import create_operation_in_tx, operation
+
+    monkeypatch.setattr(handlers, "_HANDLERS", dict(handlers._HANDLERS))
+    operation("local-only", steps={"note": None})(lambda run: run.local("note", lambda: None))
+    with transaction.atomic():
+        op, _ = create_operation_in_tx(
+            key="local-1", kind="local-only", entity_type="rental", entity_id="R-1",
+            params={}, actor="t",
+        )  # fmt: skip
+
+    page = client_for(make_user("alice", *VIEW, RECONCILE)).get(change_url(op)).content.decode()
+
+    assert re.search(r'<span class="[^"]*desk-query_provider[^"]*"[^>]*aria-disabled', page), page
+    assert "its steps call no external system that can be asked" in page
