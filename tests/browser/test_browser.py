@@ -446,7 +446,8 @@ def test_mark_failed_confirmation__warns_and_says_what_it_will_do(
     page.reload()
     page.fill("#id_reason", "the customer says nothing was taken")
     page.get_by_role("button", name="Check and mark failed").click()
-    refusal = page.locator(".desk-refusal")
+    # Done otherwise than asked: back on the operation, with a warning that says what.
+    refusal = page.locator(".messagelist .warning")
     assert (
         "succeeded" in refusal.inner_text() and "nothing was marked failed" in refusal.inner_text()
     )

@@ -98,6 +98,51 @@ print("REPORT", Operation.objects.count(), op.state, steps, Booking.objects.get(
 """
 
 
+#: The project's test tools, as this repository pins them (requirements.txt).
+TEST_TOOLS = [
+    line.strip()
+    for line in (Path(__file__).resolve().parents[2] / "requirements.txt").read_text().splitlines()
+    if line.startswith(("pytest==", "pytest-django=="))
+]
+
+PYTEST_INI = """[pytest]
+DJANGO_SETTINGS_MODULE = site_conf.settings
+testpaths = crash_tests
+"""
+
+# The project's own test: payments.testing's crash matrix, as docs/testing.md shows it.
+MATRIX = """
+from pathlib import Path
+
+import pytest
+
+from bookings.handler import request_confirmation
+from bookings.models import Booking
+from payments.testing import crash_matrix
+
+# Transactional: the matrix's worker processes must see the rows the test commits.
+pytestmark = pytest.mark.django_db(transaction=True)
+
+SENT = Path(__file__).resolve().parents[1] / "bookings" / "sent.txt"
+
+
+def test_confirm_booking__once_whatever_the_crash():
+    def start(key):
+        return request_confirmation(Booking.objects.create(guest=key, deposit=100), key)
+
+    def sent(op):
+        lines = SENT.read_text().splitlines() if SENT.exists() else []
+        return {"notify": lines.count(Booking.objects.get(pk=op.entity_id).guest)}
+
+    def confirmed(op):
+        assert Booking.objects.get(pk=op.entity_id).status == "confirmed"
+
+    table = crash_matrix(start, count=sent, check=confirmed)
+    table.assert_held()
+    assert sum(case.crashed for case in table.cases) == 4  # notify's 3 points, the final commit
+"""
+
+
 def run(args: list[str], cwd: Path, env: dict[str, str], timeout: int = 300) -> str:
     done = subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
     assert done.returncode == 0, f"{args}:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
@@ -149,6 +194,15 @@ def test_a_new_project_installs_the_wheel_and_fences_a_model_of_its_own(
         "REPORT 1 succeeded [('mark_confirmed', 'done'), ('notify', 'done')] confirmed" in report
     ), report
     assert (app / "sent.txt").read_text() == "Ada\n"
+    # docs/testing.md, done: the project's own crash matrix, run by its own pytest.
+    run([python, "-m", "pip", "install", "-q", *TEST_TOOLS], tmp_path, env, timeout=600)
+    (project / "pytest.ini").write_text(PYTEST_INI)
+    (project / "crash_tests").mkdir()
+    (project / "crash_tests" / "test_booking_crash.py").write_text(textwrap.dedent(MATRIX))
+    matrix = run([python, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider"], project, env)
+    assert "1 passed" in matrix, matrix
+    assert "crash matrix of confirm_booking: 7 points" in matrix, matrix
+    assert "after_provider_accept@notify" in matrix and "BROKE" not in matrix, matrix
     # Nothing of this repository was on the project's path: payments came from the wheel.
     where = run([python, "-c", "import payments; print(payments.__file__)"], project, env)
     assert "site-packages" in where
