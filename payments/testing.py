@@ -44,6 +44,7 @@ from typing import Any
 
 from django.conf import settings
 from django.db import connections
+from rq.queue import Queue
 
 from payments.engine.failpoints import (
     AFTER_CLAIM_COMMIT,
@@ -55,7 +56,7 @@ from payments.engine.failpoints import (
 from payments.engine.handlers import get_handler
 from payments.models import ClaimState, Operation, OperationState
 
-__all__ = ["CrashCase", "CrashTable", "crash_matrix", "crash_points", "run_jobs"]
+__all__ = ["CrashCase", "CrashTable", "crash_matrix", "crash_points", "run_jobs", "stop_process"]
 
 #: The workers' claim lease and job timeout in a crash matrix (seconds): how long a killed
 #: worker's operation waits before the next worker takes it over.
@@ -66,21 +67,44 @@ LEASE_SECONDS = 3
 STEP_POINTS = (AFTER_CLAIM_COMMIT, AFTER_PROVIDER_ACCEPT, BEFORE_RECORD_COMMIT)
 
 
-def run_jobs(queue: str = "") -> None:
-    """Run every job of the fence's queue (PAYMENTS["QUEUE"]) in this process, until it is
-    empty, on the fence's worker class (payments.engine.worker.FenceWorker)."""
+def run_jobs(
+    queue: str | Queue = "", *, worker_class: type | None = None, with_scheduler: bool = False
+) -> None:
+    """Run every job of a queue in this process, until it is empty: by default the fence's
+    queue (PAYMENTS["QUEUE"]) on the fence's worker class (payments.engine.worker.FenceWorker).
+    `queue`: a queue's name or an RQ queue; `worker_class`: another RQ worker class."""
     import django_rq
 
     from payments.conf import payments_settings
     from payments.engine.worker import FenceWorker
 
-    rq_queue = django_rq.get_queue(queue or payments_settings().queue)
+    rq_queue = (
+        queue
+        if isinstance(queue, Queue)
+        else django_rq.get_queue(queue or payments_settings().queue)
+    )
+    worker = worker_class or FenceWorker
     saved = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:  # work() installs its own signal handlers; the test runner gets its own back
-        FenceWorker([rq_queue], connection=rq_queue.connection).work(burst=True)
+        worker([rq_queue], connection=rq_queue.connection).work(
+            burst=True, with_scheduler=with_scheduler
+        )
     finally:
         for sig, handler in saved.items():
             signal.signal(sig, handler)
+
+
+def stop_process(proc: subprocess.Popen, *, kill: bool = False) -> str:
+    """Stop a process started in a session of its own (its whole group: SIGTERM, or SIGKILL
+    with `kill` or when it has not ended 15 s later); return what it wrote to stderr."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL if kill else signal.SIGTERM)
+    try:
+        _, err = proc.communicate(timeout=15)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        _, err = proc.communicate()
+    return (err or b"").decode(errors="replace")
 
 
 def crash_points(kind: str) -> list[str]:
@@ -237,17 +261,6 @@ def _start(args: list[str], env: Mapping[str, str]) -> subprocess.Popen:
     )
 
 
-def _stop(proc: subprocess.Popen) -> str:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        _, err = proc.communicate(timeout=15)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        _, err = proc.communicate()
-    return (err or b"").decode(errors="replace")
-
-
 FINAL = (OperationState.SUCCEEDED, OperationState.FAILED, OperationState.NEEDS_REVIEW)
 
 
@@ -276,7 +289,7 @@ def _run_case(
     try:
         while time.monotonic() - began < timeout:
             if worker.poll() is not None:  # killed at the point: restart it, as systemd would
-                stderr.append(_stop(worker))
+                stderr.append(stop_process(worker))
                 restarts += 1
                 worker = _start([*worker_args, "--name", f"crash-{op.pk}-{restarts}"], env)
             op.refresh_from_db()
@@ -284,8 +297,8 @@ def _run_case(
                 break
             time.sleep(0.1)
     finally:
-        stderr.append(_stop(worker))
-        stderr.append(_stop(recovery))
+        stderr.append(stop_process(worker))
+        stderr.append(stop_process(recovery))
     case.seconds = time.monotonic() - began
     case.crashed = marker.with_name(f"{marker.name}.{point}").exists()
     if not case.crashed and _must_crash(op.kind, point):

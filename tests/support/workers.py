@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -15,6 +14,7 @@ from django.db import connection
 from rq import SimpleWorker
 from rq.queue import Queue
 
+from payments.testing import run_jobs, stop_process
 from tests.support.config import TEST_PAYMENTS, TEST_REDIS_URL
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -24,22 +24,12 @@ def run_worker(
     queue: Queue, *, with_scheduler: bool = False, worker_class: type = SimpleWorker
 ) -> None:
     """Run jobs until the queue is empty, in this process (and this DB connection)."""
-    # work() installs its own SIGINT/SIGTERM handlers; give pytest its own back.
-    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        worker_class([queue], connection=queue.connection).work(
-            burst=True, with_scheduler=with_scheduler
-        )
-    finally:
-        for sig, handler in saved.items():
-            signal.signal(sig, handler)
+    run_jobs(queue, worker_class=worker_class, with_scheduler=with_scheduler)
 
 
 def run_fence_worker(queue: Queue) -> None:
     """Run jobs until the queue is empty on the product's FenceWorker, in this process."""
-    from payments.engine.worker import FenceWorker
-
-    run_worker(queue, worker_class=FenceWorker)
+    run_jobs(queue)
 
 
 def database_url() -> str:
@@ -102,14 +92,7 @@ def start_worker(
 
 def stop_worker(proc: subprocess.Popen, *, kill: bool = False) -> str:
     """Stop a worker (its whole process group) and return what it wrote to stderr."""
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGKILL if kill else signal.SIGTERM)
-    try:
-        _, err = proc.communicate(timeout=15)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        _, err = proc.communicate()
-    return (err or b"").decode(errors="replace")
+    return stop_process(proc, kill=kill)
 
 
 def wait_until(condition: Callable[[], bool], timeout: float, what: str) -> None:
