@@ -63,6 +63,13 @@ Every key, its default and its meaning:
     ``handler`` module of each package of ``payments``: for handlers kept
     elsewhere, e.g. ``["bookings.deposits.fenced"]``. A path that cannot be
     imported stops start-up with an ImportError naming it.
+``INLINE_FOLLOW_UPS`` (``True``)
+    Whether a follow-up declared ``@message(..., inline=True)`` runs inside the
+    transaction that writes its event (the checkout's ledger line and sales
+    counter, in ``mark_paid``'s), instead of as an operation of its own
+    delivered through the inbox. ``False`` queues every follow-up: each gets
+    its operation row, audit rows and inbox row, and a failing one never
+    touches its writer's transaction (not even inside a savepoint).
 
 `payments.E009` reports a bad value at start-up; the timeout chain between
 them is checked by `payments.E002`-`E005`.
@@ -121,6 +128,7 @@ class PaymentsSettings:
     purge_batch_size: int = 500
     systems: tuple[tuple[str, SystemSettings], ...] = ()
     handler_modules: tuple[str, ...] = ()
+    inline_follow_ups: bool = True
 
     def system(self, name: str) -> SystemSettings | None:
         """The entry of an external system besides the provider, or None when not configured."""
@@ -303,7 +311,15 @@ def _read(raw: object) -> PaymentsSettings:
         ),
         systems=_systems(raw.get("SYSTEMS", {})),
         handler_modules=_modules("HANDLER_MODULES", get("handler_modules")),
+        inline_follow_ups=_flag("INLINE_FOLLOW_UPS", get("inline_follow_ups")),
     )
+
+
+def _flag(name: str, value: object) -> bool:
+    """True or False, nothing else (a string "false" would be true)."""
+    if not isinstance(value, bool):
+        raise ImproperlyConfigured(f"PAYMENTS['{name}'] must be True or False, not {value!r}.")
+    return value
 
 
 def _modules(name: str, value: object) -> tuple[str, ...]:

@@ -49,8 +49,8 @@ from django.db.models import Model
 
 from payments.api.base import start_operation
 from payments.engine import fence as _fence
-from payments.engine.dispatch import create_and_dispatch_all_in_tx
 from payments.engine.dispatch import create_and_dispatch_in_tx as create_operation_in_tx
+from payments.engine.dispatch import create_follow_ups_in_tx as create_follow_ups
 from payments.engine.effects import ClaimView, DeliveryPolicy, EffectResult
 from payments.engine.exchanges import sent as note_request
 from payments.engine.follow_ups import Follows, kinds_following, replaced_by
@@ -143,8 +143,11 @@ def create_follow_ups_in_tx(
 
     Their keys are derived from the parent (never a client's); their inserts go
     in one round trip and their jobs in one Redis pipeline after the commit.
+    Kinds declared `@message(..., inline=True)` run here instead, when the caller
+    is a local step (payments.engine.dispatch.create_follow_ups_in_tx).
     """
-    create_and_dispatch_all_in_tx(
+    create_follow_ups(
+        parent,
         [
             _fence.NewOperation(
                 key=_fence.follow_up_key(parent, kind),
@@ -157,7 +160,7 @@ def create_follow_ups_in_tx(
                 actor=actor,
             )
             for kind in kinds
-        ]
+        ],
     )
 
 

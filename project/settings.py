@@ -278,6 +278,7 @@ _PAYMENTS_ENV = {
     "PROVIDER_WEBHOOK_TOLERANCE": ("PAYMENT_PROVIDER_WEBHOOK_TOLERANCE", env.int),
     "RETENTION_DAYS": ("PAYMENTS_RETENTION_DAYS", env.int),
     "PURGE_BATCH_SIZE": ("PAYMENTS_PURGE_BATCH_SIZE", env.int),
+    "INLINE_FOLLOW_UPS": ("PAYMENTS_INLINE_FOLLOW_UPS", env.bool),
 }
 PAYMENTS = {key: read(var) for key, (var, read) in _PAYMENTS_ENV.items() if var in env}
 # The external systems besides the payment provider, one entry each (docs/handlers.md,

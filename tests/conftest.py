@@ -9,6 +9,7 @@ the conftest.py of the folder that needs them, here when more than one folder do
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable, Iterator
 from fnmatch import fnmatch
 from pathlib import Path
@@ -32,6 +33,14 @@ from tests.support.workers import run_worker  # noqa: F401  (tests/engine/test_f
 
 # The fake provider's fixtures, `fake_provider` and `provider`: see the plugin's docstring.
 pytest_plugins = ["devtools.fake_provider.pytest_plugin"]
+
+# Most tests drive the follow-ups' queued path (each its own operation, delivered behind
+# the inbox), the path a follow-up takes when it cannot run inline; the inline path (the
+# default: the checkout's ledger line and sales counter in mark_paid's transaction) is
+# driven by tests/checkout/test_inline_follow_ups.py and the chaos run. Worker processes
+# inherit the variable.
+os.environ["PAYMENTS_INLINE_FOLLOW_UPS"] = "false"
+settings.PAYMENTS = {**settings.PAYMENTS, "INLINE_FOLLOW_UPS": False}
 
 # Point every queue at the test Redis database before anything creates a queue.
 for _config in settings.RQ_QUEUES.values():

@@ -1,11 +1,12 @@
 """Job functions the benchmark runs next to the real ones: the unfenced twins and no-ops.
 
 Never used by the product. The unfenced checkout does the same business work
-as the fenced `checkout` handler (charge, invoice, e-mail, paid, two follow-up
-jobs) with no lease, claim, event or inbox row: what the fence is measured
-against. It gets the same plumbing as the fenced side: the process's shared
-provider session, the process's Redis client, its two follow-ups enqueued in
-one pipeline.
+as the fenced `checkout` handler (charge, invoice, e-mail, paid, the ledger
+line and the sales counter) with no lease, claim, event or inbox row: what the
+fence is measured against. It gets the same plumbing as the fenced side: the
+process's shared provider session, the process's Redis client. Its two
+follow-ups go where the fence's go: written in the paid transaction while
+PAYMENTS["INLINE_FOLLOW_UPS"] holds, else two jobs enqueued in one pipeline.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from django.utils import timezone
 from inbox.handlers import inbox_handler
 from payments.checkout.followups import add_to_sales_day
 from payments.checkout.handler import issue_invoice, send_confirmation
+from payments.conf import payments_settings
 from payments.engine.queues import payments_queue
 from payments.models import LedgerEntry, Order, OrderStatus
 from payments.provider.client import ProviderClient
@@ -56,8 +58,14 @@ def unfenced_checkout(order_id: int, payment_method: str) -> str:
     with transaction.atomic():
         issue_invoice(order, intent.id)
     send_confirmation(order, intent.id)
+    inline = payments_settings().inline_follow_ups
     with transaction.atomic():
         Order.objects.filter(pk=order_id).update(status=OrderStatus.PAID, updated_at=timezone.now())
+        if inline:
+            _record_sale(order, intent.id)
+            add_to_sales_day(timezone.now().date(), order.currency, order.amount)
+    if inline:
+        return intent.id
     queue = payments_queue()
     follow_ups = [
         queue.prepare_data(unfenced_record_sale, (order_id, intent.id)),
@@ -72,9 +80,13 @@ def unfenced_checkout(order_id: int, payment_method: str) -> str:
 def unfenced_record_sale(order_id: int, reference: str) -> None:
     order = Order.objects.get(pk=order_id)
     with transaction.atomic():
-        LedgerEntry.objects.create(
-            order=order, amount=order.amount, currency=order.currency, provider_reference=reference
-        )
+        _record_sale(order, reference)
+
+
+def _record_sale(order: Order, reference: str) -> None:
+    LedgerEntry.objects.create(
+        order=order, amount=order.amount, currency=order.currency, provider_reference=reference
+    )
 
 
 def unfenced_count_sale(order_id: int) -> None:

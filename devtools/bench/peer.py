@@ -297,7 +297,13 @@ def side_by_side(bench: Any, n: int, workers: int, rounds: int) -> dict[str, Any
 
 def _fence_batch(bench: Any, n: int, workers: int) -> dict[str, Any]:
     """One batch of the fence: n checkout requests (the API's service), then FenceWorkers."""
-    from devtools.bench.runner import WORKER_CLASSES, _orders, wal_bytes_since, wal_position
+    from devtools.bench.runner import (
+        WORKER_CLASSES,
+        _orders,
+        jobs_per_checkout,
+        wal_bytes_since,
+        wal_position,
+    )
     from payments.checkout.handler import request_checkout
 
     api: dict[str, Any] = {}
@@ -312,13 +318,13 @@ def _fence_batch(bench: Any, n: int, workers: int) -> dict[str, Any]:
             )  # fmt: skip
         api["wal"] = wal_bytes_since(start)
         api["end"] = wal_position()
-        return 3 * n  # the checkout and its two follow-ups
+        return jobs_per_checkout() * n
 
     worker_class = WORKER_CLASSES["FenceWorker (SimpleWorker)"]
     seconds = bench.batch(prepare, workers=workers, worker_class=worker_class)
     return {
         "seconds": seconds,
-        "cpu_ms": bench.cpu.ms_per(3) if bench.cpu else {},
+        "cpu_ms": bench.cpu.ms_per(jobs_per_checkout()) if bench.cpu else {},
         "wal": bench.wal_bytes,
         "api": api["wal"],
         "lsn": (api["end"], wal_position()),

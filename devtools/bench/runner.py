@@ -250,13 +250,20 @@ class BatchCpu:
     jobs: int
 
     def ms_per(self, jobs_each: int) -> dict[str, float]:
-        """CPU milliseconds by process kind per unit of `jobs_each` jobs (3: a checkout)."""
+        """CPU milliseconds by process kind per unit of `jobs_each` jobs (a checkout's:
+        jobs_per_checkout())."""
         units = self.jobs / jobs_each
         return {
             role: 1000 * seconds / units
             for role, seconds in self.seconds.items()
             if role != "load_generator"  # this process, polling
         }
+
+
+def jobs_per_checkout() -> int:
+    """The checkout's job, and one job per follow-up it queues: none while the ledger line
+    and the sales counter run inline (PAYMENTS["INLINE_FOLLOW_UPS"]), on both sides."""
+    return 1 if payments_settings().inline_follow_ups else 3
 
 
 def _orders(n: int) -> list[Order]:
@@ -282,7 +289,7 @@ def fenced(n: int, api_side: RoundTrips | None = None) -> Callable[[], int]:
                 )
             if api_side is not None:
                 api_side.add(counter.snapshot())
-        return 3 * n  # the checkout and its two follow-ups
+        return jobs_per_checkout() * n
 
     return prepare
 
@@ -292,7 +299,7 @@ def unfenced(n: int) -> Callable[[], int]:
         queue = payments_queue()
         for order in _orders(n):
             queue.enqueue(jobs.unfenced_checkout, order.pk, "pm_card_visa")
-        return 3 * n
+        return jobs_per_checkout() * n
 
     return prepare
 

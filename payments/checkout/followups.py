@@ -31,7 +31,7 @@ from payments.models import LedgerEntry, Operation, SalesDay
 FOLLOW_UPS = (RECORD_SALE, COUNT_SALE)
 
 
-@message(RECORD_SALE, consumer=LEDGER_CONSUMER, follows=Follows(ORDER_PAID))
+@message(RECORD_SALE, consumer=LEDGER_CONSUMER, follows=Follows(ORDER_PAID), inline=True)
 def record_sale(op: Operation) -> None:
     """Write the order's sales-ledger line. Runs in the message's inbox transaction."""
     LedgerEntry.objects.create(
@@ -42,7 +42,7 @@ def record_sale(op: Operation) -> None:
     )
 
 
-@message(COUNT_SALE, consumer=SALES_STATS_CONSUMER, follows=Follows(ORDER_PAID))
+@message(COUNT_SALE, consumer=SALES_STATS_CONSUMER, follows=Follows(ORDER_PAID), inline=True)
 def count_sale(op: Operation) -> None:
     """Add the order to its day's sales counter. Runs in the message's inbox transaction."""
     add_to_sales_day(op.created_at.date(), op.params["currency"], op.params["amount"])

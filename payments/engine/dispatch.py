@@ -25,10 +25,11 @@ from rq import Retry
 
 from payments.conf import payments_settings
 from payments.engine import fence
+from payments.engine.follow_ups import written_once
 from payments.engine.handlers import get_handler
 from payments.engine.queues import payments_queue
 from payments.exceptions import ConfigurationError
-from payments.models import KeyScope, Operation
+from payments.models import KeyScope, Operation, OperationState
 
 logger = logging.getLogger("payments.engine.dispatch")
 
@@ -228,6 +229,52 @@ def create_and_dispatch_all_in_tx(
         if created:
             _enqueue_on_commit(_Delivery(op, func, job_id))
     return results
+
+
+def create_follow_ups_in_tx(parent: Operation, new: list[fence.NewOperation]) -> None:
+    """Write `parent`'s follow-ups (`new`, derived keys) in the caller's transaction.
+
+    Those declared `inline=True` run here instead, in one savepoint, when the
+    caller is a local step's function (its claim makes them once) and
+    PAYMENTS["INLINE_FOLLOW_UPS"] holds: their writes commit with the event's,
+    and no operation, audit or inbox row is written for them. If one raises,
+    the savepoint rolls back and all of them are written and delivered as the
+    others are, once the caller commits.
+    """
+    inline = [one for one in new if get_handler(one.kind).inline is not None]
+    if inline and written_once() and payments_settings().inline_follow_ups:
+        try:
+            with transaction.atomic():
+                for one in inline:
+                    write = get_handler(one.kind).inline
+                    assert write is not None  # chosen above for having one
+                    write(_unsaved(parent, one))
+        except Exception:  # rolled back to the savepoint; delivered on their own instead
+            logger.warning(
+                "follow-ups %s of operation %s failed in its transaction; queued instead",
+                ", ".join(one.kind for one in inline),
+                parent.key,
+                exc_info=True,
+            )
+        else:
+            new = [one for one in new if one not in inline]
+    if new:
+        create_and_dispatch_all_in_tx(new)
+
+
+def _unsaved(parent: Operation, one: fence.NewOperation) -> Operation:
+    """The operation an inline follow-up's function gets: never saved, so no id."""
+    return Operation(
+        key=one.key,
+        scope=one.scope,
+        parent=parent,
+        kind=one.kind,
+        entity_type=one.entity_type,
+        entity_id=str(one.entity_id),
+        params=one.params,
+        state=OperationState.SUCCEEDED,
+        created_at=timezone.now(),
+    )
 
 
 def _enqueue_on_commit(delivery: _Delivery) -> None:

@@ -20,7 +20,9 @@ the event. One follow-up at most may replace a given effect of an event.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 
 from payments.exceptions import ConfigurationError
@@ -96,3 +98,23 @@ def replaced_by(event: str, effect: str) -> str | None:
         if (f.follows.event, f.follows.replaces) == (event, effect) and f.follows.when():
             return f.kind
     return None
+
+
+#: Set while a fenced handler's local step runs its function: the step's claim, in the
+#: same transaction, makes whatever it writes happen once (payments.engine.handlers.Run).
+_IN_LOCAL_STEP: ContextVar[bool] = ContextVar("in_local_step", default=False)
+
+
+@contextmanager
+def local_step_running() -> Iterator[None]:
+    """Mark the code inside as a local step's function (its writes commit once, with its claim)."""
+    token = _IN_LOCAL_STEP.set(True)
+    try:
+        yield
+    finally:
+        _IN_LOCAL_STEP.reset(token)
+
+
+def written_once() -> bool:
+    """Tell whether the caller is a local step's function: what it writes commits once."""
+    return _IN_LOCAL_STEP.get()

@@ -37,7 +37,7 @@ from payments.conf import payments_settings
 from payments.engine import fence, telemetry
 from payments.engine.effects import DeliveryPolicy, EffectResult, ExternalEffect, reversal_step
 from payments.engine.failpoints import AFTER_CLAIM_COMMIT, AFTER_PROVIDER_ACCEPT, failpoint
-from payments.engine.follow_ups import Follows, declare_follow_up
+from payments.engine.follow_ups import Follows, declare_follow_up, local_step_running
 from payments.engine.steps import run_external_step
 from payments.engine.unit import WorkUnit
 from payments.exceptions import ConfigurationError, StepBusy, StepDoneMeanwhile, StepTransient
@@ -128,6 +128,9 @@ class HandlerSpec:
     on_give_up: Callable[[Run], None] | None = None
     #: The steps in the order the handler runs them (the desk lists them so).
     order: tuple[str, ...] = ()
+    #: A message handler declared `inline=True`: its writes, to run inside the transaction
+    #: that writes the event it follows (payments.engine.follow_ups.deliver_inline_in_tx).
+    inline: EntityHook | None = None
 
     def effect(self, step: str, on: Operation | Run) -> ExternalEffect:
         """Build the effect of `step` for an operation (recovery, desk) or a handler's run."""
@@ -270,14 +273,26 @@ def handler(
 
 
 def message_handler(
-    kind: str, *, consumer: str, follows: Follows | None = None
+    kind: str, *, consumer: str, follows: Follows | None = None, inline: bool = False
 ) -> Callable[[EntityHook], EntityHook]:
     """Register the decorated function as the handler of `kind` messages behind the inbox.
 
     The function gets the operation, locked, inside the transaction that also
     records the inbox row and marks the operation succeeded; it writes and
     returns. A redelivered message never calls it again.
+
+    `inline=True` (a follow-up only): the function runs inside the transaction
+    that writes the event it follows, in a savepoint, and gets the operation
+    unsaved (no id; `created_at` the writer's clock). Its writes commit with the
+    event, once, and no operation, audit or inbox row is written for it. If it
+    raises, the savepoint rolls back and the follow-up is written and delivered
+    as if not inline (PAYMENTS["INLINE_FOLLOW_UPS"] = False does that always).
     """
+    if inline and follows is None:
+        raise ConfigurationError(
+            f"{kind!r}: inline=True runs a follow-up in its event's transaction; "
+            "declare the event it follows (follows=Follows(...))"
+        )
 
     def register(func: EntityHook) -> EntityHook:
         def handle(op: Operation) -> str:
@@ -316,7 +331,13 @@ def message_handler(
                 return handle(delivered[0]) if first else None
 
         deliver.__name__ = deliver.__qualname__ = f"deliver_{kind}"
-        _register(HandlerSpec(kind=kind, func=deliver, consumer=consumer), func.__module__, follows)
+        _register(
+            HandlerSpec(
+                kind=kind, func=deliver, consumer=consumer, inline=func if inline else None
+            ),
+            func.__module__,
+            follows,
+        )
         return func
 
     return register
@@ -575,7 +596,8 @@ class Run:
             logger.info("step %s/%s already done; skipped", self.operation.key, step)
             return existing.result or {}
         try:
-            result = func() or {}
+            with local_step_running():
+                result = func() or {}
             fence.store_local_result_in_tx(claim, result)
         except BaseException as exc:
             self.unit.roll_back(f"local step {step} failed ({type(exc).__name__})")
@@ -597,7 +619,8 @@ class Run:
         replay the step.
         """
         try:
-            result = func() or {}
+            with local_step_running():
+                result = func() or {}
             # Its claim goes with the unit's next fence statement (or its COMMIT), which
             # raises StepDoneMeanwhile if another run committed the step meanwhile.
             fence.queue_local_claim_in_tx(self.operation, step, owner=self.worker_id, result=result)

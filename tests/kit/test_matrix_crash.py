@@ -1,6 +1,9 @@
 """payments.testing's crash matrix on the shop's checkout: a real worker SIGKILLed at every
 fence point of every step (and after its final commit), restarted, beside the recovery
-loop; each redelivery charges once, invoices once, and the checkout succeeds.
+loop; each redelivery charges once, invoices once, and the checkout succeeds. The
+workers run the product's default: the ledger line and the sales counter inline, in
+mark_paid's transaction (tests elsewhere queue them: tests/conftest.py), so a kill
+around that commit must leave each order in the ledger and on the counter once.
 
 This is the kit a handler author runs on their own operation (docs/testing.md): the test
 is written only with what payments.testing offers, plus the fake provider's record.
@@ -12,7 +15,7 @@ import pytest
 
 from payments.checkout.handler import request_checkout
 from payments.checkout.orders import create_order
-from payments.models import Invoice, Operation
+from payments.models import Invoice, LedgerEntry, Operation, SalesDay
 from payments.testing import crash_matrix, crash_points
 from tests.support.workers import worker_env
 
@@ -34,8 +37,13 @@ def test_every_crash_point_of_the_checkout__charged_once_invoiced_once(provider,
 
     def invoiced_once(op: Operation) -> None:
         assert Invoice.objects.filter(order_id=op.params["order_id"]).count() == 1
+        assert LedgerEntry.objects.filter(order_id=op.params["order_id"]).count() == 1
+        # every order paid so far counted once, this one included; none as a queued follow-up
+        assert sum(SalesDay.objects.values_list("orders", flat=True)) == LedgerEntry.objects.count()
+        assert not op.follow_ups.exists()
 
     env = {k: v for k, v in worker_env(provider.url).items() if k != "DJANGO_SETTINGS_MODULE"}
+    env["PAYMENTS_INLINE_FOLLOW_UPS"] = "true"
     table = crash_matrix(start, count=charged, check=invoiced_once, env=env)
 
     assert [case.point for case in table.cases] == crash_points("checkout")
