@@ -96,9 +96,15 @@ def run_jobs(
 
 def stop_process(proc: subprocess.Popen, *, kill: bool = False) -> str:
     """Stop a process started in a session of its own (its whole group: SIGTERM, or SIGKILL
-    with `kill` or when it has not ended 15 s later); return what it wrote to stderr."""
-    if proc.poll() is None:
+    with `kill` or when it has not ended 15 s later); return what it wrote to stderr.
+
+    The group is signalled even when its leader has ended: a worker killed at a fence
+    point leaves its children (RQ's scheduler) alive, holding its stderr open, as a
+    supervisor that stops a unit's whole group (systemd's default) would not."""
+    try:
         os.killpg(proc.pid, signal.SIGKILL if kill else signal.SIGTERM)
+    except ProcessLookupError:
+        pass  # the whole group has ended
     try:
         _, err = proc.communicate(timeout=15)
     except subprocess.TimeoutExpired:

@@ -79,12 +79,12 @@ def port_open(port: int) -> bool:
 
 
 def stop_process(proc: subprocess.Popen, *, kill: bool = False) -> None:
-    """Stop a process started in its own session (its whole group)."""
-    if proc.poll() is None:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL if kill else signal.SIGTERM)
-        except ProcessLookupError:
-            return
+    """Stop a process started in its own session (its whole group, even when its leader
+    has ended: a killed worker's children, RQ's scheduler, would live on)."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL if kill else signal.SIGTERM)
+    except ProcessLookupError:
+        pass  # the whole group has ended
     try:
         proc.wait(timeout=10)
     except subprocess.TimeoutExpired:
