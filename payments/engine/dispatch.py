@@ -3,9 +3,9 @@
 The job id (32 hex, also the message id) is written on the operation before
 the enqueue, so the sweeper can tell a live delivery from a lost one. Inside a
 transaction it is written in that transaction (no commit of its own) and the
-job is enqueued once it commits. The operations one transaction dispatches
-(a paid order's follow-ups) are enqueued after its commit in one Redis
-pipeline: one round trip for all of them.
+job is enqueued once it commits. The operations created together (a paid
+order's follow-ups) are enqueued after its commit in one Redis pipeline: one
+round trip for all of them.
 """
 
 from __future__ import annotations
@@ -103,15 +103,15 @@ class _Delivery:
 
 
 class _EnqueueAfterCommit:
-    """The deliveries of one transaction, enqueued after its commit in one Redis pipeline.
+    """Deliveries made together, enqueued after their transaction's commit in one Redis pipeline.
 
     The jobs are the ones `_enqueue` makes (same ids, message ids, timeouts,
     retries, result and failure TTLs): `enqueue_many` creates each through the
     queue's `create_job`, as `enqueue` does; only the writes share a round trip.
     """
 
-    def __init__(self, first: _Delivery) -> None:
-        self.deliveries = [first]
+    def __init__(self, deliveries: list[_Delivery]) -> None:
+        self.deliveries = deliveries
 
     def __call__(self) -> None:
         try:
@@ -150,28 +150,6 @@ def _enqueue_together(deliveries: Sequence[_Delivery]) -> None:
         pipe.execute()
 
 
-def _open_batch(first: bool) -> _EnqueueAfterCommit | None:
-    """Return this transaction's pending batch if a delivery can join it, else None.
-
-    A delivery joins only the batch registered last, at the same savepoint
-    depth: a rolled-back savepoint then drops the batch's callback and every
-    delivery in it together, exactly as it would drop their own callbacks, and
-    on-commit callbacks keep their order. Reads Django's list of pending
-    callbacks, (savepoint ids, callback, robust) since Django 4.2.
-    """
-    connection = transaction.get_connection()
-    if not connection.in_atomic_block or not connection.run_on_commit:
-        return None
-    savepoints, callback, _robust = connection.run_on_commit[-1]
-    if (
-        isinstance(callback, _EnqueueAfterCommit)
-        and savepoints == set(connection.savepoint_ids)
-        and callback.deliveries[-1].first == first
-    ):
-        return callback
-    return None
-
-
 def dispatch(operation_id: int, *, at: datetime | None = None, first: bool = False) -> str:
     """Record a new job id, then enqueue the job (at `at`, else now; with `first`, at the
     front of the queue); return the job id."""
@@ -185,8 +163,7 @@ def dispatch(operation_id: int, *, at: datetime | None = None, first: bool = Fal
 def dispatch_on_commit(operation: Operation | int, *, first: bool = False) -> None:
     """Record the job id in the caller's transaction; enqueue once it commits.
 
-    Runs inside the caller's transaction. Operations dispatched one after the
-    other in one transaction are enqueued together, in one pipeline. A lost
+    Runs inside the caller's transaction. A lost
     enqueue (Redis down, a crash right after the commit) is delivered later by
     the sweeper. With `first`, the job goes to the front of the queue, ahead
     of new work: an operation resumed once the provider's outcome is known.
@@ -198,7 +175,7 @@ def dispatch_on_commit(operation: Operation | int, *, first: bool = False) -> No
     )
     func, job_id = _delivery(op)
     fence.record_dispatch_in_tx(op.pk, job_id)
-    _enqueue_on_commit(_Delivery(op, func, job_id, first))
+    _enqueue_on_commit([_Delivery(op, func, job_id, first)])
 
 
 def create_and_dispatch_in_tx(
@@ -225,9 +202,13 @@ def create_and_dispatch_all_in_tx(
     results = fence.create_operations_in_tx(
         [replace(one, job_id=job_id) for one, (_func, job_id) in zip(new, deliveries, strict=True)]
     )
-    for (op, created), (func, job_id) in zip(results, deliveries, strict=True):
-        if created:
-            _enqueue_on_commit(_Delivery(op, func, job_id))
+    _enqueue_on_commit(
+        [
+            _Delivery(op, func, job_id)
+            for (op, created), (func, job_id) in zip(results, deliveries, strict=True)
+            if created
+        ]
+    )
     return results
 
 
@@ -277,11 +258,14 @@ def _unsaved(parent: Operation, one: fence.NewOperation) -> Operation:
     )
 
 
-def _enqueue_on_commit(delivery: _Delivery) -> None:
-    """Enqueue `delivery` after the caller's commit, with the transaction's other deliveries."""
-    batch = _open_batch(delivery.first)
-    if batch is not None:
-        batch.deliveries.append(delivery)
-    else:
-        # Outside a transaction, on_commit runs the batch at once.
-        transaction.on_commit(_EnqueueAfterCommit(delivery))
+def _enqueue_on_commit(deliveries: list[_Delivery]) -> None:
+    """Enqueue `deliveries` together, in one pipeline, once the caller's transaction commits.
+
+    One on-commit callback of Django's public `transaction.on_commit` per call:
+    a rolled-back savepoint drops it with the rows it was for, and callbacks
+    keep their order. The deliveries of one call are the ones batched; two
+    calls are two callbacks, so nothing reads Django's list of callbacks.
+    Outside a transaction, on_commit runs it at once.
+    """
+    if deliveries:
+        transaction.on_commit(_EnqueueAfterCommit(deliveries))

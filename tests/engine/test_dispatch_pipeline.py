@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -187,4 +188,28 @@ def test_redis_down__logged_the_rows_keep_their_job_ids_for_the_sweeper(queue, s
     a.refresh_from_db()
     b.refresh_from_db()
     assert a.job_id and b.job_id
-    assert f"operations {a.pk}, {b.pk}" in caplog.text
+    assert f"operations {a.pk} failed" in caplog.text
+    assert f"operations {b.pk} failed" in caplog.text
+
+
+def test_redis_down__follow_ups_made_together_logged_together(queue, settings, caplog):
+    order, parent = paid("pipe-down-2")
+    settings.RQ_QUEUES = {
+        **settings.RQ_QUEUES,
+        "payments": {**settings.RQ_QUEUES["payments"], "URL": "redis://127.0.0.1:1/0"},
+    }
+    caplog.set_level(logging.WARNING, logger="payments.engine.dispatch")
+    with transaction.atomic():
+        write_follow_ups_in_tx(order, "pi_down", parent=parent, actor="test")
+    follow_ups = [Operation.objects.get(parent=parent, kind=kind) for kind in FOLLOW_UPS]
+    assert all(op.job_id for op in follow_ups)
+    assert f"operations {', '.join(str(op.pk) for op in follow_ups)} failed" in caplog.text
+
+
+def test_the_batch_is_its_own_callback__no_private_list_of_django_read():
+    """Issue 40: the enqueue-after-commit batch is registered through `transaction.on_commit`
+    once per call that makes deliveries together, never found again in Django's private
+    `connection.run_on_commit` (its tuple's shape changed in 4.2 and may again)."""
+    source = Path(dispatch_module.__file__).read_text()
+    assert "run_on_commit" not in source
+    assert "savepoint_ids" not in source
