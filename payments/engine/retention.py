@@ -34,29 +34,31 @@ from datetime import datetime, timedelta
 from django.db import connection, transaction
 
 from payments.engine.history import first_id_from
+from payments.engine.sql import named
 from payments.models import Operation
 
 logger = logging.getLogger("payments.engine.retention")
 
 #: The operations of one batch, oldest id first, locked; the purgeable ones only.
-PURGEABLE_BATCH = """
-SELECT op.id FROM payments_operation AS op
+PURGEABLE_BATCH = named(
+    """
+SELECT op.id FROM {Operation} AS op
 WHERE op.purged_at IS NULL
   AND op.state IN ('succeeded', 'failed')
   AND op.updated_at < %(cutoff)s
   AND op.id > %(after)s
   AND op.id < %(before)s
   AND NOT EXISTS (
-      SELECT 1 FROM payments_stepclaim AS c
+      SELECT 1 FROM {StepClaim} AS c
       WHERE c.operation_id = op.id
         AND (c.state IN ('claimed', 'uncertain') OR (op.state = 'failed' AND c.state = 'done'))
   )
   AND NOT EXISTS (
-      SELECT 1 FROM payments_providerevent AS e
+      SELECT 1 FROM {ProviderEvent} AS e
       WHERE e.operation_id = op.id AND e.handled_at IS NULL
   )
   AND NOT EXISTS (
-      SELECT 1 FROM payments_operation AS child
+      SELECT 1 FROM {Operation} AS child
       WHERE (child.parent_id = op.id OR child.retry_of_id = op.id)
         AND child.state NOT IN ('succeeded', 'failed')
   )
@@ -64,62 +66,79 @@ ORDER BY op.id
 LIMIT %(batch)s
 FOR UPDATE OF op SKIP LOCKED
 """
+)
 
-DELETE_PROVIDER_EVENTS = """
-DELETE FROM payments_providerevent WHERE operation_id = ANY(%(ids)s)
+DELETE_PROVIDER_EVENTS = named(
+    """
+DELETE FROM {ProviderEvent} WHERE operation_id = ANY(%(ids)s)
 """
+)
 
-DELETE_AUDIT_ROWS = """
-DELETE FROM payments_operationevent WHERE operation_id = ANY(%(ids)s)
+DELETE_AUDIT_ROWS = named(
+    """
+DELETE FROM {OperationEvent} WHERE operation_id = ANY(%(ids)s)
 """
+)
 
-DELETE_CLAIM_LOOKS = """
-DELETE FROM payments_claimlook
-WHERE claim_id IN (SELECT id FROM payments_stepclaim WHERE operation_id = ANY(%(ids)s))
+DELETE_CLAIM_LOOKS = named(
+    """
+DELETE FROM {ClaimLook}
+WHERE claim_id IN (SELECT id FROM {StepClaim} WHERE operation_id = ANY(%(ids)s))
 """
+)
 
-DELETE_CLAIMS = """
-DELETE FROM payments_stepclaim WHERE operation_id = ANY(%(ids)s)
+DELETE_CLAIMS = named(
+    """
+DELETE FROM {StepClaim} WHERE operation_id = ANY(%(ids)s)
 """
+)
 
-MARK_PURGED = """
-UPDATE payments_operation SET purged_at = now() WHERE id = ANY(%(ids)s)
+MARK_PURGED = named(
+    """
+UPDATE {Operation} SET purged_at = now() WHERE id = ANY(%(ids)s)
 """
+)
 
 #: Provider events about no operation (nothing matched them), handled before the cutoff.
-DELETE_UNMATCHED_EVENTS = """
-DELETE FROM payments_providerevent WHERE id IN (
-    SELECT id FROM payments_providerevent
+DELETE_UNMATCHED_EVENTS = named(
+    """
+DELETE FROM {ProviderEvent} WHERE id IN (
+    SELECT id FROM {ProviderEvent}
     WHERE handled_at < %(cutoff)s AND operation_id IS NULL
     LIMIT %(batch)s
 )
 """
+)
 
-DELETE_AUDIT_RUNS = """
-DELETE FROM payments_fenceauditrun WHERE finished_at < %(cutoff)s
+DELETE_AUDIT_RUNS = named(
+    """
+DELETE FROM {FenceAuditRun} WHERE finished_at < %(cutoff)s
 """
+)
 
 #: How many operations a purge at `cutoff` would take now (a dry run).
-COUNT_PURGEABLE = """
-SELECT count(*) FROM payments_operation AS op
+COUNT_PURGEABLE = named(
+    """
+SELECT count(*) FROM {Operation} AS op
 WHERE op.purged_at IS NULL
   AND op.state IN ('succeeded', 'failed')
   AND op.updated_at < %(cutoff)s
   AND NOT EXISTS (
-      SELECT 1 FROM payments_stepclaim AS c
+      SELECT 1 FROM {StepClaim} AS c
       WHERE c.operation_id = op.id
         AND (c.state IN ('claimed', 'uncertain') OR (op.state = 'failed' AND c.state = 'done'))
   )
   AND NOT EXISTS (
-      SELECT 1 FROM payments_providerevent AS e
+      SELECT 1 FROM {ProviderEvent} AS e
       WHERE e.operation_id = op.id AND e.handled_at IS NULL
   )
   AND NOT EXISTS (
-      SELECT 1 FROM payments_operation AS child
+      SELECT 1 FROM {Operation} AS child
       WHERE (child.parent_id = op.id OR child.retry_of_id = op.id)
         AND child.state NOT IN ('succeeded', 'failed')
   )
 """
+)
 
 
 @dataclass

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import re
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 
 from payments.engine import fence
-from payments.engine.sql import QUERIES, parse
+from payments.engine.sql import QUERIES, named, parse
 from payments.models import Operation, OperationState, StepClaim
 from tests.support.flows import checkout
 
@@ -102,3 +103,38 @@ def test_release_held_lease__sets_the_fields_given__leaves_the_others(queue):
     cleared = fence.release_held_lease(again, OperationState.SUCCEEDED, owner=WORKER, result=None)
     assert cleared is not None
     assert (cleared.result, cleared.attempts, cleared.last_error) == (None, 2, "timeout")
+
+
+#: A fence table or constraint written as a literal, where `{Model}` belongs.
+LITERAL_NAME = re.compile(
+    r"\bpayments_(operation|stepclaim|operationevent|claimlook|providerevent|fenceauditrun)\b"
+)
+
+
+@pytest.mark.parametrize(
+    "path", ["payments/engine/sql/queries.sql", "payments/engine/retention.py"]
+)
+def test_the_fence_sql__names_no_table_literally(path):
+    """Issue 40: the statements name the fence's tables by their models (`{Operation}`),
+    so the names come from `_meta` as the inbox's do; no `payments_operation` in the text."""
+    text = (Path(__file__).resolve().parents[2] / path).read_text()
+
+    assert LITERAL_NAME.findall(text) == []
+
+
+def test_named__a_models_table_and_constraint_from_its_meta__other_braces_kept(monkeypatch):
+    monkeypatch.setattr(Operation._meta, "db_table", "fence_operation")
+    monkeypatch.setattr(StepClaim, "UNIQUE_CONSTRAINT", "fence_claim_uniq")
+
+    text = named("INSERT INTO {Operation} ON CONFLICT ON CONSTRAINT {StepClaim.UNIQUE_CONSTRAINT}")
+
+    assert text == 'INSERT INTO "fence_operation" ON CONFLICT ON CONSTRAINT "fence_claim_uniq"'
+    assert named("SELECT {columns} FROM {table}") == "SELECT {columns} FROM {table}"
+
+
+@pytest.mark.parametrize(
+    ("name", "model"), [("insert_claim", StepClaim), ("create_operation", Operation)]
+)
+def test_loaded_statements__carry_the_models_tables(name, model):
+    assert f'"{model._meta.db_table}"' in QUERIES[name]
+    assert "{" + model.__name__ + "}" not in QUERIES[name]

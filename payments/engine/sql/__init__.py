@@ -3,12 +3,32 @@
 Each statement is a block of queries.sql under a `-- name --` line, written out
 whole: no statement is made by editing another's text. The comment lines right
 under the name say what it does; they stay in the file, not in what is sent.
+
+A statement names the fence's tables and constraints by their models, `{Operation}`
+or `{Operation.KEY_CONSTRAINT}`, never by a literal `payments_...`: `named` puts
+in each model's `_meta.db_table` (or the constraint's name), quoted, once at
+import, as inbox.services does for its table.
 """
 
 from __future__ import annotations
 
 import re
 from importlib.resources import files
+
+from psycopg.sql import Identifier
+
+from payments import models
+
+#: The models a statement may name, and how: `{Model}` or `{Model.CONSTANT}`.
+FENCE_MODELS = (
+    "Operation",
+    "StepClaim",
+    "OperationEvent",
+    "ClaimLook",
+    "ProviderEvent",
+    "FenceAuditRun",
+)
+_NAMED = re.compile(r"\{(" + "|".join(FENCE_MODELS) + r")(?:\.([A-Z_]+))?\}")
 
 #: A block's first line: `-- name --`.
 _HEADER = re.compile(r"^-- ([a-z_]+) --$", re.MULTILINE)
@@ -34,5 +54,21 @@ def parse(text: str) -> dict[str, str]:
     return statements
 
 
-#: Every fence statement, by the name it has in queries.sql.
-QUERIES: dict[str, str] = parse(files(__name__).joinpath("queries.sql").read_text())
+def named(text: str) -> str:
+    """`text` with each `{Model}` replaced by the model's table and each
+    `{Model.CONSTANT}` by that constraint's name, quoted. Other braces (a
+    psycopg.sql template's `{table}`) are left as they are."""
+
+    def name(found: re.Match[str]) -> str:
+        model = getattr(models, found[1])
+        raw = getattr(model, found[2]) if found[2] else model._meta.db_table
+        return Identifier(raw).as_string()
+
+    return _NAMED.sub(name, text)
+
+
+#: Every fence statement, by the name it has in queries.sql, its tables named.
+QUERIES: dict[str, str] = {
+    name: named(statement)
+    for name, statement in parse(files(__name__).joinpath("queries.sql").read_text()).items()
+}

@@ -25,7 +25,7 @@ SELECT now()
 -- record_event --
 -- One audit row, stamped by the database's clock like every statement below, with the
 -- provider requests behind it (NULL: none).
-INSERT INTO payments_operationevent
+INSERT INTO {OperationEvent}
     (operation_id, step, from_state, to_state, actor, reason, requests, created_at)
 VALUES (%(operation)s, %(step)s, %(from_state)s, %(to_state)s, %(actor)s, %(reason)s,
         %(requests)s::jsonb, statement_timestamp())
@@ -33,7 +33,7 @@ VALUES (%(operation)s, %(step)s, %(from_state)s, %(to_state)s, %(actor)s, %(reas
 -- create_operation --
 -- Create an operation (none -> pending), audited; a key already taken returns nothing.
 WITH created AS (
-    INSERT INTO payments_operation (
+    INSERT INTO {Operation} (
         key, scope, client_id, parent_id, retry_of_id, kind, entity_type, entity_id, params,
         fingerprint, state, attempts, last_error, lease_owner, job_id, dispatched_at,
         created_at, updated_at
@@ -45,12 +45,12 @@ WITH created AS (
         CASE WHEN %(job_id)s::text <> '' THEN statement_timestamp() END,
         statement_timestamp(), statement_timestamp()
     )
-    ON CONFLICT ON CONSTRAINT payments_operation_client_scope_key_uniq DO NOTHING
+    ON CONFLICT ON CONSTRAINT {Operation.KEY_CONSTRAINT} DO NOTHING
     RETURNING id, key, scope, client_id, kind, entity_type, entity_id, params, fingerprint,
               state, attempts, last_error, next_attempt_at, lease_owner, lease_expires_at,
               job_id, dispatched_at, result, retry_of_id, parent_id, created_at, updated_at, purged_at
 ), audit AS (
-    INSERT INTO payments_operationevent
+    INSERT INTO {OperationEvent}
         (operation_id, step, from_state, to_state, actor, reason, created_at)
     SELECT id, '', '', 'pending', %(actor)s::text, 'created', statement_timestamp() FROM created
 )
@@ -70,16 +70,16 @@ FROM created
 SELECT {columns} FROM {table}
 WHERE {pk} = (
     SELECT CASE WHEN entity_type = %(entity_type)s::text AND {key_test} THEN {key} END
-    FROM payments_operation WHERE id = %(id)s
+    FROM {Operation} WHERE id = %(id)s
 )
 
 -- acquire_lease --
 -- pending | retrying | running (its lease run out, or this owner's) -> running, audited;
 -- with the steps claimed so far.
 WITH old AS (
-    SELECT id, state FROM payments_operation WHERE id = %(id)s FOR UPDATE
+    SELECT id, state FROM {Operation} WHERE id = %(id)s FOR UPDATE
 ), leased AS (
-    UPDATE payments_operation AS op
+    UPDATE {Operation} AS op
     SET state = 'running', lease_owner = %(owner)s::text,
         lease_expires_at = statement_timestamp() + make_interval(secs => %(seconds)s),
         next_attempt_at = NULL, updated_at = statement_timestamp()
@@ -94,7 +94,7 @@ WITH old AS (
               op.dispatched_at, op.result, op.retry_of_id, op.parent_id, op.created_at,
               op.updated_at, op.purged_at, old.state AS from_state, statement_timestamp() AS db_now
 ), audit AS (
-    INSERT INTO payments_operationevent
+    INSERT INTO {OperationEvent}
         (operation_id, step, from_state, to_state, actor, reason, created_at)
     SELECT id, '', from_state, 'running', %(owner)s::text,
            CASE WHEN from_state = 'running' THEN 'lease expired; taken over' ELSE '' END,
@@ -105,7 +105,7 @@ SELECT id, key, scope, client_id, kind, entity_type, entity_id, params, fingerpr
        state, attempts, last_error, next_attempt_at, lease_owner, lease_expires_at,
        job_id, dispatched_at, result, retry_of_id, parent_id, created_at, updated_at, purged_at,
        from_state, db_now,
-       ARRAY(SELECT step FROM payments_stepclaim WHERE operation_id = leased.id) AS claimed_steps
+       ARRAY(SELECT step FROM {StepClaim} WHERE operation_id = leased.id) AS claimed_steps
 FROM leased
 
 -- release_held_lease --
@@ -113,11 +113,11 @@ FROM leased
 -- columns a release may set besides the state and the lease (last_error,
 -- next_attempt_at, attempts, result) is set only when its %(set_...)s flag is true.
 WITH old AS (
-    SELECT id, state FROM payments_operation
+    SELECT id, state FROM {Operation}
     WHERE id = %(id)s AND state = 'running' AND lease_owner = %(owner)s::text
     FOR UPDATE
 ), released AS (
-    UPDATE payments_operation AS op
+    UPDATE {Operation} AS op
     SET state = %(to_state)s::text, lease_owner = '', lease_expires_at = NULL,
         updated_at = statement_timestamp(),
         last_error = CASE WHEN %(set_last_error)s::boolean THEN %(last_error)s::text
@@ -137,7 +137,7 @@ WITH old AS (
               op.dispatched_at, op.result, op.retry_of_id, op.parent_id, op.created_at,
               op.updated_at, op.purged_at, old.state AS from_state
 ), audit AS (
-    INSERT INTO payments_operationevent
+    INSERT INTO {OperationEvent}
         (operation_id, step, from_state, to_state, actor, reason, created_at)
     SELECT id, '', from_state, %(to_state)s::text, %(owner)s::text, %(reason)s::text,
            statement_timestamp()
@@ -152,9 +152,9 @@ FROM released
 -- succeed_message --
 -- A message's operation (pending | retrying | failed, ...) -> succeeded, audited; locks it.
 WITH old AS (
-    SELECT id, state FROM payments_operation WHERE id = %(id)s FOR UPDATE
+    SELECT id, state FROM {Operation} WHERE id = %(id)s FOR UPDATE
 ), succeeded AS (
-    UPDATE payments_operation AS op
+    UPDATE {Operation} AS op
     SET state = 'succeeded', next_attempt_at = NULL, updated_at = statement_timestamp()
     FROM old
     WHERE op.id = %(id)s AND op.id = old.id AND old.state = ANY(%(from_states)s)
@@ -164,7 +164,7 @@ WITH old AS (
               op.dispatched_at, op.result, op.retry_of_id, op.parent_id, op.created_at,
               op.updated_at, op.purged_at, old.state AS from_state
 ), audit AS (
-    INSERT INTO payments_operationevent
+    INSERT INTO {OperationEvent}
         (operation_id, step, from_state, to_state, actor, reason, created_at)
     SELECT id, '', from_state, 'succeeded', %(actor)s::text, %(reason)s::text,
            statement_timestamp()
@@ -187,11 +187,11 @@ WITH inbox AS (
     ON CONFLICT (consumer, message_id) DO NOTHING
     RETURNING id
 ), old AS (
-    SELECT id, state FROM payments_operation
+    SELECT id, state FROM {Operation}
     WHERE id = %(id)s AND EXISTS (SELECT 1 FROM inbox)
     FOR UPDATE
 ), succeeded AS (
-    UPDATE payments_operation AS op
+    UPDATE {Operation} AS op
     SET state = 'succeeded', next_attempt_at = NULL, updated_at = statement_timestamp()
     FROM old
     WHERE op.id = %(id)s AND op.id = old.id AND old.state = ANY(%(from_states)s)
@@ -201,7 +201,7 @@ WITH inbox AS (
               op.dispatched_at, op.result, op.retry_of_id, op.parent_id, op.created_at,
               op.updated_at, op.purged_at, old.state AS from_state
 ), audit AS (
-    INSERT INTO payments_operationevent
+    INSERT INTO {OperationEvent}
         (operation_id, step, from_state, to_state, actor, reason, created_at)
     SELECT id, '', from_state, 'succeeded', %(actor)s::text, %(reason)s::text,
            statement_timestamp()
@@ -218,7 +218,7 @@ FROM (SELECT 1) AS one LEFT JOIN succeeded AS s ON true
 -- Claim a step (none -> claimed, or done for a local step), audited; a step already
 -- claimed returns nothing.
 WITH inserted AS (
-    INSERT INTO payments_stepclaim (
+    INSERT INTO {StepClaim} (
         operation_id, step, state, idempotency_key, provider_reference, request, result,
         error, attempts, claimed_by, claimed_at, last_request_at, lease_expires_at, settled_at,
         updated_at, system
@@ -233,12 +233,12 @@ WITH inserted AS (
         CASE WHEN %(state)s::text = 'done' THEN statement_timestamp() END, statement_timestamp(),
         %(system)s::text
     )
-    ON CONFLICT ON CONSTRAINT payments_stepclaim_operation_step_uniq DO NOTHING
+    ON CONFLICT ON CONSTRAINT {StepClaim.UNIQUE_CONSTRAINT} DO NOTHING
     RETURNING id, operation_id, step, state, idempotency_key, provider_reference, request,
               result, error, provider_view, attempts, claimed_by, claimed_at, last_request_at,
               lease_expires_at, settled_at, updated_at, requests_sent, system
 ), audit AS (
-    INSERT INTO payments_operationevent
+    INSERT INTO {OperationEvent}
         (operation_id, step, from_state, to_state, actor, reason, created_at)
     SELECT operation_id, step, '', state, claimed_by, %(reason)s::text, statement_timestamp()
     FROM inserted
@@ -251,10 +251,10 @@ FROM inserted
 -- insert_claim_or_fail --
 -- insert_claim for a claim sent ahead of its answer (fence.queue_local_claim_in_tx): no
 -- ON CONFLICT, so a step already claimed fails the statement (a unique violation of
--- payments_stepclaim_operation_step_uniq) and nothing queued behind it in its pipeline
+-- {StepClaim.UNIQUE_CONSTRAINT}) and nothing queued behind it in its pipeline
 -- runs, its transaction's COMMIT included.
 WITH inserted AS (
-    INSERT INTO payments_stepclaim (
+    INSERT INTO {StepClaim} (
         operation_id, step, state, idempotency_key, provider_reference, request, result,
         error, attempts, claimed_by, claimed_at, last_request_at, lease_expires_at, settled_at,
         updated_at, system
@@ -272,7 +272,7 @@ WITH inserted AS (
               result, error, provider_view, attempts, claimed_by, claimed_at, last_request_at,
               lease_expires_at, settled_at, updated_at, requests_sent, system
 ), audit AS (
-    INSERT INTO payments_operationevent
+    INSERT INTO {OperationEvent}
         (operation_id, step, from_state, to_state, actor, reason, created_at)
     SELECT operation_id, step, '', state, claimed_by, %(reason)s::text, statement_timestamp()
     FROM inserted
@@ -286,9 +286,9 @@ FROM inserted
 -- claimed | uncertain (held by this actor) -> done | failed | uncertain, audited with the
 -- provider requests that told the outcome (%(requests)s, NULL: none).
 WITH old AS (
-    SELECT id, state FROM payments_stepclaim WHERE id = %(id)s FOR UPDATE
+    SELECT id, state FROM {StepClaim} WHERE id = %(id)s FOR UPDATE
 ), settled AS (
-    UPDATE payments_stepclaim AS claim
+    UPDATE {StepClaim} AS claim
     SET state = %(to_state)s::text,
         provider_reference = CASE WHEN %(reference)s <> '' THEN %(reference)s
                                   ELSE claim.provider_reference END,
@@ -307,7 +307,7 @@ WITH old AS (
               claim.last_request_at, claim.lease_expires_at, claim.settled_at,
               claim.updated_at, claim.requests_sent, claim.system, old.state AS from_state
 ), audit AS (
-    INSERT INTO payments_operationevent
+    INSERT INTO {OperationEvent}
         (operation_id, step, from_state, to_state, actor, reason, requests, created_at)
     SELECT operation_id, step, from_state, %(to_state)s::text, %(actor)s::text,
            %(reason)s::text, %(requests)s::jsonb, statement_timestamp()
@@ -324,9 +324,9 @@ FROM settled
 -- statement fails (payments_fence_refuse, migration payments 0009, SQLSTATE PF001), so
 -- that nothing queued behind it in its pipeline runs, its transaction's COMMIT included.
 WITH old AS (
-    SELECT id, state FROM payments_stepclaim WHERE id = %(id)s FOR UPDATE
+    SELECT id, state FROM {StepClaim} WHERE id = %(id)s FOR UPDATE
 ), settled AS (
-    UPDATE payments_stepclaim AS claim
+    UPDATE {StepClaim} AS claim
     SET state = %(to_state)s::text,
         provider_reference = CASE WHEN %(reference)s <> '' THEN %(reference)s
                                   ELSE claim.provider_reference END,
@@ -345,7 +345,7 @@ WITH old AS (
               claim.last_request_at, claim.lease_expires_at, claim.settled_at,
               claim.updated_at, claim.requests_sent, claim.system, old.state AS from_state
 ), audit AS (
-    INSERT INTO payments_operationevent
+    INSERT INTO {OperationEvent}
         (operation_id, step, from_state, to_state, actor, reason, requests, created_at)
     SELECT operation_id, step, from_state, %(to_state)s::text, %(actor)s::text,
            %(reason)s::text, %(requests)s::jsonb, statement_timestamp()
@@ -364,7 +364,7 @@ WHERE CASE WHEN settled.id IS NOT NULL THEN true
 -- note_request_sent --
 -- A request goes out again under a claim's key (a replay, a confirm after a lost answer):
 -- recorded before it is sent, by the database's clock, by the claim's owner only.
-UPDATE payments_stepclaim
+UPDATE {StepClaim}
 SET last_request_at = statement_timestamp(), requests_sent = requests_sent + 1
 WHERE id = %(id)s AND claimed_by = %(actor)s::text AND state IN ('claimed', 'uncertain')
 RETURNING last_request_at
