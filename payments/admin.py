@@ -15,7 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from django.contrib import admin, messages
-from django.contrib.admin.utils import quote, unquote
+from django.contrib.admin.utils import unquote
 from django.contrib.admin.views.main import SEARCH_VAR
 from django.core.exceptions import PermissionDenied
 from django.db.models import Exists, OuterRef, Prefetch, Q, QuerySet
@@ -32,6 +32,7 @@ from payments.desk import services as desk
 from payments.desk.display import (
     AGED_STATES,
     BADGE_COLOURS,
+    entity_link,
     key_values,
     money_line,
     pretty_json,
@@ -469,20 +470,8 @@ class OperationAdmin(NamedPermissionsMixin, DeskViewsMixin, BoundedListMixin, ad
 
     @admin.display(description="acts on", ordering="entity_id")
     def entity_link(self, obj: Operation) -> str:
-        """The operation's entity in its handler's words (the model's verbose name), linked
-        to its admin page when the model has one: "Order 42", "Booking 7d1c…"."""
-        spec = registered_handlers().get(obj.kind)
-        model = spec.entity if spec is not None else None
-        if model is None or model._meta.model_name != obj.entity_type:
-            return f"{obj.entity_type} {obj.entity_id}"
-        name = str(model._meta.verbose_name).capitalize()
-        if not self.admin_site.is_registered(model):
-            return f"{name} {obj.entity_id}"
-        meta = model._meta
-        url = reverse(
-            f"admin:{meta.app_label}_{meta.model_name}_change", args=[quote(obj.entity_id)]
-        )
-        return format_html('<a href="{}">{}&nbsp;{}</a>', url, name, obj.entity_id)
+        """The operation's entity in its handler's words: "Order 42", "Booking 7d1c…"."""
+        return entity_link(obj, self.admin_site)
 
     @admin.display(description="RQ job")
     def rq_job(self, obj: Operation) -> str:

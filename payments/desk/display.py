@@ -8,13 +8,16 @@ from collections.abc import Mapping
 from datetime import datetime
 from typing import Any
 
+from django.contrib.admin import AdminSite
+from django.contrib.admin.utils import quote
+from django.urls import reverse
 from django.utils import timezone
 from django.utils.dateparse import parse_datetime
 from django.utils.html import format_html, format_html_join
 from django.utils.safestring import mark_safe
 
 from payments.conf import payments_settings
-from payments.engine.handlers import get_handler
+from payments.engine.handlers import get_handler, registered_handlers
 from payments.exceptions import ConfigurationError
 from payments.models import ClaimState, Operation, OperationState
 from payments.money import format_money, money_of
@@ -102,6 +105,23 @@ def money_line(op: Operation) -> str:
     except ConfigurationError:
         hooks = None
     return hooks.describe(op) if hooks is not None else money_of(op.params)
+
+
+def entity_link(op: Operation, site: AdminSite, user: Any = None) -> str:
+    """The operation's entity in its handler's words (the model's verbose name), linked to
+    its admin page when the model has one (and `user`, if given, may view it): "Order 42",
+    "Booking 7d1c…". An entity of no handler's model: its stored type and key."""
+    spec = registered_handlers().get(op.kind)
+    model = spec.entity if spec is not None else None
+    if model is None or model._meta.model_name != op.entity_type:
+        return f"{op.entity_type} {op.entity_id}"
+    meta = model._meta
+    name = str(meta.verbose_name).capitalize()
+    may_view = user is None or user.has_perm(f"{meta.app_label}.view_{meta.model_name}")
+    if not site.is_registered(model) or not may_view:
+        return f"{name} {op.entity_id}"
+    url = reverse(f"admin:{meta.app_label}_{meta.model_name}_change", args=[quote(op.entity_id)])
+    return format_html('<a href="{}">{}&nbsp;{}</a>', url, name, op.entity_id)
 
 
 def when(value: Any) -> str:

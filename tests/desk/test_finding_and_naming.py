@@ -20,7 +20,7 @@ from payments.desk.views.actions import QUERY_WORDS
 from payments.models import Operation, Order
 from tests.support import builders
 from tests.support.builders import order_of
-from tests.support.users import client_for, make_user
+from tests.support.users import RECONCILE, VIEW, client_for, make_user
 
 pytestmark = pytest.mark.django_db
 
@@ -252,3 +252,25 @@ def test_the_operations_entity__in_its_handlers_words_linked_when_it_has_a_page(
     assert column(rental) == "Rental R-1001"  # no admin page: named, not linked
     order = Operation(kind="checkout", entity_type="order", entity_id="42")
     assert column(order) == '<a href="/admin/payments/order/42/change/">Order&nbsp;42</a>'
+
+
+def test_a_desk_actions_page__names_the_entity_in_its_handlers_words(provider):
+    """The confirmation page's "acts on" row is the list's column (issue 40: not a row
+    headed "Order" for every kind), linked only for an operator who may view the entity."""
+    op, _claim, _ = builders.uncertain(key="acts-on", charged=False)
+    url = reverse("admin:payments_operation_desk", args=[op.pk, "query_provider"])
+    may_view = client_for(make_user("viewer", *VIEW, RECONCILE))
+    may_not = client_for(make_user("ops-only", "payments.view_operation", RECONCILE))
+    order_url = reverse("admin:payments_order_change", args=[op.entity_id])
+
+    linked = may_view.get(url).content.decode()
+    named = may_not.get(url).content.decode()
+
+    assert re.search(
+        r'<th scope="row">Acts on</th><td class="desk-entity"><a href="'
+        + re.escape(order_url)
+        + rf'">Order&nbsp;{op.entity_id}</a>',
+        linked,
+    )
+    assert f'<td class="desk-entity">Order {op.entity_id}</td>' in named
+    assert order_url not in named and '<th scope="row">Order</th>' not in linked

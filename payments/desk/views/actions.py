@@ -27,6 +27,7 @@ from django.utils.html import format_html, format_html_join
 from payments.conf import payments_settings
 from payments.desk import services as desk
 from payments.desk.display import (
+    entity_link,
     money_line,
     provider_view_table,
     reference_link,
@@ -177,6 +178,21 @@ class DeskAction:
     form: type[forms.Form]
     permissions: tuple[str, ...]
     run: Callable[[Operation, str, HttpRequest, dict[str, Any]], str | ActionDone]
+    #: It acts on one step, named in its URL; the others act on the whole operation.
+    per_step: bool = False
+    #: Why the state refuses it outright for (operation, step), "" when it does not:
+    #: checked on GET and POST before anything is asked, answered 409, and final
+    #: (nothing typed would change it). None: only the state's general refusals apply.
+    refusal: Callable[[Operation, str], str] | None = None
+    #: Its title for an operation, when the title depends on it (the system's name).
+    title_for: Callable[[Operation], str] | None = None
+    #: The template saying what it will do, included under "What will happen" ("": none).
+    explains: str = ""
+    #: What its confirmation page says beyond every action's: (operation, step) -> context.
+    page: Callable[[Operation, str], dict[str, Any]] | None = None
+    #: The message's level once it ran, from the operation as it is then; by default a
+    #: success, or a warning for an ActionDone that says so.
+    level_after: Callable[[Operation], int] | None = None
 
 
 def _run_query(op: Operation, step: str, request: HttpRequest, data: dict[str, Any]) -> str:
@@ -262,24 +278,6 @@ def _run_new_attempt(op: Operation, step: str, request: HttpRequest, data: dict)
     return f"Started a new attempt {new.key}: {data['reason']}"
 
 
-RECONCILE = ("payments.reconcile_operation",)
-DESK_ACTIONS = {
-    a.name: a
-    for a in (
-        DeskAction("query_provider", "Query provider now", "Query the provider", QueryForm,
-                   RECONCILE, _run_query),
-        DeskAction("resume", "Resume with the same key", "Resume", ReasonForm, RECONCILE,
-                   _run_resume),
-        DeskAction("mark_succeeded", "Mark step succeeded", "Check and mark succeeded",
-                   MarkSucceededForm, RECONCILE, _run_mark_succeeded),
-        DeskAction("mark_failed", "Mark step failed", "Check and mark failed", ReasonForm,
-                   RECONCILE, _run_mark_failed),
-        DeskAction("new_attempt", "Start a new attempt", "Start a new attempt", NewAttemptForm,
-                   (*RECONCILE, "payments.start_new_attempt"), _run_new_attempt),
-    )
-}  # fmt: skip
-
-
 def _mark_failed_plan(op: Operation, step: str) -> dict[str, Any]:
     """What "mark failed" will do for this step, for its confirmation page to say."""
     claim = op.claims.filter(step=step).first()
@@ -307,14 +305,14 @@ def _mark_failed_plan(op: Operation, step: str) -> dict[str, Any]:
     }
 
 
-def _refusal(op: Operation, action: str, step: str) -> str:
-    """Say why the state forbids `action` now ("" when it allows it); POST re-checks anyway."""
+def _refusal(op: Operation, spec: DeskAction, step: str) -> str:
+    """Say why the state forbids `spec` now ("" when it allows it); POST re-checks anyway."""
     available = desk.available_actions(op)
     if step:
         if step not in available.settleable_steps:
             return f"step {step} is not waiting to be settled"
-        return mark_failed_refusal(op, step) if action == "mark_failed" else ""
-    return available.refused.get(action, "")
+        return spec.refusal(op, step) if spec.refusal is not None else ""
+    return available.refused.get(spec.name, "")
 
 
 def asked_in_this_state(op: Operation, step: str) -> bool:
@@ -364,8 +362,8 @@ def mark_failed_refusal(op: Operation, step: str) -> str:
 def action_title(spec: DeskAction, step: str, op: Operation) -> str:
     """The action as its button names it: "Mark refund succeeded" for step refund, "Query
     Adyen now" for an operation on Adyen."""
-    if spec.name == "query_provider":
-        return query_title(op)
+    if spec.title_for is not None:
+        return spec.title_for(op)
     return spec.title.replace("step", step) if step else spec.title
 
 
@@ -417,6 +415,18 @@ def _hook_says(hook: Callable[..., Any] | None) -> str:
     return first or hook.__name__.replace("_", " ")
 
 
+def _settled_level(op: Operation) -> int:
+    """A look-up that settled nothing is no success: green only once the operation
+    succeeded or runs again."""
+    settled = op.state == OperationState.SUCCEEDED or op.state in desk.WORKER_STATES
+    return messages.SUCCESS if settled else messages.WARNING
+
+
+def _next_key(op: Operation, step: str) -> dict[str, Any]:
+    """The new attempt's key, for its confirmation page to show."""
+    return {"next_key": _next_key_or_blank(op)}
+
+
 def _next_key_or_blank(op: Operation) -> str:
     try:
         return desk.next_attempt_key(op)
@@ -447,6 +457,34 @@ def _query_report_message(rows: list[Any], summary: str) -> str:
     )
 
 
+RECONCILE = ("payments.reconcile_operation",)
+
+
+def _explains(name: str) -> str:
+    return f"admin/payments/operation/desk_explains/{name}.html"
+
+
+DESK_ACTIONS = {
+    a.name: a
+    for a in (
+        DeskAction("query_provider", "Query provider now", "Query the provider", QueryForm,
+                   RECONCILE, _run_query, level_after=_settled_level, title_for=query_title,
+                   explains=_explains("query_provider")),
+        DeskAction("resume", "Resume with the same key", "Resume", ReasonForm, RECONCILE,
+                   _run_resume, explains=_explains("resume")),
+        DeskAction("mark_succeeded", "Mark step succeeded", "Check and mark succeeded",
+                   MarkSucceededForm, RECONCILE, _run_mark_succeeded, per_step=True,
+                   explains=_explains("mark_succeeded")),
+        DeskAction("mark_failed", "Mark step failed", "Check and mark failed", ReasonForm,
+                   RECONCILE, _run_mark_failed, per_step=True, refusal=mark_failed_refusal,
+                   page=_mark_failed_plan, explains=_explains("mark_failed")),
+        DeskAction("new_attempt", "Start a new attempt", "Start a new attempt", NewAttemptForm,
+                   (*RECONCILE, "payments.start_new_attempt"), _run_new_attempt,
+                   page=_next_key, explains=_explains("new_attempt")),
+    )
+}  # fmt: skip
+
+
 class ActionViewsMixin(DeskBase):
     """The confirmation pages of the desk's buttons, and the changelist's bulk query."""
 
@@ -457,7 +495,7 @@ class ActionViewsMixin(DeskBase):
     ) -> HttpResponse:
         """GET: confirm what will happen; POST: do it through the desk, log, redirect."""
         spec = DESK_ACTIONS.get(action)
-        if spec is None or (action in ("mark_succeeded", "mark_failed")) != bool(step):
+        if spec is None or spec.per_step != bool(step):
             raise Http404("no such desk action")
         self._check_permissions(request, spec.permissions)
         op = self.get_object(request, unquote(object_id))
@@ -468,9 +506,9 @@ class ActionViewsMixin(DeskBase):
         )
         form = _form_for(spec, op, step, request.POST if request.method == "POST" else None)
         status, refused_now = 200, ""
-        # Mark failed is refused by the server, not only by a greyed-out button: a direct GET
-        # or POST of its page asks nothing of the provider and changes nothing.
-        refused_first = _refusal(op, action, step) if action == "mark_failed" else ""
+        # Refused by the server, not only by a greyed-out button: a direct GET or POST of
+        # its page asks nothing of the provider and changes nothing.
+        refused_first = _refusal(op, spec, step) if spec.refusal is not None else ""
         if refused_first:
             status = 409
             if request.method == "POST":
@@ -484,22 +522,17 @@ class ActionViewsMixin(DeskBase):
                 # Refused: the same form again, with what was typed and why nothing changed.
                 form.add_error(None, f"Nothing was changed: {getattr(exc, 'detail', exc)}")
                 status = 409
-                if action == "mark_failed":  # nothing typed would change the answer
+                if spec.refusal is not None:  # nothing typed would change the answer
                     refused_now = str(getattr(exc, "detail", exc))
                 op = self.get_object(request, unquote(object_id)) or op  # it may have moved
             else:
                 done = message if isinstance(message, ActionDone) else ActionDone(message, False)
-                message = done.message
-                self.log_change(request, op, message)
+                self.log_change(request, op, done.message)
                 level = messages.WARNING if done.warning else messages.SUCCESS
-                if action == "query_provider":  # a look-up that settled nothing is no success
+                if spec.level_after is not None:
                     op = self.get_object(request, unquote(object_id)) or op
-                    level = (
-                        messages.SUCCESS
-                        if op.state == OperationState.SUCCEEDED or (op.state in desk.WORKER_STATES)
-                        else messages.WARNING
-                    )
-                self.message_user(request, message, level)
+                    level = spec.level_after(op)
+                self.message_user(request, done.message, level)
                 return HttpResponseRedirect(change_url)
         handler = get_handler(op.kind)
         context = {
@@ -529,26 +562,27 @@ class ActionViewsMixin(DeskBase):
                 for c in op.claims.order_by("claimed_at", "pk")
             ],
             "state_badge": state_badge(op.state),
+            # The entity in its handler's words, linked when this operator may view it.
+            "entity": entity_link(op, self.admin_site, request.user),
             # What the system showed, else the fence's looks (a system without reads shows
             # nothing: its looks and holds are what the operator has).
             "provider_view": provider_view_table(
                 op.claims.order_by("claimed_at", "pk"), op.params, what=money_line(op)
             )
             or evidence_html(op),
-            "next_key": _next_key_or_blank(op) if action == "new_attempt" else "",
             "mark_succeeded_url": reverse(
                 f"admin:{self.opts.app_label}_{self.opts.model_name}_desk_step",
                 args=[op.pk, step, "mark_succeeded"],
             )
             if step
             else "",
-            **(_mark_failed_plan(op, step) if action == "mark_failed" else {}),
+            **(spec.page(op, step) if spec.page is not None else {}),
             "system": operation_label(op),
             # Whether every system the operation's steps call offers a read.
             "system_reads": all(system_words(c).reads for c in op.claims.all()),
             "change_url": change_url,
             # A refused mark-failed keeps its button off: pressing again changes nothing.
-            "refused": _refusal(op, action, step) or refused_now,
+            "refused": _refusal(op, spec, step) or refused_now,
         }
         request.current_app = self.admin_site.name
         return TemplateResponse(
@@ -586,7 +620,12 @@ class ActionViewsMixin(DeskBase):
             "opts": self.opts,
             "queryset": queryset,
             "rows": [
-                {"op": op, "badge": state_badge(op.state), "amount": money_line(op)}
+                {
+                    "op": op,
+                    "badge": state_badge(op.state),
+                    "amount": money_line(op),
+                    "entity": entity_link(op, self.admin_site, request.user),
+                }
                 for op in queryset
             ],
             "action_checkbox_name": "_selected_action",
