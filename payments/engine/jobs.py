@@ -27,7 +27,7 @@ def run_operation(operation_id: int) -> str:
         op = Operation.objects.get(pk=operation_id)
         at = op.lease_expires_at if op.state == OperationState.RUNNING else op.next_attempt_at
         dispatch(operation_id, at=at)
-    return outcome
+    return str(outcome)  # the result RQ stores: a plain string
 
 
 def deliver_message(operation_id: int) -> str:

@@ -15,7 +15,7 @@ from django.db import transaction
 
 from payments.engine import fence
 from payments.engine.handlers import get_handler, succeed_message_in_tx
-from payments.engine.runtime import retry_or_give_up
+from payments.engine.runtime import next_try
 from payments.models import Operation, OperationState
 
 
@@ -52,13 +52,13 @@ def _settle_duplicate(operation_id: int, worker_id: str) -> None:
 def _failed_attempt(operation_id: int, worker_id: str, reason: str, job: Any) -> str:
     """Count a failed delivery; schedule the next or give up visibly.
 
-    Raises, unless the handler had committed already (the error came after,
-    e.g. the job's time ran out on the way back): then it is delivered.
+    Raises RQ's next try (or its giving up), unless the handler had committed already
+    (the error came after, e.g. the job's time ran out on the way back): then it is
+    delivered.
     """
     with transaction.atomic():
         locked = fence.locked_operation_in_tx(operation_id)
         if locked.state == OperationState.SUCCEEDED:
             return "delivered"
         gave_up = fence.record_failed_attempt_in_tx(locked, actor=worker_id, reason=reason)
-    retry_or_give_up(locked, gave_up=gave_up, reason=reason, job=job)
-    return "unreachable"  # retry_or_give_up always raises
+    raise next_try(locked, gave_up=gave_up, reason=reason, job=job)

@@ -10,7 +10,9 @@ The runtime owns its transactions; the job that calls it only passes ids.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from datetime import timedelta
+from enum import StrEnum
 from typing import Any
 
 from django.db import transaction
@@ -48,11 +50,55 @@ logger = logging.getLogger("payments.engine.runtime")
 alerts = logging.getLogger("payments.alerts")
 
 
+class RunResult(StrEnum):
+    """What became of an operation after one run: the job's return value."""
+
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    #: Another worker holds it, or a step is busy: it is looked at again later.
+    DEFERRED = "deferred"
+    #: An effect may have happened: the reconciler asks the system.
+    UNCERTAIN = "uncertain"
+    NEEDS_REVIEW = "needs_review"
+
+
+def _tell_needs_review(op: Operation, exc: Exception) -> None:
+    alerts.error("operation %s needs review: %s", op.key, getattr(exc, "step", exc))
+
+
+def _tell_conflict(op: Operation, exc: Exception) -> None:
+    alerts.error("operation %s: idempotency conflict at step %s", op.key, getattr(exc, "step", ""))
+
+
+def _tell_uncertain(op: Operation, exc: Exception) -> None:
+    logger.warning(
+        "operation %s uncertain at step %s; reconciling", op.key, getattr(exc, "step", "")
+    )
+
+
+def _tell_cannot_run(op: Operation, exc: Exception) -> None:
+    alerts.error("operation %s cannot run: %s", op.key, exc)
+
+
+#: Errors that end a run in a state someone takes it from (a person, the reconciler),
+#: first match wins: the error, that state, and how it is told.
+ENDINGS: tuple[
+    tuple[type[Exception], OperationState, Callable[[Operation, Exception], None]], ...
+] = (
+    (StepNeedsReview, OperationState.NEEDS_REVIEW, _tell_needs_review),
+    (StepConflict, OperationState.NEEDS_REVIEW, _tell_conflict),
+    (StepUncertain, OperationState.UNCERTAIN, _tell_uncertain),
+    # The handler's own declaration is wrong: a person fixes it.
+    (ConfigurationError, OperationState.NEEDS_REVIEW, _tell_cannot_run),
+)
+
+
 def execute(operation_id: int, *, worker_id: str, job: Any = None) -> str:
     """Run the operation's handler once; return what became of it.
 
-    Raises RetryLater (RQ retries the job after its backoff) or
-    RetriesExhausted (the job goes to the failed registry).
+    Returns a RunResult, or "skipped:<state>" for an operation no worker may run now.
+    Raises RetryLater (RQ retries the job after its backoff) or RetriesExhausted (the
+    job goes to the failed registry) once a failed attempt is counted.
     """
     leased = fence.acquire_lease(
         operation_id,
@@ -64,15 +110,15 @@ def execute(operation_id: int, *, worker_id: str, job: Any = None) -> str:
     if not leased.acquired:
         logger.info("operation %s not run: %s", op.key, _why_not(op))
         if op.state == OperationState.RUNNING:
-            return "deferred"  # another worker's live lease: look again when it ends
+            return RunResult.DEFERRED  # another worker's live lease: look again when it ends
         return f"skipped:{op.state}"
     try:
         spec = get_handler(op.kind)
         spec.check_entity(op)  # an entity of another type than the handler's: its caller's bug
     except ConfigurationError as exc:  # e.g. a kind renamed by a deploy: a person decides
         _finish(op, OperationState.NEEDS_REVIEW, worker_id, str(exc))
-        alerts.error("operation %s cannot run: %s", op.key, exc)
-        return "needs_review"
+        _tell_cannot_run(op, exc)
+        return RunResult.NEEDS_REVIEW
     run = Run(
         op,
         worker_id,
@@ -86,38 +132,8 @@ def execute(operation_id: int, *, worker_id: str, job: Any = None) -> str:
         return _compensate(run, op.last_error or "gave up earlier")
     try:
         _run_handler(spec, run)
-    except StepBusy as exc:
-        _finish(op, OperationState.RETRYING, worker_id, str(exc), next_attempt_at=exc.until)
-        return "deferred"
-    except StepRefused as exc:
-        if _compensation_due(op, spec, worker_id):
-            return _compensate(run, str(exc))
-        _fail(op, spec, worker_id, str(exc))
-        return "failed"
-    except StepNeedsReview as exc:
-        _finish(op, OperationState.NEEDS_REVIEW, worker_id, str(exc))
-        alerts.error("operation %s needs review: %s", op.key, exc.step)
-        return "needs_review"
-    except StepConflict as exc:
-        _finish(op, OperationState.NEEDS_REVIEW, worker_id, str(exc))
-        alerts.error("operation %s: idempotency conflict at step %s", op.key, exc.step)
-        return "needs_review"
-    except StepUncertain as exc:
-        _finish(op, OperationState.UNCERTAIN, worker_id, str(exc))
-        logger.warning("operation %s uncertain at step %s; reconciling", op.key, exc.step)
-        return "uncertain"
-    except ConfigurationError as exc:  # the handler's own declaration is wrong: a person fixes it
-        _finish(op, OperationState.NEEDS_REVIEW, worker_id, str(exc))
-        alerts.error("operation %s cannot run: %s", op.key, exc)
-        return "needs_review"
-    except StepTransient as exc:
-        last_try = op.attempts + 1 >= payments_settings().max_attempts
-        if last_try and not exc.in_flight and _compensation_due(op, spec, worker_id):
-            return _compensate(run, f"gave up after {op.attempts + 1} attempts: {exc}")
-        _transient(op, spec, worker_id, str(exc), job, step_error=exc)
-    except Exception as exc:  # a bug or a database error: bounded retries, then visible
-        logger.exception("operation %s: unexpected error in handler %s", op.key, op.kind)
-        _transient(op, spec, worker_id, f"{type(exc).__name__}: {exc}", job)
+    except Exception as exc:  # what the error makes of the operation: a state, or RQ's retry
+        return _after_error(exc, run, job)
     # The release joins the handler's open transaction: its last writes and the
     # operation's `succeeded` commit together, the COMMIT in the release's round trip.
     try:
@@ -126,11 +142,42 @@ def execute(operation_id: int, *, worker_id: str, job: Any = None) -> str:
         )
     except StepBusy as exc:  # a queued claim or outcome, sent with the release, was refused
         _finish(op, OperationState.RETRYING, worker_id, str(exc), next_attempt_at=exc.until)
-        return "deferred"
+        return RunResult.DEFERRED
     except BaseException as exc:  # a database error, the job's timeout: nothing stays open
         run.unit.roll_back(f"leaving the lease failed ({type(exc).__name__})")
         raise
-    return "succeeded"
+    return RunResult.SUCCEEDED
+
+
+def _after_error(exc: Exception, run: Run, job: Any) -> RunResult:
+    """What the handler's error makes of its operation, returned; or another attempt,
+    raised to RQ (RetryLater, RetriesExhausted) once the failure is counted.
+
+    A busy step waits; a refusal fails the operation (or compensates an earlier
+    step's effect); an error of ENDINGS leaves it in that error's state; a transient
+    error, or any other (a bug, a database error), is a counted attempt.
+    """
+    op, spec, worker_id = run.operation, run.spec, run.worker_id
+    if isinstance(exc, StepBusy):
+        _finish(op, OperationState.RETRYING, worker_id, str(exc), next_attempt_at=exc.until)
+        return RunResult.DEFERRED
+    if isinstance(exc, StepRefused):
+        if _compensation_due(op, spec, worker_id):
+            return _compensate(run, str(exc))
+        _fail(op, spec, worker_id, str(exc))
+        return RunResult.FAILED
+    for error, state, tell in ENDINGS:
+        if isinstance(exc, error):
+            _finish(op, state, worker_id, str(exc))
+            tell(op, exc)
+            return RunResult(state)
+    if isinstance(exc, StepTransient):
+        last_try = op.attempts + 1 >= payments_settings().max_attempts
+        if last_try and not exc.in_flight and _compensation_due(op, spec, worker_id):
+            return _compensate(run, f"gave up after {op.attempts + 1} attempts: {exc}")
+        raise _counted_failure(op, spec, worker_id, str(exc), job, step_error=exc)
+    logger.error("operation %s: unexpected error in handler %s", op.key, op.kind, exc_info=exc)
+    raise _counted_failure(op, spec, worker_id, f"{type(exc).__name__}: {exc}", job)
 
 
 def _run_handler(spec: HandlerSpec, run: Run) -> None:
@@ -220,7 +267,7 @@ def _compensating(op: Operation, claimed: frozenset[str] | None) -> bool:
     return StepClaim.objects.filter(operation=op, step=GIVE_UP_STEP).exists()
 
 
-def _compensate(run: Run, reason: str) -> str:
+def _compensate(run: Run, reason: str) -> RunResult:
     """Run the handler's `on_give_up` under the lease, then fail the operation.
 
     Its steps are steps of the operation like any other (own claims, own keys):
@@ -238,27 +285,27 @@ def _compensate(run: Run, reason: str) -> str:
         run.unit.commit()
     except StepBusy as exc:
         _finish(op, OperationState.RETRYING, worker_id, str(exc), next_attempt_at=exc.until)
-        return "deferred"
+        return RunResult.DEFERRED
     except StepTransient as exc:  # nothing executed: the compensation is tried again, later
         run.unit.commit()
         later = fence.db_now() + timedelta(seconds=payments_settings().backoff_before(99))
         _finish(op, OperationState.RETRYING, worker_id, f"{reason}; compensation: {exc}",
                 next_attempt_at=later)  # fmt: skip
-        return "deferred"
+        return RunResult.DEFERRED
     except StepUncertain as exc:
         run.unit.roll_back("compensation uncertain")
         _finish(op, OperationState.UNCERTAIN, worker_id, f"{reason}; compensation: {exc}")
-        return "uncertain"
+        return RunResult.UNCERTAIN
     except Exception as exc:
         run.unit.roll_back(f"compensation failed ({type(exc).__name__})")
         why = f"{reason}; compensation did not complete: {type(exc).__name__}: {exc}"
         _finish(op, OperationState.NEEDS_REVIEW, worker_id, why)
         alerts.error("operation %s: compensation did not complete; a person decides", op.key)
-        return "needs_review"
+        return RunResult.NEEDS_REVIEW
     with transaction.atomic():
         locked = fence.locked_operation_in_tx(op.pk)
         if not fence.holds_lease_in_tx(locked, worker_id):
-            return "deferred"
+            return RunResult.DEFERRED
         why = f"{reason}; compensated"[:500]
         fence.release_in_tx(
             locked, OperationState.FAILED, actor=worker_id, reason=why, last_error=reason[:2000]
@@ -269,7 +316,7 @@ def _compensate(run: Run, reason: str) -> str:
         if spec.on_failure is not None:
             spec.on_failure(locked)
     logger.info("operation %s failed after compensation", op.key)
-    return "failed"
+    return RunResult.FAILED
 
 
 def _settle_released_in_tx(op: Operation, spec: HandlerSpec, worker_id: str, reason: str) -> None:
@@ -308,15 +355,16 @@ def _fail(op: Operation, spec: HandlerSpec, worker_id: str, reason: str) -> None
     logger.info("operation %s %s: %s", op.key, state, reason[:200])
 
 
-def _transient(
+def _counted_failure(
     op: Operation,
     spec: HandlerSpec,
     worker_id: str,
     reason: str,
     job: Any,
     step_error: StepTransient | None = None,
-) -> None:
-    """Count a transient failure; schedule the next attempt or give up. Always raises.
+) -> RetryLater | RetriesExhausted:
+    """Count a transient failure; return what hands the job back to RQ: the next attempt,
+    or giving up (the caller raises it).
 
     Giving up fails the operation and settles the failing step's claim as
     failed only when every try was refused before anything executed (see
@@ -327,7 +375,7 @@ def _transient(
     with transaction.atomic():
         locked = fence.locked_operation_in_tx(op.pk)
         if not fence.holds_lease_in_tx(locked, worker_id):
-            raise RetryLater(op.key, locked.attempts + 1, "lease lost")
+            return RetryLater(op.key, locked.attempts + 1, "lease lost")
         failpoint(BEFORE_GIVE_UP)
         give_up_to = _give_up_state_in_tx(locked, spec, worker_id=worker_id, in_flight=in_flight)
         gave_up = fence.record_failed_attempt_in_tx(
@@ -340,11 +388,14 @@ def _transient(
                 spec.on_failure(locked)
             if step_error is not None:
                 _settle_refused_in_tx(locked, step_error.step, worker_id, reason)
-    retry_or_give_up(locked, gave_up=gave_up, reason=reason, job=job)
+    return next_try(locked, gave_up=gave_up, reason=reason, job=job)
 
 
-def retry_or_give_up(op: Operation, *, gave_up: bool, reason: str, job: Any) -> None:
-    """Raise to RQ after a counted failure: RetryLater, or RetriesExhausted with an alert."""
+def next_try(
+    op: Operation, *, gave_up: bool, reason: str, job: Any
+) -> RetryLater | RetriesExhausted:
+    """What to raise to RQ after a counted failure: RetryLater, or RetriesExhausted (with an
+    alert, and no RQ retry left) once the fence gave up."""
     if gave_up:
         alerts.error(
             "operation %s gave up after %s attempts (now %s); job sent to the failed registry",
@@ -354,8 +405,8 @@ def retry_or_give_up(op: Operation, *, gave_up: bool, reason: str, job: Any) -> 
         )
         if job is not None:
             job.retries_left = 0  # the DB counted the attempts: no further RQ retry
-        raise RetriesExhausted(op.key, op.attempts, reason[:200])
-    raise RetryLater(op.key, op.attempts, reason[:200])
+        return RetriesExhausted(op.key, op.attempts, reason[:200])
+    return RetryLater(op.key, op.attempts, reason[:200])
 
 
 def _mark_own_claims_in_doubt_in_tx(
