@@ -54,9 +54,18 @@ from payments.engine.failpoints import (
     point_at,
 )
 from payments.engine.handlers import get_handler
+from payments.fake_system import FakeSystem
 from payments.models import ClaimState, Operation, OperationState
 
-__all__ = ["CrashCase", "CrashTable", "crash_matrix", "crash_points", "run_jobs", "stop_process"]
+__all__ = [
+    "CrashCase",
+    "CrashTable",
+    "FakeSystem",
+    "crash_matrix",
+    "crash_points",
+    "run_jobs",
+    "stop_process",
+]
 
 #: The workers' claim lease and job timeout in a crash matrix (seconds): how long a killed
 #: worker's operation waits before the next worker takes it over.

@@ -2,6 +2,11 @@
 wheel into a virtualenv of its own, adds an app whose model is keyed by a UUID,
 fences an operation on it, and a FenceWorker runs it once.
 
+Then docs/testing.md, done: the project's own pytest runs the kit's crash matrix on
+that operation, and on a deposit held at an external system of the project's own
+(tests/kit/deposits.py, copied in as `bookings/deposits.py`, declared and configured
+as docs/handlers.md says) against the kit's FakeSystem: held once at every point.
+
 Nothing of this repository is on the project's path but the wheel: the project
 sees only what a `pip install` gives it. Its database is a new one, dropped after.
 """
@@ -29,6 +34,13 @@ RQ_QUEUES = {{"payments": {{"URL": "{redis}", "DEFAULT_TIMEOUT": 30}}}}
 RQ = {{"QUEUE_CLASS": "inbox.queues.MessageQueue",
       "WORKER_CLASS": "payments.engine.worker.FenceWorker"}}
 INBOX = {{"RETENTION": {{"default": 8 * 24 * 3600}}, "REDELIVERY_HORIZON": 7 * 24 * 3600}}
+# The deposit service (bookings/deposits.py): its URL from the environment.
+import os
+PAYMENTS = {{
+    "HANDLER_MODULES": ["bookings.deposits"],
+    "SYSTEMS": {{"kit_deposits": {{"URL": os.environ.get("DEPOSITS_URL", "http://127.0.0.1:9"),
+                                  "API_KEY": "test"}}}},
+}}
 """
 
 MODELS = """
@@ -98,6 +110,9 @@ print("REPORT", Operation.objects.count(), op.state, steps, Booking.objects.get(
 """
 
 
+#: A deposit held at the project's own external system: the kit test's handler, whole.
+DEPOSITS = (Path(__file__).resolve().parents[1] / "kit" / "deposits.py").read_text()
+
 #: The project's test tools, as this repository pins them (requirements.txt).
 TEST_TOOLS = [
     line.strip()
@@ -140,6 +155,32 @@ def test_confirm_booking__once_whatever_the_crash():
     table = crash_matrix(start, count=sent, check=confirmed)
     table.assert_held()
     assert sum(case.crashed for case in table.cases) == 4  # notify's 3 points, the final commit
+
+
+def test_take_deposit__held_once_whatever_the_crash():
+    from django.db import transaction
+
+    from bookings.deposits import HOLD, TAKE_DEPOSIT
+    from payments.fence import create_operation_in_tx
+    from payments.testing import FakeSystem
+
+    def start(key):
+        with transaction.atomic():
+            op, _ = create_operation_in_tx(
+                key=key, kind=TAKE_DEPOSIT, entity_type="booking", entity_id=key,
+                params={"amount": 5000}, actor="shop",
+            )
+        return op
+
+    with FakeSystem() as deposits:
+        def held(op):
+            return {HOLD: len(deposits.objects(external_id=f"{op.key}@{op.pk}"))}
+
+        # Killed after its claim's commit, the first case's redelivery then loses its answer.
+        deposits.lose_answers(1)
+        table = crash_matrix(start, count=held, env={"DEPOSITS_URL": deposits.url})
+    table.assert_held()
+    assert sum(case.crashed for case in table.cases) == 4  # the hold's 3 points, the final commit
 """
 
 
@@ -179,6 +220,7 @@ def test_a_new_project_installs_the_wheel_and_fences_a_model_of_its_own(
         "migrations/__init__.py": "",
         "models.py": MODELS,
         "handler.py": HANDLER,
+        "deposits.py": DEPOSITS,
     }.items():
         (app / name).write_text(textwrap.dedent(text))
 
@@ -200,8 +242,9 @@ def test_a_new_project_installs_the_wheel_and_fences_a_model_of_its_own(
     (project / "crash_tests").mkdir()
     (project / "crash_tests" / "test_booking_crash.py").write_text(textwrap.dedent(MATRIX))
     matrix = run([python, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider"], project, env)
-    assert "1 passed" in matrix, matrix
+    assert "2 passed" in matrix, matrix
     assert "crash matrix of confirm_booking: 7 points" in matrix, matrix
+    assert "crash matrix of kit_take_deposit: 4 points" in matrix, matrix
     assert "after_provider_accept@notify" in matrix and "BROKE" not in matrix, matrix
     # Nothing of this repository was on the project's path: payments came from the wheel.
     where = run([python, "-c", "import payments; print(payments.__file__)"], project, env)

@@ -1,0 +1,117 @@
+"""A deposit taken at an external system of its own, for tests/kit/test_fake_system.py.
+
+What a handler author writes for a system that is not the payment provider
+(docs/handlers.md, "Adding an external system"), against payments.testing.FakeSystem's
+contract: a create under the claim's key, a retrieve by id, a list by the
+`external_id` the request carries (a consistent read that settles a lost answer).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from types import SimpleNamespace
+from typing import Any
+
+import requests
+
+from payments.conf import payments_settings
+from payments.fence import (
+    ClaimView,
+    EffectResult,
+    ExternalSystem,
+    ProviderEffect,
+    Read,
+    Run,
+    declare_system,
+    operation,
+)
+from payments.provider.errors import (
+    IdempotencyConflict,
+    InvalidRequest,
+    ResourceMissing,
+    TransientProviderError,
+    classify_exception,
+)
+
+DEPOSITS = "kit_deposits"
+TAKE_DEPOSIT = "kit_take_deposit"
+HOLD = "hold_deposit"
+
+declare_system(
+    ExternalSystem(
+        name=DEPOSITS,
+        label="the deposit service",
+        reads=(Read.LIST_BY_REFERENCE,),
+        reference_patterns=(r"obj_[0-9a-f]{24}",),
+        object_noun="deposit",
+    )
+)
+
+
+def _url(path: str) -> str:
+    entry = payments_settings().system(DEPOSITS)
+    assert entry is not None, f"PAYMENTS['SYSTEMS'][{DEPOSITS!r}] is not configured"
+    return entry.url.rstrip("/") + path
+
+
+def _object(answer: requests.Response, context: str) -> SimpleNamespace:
+    """The object of a 2xx; a failure as the error whose outcome the fence acts on."""
+    if answer.status_code in (200, 201):
+        return SimpleNamespace(**answer.json())
+    if answer.status_code == 404:
+        raise ResourceMissing(f"{context}: 404", http_status=404)
+    if answer.status_code == 422:
+        raise IdempotencyConflict(f"{context}: key reused", http_status=422)
+    if answer.status_code in (429, 503):  # the contract: nothing was made
+        raise TransientProviderError(f"{context}: {answer.status_code}", http_status=503)
+    if 400 <= answer.status_code < 500:
+        raise InvalidRequest(f"{context}: {answer.status_code}", http_status=answer.status_code)
+    raise RuntimeError(f"{context}: {answer.status_code}")  # unclassified: uncertain
+
+
+def _send(method: str, path: str, **kwargs: Any) -> SimpleNamespace | dict[str, Any]:
+    try:
+        answer = requests.request(method, _url(path), timeout=(0.5, 2), **kwargs)
+    except requests.RequestException as exc:
+        raise classify_exception(exc, context=f"{method} {path}") from exc
+    if path.startswith("/objects?"):
+        answer.raise_for_status()
+        return answer.json()
+    return _object(answer, f"{method} {path}")
+
+
+class HoldDeposit(ProviderEffect):
+    SYSTEM = DEPOSITS
+    MAY_HAVE_HAPPENED = "The deposit may already be held."
+
+    def request(self) -> dict[str, Any]:
+        return {
+            "external_id": f"{self.operation.key}@{self.operation.pk}",
+            "amount": int(self.params["amount"]),
+            "currency": "eur",
+        }
+
+    def build_request(self) -> dict[str, Any]:
+        return dict(self.request())  # the system keeps no metadata: the external id names it
+
+    def send(self, request: dict[str, Any], idempotency_key: str) -> Any:
+        return _send("POST", "/objects", json=request, headers={"Idempotency-Key": idempotency_key})
+
+    def retrieve(self, reference: str) -> Any:
+        return _send("GET", f"/objects/{reference}")
+
+    def candidates(self, claim: ClaimView) -> Iterator[Any]:
+        found = _send("GET", f"/objects?external_id={claim.request['external_id']}")
+        assert isinstance(found, dict)
+        return (SimpleNamespace(**o) for o in found["data"])
+
+    def outcome(self, obj: Any) -> EffectResult | None:
+        return self.succeeded(obj.id, amount=obj.amount, currency=obj.currency)
+
+    def matches(self, obj: Any, request: dict[str, Any]) -> bool:
+        return obj.external_id == request["external_id"] and obj.amount == request["amount"]
+
+
+@operation(TAKE_DEPOSIT, steps={HOLD: HoldDeposit})
+def take_deposit(run: Run) -> None:
+    run.external(HOLD)

@@ -1,0 +1,153 @@
+"""payments.testing.FakeSystem: its contract over real HTTP, and a handler driven through it.
+
+The fake is the kit's stand-in for a project's own external system (docs/testing.md):
+a lost answer (made, the connection closed without a byte), a 503 (nothing made), a
+replay under the same key (the same answer, nothing made), and the list by
+`external_id` that settles a lost answer. tests/kit/deposits.py is the handler a
+project would write; its operation runs on a real FenceWorker in the test's process.
+"""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import requests
+from django.core.management import call_command
+from django.db import transaction
+
+from payments.fence import create_operation_in_tx
+from payments.models import ClaimState, Operation, OperationState
+from payments.testing import FakeSystem, run_jobs
+from tests.kit.deposits import DEPOSITS, HOLD, TAKE_DEPOSIT
+
+
+@pytest.fixture
+def system():
+    with FakeSystem() as running:
+        yield running
+
+
+def post(system: FakeSystem, body: dict, key: str = "k-1") -> requests.Response:
+    return requests.post(
+        f"{system.url}/objects", json=body, headers={"Idempotency-Key": key}, timeout=5
+    )
+
+
+def test_a_create__201_then_the_same_key_replays_it_and_makes_nothing(system):
+    first = post(system, {"external_id": "e-1", "amount": 500})
+    again = post(system, {"external_id": "e-1", "amount": 500})
+
+    assert first.status_code == again.status_code == 201
+    assert first.json() == again.json() and first.json()["id"].startswith("obj_")
+    assert again.headers["Idempotent-Replayed"] == "true"
+    assert "Idempotent-Replayed" not in first.headers
+    assert len(system.objects()) == 1
+
+
+def test_the_same_key_with_another_body__422_nothing_made(system):
+    post(system, {"external_id": "e-1", "amount": 500})
+
+    other = post(system, {"external_id": "e-1", "amount": 900})
+
+    assert other.status_code == 422 and other.json() == {"error": "idempotency_key_reused"}
+    assert [o["amount"] for o in system.objects()] == [500]
+
+
+def test_no_key_or_no_json_object__400(system):
+    no_key = requests.post(f"{system.url}/objects", json={"amount": 1}, timeout=5)
+    not_object = post(system, [1, 2])  # type: ignore[arg-type]
+
+    assert (no_key.status_code, not_object.status_code) == (400, 400)
+    assert system.objects() == []
+
+
+def test_retrieve_by_id_and_list_by_external_id(system):
+    made = post(system, {"external_id": "e-7", "amount": 1}).json()
+    post(system, {"external_id": "e-8", "amount": 2}, key="k-2")
+
+    one = requests.get(f"{system.url}/objects/{made['id']}", timeout=5)
+    missing = requests.get(f"{system.url}/objects/obj_nope", timeout=5)
+    listed = requests.get(f"{system.url}/objects", params={"external_id": "e-7"}, timeout=5)
+
+    assert one.json() == made and missing.status_code == 404
+    assert listed.json() == {"data": [made]}
+
+
+def test_a_lost_answer__made_but_the_client_gets_no_byte(system):
+    system.lose_answers(1)
+
+    with pytest.raises(requests.ConnectionError):
+        post(system, {"external_id": "e-1", "amount": 500})
+    replayed = post(system, {"external_id": "e-1", "amount": 500})
+
+    assert len(system.objects()) == 1
+    assert replayed.json()["id"] == system.objects()[0]["id"]
+
+
+def test_fail_next__answers_the_status_and_makes_nothing(system):
+    system.fail_next(1, status=503)
+
+    failed = post(system, {"external_id": "e-1", "amount": 500})
+    then = post(system, {"external_id": "e-1", "amount": 500})
+
+    assert (failed.status_code, then.status_code) == (503, 201)
+    assert len(system.objects()) == 1
+
+
+# --- a handler through the fake, on a real FenceWorker ----------------------------------------
+
+
+@pytest.fixture
+def deposits(system, settings):
+    settings.PAYMENTS = {
+        **settings.PAYMENTS,
+        "RETRY_BACKOFF": [0, 0],  # a transient failure's next try at once, in the same burst
+        "SYSTEMS": {
+            **settings.PAYMENTS.get("SYSTEMS", {}),
+            DEPOSITS: {"URL": system.url, "API_KEY": "test"},
+        },
+    }
+    return system
+
+
+def take_deposit(key: str, amount: int = 5000) -> Operation:
+    with transaction.atomic():
+        op, _ = create_operation_in_tx(
+            key=key, kind=TAKE_DEPOSIT, entity_type="booking", entity_id="b-1",
+            params={"amount": amount}, actor="test",
+        )  # fmt: skip
+    return op
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_answer_lost__a_same_key_replay_settles_it__one_deposit_held(deposits, queue):
+    deposits.lose_answers(1)
+    op = take_deposit("deposit-lost")
+
+    run_jobs()  # the answer lost: the operation waits, uncertain
+    op.refresh_from_db()
+    waited = op.state
+    call_command("reconcile", stdout=io.StringIO())  # a same-key replay answers it: done, resumed
+    run_jobs()
+
+    op.refresh_from_db()
+    assert waited == OperationState.UNCERTAIN
+    claim = op.claims.get(step=HOLD)
+    made = deposits.objects(external_id=f"{op.key}@{op.pk}")
+    assert op.state == OperationState.SUCCEEDED
+    assert len(made) == 1
+    assert (claim.state, claim.provider_reference) == (ClaimState.DONE, made[0]["id"])
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_system_unavailable__retried_under_the_same_key__one_deposit_held(deposits, queue):
+    deposits.fail_next(1, status=503)
+    op = take_deposit("deposit-503")
+
+    run_jobs()
+
+    op.refresh_from_db()
+    assert op.state == OperationState.SUCCEEDED
+    assert len(deposits.objects()) == 1
+    assert op.claims.get(step=HOLD).attempts == 2
