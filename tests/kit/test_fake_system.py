@@ -56,7 +56,7 @@ def test_the_same_key_with_another_body__422_nothing_made(system):
 
 def test_no_key_or_no_json_object__400(system):
     no_key = requests.post(f"{system.url}/objects", json={"amount": 1}, timeout=5)
-    not_object = post(system, [1, 2])  # type: ignore[arg-type]
+    not_object = post(system, [1, 2])
 
     assert (no_key.status_code, not_object.status_code) == (400, 400)
     assert system.objects() == []
