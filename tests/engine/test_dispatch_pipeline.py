@@ -174,13 +174,19 @@ def test_outside_a_transaction__enqueued_at_once(queue):
     assert queue.job_ids[-1] == op.job_id
 
 
-def test_redis_down__logged_the_rows_keep_their_job_ids_for_the_sweeper(queue, settings, caplog):
-    _, parent = paid("pipe-down")
+@pytest.fixture
+def redis_down(settings, caplog):
+    """The fence's queue points at a port nobody listens on; dispatch's warnings captured."""
     settings.RQ_QUEUES = {
         **settings.RQ_QUEUES,
         "payments": {**settings.RQ_QUEUES["payments"], "URL": "redis://127.0.0.1:1/0"},
     }
     caplog.set_level(logging.WARNING, logger="payments.engine.dispatch")
+    return caplog
+
+
+def test_redis_down__logged_the_rows_keep_their_job_ids_for_the_sweeper(queue, redis_down):
+    _, parent = paid("pipe-down")
     with transaction.atomic():
         a, b = other_operation(parent, n=1), other_operation(parent, n=2)
         dispatch_on_commit(a)
@@ -188,22 +194,17 @@ def test_redis_down__logged_the_rows_keep_their_job_ids_for_the_sweeper(queue, s
     a.refresh_from_db()
     b.refresh_from_db()
     assert a.job_id and b.job_id
-    assert f"operations {a.pk} failed" in caplog.text
-    assert f"operations {b.pk} failed" in caplog.text
+    assert f"operations {a.pk} failed" in redis_down.text
+    assert f"operations {b.pk} failed" in redis_down.text
 
 
-def test_redis_down__follow_ups_made_together_logged_together(queue, settings, caplog):
+def test_redis_down__follow_ups_made_together_logged_together(queue, redis_down):
     order, parent = paid("pipe-down-2")
-    settings.RQ_QUEUES = {
-        **settings.RQ_QUEUES,
-        "payments": {**settings.RQ_QUEUES["payments"], "URL": "redis://127.0.0.1:1/0"},
-    }
-    caplog.set_level(logging.WARNING, logger="payments.engine.dispatch")
     with transaction.atomic():
         write_follow_ups_in_tx(order, "pi_down", parent=parent, actor="test")
     follow_ups = [Operation.objects.get(parent=parent, kind=kind) for kind in FOLLOW_UPS]
     assert all(op.job_id for op in follow_ups)
-    assert f"operations {', '.join(str(op.pk) for op in follow_ups)} failed" in caplog.text
+    assert f"operations {', '.join(str(op.pk) for op in follow_ups)} failed" in redis_down.text
 
 
 def test_the_batch_is_its_own_callback__no_private_list_of_django_read():
