@@ -9,7 +9,7 @@ it needs (templates/403.html).
 
 from __future__ import annotations
 
-__all__ = ["BADGE_COLOURS", "InvoiceAdmin", "OperationAdmin", "OrderAdmin"]
+__all__ = ["BADGE_COLOURS", "OperationAdmin", "ReadOnlyAdmin"]
 
 from collections.abc import Callable
 from typing import Any
@@ -48,16 +48,13 @@ from payments.desk.filters import DateRangeFilter
 from payments.desk.lists import (
     BoundedListMixin,
     KindFilter,
-    RecentCurrencyFilter,
     operation_id_in,
     operations_search_note,
-    orders_search_note,
     search_operations,
-    search_orders,
 )
 from payments.desk.views.actions import DESK_ACTIONS, mark_failed_refusal
 from payments.desk.views.mixin import DeskViewsMixin
-from payments.desk.views.payment import errors_shown, one_moment, payment_context
+from payments.desk.views.payment import errors_shown
 from payments.desk.views.queries import (
     attempts_of,
     follow_up_kinds,
@@ -68,7 +65,6 @@ from payments.desk.views.queries import (
     with_attempts,
     with_state_since,
 )
-from payments.desk.views.refund import refund_urls
 from payments.desk.views.rq_links import job_link
 from payments.desk.views.search import lead_from_provider
 from payments.engine.handlers import money_moved, registered_handlers
@@ -76,11 +72,9 @@ from payments.models import (
     ApiClient,
     ClaimState,
     ClientApiKey,
-    Invoice,
     Operation,
     OperationEvent,
     OperationState,
-    Order,
     StepClaim,
 )
 from payments.money import format_money, money_of
@@ -342,8 +336,14 @@ class OperationAdmin(NamedPermissionsMixin, DeskViewsMixin, BoundedListMixin, ad
         term = search_term.strip()
         if not term:
             return queryset, False
-        may_view_orders = request.user.has_perm("payments.view_order")
-        found = search_operations(queryset, term, may_view_orders=may_view_orders)
+        user = request.user
+        found = search_operations(
+            queryset,
+            term,
+            may_view=lambda model: user.has_perm(
+                f"{model._meta.app_label}.view_{model._meta.model_name}"
+            ),
+        )
         if found is None:
             keyed = StepClaim.objects.filter(operation=OuterRef("pk"), idempotency_key=term)
             found = queryset.filter(Q(key=term) | Exists(keyed))
@@ -573,113 +573,6 @@ class ReadOnlyAdmin(NamedPermissionsMixin, admin.ModelAdmin):
 
     def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
         return False
-
-
-@admin.register(Order)
-class OrderAdmin(BoundedListMixin, ReadOnlyAdmin):
-    # No e-mail in the list: an operator needs it on one order's page at most (and may search it).
-    list_display = ("id", "amount_display", "status", "created")
-    list_filter = ("status", RecentCurrencyFilter, ("created_at", DateRangeFilter))
-    search_fields = ("=id",)  # routed by the term's shape: get_search_results
-    search_help_text = (
-        "Order id or the customer's e-mail (exact, any case). A provider's or another "
-        "system's reference, or an operation key: search the operations."
-    )
-    ordering = ("-pk",)  # newest first, on the primary key
-    fields = readonly_fields = (
-        "id", "amount_display", "status", "customer_email", "created", "updated", "operations",
-    )  # fmt: skip
-
-    def get_search_results(
-        self, request: HttpRequest, queryset: QuerySet[Order], search_term: str
-    ) -> tuple[QuerySet[Order], bool]:
-        """The order id, or the customer's e-mail through its index (payments.desk.lists)."""
-        term = search_term.strip()
-        if not term:
-            return queryset, False
-        found = search_orders(queryset, term)
-        return (queryset.none() if found is None else found), False
-
-    def changelist_view(self, request: HttpRequest, extra_context: Any = None) -> HttpResponse:
-        """The list, with a note naming where to look for a term that is no order id or
-        e-mail (a provider reference, an operation key: the operations search)."""
-        extra = dict(extra_context or {})
-        operations = None
-        if request.user.has_perm("payments.view_operation"):
-            operations = reverse("admin:payments_operation_changelist")
-        extra["desk_search_note"] = orders_search_note(request.GET.get(SEARCH_VAR, ""), operations)
-        return super().changelist_view(request, extra)
-
-    def get_urls(self) -> list[Any]:
-        return refund_urls(self) + super().get_urls()
-
-    def change_view(
-        self, request: HttpRequest, object_id: str, form_url: str = "", extra_context: Any = None
-    ) -> HttpResponse:
-        """The order's page is its payment's: money, charges, refunds, provider timeline.
-
-        Read at one moment, the order's own fields included (rendered inside it): a
-        refund settled while the page is read never shows settled in one part and
-        not in another.
-        """
-        with one_moment():
-            order = self.get_object(request, unquote(object_id))
-            extra = dict(extra_context or {})
-            if order is not None and request.user.has_perm("payments.view_operation"):
-                extra["payment"] = payment_context(request, order)
-            response = super().change_view(request, object_id, form_url, extra)
-            if hasattr(response, "render"):
-                response.render()  # the operations field is read at render time
-        return response
-
-    @admin.display(description="amount", ordering="amount")
-    def amount_display(self, obj: Order) -> str:
-        return format_money(obj.amount, obj.currency)
-
-    @admin.display(description="created at", ordering="created_at")
-    def created(self, obj: Order) -> str:
-        return when(obj.created_at)
-
-    @admin.display(description="updated at", ordering="updated_at")
-    def updated(self, obj: Order) -> str:
-        return when(obj.updated_at)
-
-    @admin.display(description="operations")
-    def operations(self, obj: Order) -> str:
-        ops = Operation.objects.filter(entity_type="order", entity_id=str(obj.pk)).order_by("pk")
-        if not ops:
-            return "-"
-        # A follow-up's key ("19:record_sale") names its parent's id, not an order: say so.
-        return format_html_join(
-            mark_safe("<br>"),
-            '<a href="{}">{}</a> {}{}',
-            ((reverse("admin:payments_operation_change", args=[o.pk]), o.key, state_badge(o.state),
-              format_html(' <small class="quiet">follow-up ({}) of operation {}</small>',
-                          o.kind, o.parent_id) if o.parent_id else "")
-             for o in ops),
-        )  # fmt: skip
-
-
-@admin.register(Invoice)
-class InvoiceAdmin(ReadOnlyAdmin):
-    list_display = ("number", "order", "amount_display", "reference", "created")
-    search_fields = ("=number", "=provider_reference", "=order__id")
-    ordering = ("-created_at",)
-    fields = readonly_fields = (
-        "number", "order", "amount_display", "reference", "created",
-    )  # fmt: skip
-
-    @admin.display(description="amount", ordering="amount")
-    def amount_display(self, obj: Invoice) -> str:
-        return format_money(obj.amount, obj.currency)
-
-    @admin.display(description="provider reference", ordering="provider_reference")
-    def reference(self, obj: Invoice) -> str:
-        return reference_link(obj.provider_reference)
-
-    @admin.display(description="created at", ordering="created_at")
-    def created(self, obj: Invoice) -> str:
-        return when(obj.created_at)
 
 
 # --- API clients and their keys (djangorestframework-api-key's admin) ---------------

@@ -62,8 +62,10 @@ INSTALLED_APPS = [
     "drf_spectacular",
     "inbox",
     "payments",
-    # The shop's operations, examples of fenced business: each app's handler.py is found
-    # at start-up; a project using the fence leaves out those it does not run.
+    # The shop (example): orders, invoices, credit notes, the sales ledger; and its
+    # operations, examples of fenced business: each app's handler.py is found at
+    # start-up; a project using the fence leaves out those it does not run.
+    "payments.shop",
     "payments.checkout",
     "payments.captures",
     "payments.refunds",

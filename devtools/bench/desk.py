@@ -85,7 +85,9 @@ def _operator() -> Any:
         username="bench-operator", defaults={"is_staff": True}
     )
     user.user_permissions.set(
-        Permission.objects.filter(content_type__app_label="payments", codename__in=PERMISSIONS)
+        Permission.objects.filter(
+            content_type__app_label__in=("payments", "shop"), codename__in=PERMISSIONS
+        )
     )
     return user
 
@@ -113,7 +115,7 @@ def desk_pages(n: int, samples: int, say: Callable[[str], None]) -> dict[str, An
         "operations list": lambda: "/admin/payments/operation/",
         "operations list, show all": lambda: "/admin/payments/operation/?all=&followups=all",
         "needs attention": lambda: "/admin/payments/operation/needs-attention/",
-        "payment page": lambda: f"/admin/payments/order/{rng.choice(order_ids)}/change/",
+        "payment page": lambda: f"/admin/shop/order/{rng.choice(order_ids)}/change/",
     }
     figures: dict[str, Any] = {"operations": n, "samples": samples}
     for name, url in pages.items():

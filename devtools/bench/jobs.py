@@ -22,8 +22,8 @@ from payments.checkout.followups import add_to_sales_day
 from payments.checkout.handler import issue_invoice, send_confirmation
 from payments.conf import payments_settings
 from payments.engine.queues import payments_queue
-from payments.models import LedgerEntry, Order, OrderStatus
 from payments.provider.client import ProviderClient
+from payments.shop.models import LedgerEntry, Order, OrderStatus
 
 
 def noop() -> None:

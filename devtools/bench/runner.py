@@ -39,8 +39,9 @@ from payments.checkout.orders import create_order
 from payments.conf import payments_settings
 from payments.engine.queues import payments_queue
 from payments.engine.recovery import reconcile
-from payments.models import Operation, OperationState, Order
+from payments.models import Operation, OperationState
 from payments.provider.client import ProviderClient, new_session
+from payments.shop.models import Order
 
 WORKER_CLASSES = {
     "Worker (forking)": "rq.worker.Worker",

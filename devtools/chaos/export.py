@@ -19,7 +19,8 @@ import requests
 from devtools.topology.stack import Stack, free_port
 from payments.invoices.effect import external_id
 from payments.invoices.names import INVOICE_EXPORT
-from payments.models import Operation, OperationState, Order
+from payments.models import Operation, OperationState
+from payments.shop.models import Order
 
 API_KEY = "acct_chaos"
 

@@ -39,7 +39,9 @@ def reckless_user() -> User:
         username="reckless-operator", defaults={"is_staff": True, "is_active": True}
     )
     user.user_permissions.set(
-        Permission.objects.filter(content_type__app_label="payments", codename__in=PERMISSIONS)
+        Permission.objects.filter(
+            content_type__app_label__in=("payments", "shop"), codename__in=PERMISSIONS
+        )
     )
     return User.objects.get(pk=user.pk)  # a fresh row: no cached permissions
 

@@ -47,22 +47,12 @@ from devtools.topology.stack import Proc, Stack, free_port
 from payments.conf import payments_settings
 from payments.engine.queues import payments_queue
 from payments.engine.systems import DEFAULT_SYSTEM
-from payments.models import (
-    ClaimState,
-    CreditNote,
-    Invoice,
-    LedgerEntry,
-    Operation,
-    OperationEvent,
-    OperationState,
-    Order,
-    OrderStatus,
-    StepClaim,
-)
+from payments.models import ClaimState, Operation, OperationEvent, OperationState, StepClaim
 from payments.observability.audit import AuditResult, audit, audit_refunds
 from payments.provider.client import PaymentIntent, ProviderClient
 from payments.provider.ledger import intent_entry, refund_entry
 from payments.refunds.names import REFUND, REFUND_STEP
+from payments.shop.models import CreditNote, Invoice, LedgerEntry, Order, OrderStatus
 
 SETTLED = frozenset({OperationState.SUCCEEDED, OperationState.FAILED, OperationState.NEEDS_REVIEW})
 #: Orders that were charged: paid, and possibly given (part of) the money back since.

@@ -27,7 +27,6 @@ from typing import Any, cast
 
 from django.conf import settings
 from django.core.exceptions import ObjectDoesNotExist
-from django.db.models import Q, QuerySet
 from django.http import Http404, HttpRequest, JsonResponse
 from django.views.decorators.csrf import csrf_exempt
 from rest_framework import exceptions, status
@@ -48,7 +47,7 @@ from payments.api.limits import (
     take_back,
 )
 from payments.exceptions import InvalidTransition, OperationConflict
-from payments.models import ApiClient, ClientApiKey, Operation, Order
+from payments.models import ApiClient, ClientApiKey, Operation
 
 #: JSON nested deeper than this is refused (a recursion bomb must not reach the parser's limit).
 MAX_JSON_DEPTH = 32
@@ -306,33 +305,6 @@ def caller_client(request: Request) -> ApiClient:
     caller = request.user
     assert isinstance(caller, ApiCaller)  # IsApiClient let the request in
     return caller.client
-
-
-def owned_orders(client: ApiClient) -> QuerySet[Order]:
-    """The orders `client` may reach: its own; for the bootstrap client also those of nobody.
-
-    Orders without a client are those from before migration 0012 (0013 gives
-    them their first operation's client, else the bootstrap client's; a
-    previous release's web process may still
-    write some during the deploy) and those the tools make (`create_order`
-    without a client).
-    """
-    mine = Q(client=client)
-    if client.name == BOOTSTRAP_CLIENT:
-        mine |= Q(client__isnull=True)
-    return Order.objects.filter(mine)
-
-
-def caller_order(request: Request, order_id: int) -> Order:
-    """The caller's order `order_id`, or ApiError 404: another client's order is not there."""
-    order = owned_orders(caller_client(request)).filter(pk=order_id).first()
-    if order is None:
-        raise order_not_found(order_id)
-    return order
-
-
-def order_not_found(order_id: int) -> ApiError:
-    return ApiError(404, "order_not_found", f"Order {order_id} does not exist.")
 
 
 def start_operation(

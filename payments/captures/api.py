@@ -8,11 +8,12 @@ from rest_framework.decorators import api_view
 from rest_framework.request import Request
 from rest_framework.response import Response
 
-from payments.api.base import caller_order, idempotency_key, order_not_found, validated
+from payments.api.base import idempotency_key, validated
 from payments.api.fields import ERRORS, PAYMENT_METHOD_PATTERN, PatternField, StrictIntegerField
 from payments.api.schema import MAX_ID, ORDER_ID, idempotency_key_header
 from payments.captures.handler import CaptureNotAllowed, request_capture
 from payments.fence import start_operation
+from payments.shop.api import caller_order, order_not_found
 
 
 class CaptureIn(serializers.Serializer):

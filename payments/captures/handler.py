@@ -18,11 +18,12 @@ from django.utils import timezone
 
 from payments.adyen.choice import system_params
 from payments.captures.effects import AUTHORIZE, Authorization, Capture, Release
-from payments.entities import lock_order, write_follow_ups_in_tx
 from payments.exceptions import InvalidTransition
 from payments.fence import Desk, Run, create_operation_in_tx, operation
-from payments.models import ApiClient, Invoice, KeyScope, Operation, Order, OrderStatus
+from payments.models import ApiClient, KeyScope, Operation
 from payments.money import format_money
+from payments.shop.entities import lock_order, write_follow_ups_in_tx
+from payments.shop.models import Invoice, Order, OrderStatus
 
 CAPTURE = "capture"
 CAPTURE_STEP = "capture"

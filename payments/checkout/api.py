@@ -12,11 +12,9 @@ from rest_framework.response import Response
 
 from payments.api.base import (
     caller_client,
-    caller_order,
     idempotency_conflict,
     idempotency_key,
     optional_idempotency_key,
-    order_not_found,
     start_operation,
     validated,
 )
@@ -31,7 +29,8 @@ from payments.api.schema import ORDER_ID, idempotency_key_header
 from payments.checkout.handler import CheckoutNotAllowed, request_checkout
 from payments.checkout.orders import CURRENCIES, create_order, create_order_once
 from payments.exceptions import OperationConflict
-from payments.models import Order
+from payments.shop.api import caller_order, order_not_found
+from payments.shop.models import Order
 
 MAX_AMOUNT = 99_999_999  # the provider's limit for one charge, in minor units
 

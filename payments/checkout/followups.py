@@ -2,7 +2,7 @@
 
 A paid order's step (the checkout's `mark_paid`, the capture's `record`) writes
 one operation row per follow-up in its own transaction
-(payments.entities.write_follow_ups_in_tx) (the outbox, never an after-commit enqueue from a handler).
+(payments.shop.entities.write_follow_ups_in_tx) (the outbox, never an after-commit enqueue from a handler).
 The engine delivers each as an RQ message whose id is derived from the
 operation key, so every redelivery carries the same message id and the inbox
 runs the handler once: its writes, its inbox row and the operation's
@@ -23,9 +23,10 @@ from payments.checkout.names import (
     RECORD_SALE,
     SALES_STATS_CONSUMER,
 )
-from payments.entities import ORDER_PAID, write_follow_ups_in_tx  # noqa: F401  (re-exported)
 from payments.fence import Follows, message
-from payments.models import LedgerEntry, Operation, SalesDay
+from payments.models import Operation
+from payments.shop.entities import ORDER_PAID, write_follow_ups_in_tx  # noqa: F401  (re-exported)
+from payments.shop.models import LedgerEntry, SalesDay
 
 #: The kinds this package adds to every paid order, in the order they are written.
 FOLLOW_UPS = (RECORD_SALE, COUNT_SALE)

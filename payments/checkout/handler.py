@@ -23,7 +23,6 @@ from payments.adyen.choice import system_params
 from payments.checkout.charge import OrderCharge
 from payments.checkout.followups import write_follow_ups_in_tx
 from payments.checkout.names import CHARGE, CHECKOUT, CONFIRMATION_EMAIL, INVOICE, MARK_PAID
-from payments.entities import ORDER_CONFIRMATION, ORDER_PAID, lock_order, money_line
 from payments.exceptions import InvalidTransition
 from payments.fence import (
     DeliveryPolicy,
@@ -34,18 +33,10 @@ from payments.fence import (
     operation,
     replaced_by,
 )
-from payments.models import (
-    ApiClient,
-    ClaimState,
-    Invoice,
-    KeyScope,
-    Operation,
-    OperationState,
-    Order,
-    OrderStatus,
-    StepClaim,
-)
+from payments.models import ApiClient, ClaimState, KeyScope, Operation, OperationState, StepClaim
 from payments.money import format_money
+from payments.shop.entities import ORDER_CONFIRMATION, ORDER_PAID, lock_order, money_line
+from payments.shop.models import Invoice, Order, OrderStatus
 
 logger = logging.getLogger("payments.checkout.handler")
 

@@ -8,7 +8,8 @@ import json
 from django.db import IntegrityError, transaction
 
 from payments.exceptions import OperationConflict
-from payments.models import ApiClient, Order
+from payments.models import ApiClient
+from payments.shop.models import Order
 
 #: ISO 4217 codes accepted for orders (lower case, as the provider expects).
 CURRENCIES = frozenset(

@@ -10,6 +10,7 @@ from typing import Any
 
 from django.contrib.admin import AdminSite
 from django.contrib.admin.utils import quote
+from django.db.models import Model
 from django.urls import reverse
 from django.utils import timezone
 from django.utils.dateparse import parse_datetime
@@ -17,7 +18,7 @@ from django.utils.html import format_html, format_html_join
 from django.utils.safestring import mark_safe
 
 from payments.conf import payments_settings
-from payments.engine.handlers import get_handler, registered_handlers
+from payments.engine.handlers import entity_models, get_handler, registered_handlers
 from payments.exceptions import ConfigurationError
 from payments.models import ClaimState, Operation, OperationState
 from payments.money import format_money, money_of
@@ -115,13 +116,28 @@ def entity_link(op: Operation, site: AdminSite, user: Any = None) -> str:
     model = spec.entity if spec is not None else None
     if model is None or model._meta.model_name != op.entity_type:
         return f"{op.entity_type} {op.entity_id}"
+    return entity_named(model, op.entity_id, site, user)
+
+
+def entity_model(entity_type: str) -> type[Model] | None:
+    """The entity model a handler declares under this name (an operation's entity_type)."""
+    return next((m for m in entity_models() if m._meta.model_name == entity_type), None)
+
+
+def entity_named(
+    model: type[Model], entity_id: str, site: AdminSite, user: Any = None, css_class: str = ""
+) -> str:
+    """An entity of `model` by its key in the desk's words ("Order 42"), linked to its admin
+    page when the model has one there and `user` (if given) may view it."""
     meta = model._meta
     name = str(meta.verbose_name).capitalize()
     may_view = user is None or user.has_perm(f"{meta.app_label}.view_{meta.model_name}")
     if not site.is_registered(model) or not may_view:
-        return f"{name} {op.entity_id}"
-    url = reverse(f"admin:{meta.app_label}_{meta.model_name}_change", args=[quote(op.entity_id)])
-    return format_html('<a href="{}">{}&nbsp;{}</a>', url, name, op.entity_id)
+        return f"{name} {entity_id}"
+    url = reverse(f"admin:{meta.app_label}_{meta.model_name}_change", args=[quote(entity_id)])
+    if css_class:  # in a table's cell (the audit's), where it may wrap
+        return format_html('<a class="{}" href="{}">{} {}</a>', css_class, url, name, entity_id)
+    return format_html('<a href="{}">{}&nbsp;{}</a>', url, name, entity_id)
 
 
 def when(value: Any) -> str:

@@ -3,32 +3,33 @@
 A changelist is sorted on the primary key (newest first), counts its rows
 only up to a bound (past it, the planner's estimate: no COUNT over a year of
 rows), builds its filters from what the code declares (the registered
-handlers) or from a bounded read (the latest orders' currencies), never from a
-DISTINCT over the table, and
-routes a search by the shape of the term to one indexed lookup: a bare number
-is an order id, `#17` (or `op 17`) an operation id, and a note above the list
-says which one matched.
+handlers), never from a DISTINCT over the table, and routes a search by the
+shape of the term to one indexed lookup: a bare number is the key of an entity
+the handlers declare (an order), `#17` (or `op 17`) an operation id, and a note
+above the list says which one matched.
 """
 
 from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from functools import cached_property
 from typing import Any
 
 from django.contrib import admin
 from django.core.paginator import Paginator
 from django.db import connections
-from django.db.models import Exists, OuterRef, Q, QuerySet
+from django.db.models import EmailField, Exists, Model, OuterRef, Q, QuerySet
 from django.db.models.functions import Lower
 from django.http import HttpRequest
 from django.utils.html import format_html
 from django.utils.http import urlencode
 
-from payments.engine.handlers import registered_handlers
+from payments.engine.fence import entity_key_kind
+from payments.engine.handlers import entity_models, registered_handlers
 from payments.engine.systems import reference_system
-from payments.models import Operation, Order, StepClaim
+from payments.models import Operation, StepClaim
 
 #: Rows counted exactly; past this the count is the planner's estimate ("about").
 EXACT_COUNT_UP_TO = 10_000
@@ -41,7 +42,7 @@ def is_reference(term: str) -> bool:
 
 
 DIGITS = re.compile(r"^\d{1,18}$")
-#: An operation by its id: "#17", "op 17", "operation 17" (a bare number is an order id).
+#: An operation by its id: "#17", "op 17", "operation 17" (a bare number is an entity's key).
 OPERATION_ID = re.compile(r"^(?:#|op|operation)[\s:#]*(\d{1,18})$", re.IGNORECASE)
 
 
@@ -91,31 +92,6 @@ class KindFilter(admin.SimpleListFilter):
         return queryset if value is None else queryset.filter(kind=value)
 
 
-class RecentCurrencyFilter(admin.SimpleListFilter):
-    """The currencies of the latest orders (a bounded read, not a DISTINCT over every order);
-    any other still filters by its URL."""
-
-    title = "currency"
-    parameter_name = "currency"
-    #: How many of the latest orders name the choices.
-    LATEST = 1000
-
-    def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
-        latest = Order.objects.order_by("-pk").values_list("currency", flat=True)[: self.LATEST]
-        return [(code, code.upper()) for code in sorted(set(latest))]
-
-    def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any]:
-        value = self.value()
-        return queryset if value is None else queryset.filter(currency=value)
-
-
-def orders_with_email(term: str) -> QuerySet[Order]:
-    """Orders of a customer's e-mail, any case, through the index on LOWER(customer_email)."""
-    return Order.objects.annotate(email_lower=Lower("customer_email")).filter(
-        email_lower=term.strip().lower()
-    )
-
-
 def operation_id_in(term: str) -> int | None:
     """The operation id a term names ("#17", "op 17"); None for any other term."""
     found = OPERATION_ID.match(term.strip())
@@ -123,106 +99,111 @@ def operation_id_in(term: str) -> int | None:
 
 
 def search_operations(
-    queryset: QuerySet[Any], term: str, *, may_view_orders: bool
+    queryset: QuerySet[Any], term: str, *, may_view: Callable[[type[Model]], bool]
 ) -> QuerySet[Any] | None:
     """Operations a term names, by its shape; None for a term of no known shape.
 
     A declared system's reference: the claims carrying it (EXISTS through the
-    reference index); digits: the order's operations (the entity index), never
-    the operation with that id, which `#17` or `op 17` finds (or a key spelled
-    so); an e-mail: that customer's orders (for who may view orders).
+    reference index); digits: the operations of the entity with that key, for
+    each entity model the handlers declare with an integer key (the entity
+    index), never the operation with that id, which `#17` or `op 17` finds (or
+    a key spelled so); an e-mail: the operations of the entities whose e-mail
+    field holds it (any case), of the models `may_view` lets the user see.
     """
     term = term.strip()
     if is_reference(term):
         carrying = StepClaim.objects.filter(operation=OuterRef("pk"), provider_reference=term)
         return queryset.filter(Exists(carrying))
     if DIGITS.match(term):
-        return queryset.filter(entity_type="order", entity_id=term)
+        return queryset.filter(_of_entities({m: [term] for m in keyed_by_integer()}))
     op_id = operation_id_in(term)
     if op_id is not None:
         return queryset.filter(Q(pk=op_id) | Q(key=term))
     if "@" in term:
-        if not may_view_orders:
-            return queryset.none()
-        ids = [str(pk) for pk in orders_with_email(term).values_list("pk", flat=True)[:100]]
-        return queryset.filter(entity_type="order", entity_id__in=ids)
+        seen = [m for m in entity_models() if may_view(m) and email_fields(m)]
+        return queryset.filter(_of_entities({m: entities_with_email(m, term) for m in seen}))
     return None
+
+
+def keyed_by_integer() -> list[type[Model]]:
+    """The entity models the handlers declare whose key is an integer (a bare number's)."""
+    keyed = [m for m in entity_models() if entity_key_kind(m) == "integer"]
+    return sorted(keyed, key=lambda m: str(m._meta.verbose_name))
+
+
+def entity_words(models: list[type[Model]]) -> str:
+    """The entities' names in the desk's words: "order", "order or booking"."""
+    return " or ".join(str(m._meta.verbose_name) for m in models) or "entity"
+
+
+def with_article(words: str) -> str:
+    """ "an order", "a booking"."""
+    return f"{'an' if words[:1].lower() in 'aeiou' else 'a'} {words}"
+
+
+def email_fields(model: type[Model]) -> list[str]:
+    """The e-mail fields of an entity model: what the desk's e-mail search reads."""
+    return [f.name for f in model._meta.concrete_fields if isinstance(f, EmailField)]
+
+
+def entities_with_email(model: type[Model], term: str, limit: int = 100) -> list[str]:
+    """The keys (as entity ids) of `model`'s rows whose e-mail is `term`, any case: the
+    comparison is on LOWER(field), which an index on it serves (the shop's orders have one)."""
+    match = Q()
+    rows = model._default_manager.all()
+    for i, name in enumerate(email_fields(model)):
+        rows = rows.annotate(**{f"email_lower_{i}": Lower(name)})
+        match |= Q(**{f"email_lower_{i}": term.strip().lower()})
+    return [str(pk) for pk in rows.filter(match).values_list("pk", flat=True)[:limit]]
+
+
+def _of_entities(ids: dict[type[Model], list[str]]) -> Q:
+    """Operations of these entities (by model, their ids), through the entity index."""
+    found = Q(pk__in=[])
+    for model, keys in ids.items():
+        if keys:
+            found |= Q(entity_type=model._meta.model_name, entity_id__in=keys)
+    return found
 
 
 def operations_search_note(term: str, changelist_url: str) -> str:
     """What a number search matched, for the note above the list ("" for other terms).
 
-    A bare number lists its order's operations; when an operation of another
-    order has that id, the note names it and links its `#id` search (one
+    A bare number lists its entity's operations (an order's); when an operation
+    of another entity has that id, the note names it and links its `#id` search (one
     primary-key read).
     """
     term = term.strip()
     op_id = operation_id_in(term)
     if op_id is not None:
         return format_html(
-            "Operation #{} (by its id). Order {}\u2019s operations: search {}.",
-            op_id, op_id, _search_link(changelist_url, str(op_id)),
+            "Operation #{} (by its id). Operations of {} {}: search {}.",
+            op_id, entity_words(keyed_by_integer()), op_id,
+            search_link(changelist_url, str(op_id)),
         )  # fmt: skip
     if not DIGITS.match(term):
         return ""
+    models = keyed_by_integer()
+    words = entity_words(models)
     other = (
         Operation.objects.filter(pk=int(term))
-        .exclude(entity_type="order", entity_id=term)
+        .exclude(_of_entities({m: [term] for m in models}))
         .values_list("key", "entity_type", "entity_id")
         .first()
     )
     if other is None:
         return format_html(
-            "Operations of order {}. A number is an order id; #{} finds an operation by its id.",
-            term, term,
+            "Operations of {} {}. A number is {} id; #{} finds an operation by its id.",
+            words, term, with_article(words), term,
         )  # fmt: skip
     key, entity_type, entity_id = other
     return format_html(
-        "Operations of order {}. Operation #{} ({}, of {} {}) is not one of them: search {}.",
-        term, term, key, entity_type, entity_id,
-        _search_link(changelist_url, f"#{term}"),
+        "Operations of {} {}. Operation #{} ({}, of {} {}) is not one of them: search {}.",
+        words, term, term, key, entity_type, entity_id,
+        search_link(changelist_url, f"#{term}"),
     )  # fmt: skip
 
 
-def _search_link(changelist_url: str, term: str) -> str:
+def search_link(changelist_url: str, term: str) -> str:
     url = f"{changelist_url}?{urlencode({'q': term})}"
     return format_html('<a class="desk-search-link" href="{}">{}</a>', url, term)
-
-
-def search_orders(queryset: QuerySet[Order], term: str) -> QuerySet[Order] | None:
-    """Orders a term names: digits, the id; an e-mail, the customer's (any case)."""
-    term = term.strip()
-    if DIGITS.match(term):
-        return queryset.filter(pk=int(term))
-    if "@" in term:
-        return queryset.filter(pk__in=orders_with_email(term).values("pk"))
-    return None
-
-
-def orders_search_note(term: str, operations_url: str | None) -> str:
-    """Where to look for a term the orders search does not take ("" for an id or an e-mail).
-
-    Orders are found by their id or e-mail only; a provider reference, an
-    operation key or an idempotency key is an operation's, so the note links
-    the operations search for it (`operations_url`; None: the user may not
-    view operations, and the note only says what the term is).
-    """
-    term = term.strip()
-    if not term or DIGITS.match(term) or "@" in term:
-        return ""
-    system = reference_system(term)
-    what = (
-        f"looks like a reference of {system.label}"
-        if system is not None
-        else "may be an operation key or idempotency key"
-    )
-    said = format_html(
-        "No order matches {}: the orders search finds orders by their id or the customer\u2019s "
-        "e-mail, and {} {}.",
-        term, term, what,
-    )  # fmt: skip
-    if operations_url is None:
-        return said
-    return format_html(
-        "{} Search the operations for it: {}.", said, _search_link(operations_url, term)
-    )

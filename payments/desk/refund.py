@@ -21,7 +21,7 @@ from payments.desk.display import when
 from payments.desk.rules import DeskError
 from payments.desk.services import actor_of, require_permission, required_reason
 from payments.engine import fence
-from payments.engine.handlers import DeskHooks, registered_handlers
+from payments.engine.handlers import DeskHooks, HandlerSpec, registered_handlers
 from payments.exceptions import InvalidTransition, OperationConflict, UnseenOperation
 from payments.models import Operation, OperationEvent, OperationState
 from payments.money import money_of
@@ -130,17 +130,26 @@ def refund_refused(entity_type: str, entity_id: int) -> str:
 
 
 def refund_permission(entity_type: str) -> str:
-    """The permission a desk refund of this entity needs ("payments.refund_order")."""
-    return f"payments.refund_{entity_type}"
+    """The permission a desk refund of this entity needs: `refund_<model>` of the entity's
+    own app ("shop.refund_order"), the app of the entity the refunding handler declares."""
+    spec = _refunding(entity_type)
+    app_label = spec.entity._meta.app_label if spec is not None and spec.entity else "payments"
+    return f"{app_label}.refund_{entity_type}"  # no handler refunds it: a permission nobody has
 
 
 def refund_hook(entity_type: str) -> DeskHooks | None:
     """The desk hooks of the handler that refunds entities of this type, if one declares it."""
+    spec = _refunding(entity_type)
+    return spec.desk if spec is not None else None
+
+
+def _refunding(entity_type: str) -> HandlerSpec | None:
+    """The handler whose desk hooks refund entities of this type (its model's name), if any."""
     for spec in registered_handlers().values():
         entity = spec.entity
         if spec.desk is not None and spec.desk.refund is not None and entity is not None:
             if entity._meta.model_name == entity_type:
-                return spec.desk
+                return spec
     return None
 
 

@@ -36,10 +36,10 @@ def _always() -> bool:
 class Follows:
     """What an operation follows (`@operation(..., follows=Follows(ORDER_PAID))`).
 
-    - `event`: the business event's name (payments.entities.ORDER_PAID).
+    - `event`: the business event's name (payments.shop.entities.ORDER_PAID).
     - `when()`: whether this deployment runs the follow-up (read from settings, each time).
     - `replaces`: a built-in effect of the event's writer this follow-up makes instead
-      (payments.entities.ORDER_CONFIRMATION: the checkout's own confirmation e-mail).
+      (payments.shop.entities.ORDER_CONFIRMATION: the checkout's own confirmation e-mail).
     """
 
     event: str

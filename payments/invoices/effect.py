@@ -18,7 +18,7 @@ from typing import Any
 from payments.fence import ClaimView, EffectResult, ProviderEffect, note_request
 from payments.invoices.client import AccountingClient, Invoice
 from payments.invoices.system import SYSTEM
-from payments.models import Order
+from payments.shop.models import Order
 
 
 def external_id(operation: Any) -> str:

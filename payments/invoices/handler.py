@@ -10,12 +10,13 @@ on commit and the sweeper re-enqueues it if that is lost. One external step.
 from __future__ import annotations
 
 from payments.conf import payments_settings
-from payments.entities import ORDER_PAID, lock_order
 from payments.fence import Desk, Follows, Run, operation
 from payments.invoices.effect import ExportInvoice
 from payments.invoices.names import ACCOUNTING, EXPORT, INVOICE_EXPORT
-from payments.models import Operation, Order
+from payments.models import Operation
 from payments.money import format_money
+from payments.shop.entities import ORDER_PAID, lock_order
+from payments.shop.models import Order
 
 
 def describe(op: Operation) -> str:

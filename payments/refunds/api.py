@@ -9,15 +9,14 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 
 from payments.api.base import (
-    caller_order,
     idempotency_key,
-    order_not_found,
     start_operation,
     validated,
 )
 from payments.api.fields import ERRORS, StrictIntegerField
 from payments.api.schema import MAX_ID, ORDER_ID, idempotency_key_header
 from payments.refunds.handler import RefundNotAllowed, request_refund
+from payments.shop.api import caller_order, order_not_found
 
 
 class RefundIn(serializers.Serializer):

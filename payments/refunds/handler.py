@@ -20,25 +20,17 @@ from typing import Any
 from django.db import transaction
 
 from payments.adyen.choice import payment_system_of
-from payments.entities import lock_order, money_line
 from payments.exceptions import InvalidTransition
 from payments.fence import Desk, EffectResult, Run, create_operation_in_tx, operation
-from payments.models import (
-    ApiClient,
-    CreditNote,
-    Invoice,
-    KeyScope,
-    Operation,
-    OperationState,
-    Order,
-    OrderStatus,
-)
+from payments.models import ApiClient, KeyScope, Operation, OperationState
 from payments.money import format_money
 from payments.provider.client import ProviderClient
 from payments.provider.errors import ProviderError
 from payments.refunds.effect import OrderRefund
 from payments.refunds.names import CREDIT_NOTE, REFUND, REFUND_REVERSED, REFUND_STEP
 from payments.refunds.rules import not_refundable, refuse_unseen_in_tx
+from payments.shop.entities import lock_order, money_line
+from payments.shop.models import CreditNote, Invoice, Order, OrderStatus
 
 logger = logging.getLogger("payments.refunds")
 

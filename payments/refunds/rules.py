@@ -5,8 +5,9 @@ the refunds its caller was shown. Both run under the order's lock (request_refun
 from __future__ import annotations
 
 from payments.exceptions import UnseenOperation
-from payments.models import Operation, Order, OrderStatus
+from payments.models import Operation
 from payments.refunds.names import REFUND
+from payments.shop.models import Order, OrderStatus
 
 
 def refuse_unseen_in_tx(order: Order, seen: int | None) -> None:

@@ -22,15 +22,9 @@ from payments.engine.failpoints import (
     AFTER_RECORD_COMMIT,
     POINTS,
 )
-from payments.models import (
-    ClaimState,
-    CreditNote,
-    Invoice,
-    Operation,
-    OperationState,
-    OrderStatus,
-)
+from payments.models import ClaimState, Operation, OperationState
 from payments.refunds.handler import request_refund
+from payments.shop.models import CreditNote, Invoice, OrderStatus
 from tests.support.adyen import adyen_shop, worker_env_of
 from tests.support.workers import SIMPLE, Supervisor, run_worker, worker_env
 

@@ -21,17 +21,9 @@ from payments.checkout.orders import create_order
 from payments.engine.failpoints import AFTER_PROVIDER_ACCEPT, hooked, point_at
 from payments.engine.handlers import money_moved
 from payments.engine.recovery import reconcile
-from payments.models import (
-    ApiClient,
-    ClaimState,
-    CreditNote,
-    Invoice,
-    Operation,
-    OperationState,
-    Order,
-    OrderStatus,
-)
+from payments.models import ApiClient, ClaimState, Operation, OperationState
 from payments.refunds.handler import request_refund
+from payments.shop.models import CreditNote, Invoice, Order, OrderStatus
 from tests.support.adyen import HMAC_KEY, adyen_shop, deliver, item
 from tests.support.workers import run_worker
 

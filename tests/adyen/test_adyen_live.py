@@ -19,7 +19,8 @@ from payments.captures.handler import request_capture
 from payments.checkout.handler import request_checkout
 from payments.checkout.orders import create_order
 from payments.engine.recovery import reconcile
-from payments.models import ClaimState, Invoice, OperationState, Order, OrderStatus
+from payments.models import ClaimState, OperationState
+from payments.shop.models import Invoice, Order, OrderStatus
 from tests.support.adyen import adyen_shop, deliver
 from tests.support.builders import backdate
 from tests.support.workers import run_worker

@@ -30,11 +30,10 @@ from payments.models import (
     Operation,
     OperationEvent,
     OperationState,
-    Order,
-    OrderStatus,
     StepClaim,
 )
 from payments.refunds.handler import request_refund
+from payments.shop.models import Order, OrderStatus
 from tests.support.adyen import HMAC_KEY, MERCHANT, adyen_shop, deliver, item, settings_entry
 from tests.support.builders import backdate
 from tests.support.users import RECONCILE, make_user

@@ -13,7 +13,7 @@ import pytest
 from django.test import Client
 
 from payments.api.fields import EMAIL_PATTERN
-from payments.models import Order
+from payments.shop.models import Order
 
 pytestmark = pytest.mark.django_db
 

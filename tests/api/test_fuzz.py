@@ -23,7 +23,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from schemathesis.config import SchemathesisConfig
 
-from payments.models import Operation, Order
+from payments.models import Operation
+from payments.shop.models import Order
 
 TOKEN = "fuzz-token-that-is-long-enough-0123456789"
 SEED = 28  # the issue that made every check run

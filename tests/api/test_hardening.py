@@ -8,7 +8,8 @@ import pytest
 from django.core.cache import cache
 from django.test import Client
 
-from payments.models import ApiClient, ClientApiKey, Operation, Order
+from payments.models import ApiClient, ClientApiKey, Operation
+from payments.shop.models import Order
 from tests.support.api import API_TOKEN, api_client
 
 pytestmark = pytest.mark.django_db

@@ -10,7 +10,8 @@ import pytest
 from django.db import connection
 from django.test import Client
 
-from payments.models import ApiClient, ClientApiKey, Order
+from payments.models import ApiClient, ClientApiKey
+from payments.shop.models import Order
 from tests.support.config import TEST_REDIS_URL
 
 TOKEN = "limits-token-that-is-long-enough-0123456789"

@@ -7,7 +7,8 @@ import json
 import pytest
 from django.test import Client
 
-from payments.models import ApiClient, ClientApiKey, Invoice, Operation, Order, OrderStatus
+from payments.models import ApiClient, ClientApiKey, Operation
+from payments.shop.models import Invoice, Order, OrderStatus
 
 pytestmark = pytest.mark.django_db
 

@@ -14,7 +14,8 @@ from django.test import Client
 
 from payments.engine.fence import fingerprint
 from payments.engine.writes import fence_writes
-from payments.models import ApiClient, ClientApiKey, Operation, Order
+from payments.models import ApiClient, ClientApiKey, Operation
+from payments.shop.models import Order
 
 TOKEN = "upgrade-token-that-is-long-enough-0123456789"
 BEFORE = [("payments", "0007_provider_events")]

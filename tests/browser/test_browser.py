@@ -22,8 +22,9 @@ from django.utils import timezone
 
 from payments.engine import fence
 from payments.engine.writes import fence_writes
-from payments.models import ClaimState, Operation, OperationState, Order, OrderStatus, StepClaim
+from payments.models import ClaimState, Operation, OperationState, StepClaim
 from payments.refunds.handler import request_refund
+from payments.shop.models import Order, OrderStatus
 from tests.support import flows
 from tests.support.users import RECONCILE, VIEW, make_user
 from tests.support.workers import run_worker
@@ -247,10 +248,10 @@ def test_operator_queries_the_provider_and_sees_the_payment_settle(
     shot(page, "15-index-desk")
 
     # Orders and invoices show the same money as the operations.
-    page.goto(f"{live_server.url}/admin/payments/order/")
+    page.goto(f"{live_server.url}/admin/shop/order/")
     assert page.locator("#result_list").inner_text().count("€25.00") == 4
     shot(page, "17-orders")
-    page.goto(f"{live_server.url}/admin/payments/invoice/")
+    page.goto(f"{live_server.url}/admin/shop/invoice/")
     assert "€25.00" in page.locator("#result_list").inner_text()
     shot(page, "18-invoices")
 
@@ -397,7 +398,7 @@ def test_operator_settles_uncertain_refunds(page, live_server, provider, queue, 
         600,
         1900,
     ]
-    page.goto(f"{live_server.url}/admin/payments/order/{order.pk}/change/")
+    page.goto(f"{live_server.url}/admin/shop/order/{order.pk}/change/")
     assert page.locator("div.field-status .readonly").inner_text() == "Refunded"
     shot(page, "2x-refund-11-order-refunded")
     page.goto(f"{live_server.url}/admin/payments/operation/?kind__exact=refund")

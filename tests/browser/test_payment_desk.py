@@ -20,7 +20,8 @@ from django.core.management.base import CommandError
 from django.db import connections
 from django.utils import timezone
 
-from payments.models import Operation, OperationState, OrderStatus
+from payments.models import Operation, OperationState
+from payments.shop.models import OrderStatus
 from tests.support import flows
 from tests.support.users import NEW_ATTEMPT, RECONCILE, VIEW, make_user
 from tests.support.workers import run_worker
@@ -80,10 +81,8 @@ def sign_in(page, live_server, username: str, *perms: str, then: str) -> None:
 
 def test_order_charged_twice__both_red_refunded_from_its_page(tab, live_server, provider, queue):
     order, fenced, duplicate = flows.charged_twice(queue, key="web-twice")
-    url = f"/admin/payments/order/{order.pk}/change/"
-    sign_in(
-        tab, live_server, "sam", *VIEW, RECONCILE, NEW_ATTEMPT, "payments.refund_order", then=url
-    )
+    url = f"/admin/shop/order/{order.pk}/change/"
+    sign_in(tab, live_server, "sam", *VIEW, RECONCILE, NEW_ATTEMPT, "shop.refund_order", then=url)
 
     red = tab.locator("tr.desk-duplicate")
     assert red.count() == 2

@@ -82,7 +82,7 @@ def assert_fits(page, name: str) -> None:
 
 def test_refund_page__refunds_asked_fit_the_window(tab, live_server, provider, queue):
     order = flows.paid_order(queue, amount=2500)
-    operator = make_user("rosa", *VIEW, "payments.refund_order")
+    operator = make_user("rosa", *VIEW, "shop.refund_order")
     done, _ = refund_entity(
         "order", order.pk, user=operator, amount=600, reason="a late parcel",
         action_id=uuid.uuid4().hex, seen=0,
@@ -94,8 +94,8 @@ def test_refund_page__refunds_asked_fit_the_window(tab, live_server, provider, q
         "order", order.pk, user=operator, amount=400, reason="a broken lid",
         action_id=uuid.uuid4().hex, seen=done.pk,
     )  # fmt: skip
-    url = f"/admin/payments/order/{order.pk}/refund/"
-    sign_in(tab, live_server, "sam", *VIEW, "payments.refund_order", then=url)
+    url = f"/admin/shop/order/{order.pk}/refund/"
+    sign_in(tab, live_server, "sam", *VIEW, "shop.refund_order", then=url)
 
     tab.fill("#id_reason", "the customer sent it back")
     assert_fits(tab, "refund-refunds-asked")

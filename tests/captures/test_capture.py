@@ -11,8 +11,9 @@ from payments.captures.handler import CaptureNotAllowed, describe, request_captu
 from payments.checkout.orders import create_order
 from payments.engine.failpoints import AFTER_PROVIDER_ACCEPT, hooked
 from payments.engine.handlers import money_moved
-from payments.models import ClaimState, Invoice, Operation, OperationState, Order, OrderStatus
+from payments.models import ClaimState, Operation, OperationState
 from payments.refunds.handler import RefundNotAllowed, request_refund
+from payments.shop.models import Invoice, Order, OrderStatus
 from tests.support.workers import run_worker
 
 pytestmark = pytest.mark.django_db(transaction=True)

@@ -8,7 +8,8 @@ import pytest
 from django.test import Client
 
 from payments.checkout.orders import create_order
-from payments.models import Operation, OrderStatus
+from payments.models import Operation
+from payments.shop.models import OrderStatus
 
 pytestmark = pytest.mark.django_db
 

@@ -10,7 +10,8 @@ import pytest
 
 from payments.captures.handler import request_capture
 from payments.checkout.orders import create_order
-from payments.models import ClaimState, Invoice, Operation, OperationState, OrderStatus
+from payments.models import ClaimState, Operation, OperationState
+from payments.shop.models import Invoice, OrderStatus
 from tests.support.workers import SIMPLE, Supervisor, worker_env
 
 # Transactional: the worker processes must see the committed rows.

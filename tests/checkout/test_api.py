@@ -9,7 +9,8 @@ import pytest
 from django.db import connection
 from django.test import Client
 
-from payments.models import Operation, Order, OrderStatus
+from payments.models import Operation
+from payments.shop.models import Order, OrderStatus
 from tests.support.api import API_TOKEN, api_client
 
 pytestmark = pytest.mark.django_db

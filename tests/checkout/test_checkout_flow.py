@@ -17,16 +17,8 @@ from payments.checkout.orders import create_order
 from payments.engine.dispatch import dispatch
 from payments.engine.recovery import reconcile
 from payments.exceptions import OperationConflict
-from payments.models import (
-    ClaimState,
-    Invoice,
-    Operation,
-    OperationEvent,
-    OperationState,
-    Order,
-    OrderStatus,
-    StepClaim,
-)
+from payments.models import ClaimState, Operation, OperationEvent, OperationState, StepClaim
+from payments.shop.models import Invoice, Order, OrderStatus
 from tests.support.provider import successes
 from tests.support.workers import run_worker
 

@@ -18,14 +18,8 @@ from payments.checkout import handler as checkout_module
 from payments.checkout.names import COUNT_SALE, RECORD_SALE
 from payments.engine import fence
 from payments.engine.dispatch import dispatch, message_id_for
-from payments.models import (
-    ClaimState,
-    KeyScope,
-    LedgerEntry,
-    Operation,
-    OperationState,
-    SalesDay,
-)
+from payments.models import ClaimState, KeyScope, Operation, OperationState
+from payments.shop.models import LedgerEntry, SalesDay
 from tests.support import flows
 from tests.support.workers import (
     FORKING,

@@ -15,10 +15,11 @@ from django.db import transaction
 from inbox.models import InboxEntry
 from payments.checkout import followups
 from payments.checkout.names import COUNT_SALE, RECORD_SALE
-from payments.entities import write_follow_ups_in_tx
 from payments.exceptions import ConfigurationError
 from payments.fence import message
-from payments.models import LedgerEntry, Operation, OperationEvent, OperationState, SalesDay
+from payments.models import Operation, OperationEvent, OperationState
+from payments.shop.entities import write_follow_ups_in_tx
+from payments.shop.models import LedgerEntry, SalesDay
 from tests.engine.test_indexes import _index_entries_since, _wal_position
 from tests.support import flows
 from tests.support.workers import run_fence_worker

@@ -15,7 +15,8 @@ from payments.checkout.names import CHARGE
 from payments.checkout.orders import create_order
 from payments.desk import services as desk
 from payments.engine.writes import fence_writes
-from payments.models import ApiClient, ClaimState, Operation, OperationState, Order, OrderStatus
+from payments.models import ApiClient, ClaimState, Operation, OperationState
+from payments.shop.models import Order, OrderStatus
 from tests.support.users import NEW_ATTEMPT, RECONCILE, VIEW, make_user
 from tests.support.workers import run_worker
 

@@ -14,15 +14,9 @@ import pytest
 from payments.checkout.handler import request_checkout
 from payments.checkout.orders import create_order
 from payments.engine.failpoints import POINTS
-from payments.models import (
-    ClaimState,
-    CreditNote,
-    Invoice,
-    Operation,
-    OperationState,
-    OrderStatus,
-)
+from payments.models import ClaimState, Operation, OperationState
 from payments.refunds.handler import request_refund
+from payments.shop.models import CreditNote, Invoice, OrderStatus
 from tests.support.workers import (
     FORKING,
     SIMPLE,

@@ -26,9 +26,9 @@ from payments.models import (
     Operation,
     OperationEvent,
     OperationState,
-    OrderStatus,
     StepClaim,
 )
+from payments.shop.models import OrderStatus
 from tests.support import builders
 from tests.support.builders import order_of
 from tests.support.users import client_for, make_user
@@ -502,11 +502,11 @@ def test_orders_and_invoices__read_only_and_no_email_in_the_list(provider, viewe
     order = order_of(op)
     client = client_for(viewer)
 
-    listing = client.get(reverse("admin:payments_order_changelist")).content.decode()
-    page = client.get(reverse("admin:payments_order_change", args=[order.pk])).content.decode()
+    listing = client.get(reverse("admin:shop_order_changelist")).content.decode()
+    page = client.get(reverse("admin:shop_order_change", args=[order.pk])).content.decode()
 
     assert "buyer@example.com" not in listing
     assert "buyer@example.com" in page and op.key in page
-    assert client.get(reverse("admin:payments_order_add")).status_code == 403
-    assert client.get(reverse("admin:payments_invoice_changelist")).status_code == 200
-    assert client.get(reverse("admin:payments_invoice_add")).status_code == 403
+    assert client.get(reverse("admin:shop_order_add")).status_code == 403
+    assert client.get(reverse("admin:shop_invoice_changelist")).status_code == 200
+    assert client.get(reverse("admin:shop_invoice_add")).status_code == 403

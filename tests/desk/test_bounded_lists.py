@@ -94,9 +94,9 @@ def _scans(sql: str, params: Any) -> list[str]:
         ("admin:payments_operation_changelist", "?q=pi_hist42"),
         ("admin:payments_operation_changelist", "?q=1000042"),
         ("admin:payments_operation_changelist", "?q=Buyer42@Example.com"),
-        ("admin:payments_order_changelist", ""),
-        ("admin:payments_order_changelist", "?q=buyer42@example.com"),
-        ("admin:payments_order_changelist", "?q=42"),
+        ("admin:shop_order_changelist", ""),
+        ("admin:shop_order_changelist", "?q=buyer42@example.com"),
+        ("admin:shop_order_changelist", "?q=42"),
         ("admin:index", ""),
         ("admin:payments_operation_desk_log", ""),
         ("admin:payments_operation_desk_log", "?operator=sam"),
@@ -125,7 +125,7 @@ def test_searches__find_by_reference_order_id_and_email(history, senior):
     for term in (reference, op.entity_id):
         page = client.get(url, {"q": term, "followups": "all"})
         assert [o.pk for o in page.context["cl"].result_list] == [op.pk], term
-    orders = client.get(reverse("admin:payments_order_changelist"), {"q": "BUYER7@example.com"})
+    orders = client.get(reverse("admin:shop_order_changelist"), {"q": "BUYER7@example.com"})
     assert [o.customer_email for o in orders.context["cl"].result_list] == ["buyer7@example.com"]
 
 
@@ -141,7 +141,7 @@ def test_the_count__is_exact_when_small_and_estimated_past_the_bound(history, se
 
 
 @pytest.mark.parametrize(
-    "page", ["admin:payments_operation_changelist", "admin:payments_order_changelist"]
+    "page", ["admin:payments_operation_changelist", "admin:shop_order_changelist"]
 )
 def test_default_changelists__send_as_many_queries_for_50_rows_as_for_5(senior, page):
     """Each column is read with the page (annotations, a prefetch): none asks per row."""

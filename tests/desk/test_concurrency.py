@@ -11,7 +11,8 @@ import pytest
 
 from payments.desk import services as desk
 from payments.desk.services import DeskError
-from payments.models import ClaimState, Invoice, Operation, OperationEvent, OperationState
+from payments.models import ClaimState, Operation, OperationEvent, OperationState
+from payments.shop.models import Invoice
 from tests.support import flows
 from tests.support.concurrency import race
 from tests.support.users import NEW_ATTEMPT, RECONCILE, VIEW, make_user

@@ -8,7 +8,8 @@ import pytest
 from django.utils import timezone
 
 from payments.engine.writes import fence_writes
-from payments.models import Operation, Order
+from payments.models import Operation
+from payments.shop.models import Order
 from tests.support import builders
 from tests.support.users import VIEW, client_for, make_user
 
@@ -30,7 +31,7 @@ def test_date_range__operations_and_orders_from_and_to_a_day(provider):
     one_day = {"created_at__from": "2026-11-20", "created_at__to": "2026-11-20"}
 
     operations = client.get("/admin/payments/operation/", one_day)
-    orders = client.get("/admin/payments/order/", {"created_at__to": "2026-11-02"})
+    orders = client.get("/admin/shop/order/", {"created_at__to": "2026-11-02"})
     everything = client.get("/admin/payments/operation/")
 
     assert [op.key for op in operations.context["cl"].result_list] == ["late"]
@@ -39,7 +40,7 @@ def test_date_range__operations_and_orders_from_and_to_a_day(provider):
     assert 'type="date" name="created_at__from" value="2026-11-20"' in operations.content.decode()
 
 
-@pytest.mark.parametrize("changelist", ["/admin/payments/operation/", "/admin/payments/order/"])
+@pytest.mark.parametrize("changelist", ["/admin/payments/operation/", "/admin/shop/order/"])
 def test_date_range__to_the_last_day_of_the_calendar__every_row_no_error(provider, changelist):
     created_on(builders.new_checkout("late"), "2026-11-20")
     client = client_for(make_user("vera", *VIEW))
@@ -50,7 +51,7 @@ def test_date_range__to_the_last_day_of_the_calendar__every_row_no_error(provide
     assert response.context["cl"].result_count == 1
 
 
-@pytest.mark.parametrize("changelist", ["/admin/payments/operation/", "/admin/payments/order/"])
+@pytest.mark.parametrize("changelist", ["/admin/payments/operation/", "/admin/shop/order/"])
 @pytest.mark.parametrize("bad", ["2026-02-30", "abc"])
 def test_date_range__a_day_that_is_no_date__named_in_a_message_not_filtered(
     provider, changelist, bad

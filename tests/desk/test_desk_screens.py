@@ -24,15 +24,9 @@ from payments.engine import fence
 from payments.engine.effects import EffectResult
 from payments.engine.outcomes import Outcome
 from payments.engine.writes import fence_writes
-from payments.models import (
-    FenceAuditRun,
-    Invoice,
-    Operation,
-    OperationEvent,
-    OperationState,
-    StepClaim,
-)
+from payments.models import FenceAuditRun, Operation, OperationEvent, OperationState, StepClaim
 from payments.money import decimal_amount, format_money
+from payments.shop.models import Invoice
 from tests.support import builders
 from tests.support.builders import order_of
 from tests.support.users import RECONCILE, VIEW, client_for, make_user
@@ -130,8 +124,8 @@ def test_money__amount_column_on_operations_orders_and_invoices(provider, viewer
     client = client_for(viewer)
 
     operations = client.get(CHANGELIST).content.decode()
-    orders = client.get(reverse("admin:payments_order_changelist")).content.decode()
-    invoices = client.get(reverse("admin:payments_invoice_changelist")).content.decode()
+    orders = client.get(reverse("admin:shop_order_changelist")).content.decode()
+    invoices = client.get(reverse("admin:shop_invoice_changelist")).content.decode()
     page = client.get(change_url(yen)).content.decode()
 
     for listing in (operations, orders, invoices):
@@ -310,15 +304,15 @@ def test_search__operations_by_key_order_id_and_reference(provider, viewer, term
 def test_search__orders_by_id_and_email(provider, viewer):
     carol = create_order(amount=1000, currency="eur", email="carol@example.com")
     dave = create_order(amount=2000, currency="eur", email="dave@example.com")
-    url = reverse("admin:payments_order_changelist")
+    url = reverse("admin:shop_order_changelist")
     client = client_for(viewer)
 
     by_email = client.get(url, {"q": "CAROL@example.com"}).content.decode()
     by_id = client.get(url, {"q": str(dave.pk)}).content.decode()
 
-    assert reverse("admin:payments_order_change", args=[carol.pk]) in by_email
-    assert reverse("admin:payments_order_change", args=[dave.pk]) not in by_email
-    assert reverse("admin:payments_order_change", args=[dave.pk]) in by_id
+    assert reverse("admin:shop_order_change", args=[carol.pk]) in by_email
+    assert reverse("admin:shop_order_change", args=[dave.pk]) not in by_email
+    assert reverse("admin:shop_order_change", args=[dave.pk]) in by_id
     assert "carol@example.com" not in by_email.split('id="result_list"', 1)[1]  # not listed
 
 
@@ -366,8 +360,8 @@ def test_dates__one_format_on_every_desk_page(provider, viewer, queue):
         "list": client.get(CHANGELIST),
         "operation": client.get(change_url(op)),
         "needs attention": client.get(NEEDS_ATTENTION),
-        "order": client.get(reverse("admin:payments_order_change", args=[order.pk])),
-        "orders": client.get(reverse("admin:payments_order_changelist")),
+        "order": client.get(reverse("admin:shop_order_change", args=[order.pk])),
+        "orders": client.get(reverse("admin:shop_order_changelist")),
     }
 
     for name, response in pages.items():
@@ -492,7 +486,7 @@ def test_index__shows_the_desk_above_the_apps_with_counts(provider, viewer):
     builders.uncertain(key="u1", charged=False)
     builders.uncertain(key="u2", charged=False)
     stale_running("stuck")
-    nobody_else = make_user("inez", "payments.view_order")
+    nobody_else = make_user("inez", "shop.view_order")
 
     response = client_for(viewer).get(reverse("admin:index"))
     other = client_for(nobody_else).get(reverse("admin:index")).content.decode()
@@ -568,7 +562,7 @@ def test_needs_attention__renders_the_audit_as_tables_with_links(provider, viewe
     assert f'href="{change_url(first)}">charged-once</a>' in double
     assert 'href="https://dashboard.example/payments/pi_b"' in double
     entities = audit.split('id="audit-double-charged-entities"', 1)[1].split("</table>", 1)[0]
-    order_url = reverse("admin:payments_order_change", args=[order.pk])
+    order_url = reverse("admin:shop_order_change", args=[order.pk])
     assert f'href="{order_url}">Order {order.pk}</a>' in entities
     assert f'href="{change_url(second)}">charged-again</a>' in entities
     unfenced = audit.split('id="audit-unfenced"', 1)[1].split("</table>", 1)[0]

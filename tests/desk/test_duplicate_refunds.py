@@ -11,19 +11,20 @@ import re
 import pytest
 from django.urls import reverse
 
-from payments.models import Operation, OperationState, Order
+from payments.models import Operation, OperationState
+from payments.shop.models import Order
 from tests.support import flows
 from tests.support.users import VIEW, client_for, make_user
 from tests.support.workers import run_worker
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
-REFUND = "payments.refund_order"
+REFUND = "shop.refund_order"
 
 
 def refund_duplicate(client, order: Order, duplicate: str, amount: str) -> Operation:
     """Ask for a refund of `amount` of the duplicate from its button's page."""
-    url = reverse("admin:payments_order_refund", args=[order.pk])
+    url = reverse("admin:shop_order_refund", args=[order.pk])
     form = client.get(f"{url}?charge={duplicate}").content.decode()
     found = re.search(r'name="action_id" value="([0-9a-f]{32})"', form)
     assert found is not None
@@ -36,7 +37,7 @@ def refund_duplicate(client, order: Order, duplicate: str, amount: str) -> Opera
 
 
 def movements_of(client, order: Order) -> tuple[str, list[str]]:
-    page = client.get(reverse("admin:payments_order_change", args=[order.pk])).content.decode()
+    page = client.get(reverse("admin:shop_order_change", args=[order.pk])).content.decode()
     table = page.split('id="desk-movements"', 1)[1].split("</table>", 1)[0]
     return page, table.split("<tr")[1:]
 

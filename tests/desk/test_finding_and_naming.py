@@ -17,7 +17,8 @@ from django.urls import reverse
 from payments.checkout.followups import write_follow_ups_in_tx
 from payments.checkout.handler import request_checkout
 from payments.desk.views.actions import QUERY_WORDS
-from payments.models import Operation, Order
+from payments.models import Operation
+from payments.shop.models import Order
 from tests.support import builders
 from tests.support.builders import order_of
 from tests.support.users import RECONCILE, VIEW, client_for, make_user
@@ -25,7 +26,7 @@ from tests.support.users import RECONCILE, VIEW, client_for, make_user
 pytestmark = pytest.mark.django_db
 
 CHANGELIST = "/admin/payments/operation/"
-ORDERS = "/admin/payments/order/"
+ORDERS = "/admin/shop/order/"
 #: Far above any id the sequences hand out in a test run: an order id chosen by the test.
 FAR_ORDER = 9_000_000
 
@@ -134,7 +135,7 @@ def test_orders_search__a_reference_or_key_finds_no_order_and_points_to_the_oper
 
 
 def test_orders_search__no_link_to_operations_for_who_may_not_view_them(provider, db):
-    orders_only = make_user("olga", "payments.view_order")
+    orders_only = make_user("olga", "shop.view_order")
 
     page = client_for(orders_only).get(ORDERS, {"q": "pi_3QxLostAnswer"}).content.decode()
 
@@ -251,7 +252,7 @@ def test_the_operations_entity__in_its_handlers_words_linked_when_it_has_a_page(
     rental = Operation(kind="rent-it", entity_type="rental", entity_id="R-1001")
     assert column(rental) == "Rental R-1001"  # no admin page: named, not linked
     order = Operation(kind="checkout", entity_type="order", entity_id="42")
-    assert column(order) == '<a href="/admin/payments/order/42/change/">Order&nbsp;42</a>'
+    assert column(order) == '<a href="/admin/shop/order/42/change/">Order&nbsp;42</a>'
 
 
 def test_a_desk_actions_page__names_the_entity_in_its_handlers_words(provider):
@@ -261,7 +262,7 @@ def test_a_desk_actions_page__names_the_entity_in_its_handlers_words(provider):
     url = reverse("admin:payments_operation_desk", args=[op.pk, "query_provider"])
     may_view = client_for(make_user("viewer", *VIEW, RECONCILE))
     may_not = client_for(make_user("ops-only", "payments.view_operation", RECONCILE))
-    order_url = reverse("admin:payments_order_change", args=[op.entity_id])
+    order_url = reverse("admin:shop_order_change", args=[op.entity_id])
 
     linked = may_view.get(url).content.decode()
     named = may_not.get(url).content.decode()

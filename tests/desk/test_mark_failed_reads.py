@@ -20,7 +20,8 @@ from payments.checkout.names import CHARGE
 from payments.desk import services as desk
 from payments.desk.services import DeskError
 from payments.engine import failpoints
-from payments.models import ClaimState, Operation, OperationState, OrderStatus
+from payments.models import ClaimState, Operation, OperationState
+from payments.shop.models import OrderStatus
 from tests.support import builders
 from tests.support.builders import order_of
 

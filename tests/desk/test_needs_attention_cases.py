@@ -14,8 +14,9 @@ from django.urls import reverse
 
 from payments.desk.display import BADGE_COLOURS
 from payments.desk.views import attention
-from payments.models import OperationState, Order
+from payments.models import OperationState
 from payments.provider.client import ProviderClient
+from payments.shop.models import Order
 from tests.support import builders, flows
 from tests.support.users import VIEW, client_for, make_user
 

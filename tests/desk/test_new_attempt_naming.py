@@ -18,15 +18,8 @@ from payments.desk import services as desk
 from payments.desk.rules import DeskError
 from payments.engine import fence
 from payments.engine.writes import fence_writes
-from payments.models import (
-    ClaimState,
-    KeyScope,
-    Operation,
-    OperationState,
-    Order,
-    OrderStatus,
-    StepClaim,
-)
+from payments.models import ClaimState, KeyScope, Operation, OperationState, StepClaim
+from payments.shop.models import Order, OrderStatus
 from tests.support import builders
 from tests.support.users import client_for
 

@@ -12,22 +12,23 @@ import re
 import pytest
 from django.urls import reverse
 
-from payments.models import Operation, OperationEvent, OperationState, Order, OrderStatus
+from payments.models import Operation, OperationEvent, OperationState
+from payments.shop.models import Order, OrderStatus
 from tests.support import flows
 from tests.support.users import RECONCILE, VIEW, client_for, make_user
 from tests.support.workers import run_worker
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
-REFUND = "payments.refund_order"
+REFUND = "shop.refund_order"
 
 
 def order_url(order: Order) -> str:
-    return reverse("admin:payments_order_change", args=[order.pk])
+    return reverse("admin:shop_order_change", args=[order.pk])
 
 
 def refund_url(order: Order, charge: str = "") -> str:
-    url = reverse("admin:payments_order_refund", args=[order.pk])
+    url = reverse("admin:shop_order_refund", args=[order.pk])
     return f"{url}?charge={charge}" if charge else url
 
 

@@ -24,8 +24,9 @@ from payments.engine.effects import EffectResult
 from payments.engine.failpoints import AFTER_PROVIDER_ACCEPT, hooked
 from payments.engine.outcomes import Outcome
 from payments.engine.recovery import reconcile
-from payments.models import ClaimState, Operation, OperationState, Order
+from payments.models import ClaimState, Operation, OperationState
 from payments.refunds.handler import request_refund
+from payments.shop.models import Order
 from tests.support import flows
 from tests.support.concurrency import on_another_connection
 from tests.support.users import VIEW, client_for, make_user
@@ -35,7 +36,7 @@ pytestmark = pytest.mark.django_db(transaction=True)
 
 
 def order_page(order: Order) -> str:
-    url = reverse("admin:payments_order_change", args=[order.pk])
+    url = reverse("admin:shop_order_change", args=[order.pk])
     return client_for(make_user("vera", *VIEW)).get(url).content.decode()
 
 
@@ -223,10 +224,10 @@ def test_order_page__status_field_and_money_box__read_at_one_moment(provider, qu
     """Finding 7 as the operator saw it: "Partially refunded" (the order's field) beside
     "Refunded €0.00" (the Money box). The refund is settled right after the payment's part
     of the page was read, before the admin reads the order's fields."""
-    import payments.admin
+    import payments.shop.admin
 
     order, refund = uncertain_refund(provider, queue, key="one-moment-fields")
-    read = payments.admin.payment_context
+    read = payments.shop.admin.payment_context
 
     def read_then_the_refund_settles(*args, **kwargs):
         context = read(*args, **kwargs)
@@ -238,7 +239,7 @@ def test_order_page__status_field_and_money_box__read_at_one_moment(provider, qu
         on_another_connection(settle)
         return context
 
-    monkeypatch.setattr(payments.admin, "payment_context", read_then_the_refund_settles)
+    monkeypatch.setattr(payments.shop.admin, "payment_context", read_then_the_refund_settles)
 
     page = order_page(order)
 

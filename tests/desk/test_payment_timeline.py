@@ -11,7 +11,8 @@ from django.urls import reverse
 
 from payments.desk.services import query_provider
 from payments.desk.views import payment
-from payments.models import Operation, OperationEvent, Order
+from payments.models import Operation, OperationEvent
+from payments.shop.models import Order
 from tests.support import flows
 from tests.support.users import RECONCILE, VIEW, client_for, make_user
 from tests.support.workers import run_worker
@@ -35,7 +36,7 @@ def timeline_rows(op: Operation) -> list[str]:
     order = Order.objects.get(pk=int(op.entity_id))
     page = (
         client_for(make_user("vera", *VIEW))
-        .get(reverse("admin:payments_order_change", args=[order.pk]))
+        .get(reverse("admin:shop_order_change", args=[order.pk]))
         .content.decode()
     )
     table = page.split('id="desk-timeline"', 1)[1].split("</table>", 1)[0]

@@ -15,7 +15,8 @@ from django.core.management import call_command
 from django.core.management.base import CommandError
 from django.urls import reverse
 
-from payments.models import ClaimState, Operation, OperationState, Order
+from payments.models import ClaimState, Operation, OperationState
+from payments.shop.models import Order
 from tests.support import flows
 from tests.support.users import RECONCILE, VIEW, client_for, make_user
 from tests.support.workers import run_worker
@@ -125,7 +126,7 @@ def test_order_page__charge_answer_lost_but_the_provider_showed_it__charged_at_t
 
     page = (
         client_for(make_user("vera", *VIEW))
-        .get(reverse("admin:payments_order_change", args=[order.pk]))
+        .get(reverse("admin:shop_order_change", args=[order.pk]))
         .content.decode()
     )
 

@@ -23,8 +23,9 @@ from django.urls import reverse
 from payments.desk.views.actions import DESK_ACTIONS
 from payments.engine import fence, handlers
 from payments.engine.handlers import DeskHooks, Run, handler
-from payments.models import Operation, OperationState, Order, OrderStatus
+from payments.models import Operation, OperationState
 from payments.refunds.handler import request_refund
+from payments.shop.models import Order, OrderStatus
 from tests.support import builders, flows
 from tests.support.users import client_for
 from tests.support.workers import run_worker

@@ -16,7 +16,8 @@ import pytest
 from django.urls import reverse
 
 from payments.checkout.orders import create_order
-from payments.models import Invoice, Operation, OperationState, Order
+from payments.models import Operation, OperationState
+from payments.shop.models import Invoice, Order
 from tests.support import flows
 from tests.support.concurrency import race
 from tests.support.users import VIEW, client_for, make_user
@@ -24,7 +25,7 @@ from tests.support.workers import run_worker
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
-REFUND = "payments.refund_order"
+REFUND = "shop.refund_order"
 COMMA = "Type the amount with a point for decimals and no thousands separator, e.g. 12.50"
 
 
@@ -34,7 +35,7 @@ def rosa(db):
 
 
 def refund_url(order: Order, charge: str = "") -> str:
-    url = reverse("admin:payments_order_refund", args=[order.pk])
+    url = reverse("admin:shop_order_refund", args=[order.pk])
     return f"{url}?charge={charge}" if charge else url
 
 
@@ -258,7 +259,7 @@ def test_order_still_processing__refund_disabled_with_the_reason(provider, queue
     order, _ = flows.order_and_checkout(key="processing-1")  # no worker: nothing captured yet
     client = client_for(rosa)
 
-    order_page = client.get(reverse("admin:payments_order_change", args=[order.pk]))
+    order_page = client.get(reverse("admin:shop_order_change", args=[order.pk]))
 
     text = order_page.content.decode()
     assert 'class="button desk-refund"' not in text

@@ -11,7 +11,8 @@ from rq.job import Job
 from rq.registry import FailedJobRegistry
 
 from payments.desk import services as desk
-from payments.models import Invoice, OperationState
+from payments.models import OperationState
+from payments.shop.models import Invoice
 from tests.support import flows
 from tests.support.provider import successes
 from tests.support.users import RECONCILE, VIEW, make_user

@@ -27,9 +27,9 @@ from payments.models import (
     Operation,
     OperationEvent,
     OperationState,
-    OrderStatus,
     StepClaim,
 )
+from payments.shop.models import OrderStatus
 from tests.support import builders
 from tests.support.builders import order_of
 from tests.support.provider import successes

@@ -23,7 +23,8 @@ from devtools.bench import dbcount
 from devtools.bench.dbcount import RoundTrips, counting, recorded
 from devtools.bench.workers import CountingWorker
 from payments.engine.dispatch import DELIVER_MESSAGE, RUN_OPERATION
-from payments.models import Operation, OperationState, Order
+from payments.models import Operation, OperationState
+from payments.shop.models import Order
 from tests.conftest import BEGIN_WITH_FIRST_STATEMENT, STOCK
 from tests.support.flows import checkout
 

@@ -9,7 +9,8 @@ from django.db import connection
 from django.db.models import Max, Min
 
 from devtools.bench.history import Template, copies_for, load
-from payments.models import Invoice, Operation, OperationEvent, Order, StepClaim
+from payments.models import Operation, OperationEvent, StepClaim
+from payments.shop.models import Invoice, Order
 from tests.support.flows import checkout
 from tests.support.workers import run_fence_worker
 

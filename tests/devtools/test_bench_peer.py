@@ -15,7 +15,7 @@ from django.db import connection
 from devtools.bench import peer
 from devtools.bench.runner import Bench
 from devtools.bench.wal import wal_by_relation
-from payments.models import Invoice, LedgerEntry, Order, OrderStatus, SalesDay
+from payments.shop.models import Invoice, LedgerEntry, Order, OrderStatus, SalesDay
 from tests.support.config import TEST_REDIS_URL
 from tests.support.workers import database_url
 

@@ -10,7 +10,7 @@ import subprocess
 import pytest
 
 from devtools.management.commands.runstack import try_command
-from payments.models import Order
+from payments.shop.models import Order
 from tests.support.api import API_TOKEN
 from tests.support.workers import ROOT
 

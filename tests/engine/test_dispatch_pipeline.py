@@ -26,7 +26,8 @@ from payments.engine import dispatch as dispatch_module
 from payments.engine import fence
 from payments.engine.dispatch import DELIVER_MESSAGE, dispatch_on_commit, message_id_for
 from payments.engine.queues import payments_queue
-from payments.models import KeyScope, Operation, Order
+from payments.models import KeyScope, Operation
+from payments.shop.models import Order
 from tests.support.flows import checkout
 
 pytestmark = pytest.mark.django_db(transaction=True)

@@ -23,7 +23,8 @@ from payments.checkout.orders import create_order
 from payments.desk import services as desk
 from payments.engine import failpoints, fence, handlers
 from payments.engine.recovery import reconcile
-from payments.models import ClaimState, Operation, OperationState, Order, OrderStatus
+from payments.models import ClaimState, Operation, OperationState
+from payments.shop.models import Order, OrderStatus
 from tests.conftest import run_worker
 from tests.support.workers import ROOT, worker_env
 

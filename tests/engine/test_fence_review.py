@@ -20,15 +20,8 @@ from payments.desk import services as desk
 from payments.engine import fence, handlers
 from payments.engine.dispatch import dispatch
 from payments.engine.recovery import reconcile
-from payments.models import (
-    ClaimState,
-    Invoice,
-    KeyScope,
-    Operation,
-    OperationState,
-    Order,
-    OrderStatus,
-)
+from payments.models import ClaimState, KeyScope, Operation, OperationState
+from payments.shop.models import Invoice, Order, OrderStatus
 from tests.support.builders import charge_effect
 from tests.support.users import NEW_ATTEMPT, RECONCILE, VIEW, make_user
 from tests.support.workers import run_worker

@@ -18,10 +18,10 @@ from payments.captures.handler import request_capture
 from payments.checkout import handler as checkout_handler
 from payments.checkout.orders import create_order
 from payments.engine import follow_ups, handlers
-from payments.entities import ORDER_CONFIRMATION, ORDER_PAID
 from payments.exceptions import ConfigurationError
 from payments.fence import Follows, kinds_following, message
 from payments.models import ClaimState, Operation, OperationState
+from payments.shop.entities import ORDER_CONFIRMATION, ORDER_PAID
 from tests.support import flows
 from tests.support.workers import run_worker
 

@@ -20,7 +20,8 @@ from payments.engine.dispatch import dispatch
 from payments.engine.recovery import reconcile
 from payments.engine.runtime import execute
 from payments.engine.writes import fence_writes
-from payments.models import ClaimState, Operation, OperationState, OrderStatus, StepClaim
+from payments.models import ClaimState, Operation, OperationState, StepClaim
+from payments.shop.models import OrderStatus
 from tests.support.builders import charge_effect
 from tests.support.workers import run_worker
 

@@ -18,14 +18,8 @@ from payments.checkout.orders import create_order
 from payments.engine import fence
 from payments.engine.recovery import reconcile
 from payments.engine.writes import fence_writes
-from payments.models import (
-    ClaimLook,
-    ClaimState,
-    LookShowed,
-    OperationEvent,
-    OperationState,
-    OrderStatus,
-)
+from payments.models import ClaimLook, ClaimState, LookShowed, OperationEvent, OperationState
+from payments.shop.models import OrderStatus
 from tests.support.provider import successes
 from tests.support.workers import run_worker
 

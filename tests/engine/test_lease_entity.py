@@ -17,7 +17,8 @@ from payments.checkout.orders import create_order
 from payments.engine import fence, runtime
 from payments.engine.handlers import Run, entity_models, get_handler, handler
 from payments.exceptions import ConfigurationError
-from payments.models import ApiClient, Operation, OperationState, Order, StepClaim
+from payments.models import ApiClient, Operation, OperationState, StepClaim
+from payments.shop.models import Order
 
 pytestmark = pytest.mark.django_db(transaction=True)
 

@@ -329,7 +329,7 @@ def test_local_step_run_first__concurrent_duplicate__rolls_its_writes_back(queue
     operation again. The step's writes exist once."""
     from payments.engine.handlers import Run, get_handler
     from payments.exceptions import StepDoneMeanwhile
-    from payments.models import LedgerEntry
+    from payments.shop.models import LedgerEntry
 
     leased = fence.acquire_lease(_pending_checkout("loc-2").pk, owner=WORKER, seconds=30)
     op, spec = leased.operation, with_test_steps(get_handler(leased.operation.kind))
@@ -389,7 +389,7 @@ def test_deliver_message__concurrent_duplicate_delivery__runs_the_handler_once(q
     from payments.checkout.names import LEDGER_CONSUMER, RECORD_SALE
     from payments.engine import handlers
     from payments.engine.dispatch import message_id_for
-    from payments.models import LedgerEntry
+    from payments.shop.models import LedgerEntry
 
     op = _ledger_follow_up("msg-1", "pi_1")
     message = (LEDGER_CONSUMER, message_id_for(op.key, op.scope))
@@ -429,7 +429,7 @@ def test_deliver_message__an_operation_that_may_not_succeed__rolls_back_its_inbo
     from payments.checkout.names import LEDGER_CONSUMER, RECORD_SALE
     from payments.engine import handlers
     from payments.exceptions import IllegalTransition
-    from payments.models import LedgerEntry
+    from payments.shop.models import LedgerEntry
 
     op = _ledger_follow_up("msg-2", "pi_2")
     monkeypatch.setattr(handlers, "current_message", lambda consumer: (LEDGER_CONSUMER, "m-2"))
@@ -453,7 +453,7 @@ def _a_worker_holding_the_invoice(
     from payments.checkout.handler import issue_invoice
     from payments.checkout.names import INVOICE
     from payments.engine.handlers import Run, get_handler
-    from payments.models import Order
+    from payments.shop.models import Order
 
     leased = fence.acquire_lease(op.pk, owner="a/1", seconds=30)
     order = Order.objects.get(pk=op.params["order_id"])
@@ -490,7 +490,7 @@ def test_a_lease_taken_over_from_a_worker_still_running__claims_its_local_steps_
     """b/2 takes over the lease of a/1, which still runs with its invoice uncommitted:
     b/2's invoice step claims first, waits on a/1's claim and replays a/1's invoice."""
     from payments.engine import runtime
-    from payments.models import Invoice
+    from payments.shop.models import Invoice
 
     op = _pending_checkout("over-1")
     started, release = threading.Event(), threading.Event()
@@ -511,7 +511,7 @@ def test_a_local_step_done_meanwhile_by_a_worker_still_running__runs_again_uncou
     insert waits on a/1's invoice number and fails once a/1 commits. b/2 rolls back and
     defers without counting an attempt; its next run replays a/1's invoice."""
     from payments.engine import runtime
-    from payments.models import Invoice
+    from payments.shop.models import Invoice
 
     op = _pending_checkout("over-2")
     started, release = threading.Event(), threading.Event()
@@ -619,7 +619,7 @@ def test_a_lease_taken_over_while_the_old_run_still_queues_its_local_claim__invo
     the same stall between a/1's invoice and its claim statement deadlocked the same way;
     the window is now until a/1's next fence statement.)"""
     from payments.engine import runtime
-    from payments.models import Invoice
+    from payments.shop.models import Invoice
 
     op = _pending_checkout("over-3")
     started, release = threading.Event(), threading.Event()

@@ -21,7 +21,8 @@ from payments.engine.effects import DeliveryPolicy
 from payments.engine.handlers import Run, get_handler
 from payments.engine.unit import UnitRolledBack
 from payments.exceptions import RetryLater
-from payments.models import ClaimState, Invoice, Operation, OperationState, Order, StepClaim
+from payments.models import ClaimState, Operation, OperationState, StepClaim
+from payments.shop.models import Invoice, Order
 from tests.support.builders import with_test_steps
 from tests.support.concurrency import on_another_connection
 from tests.support.flows import checkout

@@ -203,7 +203,7 @@ def test_a_receiver_running_fence_statements_while_rows_become_instances__reads_
     the lease still comes with its order."""
     from django.db.models.signals import post_init
 
-    from payments.models import Order
+    from payments.shop.models import Order
 
     op = checkout("prep-nested")
     other = checkout("prep-nested-other")

@@ -74,15 +74,8 @@ from payments.engine.handlers import get_handler
 from payments.engine.recovery import reconcile, sweep
 from payments.engine.transitions import CLAIM_TRANSITIONS, OPERATION_TRANSITIONS
 from payments.exceptions import RetriesExhausted, RetryLater
-from payments.models import (
-    ClaimState,
-    Operation,
-    OperationEvent,
-    OperationState,
-    Order,
-    OrderStatus,
-    StepClaim,
-)
+from payments.models import ClaimState, Operation, OperationEvent, OperationState, StepClaim
+from payments.shop.models import Order, OrderStatus
 from tests.support.users import NEW_ATTEMPT, RECONCILE, make_user
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -127,10 +120,14 @@ EXPECTED_JOB_ERRORS = (RetryLater, RetriesExhausted, Crash, InjectedDBError)
 
 
 def _tables() -> list[str]:
-    names = ["OperationEvent", "StepClaim", "Operation", "Invoice", "LedgerEntry", "SalesDay"]
-    tables = [apps.get_model("payments", name)._meta.db_table for name in names]
-    tables += [Order._meta.db_table, apps.get_model("inbox", "InboxEntry")._meta.db_table]
-    return tables
+    fence = [
+        apps.get_model("payments", name) for name in ("OperationEvent", "StepClaim", "Operation")
+    ]
+    shop = [
+        apps.get_model("shop", name) for name in ("Invoice", "LedgerEntry", "SalesDay", "Order")
+    ]
+    models = [*fence, *shop, apps.get_model("inbox", "InboxEntry")]
+    return [model._meta.db_table for model in models]
 
 
 class QuietWorker(SimpleWorker):

@@ -20,14 +20,8 @@ from payments.engine import fence, runtime
 from payments.engine.effects import DeliveryPolicy
 from payments.engine.handlers import Run, get_handler
 from payments.exceptions import InvalidTransition, OperationConflict, StepDoneMeanwhile
-from payments.models import (
-    KeyScope,
-    LedgerEntry,
-    Operation,
-    OperationEvent,
-    OperationState,
-    StepClaim,
-)
+from payments.models import KeyScope, Operation, OperationEvent, OperationState, StepClaim
+from payments.shop.models import LedgerEntry
 from tests.support.concurrency import on_another_connection
 
 pytestmark = pytest.mark.django_db(transaction=True)

@@ -25,7 +25,8 @@ from payments.engine.effects import DeliveryPolicy
 from payments.engine.handlers import Run, get_handler
 from payments.engine.writes import fence_writes
 from payments.exceptions import OutcomeRefused
-from payments.models import ClaimState, LedgerEntry, Operation, OperationEvent, StepClaim
+from payments.models import ClaimState, Operation, OperationEvent, StepClaim
+from payments.shop.models import LedgerEntry
 from tests.support.concurrency import on_another_connection
 
 pytestmark = pytest.mark.django_db(transaction=True)

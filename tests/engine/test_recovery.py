@@ -20,8 +20,9 @@ from payments.engine.dispatch import dispatch
 from payments.engine.jobs import run_operation
 from payments.engine.recovery import job_is_live, reconcile, sweep
 from payments.engine.writes import fence_writes
-from payments.models import ClaimState, Operation, OperationState, Order, OrderStatus, StepClaim
+from payments.models import ClaimState, Operation, OperationState, StepClaim
 from payments.provider.client import ProviderClient
+from payments.shop.models import Order, OrderStatus
 from tests.support.provider import successes
 from tests.support.workers import run_worker
 

@@ -12,7 +12,7 @@ from django.db import connection
 
 from devtools.bench.dbcount import counting
 from payments.engine import worker as worker_module
-from payments.models import Order
+from payments.shop.models import Order
 from tests.support.workers import run_fence_worker
 
 pytestmark = pytest.mark.django_db(transaction=True)

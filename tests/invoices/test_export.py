@@ -22,7 +22,8 @@ from payments.engine.steps import replay_allowed
 from payments.fence import create_follow_ups_in_tx
 from payments.invoices.effect import external_id
 from payments.invoices.names import ACCOUNTING, EXPORT, INVOICE_EXPORT
-from payments.models import ClaimState, Operation, OperationEvent, OperationState, Order
+from payments.models import ClaimState, Operation, OperationEvent, OperationState
+from payments.shop.models import Order
 from tests.invoices.conftest import API_KEY, entry, export_of
 from tests.support import builders, flows
 from tests.support.workers import run_worker

@@ -15,7 +15,8 @@ import pytest
 
 from payments.checkout.handler import request_checkout
 from payments.checkout.orders import create_order
-from payments.models import Invoice, LedgerEntry, Operation, SalesDay
+from payments.models import Operation
+from payments.shop.models import Invoice, LedgerEntry, SalesDay
 from payments.testing import crash_matrix, crash_points
 from tests.support.workers import worker_env
 

@@ -23,11 +23,11 @@ from payments.models import (
     UNSETTLED_CLAIM_STATES,
     Operation,
     OperationState,
-    OrderStatus,
     StepClaim,
 )
 from payments.observability.metrics import COUNTER_PREFIX
 from payments.refunds.handler import request_refund
+from payments.shop.models import OrderStatus
 from tests.support import builders
 from tests.support.flows import order_and_checkout
 from tests.support.workers import run_worker

@@ -198,6 +198,23 @@ def database():
     subprocess.run(["dropdb", "-h", "127.0.0.1", "-U", "postgres", "--if-exists", name], check=True)
 
 
+#: What of the shop a project without it has: tables, admin pages, permissions (none).
+NO_SHOP = """
+from django.apps import apps
+from django.contrib import admin
+from django.contrib.auth.models import Permission
+from django.db import connection
+tables = set(connection.introspection.table_names())
+print("TABLES", sorted(t for t in tables if t in ("payments_operation", "payments_stepclaim")))
+shop = ["payments_order", "payments_invoice", "payments_creditnote", "payments_ledgerentry",
+        "payments_salesday"]
+print("SHOP TABLES", sorted(t for t in shop if t in tables))
+pages = [m._meta.label for m in apps.get_models() if admin.site.is_registered(m)]
+print("SHOP PAGES", sorted(p for p in pages if p.startswith("shop.")))
+print("SHOP PERMISSIONS", Permission.objects.filter(codename__endswith="_order").count())
+"""
+
+
 def test_a_new_project_installs_the_wheel_and_fences_a_model_of_its_own(
     tmp_path, wheel_path, database
 ):
@@ -228,6 +245,11 @@ def test_a_new_project_installs_the_wheel_and_fences_a_model_of_its_own(
     run([*manage, "check", "--fail-level", "WARNING"], project, env)
     run([*manage, "makemigrations", "bookings", "-v", "0"], project, env)
     run([*manage, "migrate", "-v", "0"], project, env)
+    # The shop is an example the project left out: none of its tables, pages or permissions.
+    shop = run([*manage, "shell", "-c", NO_SHOP], project, env)
+    assert "TABLES ['payments_operation', 'payments_stepclaim']" in shop, shop
+    assert "SHOP TABLES []" in shop and "SHOP PAGES []" in shop, shop
+    assert "SHOP PERMISSIONS 0" in shop, shop
     run([*manage, "shell", "-c", START], project, env)
     run([*manage, "rqworker", "payments", "--burst"], project, env)
     report = run([*manage, "shell", "-c", REPORT], project, env)

@@ -16,9 +16,10 @@ from django.test import Client
 from payments.checkout.orders import create_order
 from payments.desk import services as desk
 from payments.engine.recovery import reconcile
-from payments.models import CreditNote, Operation, OperationState, Order, OrderStatus
+from payments.models import Operation, OperationState
 from payments.provider.client import ProviderClient
 from payments.refunds.handler import RefundNotAllowed, request_refund
+from payments.shop.models import CreditNote, Order, OrderStatus
 from tests.support import flows
 from tests.support.users import make_user
 from tests.support.workers import run_worker

@@ -25,9 +25,10 @@ from payments.conf import payments_settings
 from payments.engine import fence
 from payments.engine.handlers import get_handler
 from payments.engine.writes import fence_writes
-from payments.models import ClaimState, Operation, OperationState, Order, OrderStatus, StepClaim
+from payments.models import ClaimState, Operation, OperationState, StepClaim
 from payments.provider.client import ProviderClient
 from payments.provider.errors import CardDeclined
+from payments.shop.models import Order, OrderStatus
 
 WORKER = "worker-1/4242"
 

@@ -11,7 +11,8 @@ import pytest
 
 from payments.checkout.handler import request_checkout
 from payments.checkout.orders import create_order
-from payments.models import Invoice, LedgerEntry, Operation, Order, OrderStatus
+from payments.models import Operation
+from payments.shop.models import Invoice, LedgerEntry, Order, OrderStatus
 from tests.support.workers import run_worker
 
 

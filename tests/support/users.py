@@ -5,7 +5,7 @@ from __future__ import annotations
 from django.contrib.auth.models import Permission, User
 from django.test import Client
 
-VIEW = ("payments.view_operation", "payments.view_order", "payments.view_invoice")
+VIEW = ("payments.view_operation", "shop.view_order", "shop.view_invoice")
 RECONCILE = "payments.reconcile_operation"
 NEW_ATTEMPT = "payments.start_new_attempt"
 

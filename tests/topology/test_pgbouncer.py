@@ -164,7 +164,7 @@ def test_control__pooled_clients_share_a_session_so_prepared_statements_collide(
 ITERATE = """
 from django.db import connection
 from payments.checkout.orders import create_order
-from payments.models import Order
+from payments.shop.models import Order
 for _ in range(3):
     create_order(amount=100, currency="eur", email="cursor@example.com")
 cursors = []

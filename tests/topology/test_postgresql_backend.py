@@ -32,7 +32,7 @@ from django.db import (
 from django.db.backends.postgresql.psycopg_any import IsolationLevel
 from psycopg import pq
 
-from payments.models import Invoice, Order, OrderStatus
+from payments.shop.models import Invoice, Order, OrderStatus
 from project.postgresql.base import (
     TESTED_VERSIONS,
     DatabaseWrapper,

@@ -14,15 +14,10 @@ import pytest
 from payments.desk import services as desk
 from payments.desk.services import DeskError
 from payments.engine import handlers
-from payments.models import (
-    ClaimState,
-    CreditNote,
-    OperationState,
-    OrderStatus,
-    ProviderEvent,
-)
+from payments.models import ClaimState, OperationState, ProviderEvent
 from payments.refunds.handler import request_refund
 from payments.refunds.names import REFUND_REVERSED, REFUND_STEP
+from payments.shop.models import CreditNote, OrderStatus
 from tests.support import builders
 from tests.support.flows import order_and_checkout
 from tests.support.users import RECONCILE, VIEW, make_user

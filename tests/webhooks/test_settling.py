@@ -22,17 +22,9 @@ from payments.checkout.handler import request_checkout
 from payments.checkout.names import CHARGE
 from payments.engine import fence, recovery, steps
 from payments.engine.writes import fence_writes
-from payments.models import (
-    ClaimState,
-    CreditNote,
-    Operation,
-    OperationEvent,
-    OperationState,
-    Order,
-    OrderStatus,
-    ProviderEvent,
-)
+from payments.models import ClaimState, Operation, OperationEvent, OperationState, ProviderEvent
 from payments.refunds.handler import request_refund
+from payments.shop.models import CreditNote, Order, OrderStatus
 from payments.webhooks.handling import CONSUMER, handle_event
 from tests.support.builders import charge_effect
 from tests.support.flows import order_and_checkout

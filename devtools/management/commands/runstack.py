@@ -119,7 +119,7 @@ class Command(BaseCommand):
             user = user_model.objects.create_user(username, password=password, is_staff=True)
             user.user_permissions.set(
                 Permission.objects.filter(
-                    content_type__app_label="payments", codename__in=codenames
+                    content_type__app_label__in=("payments", "shop"), codename__in=codenames
                 )
             )
             created[username] = password

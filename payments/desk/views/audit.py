@@ -12,6 +12,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
 
+from django.contrib import admin
 from django.http import HttpRequest
 from django.urls import reverse
 from django.utils import timezone
@@ -19,7 +20,7 @@ from django.utils.html import format_html, format_html_join
 from django.utils.http import urlencode
 from django.utils.timesince import timesince
 
-from payments.desk.display import reference_link, when
+from payments.desk.display import entity_model, entity_named, reference_link, when
 from payments.models import ClaimState, FenceAuditRun, Operation, StepClaim
 
 # --- the last fence audit, as tables ------------------------------------------------------
@@ -56,7 +57,6 @@ def audit_view(run: FenceAuditRun | None, request: HttpRequest) -> dict[str, Any
     raw_steps = summary.get("steps")
     steps: dict[str, Any] = raw_steps if isinstance(raw_steps, dict) else {}
     links = _OperationLinks(summary, steps)
-    may_view_orders = request.user.has_perm("payments.view_order")
 
     def where(reference: str) -> str:
         place = str(steps.get(reference) or "")
@@ -67,9 +67,9 @@ def audit_view(run: FenceAuditRun | None, request: HttpRequest) -> dict[str, Any
 
     def entity(item: dict[str, Any]) -> str:
         kind, pk = str(item.get("entity_type") or ""), str(item.get("entity_id") or "")
-        if kind == "order" and pk and may_view_orders:
-            url = reverse("admin:payments_order_change", args=[pk])
-            return format_html('<a class="desk-entity" href="{}">Order {}</a>', url, pk)
+        model = entity_model(kind)
+        if model is not None and pk:
+            return entity_named(model, pk, admin.site, request.user, css_class="desk-entity")
         return f"{kind} {pk}".strip() or "-"
 
     def references(refs: Any) -> str:

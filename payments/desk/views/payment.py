@@ -563,7 +563,7 @@ def payment_context(request: HttpRequest, order: Any) -> dict[str, Any]:
         refused = desk_refund.refund_refused("order", order.pk)
     rows = with_duplicates(fenced, duplicates)
     may_refund = request.user.has_perm(desk_refund.refund_permission("order"))
-    refund_url = reverse("admin:payments_order_refund", args=[order.pk])
+    refund_url = reverse("admin:shop_order_refund", args=[order.pk])
     return {
         "read_at": when(read_at),
         "money": money_summary(order, rows),

@@ -149,7 +149,7 @@ def refund_urls(admin: Any) -> list[URLPattern]:
             admin.admin_site.admin_view(
                 lambda request, object_id: refund_view(admin, request, object_id)
             ),
-            name="payments_order_refund",
+            name="shop_order_refund",
         )
     ]
 
@@ -157,8 +157,8 @@ def refund_urls(admin: Any) -> list[URLPattern]:
 def refund_view(admin: Any, request: HttpRequest, object_id: str) -> HttpResponse:
     """GET: what will be refunded, the refunds asked already, a reason; POST: ask, log, redirect."""
     permission = desk_refund.refund_permission("order")
-    if not request.user.has_perm("payments.view_order"):
-        raise PermissionDenied("payments.view_order")
+    if not request.user.has_perm("shop.view_order"):
+        raise PermissionDenied("shop.view_order")
     if not request.user.has_perm(permission):
         raise PermissionDenied(permission)
     order = admin.get_object(request, unquote(object_id))
@@ -175,7 +175,7 @@ def refund_view(admin: Any, request: HttpRequest, object_id: str) -> HttpRespons
         (m for m in rows if m.duplicate and not m.original and m.reference == charge), None
     )
     asked = desk_refund.refunds_asked("order", order.pk)
-    change_url = reverse("admin:payments_order_change", args=[order.pk])
+    change_url = reverse("admin:shop_order_change", args=[order.pk])
     initial = {
         "charge": charge,
         "action_id": uuid.uuid4().hex,
@@ -235,9 +235,7 @@ def refund_view(admin: Any, request: HttpRequest, object_id: str) -> HttpRespons
         "amount_label": format_html("Amount ({})", order.currency.upper()),
     }
     request.current_app = admin.admin_site.name
-    return TemplateResponse(
-        request, "admin/payments/order/refund_confirm.html", context, status=status
-    )
+    return TemplateResponse(request, "admin/shop/order/refund_confirm.html", context, status=status)
 
 
 def _left(order: Any, duplicate: Movement | None, asked: list[desk_refund.AskedRefund]) -> str:

@@ -1,4 +1,4 @@
-"""What every business package does with the order an operation acts for (checkout, refunds).
+"""What every shop operation does with the order it acts for (checkout, captures, refunds).
 
 Shared here because the business packages may not import each other (an
 import-linter contract keeps them independent).
@@ -9,8 +9,9 @@ from __future__ import annotations
 from typing import Final
 
 from payments.fence import create_follow_ups_in_tx, kinds_following
-from payments.models import Operation, Order
+from payments.models import Operation
 from payments.money import format_money
+from payments.shop.models import Order
 
 #: The business event of an order paid, whatever paid it (a checkout, a capture). Each
 #: package that has something to do then declares it on its operation,

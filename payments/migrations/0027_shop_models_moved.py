@@ -1,0 +1,113 @@
+"""The shop's models (Order, Invoice, CreditNote, LedgerEntry, SalesDay) leave this app.
+
+They move to the app `shop` (payments/shop, its migration 0001) in the
+migration state: their tables keep their names, rows, indexes and
+constraints. The fence's own tables never referenced them.
+
+Where the shop is not installed (a project that fences its own models) and
+its tables are empty (the earlier migrations made them on a new database),
+they are dropped: a project without the shop has none of its tables (and its
+test runner's flush is not stopped by `payments_order`'s foreign key to the
+API clients). Tables holding rows are never dropped: a deployment that left
+the shop out of INSTALLED_APPS keeps them, and shop 0001 takes them back.
+Backwards, dropped tables are made again (empty).
+"""
+
+from django.apps import apps as installed
+from django.db import migrations
+
+#: Created in this order by the earlier migrations; dropped in the reverse one.
+TABLES = [
+    ("Order", "payments_order"),
+    ("Invoice", "payments_invoice"),
+    ("CreditNote", "payments_creditnote"),
+    ("LedgerEntry", "payments_ledgerentry"),
+    ("SalesDay", "payments_salesday"),
+]
+
+
+def _existing(schema_editor):
+    return set(schema_editor.connection.introspection.table_names())
+
+
+def drop_unused_shop_tables(apps, schema_editor):
+    """Drop the shop's tables where the shop is not installed and every one is empty."""
+    if installed.is_installed("payments.shop"):
+        return
+    existing = _existing(schema_editor)
+    present = [table for _, table in TABLES if table in existing]
+    with schema_editor.connection.cursor() as cursor:
+        for table in present:
+            cursor.execute(f"SELECT EXISTS (SELECT 1 FROM {schema_editor.quote_name(table)})")
+            if cursor.fetchone()[0]:
+                return  # rows: kept for the shop (or for whoever reads them)
+    for table in reversed(present):
+        schema_editor.execute(f"DROP TABLE {schema_editor.quote_name(table)}")
+
+
+def _unique_key_as_an_index(schema_editor):
+    """The order's (client, key) uniqueness as payments 0012 made it: a unique index built
+    CONCURRENTLY, not a constraint (create_model makes a constraint, and a migration back
+    past 0012 drops an index). After create_model's own deferred statements, which add
+    the constraint when the migration ends."""
+    schema_editor.deferred_sql += [
+        "ALTER TABLE payments_order DROP CONSTRAINT payments_order_client_key_uniq",
+        "CREATE UNIQUE INDEX payments_order_client_key_uniq"
+        " ON payments_order (client_id, idempotency_key)",
+    ]
+
+
+def make_dropped_shop_tables(apps, schema_editor):
+    """Backwards: make again (empty) the shop's tables dropped above, as 0026 had them."""
+    existing = _existing(schema_editor)
+    for name, table in TABLES:
+        if table not in existing:
+            schema_editor.create_model(apps.get_model("payments", name))
+            if name == "Order":
+                _unique_key_as_an_index(schema_editor)
+
+
+class Migration(migrations.Migration):
+    dependencies = [
+        ("payments", "0026_drop_claim_reference"),
+    ]
+
+    operations = [
+        migrations.RunPython(drop_unused_shop_tables, make_dropped_shop_tables),
+        migrations.SeparateDatabaseAndState(
+            database_operations=[],
+            state_operations=[
+                migrations.RemoveField(
+                    model_name="creditnote",
+                    name="order",
+                ),
+                migrations.RemoveField(
+                    model_name="invoice",
+                    name="order",
+                ),
+                migrations.RemoveField(
+                    model_name="ledgerentry",
+                    name="order",
+                ),
+                migrations.RemoveField(
+                    model_name="order",
+                    name="client",
+                ),
+                migrations.DeleteModel(
+                    name="SalesDay",
+                ),
+                migrations.DeleteModel(
+                    name="CreditNote",
+                ),
+                migrations.DeleteModel(
+                    name="Invoice",
+                ),
+                migrations.DeleteModel(
+                    name="LedgerEntry",
+                ),
+                migrations.DeleteModel(
+                    name="Order",
+                ),
+            ],
+        ),
+    ]

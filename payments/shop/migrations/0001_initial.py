@@ -1,0 +1,288 @@
+"""The shop's models, moved here from `payments` (its migration 0027) without a write.
+
+The tables stay as they are (`payments_order`, ...; each model names its
+`db_table`): these operations change the migration state only, except on a
+database where payments 0027 dropped them (empty, the shop not installed then),
+where they are made. The content
+types of the five models move with them, so the permissions attached to
+them ("refund_order", "view_order", ...), and the groups and users holding
+those, now read `shop.<codename>` and keep every grant.
+"""
+
+import django.db.models.deletion
+import django.db.models.functions.text
+from django.db import migrations, models
+
+MODELS = ["order", "invoice", "creditnote", "ledgerentry", "salesday"]
+
+
+def _relabel(apps, schema_editor, old, new):
+    """Move the models' content types from app label `old` to `new` (their permissions follow).
+
+    A fresh database has none yet (post_migrate creates them under `shop`).
+    """
+    content_type = apps.get_model("contenttypes", "ContentType")
+    db = schema_editor.connection.alias
+    taken = set(
+        content_type.objects.using(db)
+        .filter(app_label=new, model__in=MODELS)
+        .values_list("model", flat=True)
+    )
+    content_type.objects.using(db).filter(app_label=old, model__in=MODELS).exclude(
+        model__in=taken
+    ).update(app_label=new)
+
+
+def _unique_key_as_an_index(schema_editor):
+    """The order's (client, key) uniqueness as payments 0012 made it: a unique index built
+    CONCURRENTLY, not a constraint (create_model makes a constraint, and a migration back
+    past 0012 drops an index). After create_model's own deferred statements, which add
+    the constraint when the migration ends."""
+    schema_editor.deferred_sql += [
+        "ALTER TABLE payments_order DROP CONSTRAINT payments_order_client_key_uniq",
+        "CREATE UNIQUE INDEX payments_order_client_key_uniq"
+        " ON payments_order (client_id, idempotency_key)",
+    ]
+
+
+def make_missing_tables(apps, schema_editor):
+    """Make the tables a database lacks: one where payments 0027 dropped them, empty,
+    because the shop was not installed then. Tables already there are the shop's."""
+    existing = set(schema_editor.connection.introspection.table_names())
+    for name in ["Order", "Invoice", "CreditNote", "LedgerEntry", "SalesDay"]:
+        model = apps.get_model("shop", name)
+        if model._meta.db_table not in existing:
+            schema_editor.create_model(model)
+            if name == "Order":
+                _unique_key_as_an_index(schema_editor)
+
+
+def move_content_types(apps, schema_editor):
+    _relabel(apps, schema_editor, "payments", "shop")
+
+
+def move_content_types_back(apps, schema_editor):
+    _relabel(apps, schema_editor, "shop", "payments")
+
+
+class Migration(migrations.Migration):
+    initial = True
+
+    dependencies = [
+        ("payments", "0027_shop_models_moved"),
+        ("contenttypes", "0002_remove_content_type_name"),
+    ]
+
+    operations = [
+        migrations.SeparateDatabaseAndState(
+            database_operations=[],
+            state_operations=[
+                migrations.CreateModel(
+                    name="Order",
+                    fields=[
+                        (
+                            "id",
+                            models.BigAutoField(
+                                auto_created=True,
+                                primary_key=True,
+                                serialize=False,
+                                verbose_name="ID",
+                            ),
+                        ),
+                        (
+                            "idempotency_key",
+                            models.CharField(blank=True, max_length=255, null=True),
+                        ),
+                        (
+                            "request_fingerprint",
+                            models.CharField(blank=True, db_default="", max_length=64),
+                        ),
+                        ("amount", models.PositiveBigIntegerField()),
+                        ("currency", models.CharField(max_length=3)),
+                        (
+                            "status",
+                            models.CharField(
+                                choices=[
+                                    ("pending", "Pending"),
+                                    ("processing", "Processing"),
+                                    ("paid", "Paid"),
+                                    ("payment_failed", "Payment failed"),
+                                    ("partially_refunded", "Partially refunded"),
+                                    ("refunded", "Refunded"),
+                                ],
+                                default="pending",
+                                max_length=20,
+                            ),
+                        ),
+                        ("customer_email", models.EmailField(max_length=254)),
+                        ("refunded_amount", models.PositiveBigIntegerField(default=0)),
+                        ("created_at", models.DateTimeField(auto_now_add=True)),
+                        ("updated_at", models.DateTimeField(auto_now=True)),
+                        (
+                            "client",
+                            models.ForeignKey(
+                                blank=True,
+                                db_index=False,
+                                null=True,
+                                on_delete=django.db.models.deletion.PROTECT,
+                                related_name="orders",
+                                to="payments.apiclient",
+                            ),
+                        ),
+                    ],
+                    options={
+                        "db_table": "payments_order",
+                        "permissions": [
+                            (
+                                "refund_order",
+                                "Can refund an order from the desk (its charge or a duplicate)",
+                            )
+                        ],
+                    },
+                ),
+                migrations.CreateModel(
+                    name="LedgerEntry",
+                    fields=[
+                        (
+                            "id",
+                            models.BigAutoField(
+                                auto_created=True,
+                                primary_key=True,
+                                serialize=False,
+                                verbose_name="ID",
+                            ),
+                        ),
+                        ("amount", models.BigIntegerField()),
+                        ("currency", models.CharField(max_length=3)),
+                        ("provider_reference", models.CharField(max_length=255)),
+                        ("created_at", models.DateTimeField(auto_now_add=True)),
+                        (
+                            "order",
+                            models.ForeignKey(
+                                on_delete=django.db.models.deletion.PROTECT,
+                                related_name="ledger_entries",
+                                to="shop.order",
+                            ),
+                        ),
+                    ],
+                    options={
+                        "db_table": "payments_ledgerentry",
+                    },
+                ),
+                migrations.CreateModel(
+                    name="Invoice",
+                    fields=[
+                        (
+                            "id",
+                            models.BigAutoField(
+                                auto_created=True,
+                                primary_key=True,
+                                serialize=False,
+                                verbose_name="ID",
+                            ),
+                        ),
+                        ("number", models.CharField(max_length=32, unique=True)),
+                        ("amount", models.PositiveBigIntegerField()),
+                        ("currency", models.CharField(max_length=3)),
+                        ("provider_reference", models.CharField(max_length=255)),
+                        ("created_at", models.DateTimeField(auto_now_add=True)),
+                        (
+                            "order",
+                            models.OneToOneField(
+                                on_delete=django.db.models.deletion.PROTECT,
+                                related_name="invoice",
+                                to="shop.order",
+                            ),
+                        ),
+                    ],
+                    options={
+                        "db_table": "payments_invoice",
+                    },
+                ),
+                migrations.CreateModel(
+                    name="CreditNote",
+                    fields=[
+                        (
+                            "id",
+                            models.BigAutoField(
+                                auto_created=True,
+                                primary_key=True,
+                                serialize=False,
+                                verbose_name="ID",
+                            ),
+                        ),
+                        ("number", models.CharField(max_length=32, unique=True)),
+                        ("amount", models.PositiveBigIntegerField()),
+                        ("currency", models.CharField(max_length=3)),
+                        ("provider_reference", models.CharField(max_length=255, unique=True)),
+                        ("created_at", models.DateTimeField(auto_now_add=True)),
+                        (
+                            "order",
+                            models.ForeignKey(
+                                on_delete=django.db.models.deletion.PROTECT,
+                                related_name="credit_notes",
+                                to="shop.order",
+                            ),
+                        ),
+                    ],
+                    options={
+                        "db_table": "payments_creditnote",
+                    },
+                ),
+                migrations.CreateModel(
+                    name="SalesDay",
+                    fields=[
+                        (
+                            "id",
+                            models.BigAutoField(
+                                auto_created=True,
+                                primary_key=True,
+                                serialize=False,
+                                verbose_name="ID",
+                            ),
+                        ),
+                        ("day", models.DateField()),
+                        ("currency", models.CharField(max_length=3)),
+                        ("orders", models.PositiveIntegerField(default=0)),
+                        ("total", models.BigIntegerField(default=0)),
+                    ],
+                    options={
+                        "db_table": "payments_salesday",
+                        "constraints": [
+                            models.UniqueConstraint(
+                                fields=("day", "currency"), name="payments_salesday_uniq"
+                            )
+                        ],
+                    },
+                ),
+                migrations.AddIndex(
+                    model_name="order",
+                    index=models.Index(
+                        django.db.models.functions.text.Lower("customer_email"),
+                        name="payments_order_email_lower",
+                    ),
+                ),
+                migrations.AddConstraint(
+                    model_name="order",
+                    constraint=models.CheckConstraint(
+                        condition=models.Q(("amount__gt", 0)), name="payments_order_amount_positive"
+                    ),
+                ),
+                migrations.AddConstraint(
+                    model_name="order",
+                    constraint=models.CheckConstraint(
+                        condition=models.Q(("refunded_amount__lte", models.F("amount"))),
+                        name="payments_order_refunds_within_amount",
+                    ),
+                ),
+                migrations.AddConstraint(
+                    model_name="order",
+                    constraint=models.UniqueConstraint(
+                        fields=("client", "idempotency_key"), name="payments_order_client_key_uniq"
+                    ),
+                ),
+            ],
+        ),
+        migrations.RunPython(make_missing_tables, migrations.RunPython.noop),
+        migrations.RunPython(move_content_types, move_content_types_back),
+    ]

@@ -1,0 +1,108 @@
+"""The operations search finds any declared entity's operations, not only orders (issue 40).
+
+A bare number is the key of every entity model the handlers declare with an
+integer key; an e-mail, the rows of every entity model with an e-mail field
+(any case), of the models the operator may view. Driven through the admin's
+operations list with a model of another domain, its table made in the test's
+transaction (real PostgreSQL).
+"""
+
+from __future__ import annotations
+
+import pytest
+from django.contrib import admin as django_admin
+from django.db import connection, models
+from django.test import RequestFactory
+
+from payments.admin import OperationAdmin
+from payments.desk.lists import operations_search_note, search_operations
+from payments.engine import handlers
+from payments.engine.writes import fence_writes
+from payments.models import Operation
+from payments.shop.models import Order
+from tests.support.users import VIEW, make_user
+
+pytestmark = pytest.mark.django_db
+
+
+class Member(models.Model):  # noqa: DJ008
+    """A club's member: another domain's entity, with an e-mail and an integer key."""
+
+    email = models.EmailField()
+
+    class Meta:
+        app_label = "payments"  # an installed app's label: no app of its own in the test
+        db_table = "test_desk_member"
+        managed = False
+
+
+@pytest.fixture
+def members(monkeypatch):
+    """The Member table (rolled back with the test) and a handler declaring it its entity."""
+    with connection.schema_editor() as editor:
+        editor.create_model(Member)
+    monkeypatch.setattr(handlers, "_HANDLERS", dict(handlers._HANDLERS))
+    handlers.handler("join-club", entity=Member)(lambda run: None)
+    return Member
+
+
+def operation(kind: str, entity_type: str, entity_id: object, key: str) -> Operation:
+    with fence_writes():  # hand-made state: the search reads operations only
+        return Operation.objects.create(
+            key=key,
+            kind=kind,
+            entity_type=entity_type,
+            entity_id=str(entity_id),
+            params={},
+            fingerprint="x",
+        )
+
+
+def keys(found) -> set[str]:
+    return set(found.values_list("key", flat=True)) if found is not None else set()
+
+
+def test_search__an_email_finds_a_members_operations_for_who_may_view_members(members):
+    kim = members.objects.create(email="Kim@Example.com")
+    other = members.objects.create(email="lee@example.com")
+    operation("join-club", "member", kim.pk, "kim-joins")
+    operation("join-club", "member", other.pk, "lee-joins")
+    everyone = Operation.objects.all()
+
+    found = search_operations(everyone, " kim@EXAMPLE.com", may_view=lambda model: True)
+    hidden = search_operations(everyone, "kim@example.com", may_view=lambda m: m is not Member)
+
+    assert keys(found) == {"kim-joins"}
+    assert keys(hidden) == set()
+
+
+def test_search__a_number_is_any_integer_keyed_entitys_key(members):
+    member = members.objects.create(email="m@example.com")
+    order = Order.objects.create(  # the same key as the member's: a number names both
+        pk=member.pk, amount=100, currency="eur", customer_email="o@example.com"
+    )
+    operation("join-club", "member", member.pk, "member-op")
+    operation("checkout", "order", order.pk, "order-op")
+    operation("checkout", "order", member.pk + 1, "another-order")
+    operation("join-club", "member", member.pk + 1, "another-member")
+
+    found = search_operations(Operation.objects.all(), str(member.pk), may_view=lambda m: True)
+
+    assert keys(found) == {"member-op", "order-op"}
+    note = operations_search_note(str(member.pk), "/admin/payments/operation/")
+    assert f"Operations of member or order {member.pk}." in note
+
+
+def test_operations_list__searching_a_members_email_lists_its_operations(members):
+    """The admin's operations list (OperationAdmin.get_search_results): a user who may view
+    members finds them by e-mail; one who may not finds nothing."""
+    kim = members.objects.create(email="kim@example.com")
+    operation("join-club", "member", kim.pk, "kim-joins")
+    model_admin = OperationAdmin(Operation, django_admin.site)
+    request = RequestFactory().get("/admin/payments/operation/", {"q": "kim@example.com"})
+    request.user = make_user("viewer", *VIEW)
+    found, _ = model_admin.get_search_results(request, Operation.objects.all(), "kim@example.com")
+    assert keys(found) == set()  # VIEW holds no payments.view_member
+    request.user.is_superuser = True
+    found, _ = model_admin.get_search_results(request, Operation.objects.all(), "kim@example.com")
+    assert keys(found) == {"kim-joins"}
