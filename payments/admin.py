@@ -52,7 +52,7 @@ from payments.desk.lists import (
     operations_search_note,
     search_operations,
 )
-from payments.desk.views.actions import DESK_ACTIONS, mark_failed_refusal
+from payments.desk.views.actions import DESK_ACTIONS, DeskAction
 from payments.desk.views.mixin import DeskViewsMixin
 from payments.desk.views.payment import errors_shown
 from payments.desk.views.queries import (
@@ -67,7 +67,7 @@ from payments.desk.views.queries import (
 )
 from payments.desk.views.rq_links import job_link
 from payments.desk.views.search import lead_from_provider
-from payments.engine.handlers import money_moved, registered_handlers
+from payments.engine.handlers import money_moved
 from payments.models import (
     ApiClient,
     ClaimState,
@@ -523,43 +523,52 @@ class OperationAdmin(NamedPermissionsMixin, DeskViewsMixin, BoundedListMixin, ad
         return super().change_view(request, object_id, form_url, extra)
 
     def _desk_buttons(self, request: HttpRequest, op: Operation) -> list[dict[str, Any]]:
-        """The actions this user may use, each enabled or with the reason it is not."""
+        """The declared desk actions (DESK_ACTIONS, in their order: the look-up first, the
+        one that may lose money last), each enabled or with the reason it is not; an
+        action on one step once per step waiting to be settled. No action is named here:
+        each declares its permissions, its refusal and its title."""
         if not self.has_reconcile_permission(request):
             return []
         available = desk.available_actions(op)
         info = f"admin:{self.opts.app_label}_{self.opts.model_name}"
-        # Ordered by safety: the look-up first, the one that may lose money last. An
-        # operation whose handler calls no external system has nothing to look up.
-        spec = registered_handlers().get(op.kind)
-        nothing_to_ask = spec is not None and not spec.effects
-        buttons = [
-            _button(
-                info,
-                op,
-                "query_provider",
-                "its steps call no external system that can be asked" if nothing_to_ask else "",
-            )
+        return [
+            _button(info, op, action, _refused(request, op, action, step, available), step)
+            for action in DESK_ACTIONS.values()
+            for step in (available.settleable_steps if action.per_step else [""])
         ]
-        buttons.append(_button(info, op, "resume", available.refused.get("resume", "")))
-        for step in available.settleable_steps:
-            buttons.append(_button(info, op, "mark_succeeded", "", step))
-        refused = available.refused.get("new_attempt", "")
-        if not self.has_new_attempt_permission(request):
-            refused = f"it needs the permission {desk.NEW_ATTEMPT_PERMISSION}"
-        buttons.append(_button(info, op, "new_attempt", refused))
-        for step in available.settleable_steps:
-            buttons.append(_button(info, op, "mark_failed", mark_failed_refusal(op, step), step))
-        return buttons
 
 
-def _button(info: str, op: Operation, action: str, refused: str, step: str = "") -> dict[str, Any]:
+def _refused(
+    request: HttpRequest, op: Operation, action: DeskAction, step: str, available: Any
+) -> str:
+    """Why the button is off ("" when it may be pressed): a permission the user lacks, then
+    what the operation's state refuses (desk.available_actions), then the action's own
+    refusal (its `refusal`, the one its confirmation page answers 409 with)."""
+    missing = [p for p in action.permissions if not request.user.has_perm(p)]
+    if missing:
+        return f"it needs the permission {missing[0]}"
+    refused = available.refused.get(action.name, "")
+    if not refused and action.refusal is not None:
+        refused = action.refusal(op, step)
+    return refused
+
+
+def _button(
+    info: str, op: Operation, action: DeskAction, refused: str, step: str = ""
+) -> dict[str, Any]:
     if step:
-        url = reverse(f"{info}_desk_step", args=[op.pk, step, action])
-        label = f"{DESK_ACTIONS[action].title.replace('step', step)}"
+        url = reverse(f"{info}_desk_step", args=[op.pk, step, action.name])
+        label = action.title.replace("step", step)
     else:
-        url = reverse(f"{info}_desk", args=[op.pk, action])
-        label = query_title(op) if action == "query_provider" else DESK_ACTIONS[action].title
-    return {"action": action, "label": label, "url": url, "refused": refused}
+        url = reverse(f"{info}_desk", args=[op.pk, action.name])
+        label = action.title_for(op) if action.title_for is not None else action.title
+    return {
+        "action": action.name,
+        "label": label,
+        "url": url,
+        "refused": refused,
+        "danger": action.danger,
+    }
 
 
 class ReadOnlyAdmin(NamedPermissionsMixin, admin.ModelAdmin):

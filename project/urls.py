@@ -1,7 +1,8 @@
 from __future__ import annotations
 
 from django.contrib import admin
-from django.urls import include, path
+from django.urls import include, path, re_path
+from django.views.generic import RedirectView
 from django_rq import urls as django_rq_urls
 
 from payments.desk.rq_access import guarded_urlpatterns
@@ -12,6 +13,14 @@ from payments.webhooks.views import provider_webhook
 urlpatterns = [
     # django-rq's pages, each behind its permission (payments/desk/rq_access.py).
     path("admin/rq/", include((guarded_urlpatterns(django_rq_urls.urlpatterns), "django_rq"))),
+    # The shop's pages moved with its models to the app `shop` (payments 0027): a bookmark
+    # or a ticket's link to an order's old page still lands on it (permanently moved).
+    re_path(
+        r"^admin/payments/(?P<model>order|invoice)/(?P<rest>.*)$",
+        RedirectView.as_view(
+            url="/admin/shop/%(model)s/%(rest)s", permanent=True, query_string=True
+        ),
+    ),
     path("admin/", admin.site.urls),
     path("api/", include("payments.urls")),
     path("healthz", healthz, name="healthz"),

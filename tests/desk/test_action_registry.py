@@ -8,6 +8,7 @@ the message, without a line of the view naming it.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import pytest
@@ -94,3 +95,21 @@ def test_a_per_step_action_without_a_step__or_an_unknown_action__404(provider, n
     assert client.get(whole).status_code == 404
     assert client.get(unknown).status_code == 404
     assert actions.DESK_ACTIONS["mark_failed"].per_step  # the shipped ones declare it too
+
+
+def test_an_action_declared_only__gets_its_button_on_the_operation_page(provider, note_step):
+    """The operation page's button row is the declared actions, in their order, a per-step
+    one once per step waiting to be settled, off with its own refusal: no name tested."""
+    op, _claim, _ = builders.uncertain(key="registry-4", charged=False)
+    client = client_for(make_user("alice", *VIEW, RECONCILE))
+    change = reverse("admin:payments_operation_change", args=[op.pk])
+
+    page = client.get(change).content.decode()
+    buttons = re.findall(r'class="button desk-button (?:desk-button-off )?desk-([a-z_]+)', page)
+    RAN.append((0, "", "earlier"))
+    refused = client.get(change).content.decode()
+
+    assert buttons == [*[a for a in DESK_ACTIONS if a != "note_step"], "note_step"]
+    assert f'href="{url(op)}">Note charge</a>' in page  # its title, the step named
+    assert "Note charge is unavailable: this step was noted already" in refused
+    assert "desk-button-off desk-note_step" in refused

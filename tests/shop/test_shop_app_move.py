@@ -256,3 +256,15 @@ def test_downgrade__tables_dropped_for_a_project_without_the_shop_are_made_again
     old = MigrationExecutor(connection).loader.project_state(BEFORE_STATE).apps
     assert old.get_model("payments", "Order").objects.count() == 0
     migrate_to_head()
+
+
+@pytest.mark.django_db
+def test_an_orders_old_admin_address__moves_to_its_new_one():
+    """A bookmark or a ticket's link from before the move (/admin/payments/order/42/change/)."""
+    client = Client()
+    old = client.get("/admin/payments/order/42/change/?_changelist_filters=status%3Dpaid")
+    listing = client.get("/admin/payments/invoice/")
+    assert old.status_code == 301
+    assert old["Location"] == "/admin/shop/order/42/change/?_changelist_filters=status%3Dpaid"
+    assert (listing.status_code, listing["Location"]) == (301, "/admin/shop/invoice/")
+    assert client.get("/admin/payments/operation/").status_code == 302  # the login: not moved

@@ -49,7 +49,7 @@ from payments.desk.evidence import (
 from payments.desk.rules import declined_payment_method
 from payments.desk.views.base import DeskBase, operator_of
 from payments.engine import fence
-from payments.engine.handlers import get_handler
+from payments.engine.handlers import get_handler, registered_handlers
 from payments.engine.steps import replay_allowed
 from payments.exceptions import PaymentsError
 from payments.models import INCIDENT_LOOKS, Operation, OperationState, StepClaim
@@ -186,6 +186,8 @@ class DeskAction:
     refusal: Callable[[Operation, str], str] | None = None
     #: Its title for an operation, when the title depends on it (the system's name).
     title_for: Callable[[Operation], str] | None = None
+    #: Its verb for an operation (the confirmation's "Yes, ..."), when it depends on it.
+    verb_for: Callable[[Operation], str] | None = None
     #: The template saying what it will do, included under "What will happen" ("": none).
     explains: str = ""
     #: What its confirmation page says beyond every action's: (operation, step) -> context.
@@ -193,6 +195,16 @@ class DeskAction:
     #: The message's level once it ran, from the operation as it is then; by default a
     #: success, or a warning for an ActionDone that says so.
     level_after: Callable[[Operation], int] | None = None
+    #: It may lose money if pressed wrongly: its button is drawn as a danger (red).
+    danger: bool = False
+
+
+def _nothing_to_ask(op: Operation, step: str) -> str:
+    """Why there is nothing to look up: the operation's handler calls no external system."""
+    spec = registered_handlers().get(op.kind)
+    if spec is not None and not spec.effects:
+        return "its steps call no external system that can be asked"
+    return ""
 
 
 def _run_query(op: Operation, step: str, request: HttpRequest, data: dict[str, Any]) -> str:
@@ -464,23 +476,26 @@ def _explains(name: str) -> str:
     return f"admin/payments/operation/desk_explains/{name}.html"
 
 
+#: The desk's actions, in the order of their buttons on an operation's page: ordered by
+#: safety, the look-up first, the one that may lose money (mark failed) last.
 DESK_ACTIONS = {
     a.name: a
     for a in (
         DeskAction("query_provider", "Query provider now", "Query the provider", QueryForm,
                    RECONCILE, _run_query, level_after=_settled_level, title_for=query_title,
+                   refusal=_nothing_to_ask, verb_for=lambda op: f"query {operation_label(op)}",
                    explains=_explains("query_provider")),
         DeskAction("resume", "Resume with the same key", "Resume", ReasonForm, RECONCILE,
                    _run_resume, explains=_explains("resume")),
         DeskAction("mark_succeeded", "Mark step succeeded", "Check and mark succeeded",
                    MarkSucceededForm, RECONCILE, _run_mark_succeeded, per_step=True,
                    explains=_explains("mark_succeeded")),
-        DeskAction("mark_failed", "Mark step failed", "Check and mark failed", ReasonForm,
-                   RECONCILE, _run_mark_failed, per_step=True, refusal=mark_failed_refusal,
-                   page=_mark_failed_plan, explains=_explains("mark_failed")),
         DeskAction("new_attempt", "Start a new attempt", "Start a new attempt", NewAttemptForm,
                    (*RECONCILE, "payments.start_new_attempt"), _run_new_attempt,
                    page=_next_key, explains=_explains("new_attempt")),
+        DeskAction("mark_failed", "Mark step failed", "Check and mark failed", ReasonForm,
+                   RECONCILE, _run_mark_failed, per_step=True, refusal=mark_failed_refusal,
+                   page=_mark_failed_plan, explains=_explains("mark_failed"), danger=True),
     )
 }  # fmt: skip
 
@@ -578,6 +593,8 @@ class ActionViewsMixin(DeskBase):
             else "",
             **(spec.page(op, step) if spec.page is not None else {}),
             "system": operation_label(op),
+            # The confirmation's words: "Yes, query Adyen", "Yes, resume".
+            "verb": spec.verb_for(op) if spec.verb_for is not None else spec.verb.lower(),
             # Whether every system the operation's steps call offers a read.
             "system_reads": all(system_words(c).reads for c in op.claims.all()),
             "change_url": change_url,
