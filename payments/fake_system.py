@@ -11,12 +11,17 @@ handler's effect through every way a call ends without the real system:
   another body is `422 {"error": "idempotency_key_reused"}`; no key is `400`.
 - `GET /objects/<id>`: the object, or `404 {"error": "not_found"}`.
 - `GET /objects?external_id=<x>`: `{"data": [...]}`, every object made with that
-  `external_id`, oldest first (a consistent read, never a lagging search).
+  `external_id`, oldest first (a consistent read, never a lagging search); without
+  one (or empty) `400 {"error": "external_id_required"}`.
+- A body is read by its `Content-Length`: a chunked one (no length) is `411`, a
+  length that is no number or negative `400`; nothing is made either way.
 
 What goes wrong is set from the test, in its process: `lose_answers(n)` (the next `n`
 new objects are made, and the connection closes without a byte of the answer: the
-worker cannot know), `fail_next(n, status)` (answered `status`, nothing made), and
-`objects()` is what was made, for the test's count of each effect.
+worker cannot know), `fail_next(n, status)` (answered `status`, nothing made),
+`forget_keys()` (its keys' retention passed: a key sent again makes a new object, so
+only a read settles a lost answer), and `objects()` is what was made, for the test's
+count of each effect.
 """
 
 from __future__ import annotations
@@ -78,6 +83,12 @@ class FakeSystem:
         with self._lock:
             self._fail += [status] * n
 
+    def forget_keys(self) -> None:
+        """Forget every idempotency key, as a system does once its retention passed: a key
+        sent again makes a new object."""
+        with self._lock:
+            self._by_key.clear()
+
     def objects(self, external_id: str | None = None) -> list[dict[str, Any]]:
         """What was made (each object once, however often its key was replayed)."""
         with self._lock:
@@ -130,9 +141,14 @@ def _handler_for(system: FakeSystem) -> type[BaseHTTPRequestHandler]:
             pass  # quiet in tests: what was made is in `objects()`
 
         def do_POST(self) -> None:
+            if "chunked" in self.headers.get("Transfer-Encoding", "").lower():
+                self.close_connection = True  # the body's bytes are not read: drop them
+                return self._answer(411, {"error": "length_required"})
             try:
                 length = int(self.headers.get("Content-Length") or 0)
             except ValueError:
+                length = -1
+            if length < 0:
                 self.close_connection = True
                 return self._answer(400, {"error": "invalid_content_length"})
             raw = self.rfile.read(length) if length > 0 else b""
@@ -156,7 +172,9 @@ def _handler_for(system: FakeSystem) -> type[BaseHTTPRequestHandler]:
         def do_GET(self) -> None:
             parts = urlsplit(self.path)
             if parts.path == OBJECTS:
-                wanted = parse_qs(parts.query).get("external_id", [None])[0]
+                wanted = parse_qs(parts.query).get("external_id", [""])[0]
+                if not wanted:  # a list of everything is no answer about one request
+                    return self._answer(400, {"error": "external_id_required"})
                 return self._answer(200, {"data": system.objects(wanted)})
             if parts.path.startswith(OBJECTS + "/"):
                 found = system.find(parts.path[len(OBJECTS) + 1 :])

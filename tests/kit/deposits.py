@@ -63,20 +63,20 @@ def _object(answer: requests.Response, context: str) -> SimpleNamespace:
     if answer.status_code == 422:
         raise IdempotencyConflict(f"{context}: key reused", http_status=422)
     if answer.status_code in (429, 503):  # the contract: nothing was made
-        raise TransientProviderError(f"{context}: {answer.status_code}", http_status=503)
+        raise TransientProviderError(
+            f"{context}: {answer.status_code}", http_status=answer.status_code
+        )
     if 400 <= answer.status_code < 500:
         raise InvalidRequest(f"{context}: {answer.status_code}", http_status=answer.status_code)
     raise RuntimeError(f"{context}: {answer.status_code}")  # unclassified: uncertain
 
 
-def _send(method: str, path: str, **kwargs: Any) -> SimpleNamespace | dict[str, Any]:
+def _send(method: str, path: str, **kwargs: Any) -> SimpleNamespace:
+    """One request; its answer's object, or the error the fence acts on (`_object`)."""
     try:
         answer = requests.request(method, _url(path), timeout=(0.5, 2), **kwargs)
     except requests.RequestException as exc:
         raise classify_exception(exc, context=f"{method} {path}") from exc
-    if path.startswith("/objects?"):
-        answer.raise_for_status()
-        return answer.json()
     return _object(answer, f"{method} {path}")
 
 
@@ -101,9 +101,9 @@ class HoldDeposit(ProviderEffect):
         return _send("GET", f"/objects/{reference}")
 
     def candidates(self, claim: ClaimView) -> Iterator[Any]:
-        found = _send("GET", f"/objects?external_id={claim.request['external_id']}")
-        assert isinstance(found, dict)
-        return (SimpleNamespace(**o) for o in found["data"])
+        # The external id as a query parameter (requests encodes it: keys hold "@", ":").
+        found = _send("GET", "/objects", params={"external_id": claim.request["external_id"]})
+        return (SimpleNamespace(**o) for o in found.data)
 
     def outcome(self, obj: Any) -> EffectResult | None:
         return self.succeeded(obj.id, amount=obj.amount, currency=obj.currency)

@@ -9,15 +9,19 @@ project would write; its operation runs on a real FenceWorker in the test's proc
 
 from __future__ import annotations
 
+import http.client
 import io
+from datetime import timedelta
 
 import pytest
 import requests
 from django.core.management import call_command
 from django.db import transaction
+from django.db.models import F
 
+from payments.engine.writes import fence_writes
 from payments.fence import create_operation_in_tx
-from payments.models import ClaimState, Operation, OperationState
+from payments.models import ClaimState, Operation, OperationState, StepClaim
 from payments.testing import FakeSystem, run_jobs
 from tests.kit.deposits import DEPOSITS, HOLD, TAKE_DEPOSIT
 
@@ -95,6 +99,46 @@ def test_fail_next__answers_the_status_and_makes_nothing(system):
     assert len(system.objects()) == 1
 
 
+def test_a_list_without_an_external_id__400_never_everything(system):
+    post(system, {"external_id": "e-1", "amount": 500})
+
+    missing = requests.get(f"{system.url}/objects", timeout=5)
+    empty = requests.get(f"{system.url}/objects?external_id=", timeout=5)
+
+    assert (missing.status_code, empty.status_code) == (400, 400)
+    assert missing.json() == {"error": "external_id_required"}
+
+
+def test_a_body_without_a_length__411__a_bad_length_400__nothing_made(system):
+    def chunks():
+        yield b'{"external_id": "e-1", '
+        yield b'"amount": 500}'
+
+    chunked = requests.post(
+        f"{system.url}/objects", data=chunks(), headers={"Idempotency-Key": "k-c"}, timeout=5
+    )
+    raw = http.client.HTTPConnection("127.0.0.1", int(system.url.rsplit(":", 1)[1]), timeout=5)
+    raw.putrequest("POST", "/objects")
+    raw.putheader("Idempotency-Key", "k-n")
+    raw.putheader("Content-Length", "-1")
+    raw.endheaders()
+    negative = raw.getresponse()
+
+    assert chunked.status_code == 411 and chunked.json() == {"error": "length_required"}
+    assert negative.status == 400
+    assert system.objects() == []
+
+
+def test_forget_keys__a_key_sent_again_makes_a_second_object(system):
+    first = post(system, {"external_id": "e-1", "amount": 500}).json()
+    system.forget_keys()
+
+    again = post(system, {"external_id": "e-1", "amount": 500})
+
+    assert again.status_code == 201 and "Idempotent-Replayed" not in again.headers
+    assert [o["id"] for o in system.objects()] == [first["id"], again.json()["id"]]
+
+
 # --- a handler through the fake, on a real FenceWorker ----------------------------------------
 
 
@@ -151,3 +195,33 @@ def test_the_system_unavailable__retried_under_the_same_key__one_deposit_held(de
     assert op.state == OperationState.SUCCEEDED
     assert len(deposits.objects()) == 1
     assert op.claims.get(step=HOLD).attempts == 2
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_answer_lost_past_the_keys_retention__the_list_read_settles_it__one_deposit(
+    deposits, queue
+):
+    """A replay would make a second deposit once the system forgot the key: the fence
+    does not replay past the system's key retention (24 h, declared); it finds the
+    deposit by its external id (HoldDeposit.candidates and matches: the list read) and
+    settles the claim done."""
+    deposits.lose_answers(1)
+    op = take_deposit("deposit-forgotten")
+    run_jobs()  # the answer lost: the operation waits, uncertain
+    # Two days later: the key's retention passed, and the system forgot it.
+    with fence_writes():  # hand-made age: the claim's key first used two days ago
+        StepClaim.objects.filter(operation=op, step=HOLD).update(
+            claimed_at=F("claimed_at") - timedelta(days=2),
+            last_request_at=F("last_request_at") - timedelta(days=2),
+        )
+    deposits.forget_keys()
+
+    call_command("reconcile", stdout=io.StringIO())
+    run_jobs()
+
+    op.refresh_from_db()
+    claim = op.claims.get(step=HOLD)
+    made = deposits.objects()
+    assert len(made) == 1  # no replay: nothing made again
+    assert op.state == OperationState.SUCCEEDED
+    assert (claim.state, claim.provider_reference) == (ClaimState.DONE, made[0]["id"])
