@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from inbox.models import InboxEntry
 from payments.engine import fence
 from payments.engine.sql import QUERIES, named, parse
 from payments.models import Operation, OperationState, StepClaim
@@ -108,6 +109,7 @@ def test_release_held_lease__sets_the_fields_given__leaves_the_others(queue):
 #: A fence table or constraint written as a literal, where `{Model}` belongs.
 LITERAL_NAME = re.compile(
     r"\bpayments_(operation|stepclaim|operationevent|claimlook|providerevent|fenceauditrun)\b"
+    r"|\binbox_inboxentry\b"
 )
 
 
@@ -133,7 +135,12 @@ def test_named__a_models_table_and_constraint_from_its_meta__other_braces_kept(m
 
 
 @pytest.mark.parametrize(
-    ("name", "model"), [("insert_claim", StepClaim), ("create_operation", Operation)]
+    ("name", "model"),
+    [
+        ("insert_claim", StepClaim),
+        ("create_operation", Operation),
+        ("deliver_message", InboxEntry),
+    ],
 )
 def test_loaded_statements__carry_the_models_tables(name, model):
     assert f'"{model._meta.db_table}"' in QUERIES[name]

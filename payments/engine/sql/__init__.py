@@ -17,17 +17,20 @@ from importlib.resources import files
 
 from psycopg.sql import Identifier
 
+from inbox.models import InboxEntry
 from payments import models
 
-#: The models a statement may name, and how: `{Model}` or `{Model.CONSTANT}`.
-FENCE_MODELS = (
-    "Operation",
-    "StepClaim",
-    "OperationEvent",
-    "ClaimLook",
-    "ProviderEvent",
-    "FenceAuditRun",
-)
+#: The models a statement may name, and how: `{Model}` or `{Model.CONSTANT}`. The
+#: inbox's rows too: a message's handler commits its inbox row with the fence's.
+FENCE_MODELS = {
+    "Operation": models.Operation,
+    "StepClaim": models.StepClaim,
+    "OperationEvent": models.OperationEvent,
+    "ClaimLook": models.ClaimLook,
+    "ProviderEvent": models.ProviderEvent,
+    "FenceAuditRun": models.FenceAuditRun,
+    "InboxEntry": InboxEntry,
+}
 _NAMED = re.compile(r"\{(" + "|".join(FENCE_MODELS) + r")(?:\.([A-Z_]+))?\}")
 
 #: A block's first line: `-- name --`.
@@ -60,7 +63,7 @@ def named(text: str) -> str:
     psycopg.sql template's `{table}`) are left as they are."""
 
     def name(found: re.Match[str]) -> str:
-        model = getattr(models, found[1])
+        model = FENCE_MODELS[found[1]]
         raw = getattr(model, found[2]) if found[2] else model._meta.db_table
         return Identifier(raw).as_string()
 

@@ -182,7 +182,7 @@ FROM succeeded
 -- (the row exists) changes nothing. Always one row: `recorded`, and the operation's
 -- columns when it succeeded (NULL when its state may not succeed).
 WITH inbox AS (
-    INSERT INTO inbox_inboxentry (consumer, message_id, handled_at)
+    INSERT INTO {InboxEntry} (consumer, message_id, handled_at)
     VALUES (%(consumer)s::text, %(message_id)s::text, %(handled_at)s)
     ON CONFLICT (consumer, message_id) DO NOTHING
     RETURNING id
