@@ -17,6 +17,7 @@ from typing import Any
 from django.contrib import admin, messages
 from django.contrib.admin.utils import unquote
 from django.contrib.admin.views.main import SEARCH_VAR
+from django.contrib.auth import get_permission_codename
 from django.core.exceptions import PermissionDenied
 from django.db.models import Exists, OuterRef, Prefetch, Q, QuerySet
 from django.http import HttpRequest, HttpResponse
@@ -341,7 +342,7 @@ class OperationAdmin(NamedPermissionsMixin, DeskViewsMixin, BoundedListMixin, ad
             queryset,
             term,
             may_view=lambda model: user.has_perm(
-                f"{model._meta.app_label}.view_{model._meta.model_name}"
+                f"{model._meta.app_label}.{get_permission_codename('view', model._meta)}"
             ),
         )
         if found is None:

@@ -21,7 +21,7 @@ from rq.worker import SimpleWorker
 from inbox.conf import inbox_settings
 from payments.conf import payments_settings
 from payments.engine import systems
-from payments.engine.handlers import registered_handlers, unknown_recorded_names
+from payments.engine.handlers import entity_models, registered_handlers, unknown_recorded_names
 from payments.engine.queues import PROBE_TIMEOUT, redis_client
 from payments.exceptions import ConfigurationError
 
@@ -575,3 +575,24 @@ def check_transaction_pooling(app_configs: Any = None, **kwargs: Any) -> list[Ch
                 )
             )
     return messages
+
+
+@register()
+def check_entity_names_are_unique(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
+    """An operation names its entity by the model's name (`entity_type`): two declared
+    entity models of one name in two apps would be taken for each other by the desk (its
+    search, its links, the refund's permission and hooks)."""
+    by_name: dict[str, set[str]] = {}
+    for model in entity_models():
+        by_name.setdefault(model._meta.model_name or "", set()).add(model._meta.label)
+    return [
+        Error(
+            f"the entity models {', '.join(sorted(labels))} share the name {name!r}: an "
+            "operation's entity_type could be either",
+            hint="Declare one of them under another model name (a proxy or a rename), so "
+            "that every entity model the handlers declare has a name of its own.",
+            id="payments.E015",
+        )
+        for name, labels in sorted(by_name.items())
+        if len(labels) > 1
+    ]

@@ -13,8 +13,8 @@ handler's effect through every way a call ends without the real system:
 - `GET /objects?external_id=<x>`: `{"data": [...]}`, every object made with that
   `external_id`, oldest first (a consistent read, never a lagging search); without
   one (or empty) `400 {"error": "external_id_required"}`.
-- A body is read by its `Content-Length`: a chunked one (no length) is `411`, a
-  length that is no number or negative `400`; nothing is made either way.
+- A body is read by its `Content-Length`: without one (chunked, or none sent) `411`,
+  a length that is no number or negative `400`; nothing is made either way.
 
 What goes wrong is set from the test, in its process: `lose_answers(n)` (the next `n`
 new objects are made, and the connection closes without a byte of the answer: the
@@ -141,8 +141,10 @@ def _handler_for(system: FakeSystem) -> type[BaseHTTPRequestHandler]:
             pass  # quiet in tests: what was made is in `objects()`
 
         def do_POST(self) -> None:
-            if "chunked" in self.headers.get("Transfer-Encoding", "").lower():
-                self.close_connection = True  # the body's bytes are not read: drop them
+            if "chunked" in self.headers.get("Transfer-Encoding", "").lower() or (
+                self.headers.get("Content-Length") is None
+            ):
+                self.close_connection = True  # a body of unknown length is not read
                 return self._answer(411, {"error": "length_required"})
             try:
                 length = int(self.headers.get("Content-Length") or 0)

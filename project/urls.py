@@ -14,11 +14,12 @@ urlpatterns = [
     # django-rq's pages, each behind its permission (payments/desk/rq_access.py).
     path("admin/rq/", include((guarded_urlpatterns(django_rq_urls.urlpatterns), "django_rq"))),
     # The shop's pages moved with its models to the app `shop` (payments 0027): a bookmark
-    # or a ticket's link to an order's old page still lands on it (permanently moved).
+    # or a ticket's link to an order's old page still lands on it (302: not cached, so a
+    # rollback to the release before finds its own pages again).
     re_path(
         r"^admin/payments/(?P<model>order|invoice)/(?P<rest>.*)$",
         RedirectView.as_view(
-            url="/admin/shop/%(model)s/%(rest)s", permanent=True, query_string=True
+            url="/admin/shop/%(model)s/%(rest)s", permanent=False, query_string=True
         ),
     ),
     path("admin/", admin.site.urls),

@@ -10,6 +10,7 @@ from typing import Any
 
 from django.contrib.admin import AdminSite
 from django.contrib.admin.utils import quote
+from django.contrib.auth import get_permission_codename
 from django.db.models import Model
 from django.urls import reverse
 from django.utils import timezone
@@ -131,7 +132,9 @@ def entity_named(
     page when the model has one there and `user` (if given) may view it."""
     meta = model._meta
     name = str(meta.verbose_name).capitalize()
-    may_view = user is None or user.has_perm(f"{meta.app_label}.view_{meta.model_name}")
+    may_view = user is None or user.has_perm(
+        f"{meta.app_label}.{get_permission_codename('view', meta)}"
+    )
     if not site.is_registered(model) or not may_view:
         return f"{name} {entity_id}"
     url = reverse(f"admin:{meta.app_label}_{meta.model_name}_change", args=[quote(entity_id)])

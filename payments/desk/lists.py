@@ -20,7 +20,7 @@ from typing import Any
 from django.contrib import admin
 from django.core.paginator import Paginator
 from django.db import connections
-from django.db.models import EmailField, Exists, Model, OuterRef, Q, QuerySet
+from django.db.models import EmailField, Exists, F, Model, OuterRef, Q, QuerySet
 from django.db.models.functions import Lower
 from django.http import HttpRequest
 from django.utils.html import format_html
@@ -142,8 +142,20 @@ def with_article(words: str) -> str:
 
 
 def email_fields(model: type[Model]) -> list[str]:
-    """The e-mail fields of an entity model: what the desk's e-mail search reads."""
-    return [f.name for f in model._meta.concrete_fields if isinstance(f, EmailField)]
+    """The e-mail fields of an entity model the desk's e-mail search reads: those with an
+    index on LOWER(field) (`models.Index(Lower("email"), ...)` in its Meta), so that a
+    search never scans the entity's table. Others are not searched."""
+    indexed = {
+        expression.source_expressions[0].name
+        for index in model._meta.indexes
+        for expression in index.expressions
+        if isinstance(expression, Lower) and isinstance(expression.source_expressions[0], F)
+    }
+    return [
+        f.name
+        for f in model._meta.concrete_fields
+        if isinstance(f, EmailField) and f.name in indexed
+    ]
 
 
 def entities_with_email(model: type[Model], term: str, limit: int = 100) -> list[str]:

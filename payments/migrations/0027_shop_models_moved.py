@@ -16,6 +16,8 @@ Backwards, dropped tables are made again (empty).
 from django.apps import apps as installed
 from django.db import migrations
 
+#: How long the drop waits for a lock on the shop's tables (a long transaction on them).
+LOCK_TIMEOUT = "5s"
 #: Created in this order by the earlier migrations; dropped in the reverse one.
 TABLES = [
     ("Order", "payments_order"),
@@ -31,18 +33,29 @@ def _existing(schema_editor):
 
 
 def drop_unused_shop_tables(apps, schema_editor):
-    """Drop the shop's tables where the shop is not installed and every one is empty."""
+    """Drop the shop's tables where the shop is not installed and every one is empty.
+
+    Locked first (ACCESS EXCLUSIVE, waiting at most LOCK_TIMEOUT): no row can be
+    committed between the check and the drop, and a long transaction on them fails
+    the migration fast instead of queueing every query behind it. The migration is
+    one transaction: the locks hold until it commits.
+    """
     if installed.is_installed("payments.shop"):
         return
     existing = _existing(schema_editor)
     present = [table for _, table in TABLES if table in existing]
+    if not present:
+        return
+    quoted = [schema_editor.quote_name(table) for table in present]
+    schema_editor.execute(f"SET LOCAL lock_timeout = '{LOCK_TIMEOUT}'")
+    schema_editor.execute(f"LOCK TABLE {', '.join(quoted)} IN ACCESS EXCLUSIVE MODE")
     with schema_editor.connection.cursor() as cursor:
-        for table in present:
-            cursor.execute(f"SELECT EXISTS (SELECT 1 FROM {schema_editor.quote_name(table)})")
+        for table in quoted:
+            cursor.execute(f"SELECT EXISTS (SELECT 1 FROM {table})")
             if cursor.fetchone()[0]:
                 return  # rows: kept for the shop (or for whoever reads them)
-    for table in reversed(present):
-        schema_editor.execute(f"DROP TABLE {schema_editor.quote_name(table)}")
+    for table in reversed(quoted):
+        schema_editor.execute(f"DROP TABLE {table}")
 
 
 def _unique_key_as_an_index(schema_editor):

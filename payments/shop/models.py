@@ -32,7 +32,7 @@ class Order(models.Model):
 
     It belongs to the API client that created it: the API finds it for that
     client only. An order without a client (made before migration 0012, or by
-    the tools) is the bootstrap client's (`payments.api.base.owned_orders`).
+    the tools) is the bootstrap client's (`payments.shop.api.owned_orders`).
     """
 
     KEY_CONSTRAINT = ORDER_KEY_CONSTRAINT

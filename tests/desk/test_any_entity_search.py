@@ -12,10 +12,11 @@ from __future__ import annotations
 import pytest
 from django.contrib import admin as django_admin
 from django.db import connection, models
+from django.db.models.functions import Lower
 from django.test import RequestFactory
 
 from payments.admin import OperationAdmin
-from payments.desk.lists import operations_search_note, search_operations
+from payments.desk.lists import email_fields, operations_search_note, search_operations
 from payments.engine import handlers
 from payments.engine.writes import fence_writes
 from payments.models import Operation
@@ -26,14 +27,17 @@ pytestmark = pytest.mark.django_db
 
 
 class Member(models.Model):  # noqa: DJ008
-    """A club's member: another domain's entity, with an e-mail and an integer key."""
+    """A club's member: another domain's entity, with an e-mail and an integer key; its
+    e-mail indexed by LOWER() (searched), its backup e-mail not (never searched: a scan)."""
 
     email = models.EmailField()
+    backup_email = models.EmailField(blank=True)
 
     class Meta:
         app_label = "payments"  # an installed app's label: no app of its own in the test
         db_table = "test_desk_member"
         managed = False
+        indexes = [models.Index(Lower("email"), name="test_desk_member_email_lower")]
 
 
 @pytest.fixture
@@ -74,6 +78,16 @@ def test_search__an_email_finds_a_members_operations_for_who_may_view_members(me
 
     assert keys(found) == {"kim-joins"}
     assert keys(hidden) == set()
+
+
+def test_search__an_email_field_without_an_index_on_lower__is_not_searched(members):
+    ann = members.objects.create(email="ann@example.com", backup_email="old@example.com")
+    operation("join-club", "member", ann.pk, "ann-joins")
+
+    found = search_operations(Operation.objects.all(), "old@example.com", may_view=lambda m: True)
+
+    assert email_fields(Member) == ["email"]
+    assert keys(found) == set()
 
 
 def test_search__a_number_is_any_integer_keyed_entitys_key(members):

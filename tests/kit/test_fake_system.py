@@ -124,7 +124,13 @@ def test_a_body_without_a_length__411__a_bad_length_400__nothing_made(system):
     raw.endheaders()
     negative = raw.getresponse()
 
+    unsized = http.client.HTTPConnection("127.0.0.1", int(system.url.rsplit(":", 1)[1]), timeout=5)
+    unsized.putrequest("POST", "/objects")
+    unsized.putheader("Idempotency-Key", "k-u")
+    unsized.endheaders()  # no Content-Length, no chunks: a body of unknown length
+
     assert chunked.status_code == 411 and chunked.json() == {"error": "length_required"}
+    assert unsized.getresponse().status == 411
     assert negative.status == 400
     assert system.objects() == []
 

@@ -328,3 +328,31 @@ def test_w008__fires_on_rq_defaults_a_new_project_would_keep(settings):
 def test_e014__fires_when_the_fences_queue_is_not_configured(settings):
     settings.RQ_QUEUES = {"default": {"URL": TEST_REDIS_URL}}
     assert ids(checks.check_rq_classes()) == ["payments.E014"]
+
+
+# --- E015: entity models of one name -----------------------------------------------------
+
+
+def test_e015__quiet_on_this_projects_handlers():
+    assert checks.check_entity_names_are_unique() == []
+
+
+def test_e015__fires_when_two_apps_entity_models_share_a_name(monkeypatch):
+    """Two `order` models (the shop's and another app's): an operation's entity_type
+    "order" could be either, and the desk would take one for the other."""
+    from django.db import models
+
+    from payments.engine import handlers
+
+    class Order(models.Model):  # noqa: DJ008
+        class Meta:
+            app_label = "inbox"  # another installed app's
+            managed = False
+
+    monkeypatch.setattr(handlers, "_HANDLERS", dict(handlers._HANDLERS))
+    handlers.handler("inbox-order", entity=Order)(lambda run: None)
+
+    found = checks.check_entity_names_are_unique()
+
+    assert ids(found) == ["payments.E015"]
+    assert "inbox.Order, shop.Order" in found[0].msg

@@ -16,6 +16,7 @@ from typing import Any
 from django import forms
 from django.contrib import messages
 from django.contrib.admin.utils import unquote
+from django.contrib.auth import get_permission_codename
 from django.core.exceptions import PermissionDenied
 from django.core.validators import RegexValidator
 from django.http import Http404, HttpRequest, HttpResponse, HttpResponseRedirect
@@ -149,16 +150,17 @@ def refund_urls(admin: Any) -> list[URLPattern]:
             admin.admin_site.admin_view(
                 lambda request, object_id: refund_view(admin, request, object_id)
             ),
-            name="shop_order_refund",
+            name=f"{admin.opts.app_label}_{admin.opts.model_name}_refund",
         )
     ]
 
 
 def refund_view(admin: Any, request: HttpRequest, object_id: str) -> HttpResponse:
     """GET: what will be refunded, the refunds asked already, a reason; POST: ask, log, redirect."""
-    permission = desk_refund.refund_permission("order")
-    if not request.user.has_perm("shop.view_order"):
-        raise PermissionDenied("shop.view_order")
+    permission = desk_refund.refund_permission(admin.opts.model_name)
+    may_view = f"{admin.opts.app_label}.{get_permission_codename('view', admin.opts)}"
+    if not request.user.has_perm(may_view):
+        raise PermissionDenied(may_view)
     if not request.user.has_perm(permission):
         raise PermissionDenied(permission)
     order = admin.get_object(request, unquote(object_id))

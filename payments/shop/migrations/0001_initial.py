@@ -11,26 +11,77 @@ those, now read `shop.<codename>` and keep every grant.
 
 import django.db.models.deletion
 import django.db.models.functions.text
+from django.conf import settings
+from django.core.exceptions import FieldDoesNotExist
 from django.db import migrations, models
 
 MODELS = ["order", "invoice", "creditnote", "ledgerentry", "salesday"]
 
 
 def _relabel(apps, schema_editor, old, new):
-    """Move the models' content types from app label `old` to `new` (their permissions follow).
+    """Move the models' content types from app label `old` to `new`, their permissions and
+    every grant of those with them.
 
-    A fresh database has none yet (post_migrate creates them under `shop`).
+    A fresh database has none yet (post_migrate creates them under `new`). Where
+    one under `new` exists already (a process of the new release read it before
+    this ran, or post_migrate of an earlier try made it), the permissions move to
+    it: one of the same codename there takes over the groups and users holding
+    the old one; the admin's history follows; the old content type goes.
     """
     content_type = apps.get_model("contenttypes", "ContentType")
+    permission = apps.get_model("auth", "Permission")
     db = schema_editor.connection.alias
-    taken = set(
-        content_type.objects.using(db)
-        .filter(app_label=new, model__in=MODELS)
-        .values_list("model", flat=True)
-    )
-    content_type.objects.using(db).filter(app_label=old, model__in=MODELS).exclude(
-        model__in=taken
-    ).update(app_label=new)
+    for model in MODELS:
+        source = content_type.objects.using(db).filter(app_label=old, model=model).first()
+        if source is None:
+            continue
+        target = content_type.objects.using(db).filter(app_label=new, model=model).first()
+        if target is None:
+            source.app_label = new
+            source.save(update_fields=["app_label"])
+            continue
+        for held in permission.objects.using(db).filter(content_type=source):
+            twin = (
+                permission.objects.using(db)
+                .filter(content_type=target, codename=held.codename)
+                .first()
+            )
+            if twin is None:
+                held.content_type = target
+                held.save(update_fields=["content_type"])
+                continue
+            _move_grants(apps, db, held.pk, twin.pk)
+            held.delete()
+        if "django_admin_log" in schema_editor.connection.introspection.table_names():
+            schema_editor.execute(
+                "UPDATE django_admin_log SET content_type_id = %s WHERE content_type_id = %s",
+                [target.pk, source.pk],
+            )
+        source.delete()
+
+
+def _move_grants(apps, db, old, new):
+    """Give every group and user holding permission `old` permission `new` too."""
+    holders = [apps.get_model("auth", "Group")._meta.get_field("permissions")]
+    try:
+        user = apps.get_model(settings.AUTH_USER_MODEL)
+        holders.append(user._meta.get_field("user_permissions"))
+    except (LookupError, FieldDoesNotExist):
+        pass  # a user model without permissions of its own
+    for field in holders:
+        through = field.remote_field.through
+        owner = next(
+            f.attname
+            for f in through._meta.fields
+            if f.is_relation and f.related_model is not field.remote_field.model
+        )
+        rows = through.objects.using(db)
+        have = set(rows.filter(permission_id=new).values_list(owner, flat=True))
+        rows.bulk_create(
+            through(**{owner: holder, "permission_id": new})
+            for holder in rows.filter(permission_id=old).values_list(owner, flat=True)
+            if holder not in have
+        )
 
 
 def _unique_key_as_an_index(schema_editor):
@@ -71,6 +122,9 @@ class Migration(migrations.Migration):
     dependencies = [
         ("payments", "0027_shop_models_moved"),
         ("contenttypes", "0002_remove_content_type_name"),
+        # The permissions and the grants of groups and users move with the content types.
+        ("auth", "0012_alter_user_first_name_max_length"),
+        migrations.swappable_dependency(settings.AUTH_USER_MODEL),
     ]
 
     operations = [
