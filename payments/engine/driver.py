@@ -74,8 +74,6 @@ def begin_owed(db: Any) -> bool:
 #: The attribute of a psycopg connection that keeps the fence's psycopg cursors for the
 #: next statements (`statement_cursors`): Django's time zone they read in, the cursors.
 _KEPT_CURSORS = "fence_kept_cursors"
-#: Set on a psycopg connection once its session plans the fence's statements generically.
-_GENERIC_PLANS = "fence_generic_plans"
 #: At most this many are kept (the engine's widest round trip sends four statements).
 KEEP_CURSORS = 8
 
@@ -118,8 +116,6 @@ def statement_cursors(db: Any, count: int, first: int = 0) -> tuple[list[Any], b
     # Only server-side-binding cursors prepare, and the ORM's use client-side
     # binding (checked above): 0 prepares each statement on its first run.
     raw.prepare_threshold = 0
-    if not getattr(raw, _GENERIC_PLANS, False) and raw.autocommit:
-        _plan_once(db, raw)
     kept: tuple[Any, list[Any]] | None = getattr(raw, _KEPT_CURSORS, None)
     if kept is None or kept[0] != db.timezone:
         kept = (db.timezone, [])
@@ -133,23 +129,6 @@ def statement_cursors(db: Any, count: int, first: int = 0) -> tuple[list[Any], b
         cursors.append(_psycopg_cursor(db, raw))
     # Django wraps a DB-API cursor here (django-stubs type the argument as the wrapper).
     return [db.make_cursor(cast(Any, cursor)) for cursor in cursors[first : first + count]], True
-
-
-def _plan_once(db: Any, raw: Any) -> None:
-    """Plan the fence's prepared statements once per connection, not at every call.
-
-    With PostgreSQL's default (`plan_cache_mode = auto`) a prepared statement is
-    planned again at each execution as long as its generic plan looks costlier
-    than the custom ones, which it does for the fence's statements (CTEs with an
-    audit INSERT): each paid a new plan at every bind, 0.1-0.3 ms. Every prepared
-    statement of the fence finds its rows by a key (an id, UNIQUE(operation,
-    step)), so the generic plan is the custom one; the ORM's queries are not
-    prepared (client-side binding) and keep planning as usual. Sent once per
-    connection, outside a transaction (in autocommit: a rollback cannot undo it).
-    """
-    with db.cursor() as cursor:  # Django's: its execute wrappers see it (the bench counts it)
-        cursor.execute("SET plan_cache_mode = force_generic_plan")
-    setattr(raw, _GENERIC_PLANS, True)
 
 
 def _psycopg_cursor(db: Any, raw: Any) -> Any:

@@ -10,7 +10,7 @@ import time
 
 import psycopg
 import pytest
-from django.db import close_old_connections, connection, transaction
+from django.db import close_old_connections, connection
 
 from devtools.bench.dbcount import counting
 from payments.engine import driver, fence
@@ -245,64 +245,3 @@ def test_a_round_trip_wider_than_the_kept_cursors__gets_cursors_of_its_own(queue
     assert [row.pk for row in rows] == [op.pk] * wide
     kept = getattr(connection.connection, driver._KEPT_CURSORS)[1]
     assert len(kept) <= driver.KEEP_CURSORS
-
-
-def plans_of(fragment: str) -> tuple[int, int]:
-    """(generic, custom) plans PostgreSQL made for this session's statement holding it."""
-    with connection.cursor() as cursor:
-        cursor.execute(
-            "SELECT generic_plans, custom_plans FROM pg_prepared_statements"
-            " WHERE strpos(statement, %s) > 0",
-            [fragment],
-        )
-        return cursor.fetchone()
-
-
-def plan_cache_mode() -> str:
-    with connection.cursor() as cursor:
-        cursor.execute("SHOW plan_cache_mode")
-        return cursor.fetchone()[0]
-
-
-LEASE = "lease_expires_at = statement_timestamp()"
-
-
-def test_a_session__plans_each_fence_statement_once__never_at_each_call(queue):
-    """PostgreSQL's default plans a prepared statement again at every execution while its
-    generic plan looks costlier (the fence's CTEs do): the session is set to generic
-    plans once, outside a transaction, and the lease is never planned for its values."""
-    op = checkout("prep-generic")
-    connection.close()
-
-    for _ in range(3):
-        lease_and_back(op)
-
-    assert plan_cache_mode() == "force_generic_plan"
-    generic, custom = plans_of(LEASE)
-    assert (generic >= 3, custom) == (True, 0)
-
-
-def test_a_first_fence_statement_inside_a_transaction__changes_no_setting_there(queue):
-    """A SET inside a transaction would be undone by its rollback: it waits for a fence
-    statement in autocommit (a worker's lease is one)."""
-    op = checkout("prep-generic-tx")
-    connection.close()
-
-    with transaction.atomic():
-        fence.acquire_lease(op.pk, owner=WORKER, seconds=30)
-        inside = plan_cache_mode()
-    fence.release_held_lease(op, OperationState.RETRYING, owner=WORKER, reason="again")
-
-    assert (inside, plan_cache_mode()) == ("auto", "force_generic_plan")
-
-
-def test_behind_a_transaction_pooler__the_session_keeps_its_plan_setting(queue, monkeypatch):
-    """PgBouncer in transaction pooling hands the session to other clients: no SET there."""
-    op = checkout("prep-generic-pool")
-    options = {**connection.settings_dict.get("OPTIONS", {}), "prepare_threshold": None}
-    monkeypatch.setitem(connection.settings_dict, "OPTIONS", options)
-    connection.close()
-
-    lease_and_back(op)
-
-    assert plan_cache_mode() == "auto"
