@@ -16,22 +16,10 @@ Backwards, dropped tables are made again (empty).
 from django.apps import apps as installed
 from django.db import migrations
 
+from payments.shop.migrations._tables import TABLES, existing_tables, make_missing_tables
+
 #: How long the drop waits for a lock on the shop's tables (a long transaction on them).
 LOCK_TIMEOUT = "5s"
-#: Created in this order by the earlier migrations; dropped in the reverse one.
-TABLES = [
-    ("Order", "payments_order"),
-    ("Invoice", "payments_invoice"),
-    ("CreditNote", "payments_creditnote"),
-    ("LedgerEntry", "payments_ledgerentry"),
-    ("SalesDay", "payments_salesday"),
-]
-
-
-def _existing(schema_editor):
-    return set(schema_editor.connection.introspection.table_names())
-
-
 def drop_unused_shop_tables(apps, schema_editor):
     """Drop the shop's tables where the shop is not installed and every one is empty.
 
@@ -42,7 +30,7 @@ def drop_unused_shop_tables(apps, schema_editor):
     """
     if installed.is_installed("payments.shop"):
         return
-    existing = _existing(schema_editor)
+    existing = existing_tables(schema_editor)
     present = [table for _, table in TABLES if table in existing]
     if not present:
         return
@@ -58,26 +46,9 @@ def drop_unused_shop_tables(apps, schema_editor):
         schema_editor.execute(f"DROP TABLE {table}")
 
 
-def _unique_key_as_an_index(schema_editor):
-    """The order's (client, key) uniqueness as payments 0012 made it: a unique index built
-    CONCURRENTLY, not a constraint (create_model makes a constraint, and a migration back
-    past 0012 drops an index). After create_model's own deferred statements, which add
-    the constraint when the migration ends."""
-    schema_editor.deferred_sql += [
-        "ALTER TABLE payments_order DROP CONSTRAINT payments_order_client_key_uniq",
-        "CREATE UNIQUE INDEX payments_order_client_key_uniq"
-        " ON payments_order (client_id, idempotency_key)",
-    ]
-
-
 def make_dropped_shop_tables(apps, schema_editor):
     """Backwards: make again (empty) the shop's tables dropped above, as 0026 had them."""
-    existing = _existing(schema_editor)
-    for name, table in TABLES:
-        if table not in existing:
-            schema_editor.create_model(apps.get_model("payments", name))
-            if name == "Order":
-                _unique_key_as_an_index(schema_editor)
+    make_missing_tables(apps, schema_editor, "payments")
 
 
 class Migration(migrations.Migration):

@@ -15,6 +15,8 @@ from django.conf import settings
 from django.core.exceptions import FieldDoesNotExist
 from django.db import migrations, models
 
+from payments.shop.migrations import _tables
+
 MODELS = ["order", "invoice", "creditnote", "ledgerentry", "salesday"]
 
 
@@ -84,28 +86,10 @@ def _move_grants(apps, db, old, new):
         )
 
 
-def _unique_key_as_an_index(schema_editor):
-    """The order's (client, key) uniqueness as payments 0012 made it: a unique index built
-    CONCURRENTLY, not a constraint (create_model makes a constraint, and a migration back
-    past 0012 drops an index). After create_model's own deferred statements, which add
-    the constraint when the migration ends."""
-    schema_editor.deferred_sql += [
-        "ALTER TABLE payments_order DROP CONSTRAINT payments_order_client_key_uniq",
-        "CREATE UNIQUE INDEX payments_order_client_key_uniq"
-        " ON payments_order (client_id, idempotency_key)",
-    ]
-
-
 def make_missing_tables(apps, schema_editor):
     """Make the tables a database lacks: one where payments 0027 dropped them, empty,
     because the shop was not installed then. Tables already there are the shop's."""
-    existing = set(schema_editor.connection.introspection.table_names())
-    for name in ["Order", "Invoice", "CreditNote", "LedgerEntry", "SalesDay"]:
-        model = apps.get_model("shop", name)
-        if model._meta.db_table not in existing:
-            schema_editor.create_model(model)
-            if name == "Order":
-                _unique_key_as_an_index(schema_editor)
+    _tables.make_missing_tables(apps, schema_editor, "shop")
 
 
 def move_content_types(apps, schema_editor):
