@@ -3,6 +3,7 @@ from __future__ import annotations
 from django.apps import AppConfig
 from django.contrib.admin import apps as admin_apps
 from django.core.exceptions import ImproperlyConfigured
+from django.db.backends.signals import connection_created
 
 
 class DeskAdminConfig(admin_apps.AdminConfig):
@@ -23,6 +24,7 @@ class PaymentsConfig(AppConfig):
         # the system checks and metrics' receivers.
         from payments import checks  # noqa: F401
         from payments.conf import handler_modules_alone, payments_settings
+        from payments.engine.driver import plan_once_per_connection
         from payments.engine.handlers import discover_app_handlers
         from payments.observability import metrics  # noqa: F401
 
@@ -34,3 +36,4 @@ class PaymentsConfig(AppConfig):
         except ImproperlyConfigured:
             extra = handler_modules_alone()
         discover_app_handlers(extra)
+        connection_created.connect(plan_once_per_connection, dispatch_uid="payments.generic-plans")

@@ -71,6 +71,17 @@ Every key, its default and its meaning:
     its operation row, audit rows and inbox row, and a failing one never
     touches its writer's transaction (not even inside a savepoint).
 
+``GENERIC_PLANS`` (``True``)
+    Whether each new connection to the default database is set to
+    ``plan_cache_mode = force_generic_plan``, so that the fence's prepared
+    statements are planned once per connection instead of at each call (one
+    ``SET`` with the connection's set-up; docs/deployment.md). It applies to
+    the session's prepared statements only: the ORM's queries are not prepared.
+    Never set where the fence does not prepare (``prepare_threshold`` None,
+    behind a transaction pooler). ``False`` if the project prepares statements
+    of its own, or runs PL/pgSQL functions on these connections, whose queries
+    need plans made for their values.
+
 `payments.E009` reports a bad value at start-up; the timeout chain between
 them is checked by `payments.E002`-`E005`.
 """
@@ -129,6 +140,7 @@ class PaymentsSettings:
     systems: tuple[tuple[str, SystemSettings], ...] = ()
     handler_modules: tuple[str, ...] = ()
     inline_follow_ups: bool = True
+    generic_plans: bool = True
 
     def system(self, name: str) -> SystemSettings | None:
         """The entry of an external system besides the provider, or None when not configured."""
@@ -312,6 +324,7 @@ def _read(raw: object) -> PaymentsSettings:
         systems=_systems(raw.get("SYSTEMS", {})),
         handler_modules=_modules("HANDLER_MODULES", get("handler_modules")),
         inline_follow_ups=_flag("INLINE_FOLLOW_UPS", get("inline_follow_ups")),
+        generic_plans=_flag("GENERIC_PLANS", get("generic_plans")),
     )
 
 

@@ -281,6 +281,7 @@ _PAYMENTS_ENV = {
     "RETENTION_DAYS": ("PAYMENTS_RETENTION_DAYS", env.int),
     "PURGE_BATCH_SIZE": ("PAYMENTS_PURGE_BATCH_SIZE", env.int),
     "INLINE_FOLLOW_UPS": ("PAYMENTS_INLINE_FOLLOW_UPS", env.bool),
+    "GENERIC_PLANS": ("PAYMENTS_GENERIC_PLANS", env.bool),
 }
 PAYMENTS = {key: read(var) for key, (var, read) in _PAYMENTS_ENV.items() if var in env}
 # The external systems besides the payment provider, one entry each (docs/handlers.md,

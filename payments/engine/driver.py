@@ -74,6 +74,8 @@ def begin_owed(db: Any) -> bool:
 #: The attribute of a psycopg connection that keeps the fence's psycopg cursors for the
 #: next statements (`statement_cursors`): Django's time zone they read in, the cursors.
 _KEPT_CURSORS = "fence_kept_cursors"
+#: Set on a psycopg connection once its session plans prepared statements generically.
+_GENERIC_PLANS = "fence_generic_plans"
 #: At most this many are kept (the engine's widest round trip sends four statements).
 KEEP_CURSORS = 8
 
@@ -102,12 +104,7 @@ def statement_cursors(db: Any, count: int, first: int = 0) -> tuple[list[Any], b
     `count` from the `first`; every row is read before the next fence statement
     runs (`rows_of`).
     """
-    options = db.settings_dict.get("OPTIONS", {})
-    if (
-        options.get("prepare_threshold", 0) is None
-        or options.get("server_side_binding") is True
-        or db.queries_logged
-    ):
+    if not prepares(db) or db.queries_logged:
         return [db.cursor() for _ in range(count)], False
     # What connection.cursor() does first: replace a kept connection that broke.
     db.close_if_health_check_failed()
@@ -129,6 +126,49 @@ def statement_cursors(db: Any, count: int, first: int = 0) -> tuple[list[Any], b
         cursors.append(_psycopg_cursor(db, raw))
     # Django wraps a DB-API cursor here (django-stubs type the argument as the wrapper).
     return [db.make_cursor(cast(Any, cursor)) for cursor in cursors[first : first + count]], True
+
+
+def prepares(db: Any) -> bool:
+    """Tell whether the fence may prepare its statements on `db` (`statement_cursors`):
+    not when OPTIONS pin `prepare_threshold` to None (a transaction pooler) or set
+    `server_side_binding` (the ORM's cursors would be prepared too)."""
+    options = db.settings_dict.get("OPTIONS", {})
+    return not (
+        options.get("prepare_threshold", 0) is None or options.get("server_side_binding") is True
+    )
+
+
+def plan_once_per_connection(sender: Any, connection: Any, **kwargs: Any) -> None:
+    """Receiver of Django's `connection_created`: plan the fence's prepared statements
+    once per connection, not again at each call (PAYMENTS["GENERIC_PLANS"]).
+
+    With PostgreSQL's default (`plan_cache_mode = auto`) a prepared statement is
+    planned again at every execution as long as its generic plan looks costlier
+    than the plans made for its values, which it does for the fence's CTEs:
+    each paid a new plan at every bind, 0.1-0.3 ms. Every prepared statement of
+    the fence reaches its rows by a key (an id, UNIQUE(operation, step)), so its
+    generic plan is the one it gets anyway (tests/engine/test_plans.py plans
+    each one generically on tables without statistics). The ORM's queries are
+    not prepared (client-side binding) and keep planning for their values.
+
+    Sent with the connection's set-up, in autocommit (no rollback can undo it),
+    before any job or request uses the connection: a cost per connection, as
+    Django's own time-zone set-up, never per transition. Only on the default
+    database and only where the fence prepares (`prepares`): behind a
+    transaction pooler the session belongs to other clients too. A pooled
+    psycopg connection is set once (marked).
+    """
+    if connection.vendor != "postgresql" or connection.alias != DEFAULT_DB_ALIAS:
+        return
+    raw = connection.connection
+    if getattr(raw, _GENERIC_PLANS, False) or not raw.autocommit or not prepares(connection):
+        return
+    from payments.conf import payments_settings  # settings are read once a connection opens
+
+    if not payments_settings().generic_plans:
+        return
+    raw.execute("SET plan_cache_mode = force_generic_plan")
+    setattr(raw, _GENERIC_PLANS, True)
 
 
 def _psycopg_cursor(db: Any, raw: Any) -> Any:

@@ -10,7 +10,7 @@ import time
 
 import psycopg
 import pytest
-from django.db import close_old_connections, connection
+from django.db import close_old_connections, connection, transaction
 
 from devtools.bench.dbcount import counting
 from payments.engine import driver, fence
@@ -245,3 +245,78 @@ def test_a_round_trip_wider_than_the_kept_cursors__gets_cursors_of_its_own(queue
     assert [row.pk for row in rows] == [op.pk] * wide
     kept = getattr(connection.connection, driver._KEPT_CURSORS)[1]
     assert len(kept) <= driver.KEEP_CURSORS
+
+
+def plans_of(fragment: str) -> tuple[int, int]:
+    """(generic, custom) plans PostgreSQL made for this session's statement holding it."""
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT generic_plans, custom_plans FROM pg_prepared_statements"
+            " WHERE strpos(statement, %s) > 0",
+            [fragment],
+        )
+        return cursor.fetchone()
+
+
+def plan_cache_mode() -> str:
+    with connection.cursor() as cursor:
+        cursor.execute("SHOW plan_cache_mode")
+        return cursor.fetchone()[0]
+
+
+LEASE = "lease_expires_at = statement_timestamp()"
+
+
+def test_a_new_connection__plans_each_fence_statement_once__never_at_each_call(queue):
+    """PostgreSQL's default plans a prepared statement again at every execution while its
+    generic plan looks costlier (the fence's CTEs do): each new connection is set to
+    generic plans with its set-up, so the lease is never planned for its values, and
+    the transitions' round trips count no SET."""
+    op = checkout("prep-generic")
+    connection.close()
+
+    with counting() as first:
+        lease_and_back(op)
+    for _ in range(3):
+        lease_and_back(op)
+
+    assert plan_cache_mode() == "force_generic_plan"
+    generic, custom = plans_of(LEASE)
+    assert (generic >= 4, custom) == (True, 0)
+    assert (first.snapshot().total, first.snapshot().prepares) == (4, 2)  # 2 Parses, 2 runs
+
+
+def test_a_connection_opened_inside_a_transaction__is_set_before_its_begin(queue):
+    """Django opens a connection before the atomic block's BEGIN: the SET runs in
+    autocommit, so a rollback of the first transaction cannot undo it."""
+    op = checkout("prep-generic-tx")
+    connection.close()
+
+    with pytest.raises(RuntimeError), transaction.atomic():
+        fence.acquire_lease(op.pk, owner=WORKER, seconds=30)
+        raise RuntimeError("rolled back")
+
+    assert plan_cache_mode() == "force_generic_plan"
+
+
+def test_behind_a_transaction_pooler__the_session_keeps_its_plan_setting(queue, monkeypatch):
+    """PgBouncer in transaction pooling hands the session to other clients: no SET there."""
+    op = checkout("prep-generic-pool")
+    options = {**connection.settings_dict.get("OPTIONS", {}), "prepare_threshold": None}
+    monkeypatch.setitem(connection.settings_dict, "OPTIONS", options)
+    connection.close()
+
+    lease_and_back(op)
+
+    assert plan_cache_mode() == "auto"
+
+
+def test_generic_plans_off__the_session_keeps_postgresqls_default(queue, settings):
+    """PAYMENTS["GENERIC_PLANS"] = False, for a project whose own prepared statements or
+    PL/pgSQL functions need plans made for their values."""
+    settings.PAYMENTS = {**settings.PAYMENTS, "GENERIC_PLANS": False}
+    connection.close()
+
+    connection.ensure_connection()
+
+    assert plan_cache_mode() == "auto"
