@@ -663,11 +663,11 @@ def _wait_settled(
     while True:
         counts = read_db(lambda: _states_of_run(prefix, attempts()))
         line = ", ".join(f"{s} {n}" for s, n in sorted(counts.items()))
-        if line != last and time.monotonic() >= next_line:
+        settled = sum(counts.get(s, 0) for s in SETTLED) == sum(counts.values())
+        if line != last and (settled or time.monotonic() >= next_line):
             say(f"  operations (checkouts, follow-ups, refunds): {line}")
             last, next_line = line, time.monotonic() + 2
-        if sum(counts.get(s, 0) for s in SETTLED) == sum(counts.values()):
-            say(f"  operations (checkouts, follow-ups, refunds): {line}")
+        if settled:
             return True
         if time.monotonic() >= deadline:
             break
