@@ -33,6 +33,17 @@
   `SYSTEM`; its settings entry is PAYMENTS["SYSTEMS"][name] (payments.conf).
 - `note_request`: what a system's client calls once per request it sends (method, path,
   status, key): the fence keeps it on the row it writes, for the desk's evidence.
+- `system_settings(name)`: the system's PAYMENTS["SYSTEMS"][name] entry (`url`,
+  `api_key`, timeouts, `option(name)`), or ImproperlyConfigured naming the missing entry.
+- The errors an effect raises, each carrying the outcome the fence acts on (docs/handlers.md,
+  "The errors an effect raises"): `TransientProviderError` (nothing happened: retried
+  under the same key), `UncertainProviderError` (it may have happened: replayed or looked
+  up, never failed), `InvalidRequest` and `CardDeclined` (refused for good: the step
+  fails), `ResourceMissing` (a retrieve's 404), `IdempotencyConflict` (the key was used
+  with other parameters: needs review), their base `ProviderError`; and
+  `classify_exception(exc, context=...)`, which turns a `requests` failure into the right
+  one (before the request was sent: transient; after: uncertain). Any other exception
+  from `send` counts as uncertain.
 
 Handlers live in `<app>/handler.py` of an installed app (the shop's examples:
 `payments/checkout/handler.py`, the app `payments.checkout`), in a module named in
@@ -43,11 +54,14 @@ import exactly those at start-up, and refuse a handler registered later.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from dataclasses import replace
 from typing import Any
 
+from django.core.exceptions import ImproperlyConfigured
 from django.db.models import Model
 
 from payments.api.base import start_operation
+from payments.conf import SystemSettings, payments_settings
 from payments.engine import fence as _fence
 from payments.engine.dispatch import create_and_dispatch_in_tx as create_operation_in_tx
 from payments.engine.dispatch import create_follow_ups_in_tx as create_follow_ups
@@ -61,17 +75,36 @@ from payments.engine.systems import ExternalSystem, Read
 from payments.engine.systems import declare as declare_system
 from payments.models import KeyScope
 from payments.provider.effect import ProviderEffect
+from payments.provider.errors import (
+    CardDeclined,
+    IdempotencyConflict,
+    InvalidRequest,
+    ProviderError,
+    ResourceMissing,
+    TransientProviderError,
+    UncertainProviderError,
+    classify_exception,
+)
 
 __all__ = [
+    "CardDeclined",
     "ClaimView",
     "Desk",
     "DeliveryPolicy",
     "EffectResult",
     "ExternalSystem",
     "Follows",
+    "IdempotencyConflict",
+    "InvalidRequest",
     "ProviderEffect",
+    "ProviderError",
     "Read",
+    "ResourceMissing",
     "Run",
+    "SystemSettings",
+    "TransientProviderError",
+    "UncertainProviderError",
+    "classify_exception",
     "create_follow_ups_in_tx",
     "create_operation_in_tx",
     "declare_system",
@@ -82,7 +115,26 @@ __all__ = [
     "operation",
     "replaced_by",
     "start_operation",
+    "system_settings",
 ]
+
+
+def system_settings(name: str) -> SystemSettings:
+    """The settings entry of external system `name`: PAYMENTS["SYSTEMS"][name], validated
+    (`url`, `api_key`, `connect_timeout`, `read_timeout`, `option(name)`; the timeouts
+    default to the provider's). ImproperlyConfigured names an entry that is missing."""
+    settings_ = payments_settings()
+    entry = settings_.system(name)
+    if entry is None:
+        raise ImproperlyConfigured(
+            f"PAYMENTS['SYSTEMS'][{name!r}] is not configured: add its URL and API_KEY "
+            f"(docs/handlers.md, 'The settings entry')."
+        )
+    return replace(
+        entry,
+        connect_timeout=entry.connect_timeout or settings_.provider_connect_timeout,
+        read_timeout=entry.read_timeout or settings_.provider_read_timeout,
+    )
 
 
 def operation(

@@ -30,3 +30,20 @@ def test_readme_example__is_the_capture_handler_verbatim():
 
 def test_handlers_doc_example__is_the_readme_example():
     assert example("docs/handlers.md") == example("README.md")
+
+
+def test_own_system_example__is_the_kit_deposit_file_verbatim_and_imports_only_the_api():
+    """docs/handlers.md, "An external system in your own project", shows the whole of
+    tests/kit/deposits.py (which tests/kit runs through every fence point); it reaches
+    the fence through payments.fence alone."""
+    text = (ROOT / "docs/handlers.md").read_text()
+    section = text.split("## An external system in your own project", 1)[1].split("\n## ", 1)[0]
+    shown = [
+        b for b in re.findall(r"```python\n(.*?)```", section, flags=re.S) if "@operation(" in b
+    ]
+    source = (ROOT / "tests/kit/deposits.py").read_text()
+    assert shown == [source]
+    imported = re.findall(r"^from (payments[\w.]*) import", source, flags=re.M)
+    assert imported == ["payments.fence"]
+    names = re.search(r"from payments\.fence import \((.*?)\)", source, flags=re.S).group(1)
+    assert {n.strip() for n in names.split(",") if n.strip()} <= set(payments.fence.__all__)

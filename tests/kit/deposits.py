@@ -1,9 +1,11 @@
-"""A deposit taken at an external system of its own, for tests/kit/test_fake_system.py.
+"""A deposit held at an external system of its own: the whole of what a project writes.
 
 What a handler author writes for a system that is not the payment provider
-(docs/handlers.md, "Adding an external system"), against payments.testing.FakeSystem's
+(docs/handlers.md, "An external system in your own project" shows this file as
+it is; tests/docs checks they agree), against payments.testing.FakeSystem's
 contract: a create under the claim's key, a retrieve by id, a list by the
-`external_id` the request carries (a consistent read that settles a lost answer).
+`external_id` the request carries (a consistent read that settles a lost
+answer). It imports nothing of the fence but its public API, payments.fence.
 """
 
 from __future__ import annotations
@@ -14,23 +16,22 @@ from typing import Any
 
 import requests
 
-from payments.conf import payments_settings
 from payments.fence import (
     ClaimView,
     EffectResult,
     ExternalSystem,
-    ProviderEffect,
-    Read,
-    Run,
-    declare_system,
-    operation,
-)
-from payments.provider.errors import (
     IdempotencyConflict,
     InvalidRequest,
+    ProviderEffect,
+    Read,
     ResourceMissing,
+    Run,
     TransientProviderError,
+    UncertainProviderError,
     classify_exception,
+    declare_system,
+    operation,
+    system_settings,
 )
 
 DEPOSITS = "kit_deposits"
@@ -48,12 +49,6 @@ declare_system(
 )
 
 
-def _url(path: str) -> str:
-    entry = payments_settings().system(DEPOSITS)
-    assert entry is not None, f"PAYMENTS['SYSTEMS'][{DEPOSITS!r}] is not configured"
-    return entry.url.rstrip("/") + path
-
-
 def _object(answer: requests.Response, context: str) -> SimpleNamespace:
     """The object of a 2xx; a failure as the error whose outcome the fence acts on."""
     if answer.status_code in (200, 201):
@@ -68,13 +63,19 @@ def _object(answer: requests.Response, context: str) -> SimpleNamespace:
         )
     if 400 <= answer.status_code < 500:
         raise InvalidRequest(f"{context}: {answer.status_code}", http_status=answer.status_code)
-    raise RuntimeError(f"{context}: {answer.status_code}")  # unclassified: uncertain
+    # A 5xx, or anything else: the deposit may have been made. Never failed: replayed
+    # under the same key, or settled by the list below.
+    raise UncertainProviderError(f"{context}: {answer.status_code}", http_status=answer.status_code)
 
 
 def _send(method: str, path: str, **kwargs: Any) -> SimpleNamespace:
-    """One request; its answer's object, or the error the fence acts on (`_object`)."""
+    """One request, never retried (a retry is the fence's, under the same key); its
+    answer's object, or the error the fence acts on (`_object`)."""
+    entry = system_settings(DEPOSITS)  # PAYMENTS["SYSTEMS"]["kit_deposits"]
+    url = entry.url.rstrip("/") + path
+    timeout = (entry.connect_timeout, entry.read_timeout)
     try:
-        answer = requests.request(method, _url(path), timeout=(0.5, 2), **kwargs)
+        answer = requests.request(method, url, timeout=timeout, **kwargs)
     except requests.RequestException as exc:
         raise classify_exception(exc, context=f"{method} {path}") from exc
     return _object(answer, f"{method} {path}")
