@@ -207,6 +207,7 @@ def crash_matrix(
     """
     if isinstance(handler_modules, str):
         raise TypeError("handler_modules is a list of dotted module paths, not one string")
+    _refuse_other_workers()
     # The first operation names the kind, and so the points; each case then starts its own.
     first = _operation_of(start(f"crash-{os.getpid()}-0"))
     todo = points if points is not None else crash_points(first.kind)
@@ -229,6 +230,44 @@ def crash_matrix(
             # no failpoint: the next case's worker kills only in the next case's operation.
             run_jobs()
     return CrashTable(first.kind, cases)
+
+
+def _refuse_other_workers() -> None:
+    """Refuse to start while other workers listen on the fence's queue (a development
+    `rqworker` on the same Redis database): they would take the matrix's jobs and run
+    them without its failpoints, and its verdicts would be about their runs."""
+    import django_rq
+    from rq.worker import Worker
+    from rq.worker_registration import clean_worker_registry
+
+    from payments.conf import payments_settings
+
+    queue = django_rq.get_queue(payments_settings().queue)
+    clean_worker_registry(queue)  # forget workers that died without saying so
+    others = sorted(worker.name for worker in Worker.all(queue=queue))
+    if others:
+        where = queue.connection.connection_pool.connection_kwargs
+        raise RuntimeError(
+            f"crash_matrix: {len(others)} worker(s) already listen on queue {queue.name!r} "
+            f"(Redis db {where.get('db', 0)} at {where.get('host', '?')}:{where.get('port', '?')}): "
+            f"{', '.join(others[:5])}. They would run the matrix's jobs without its failpoints. "
+            "Stop them, or give the tests a Redis database of their own (docs/testing.md)."
+        )
+
+
+def _forget_workers(queue_name: str, names: list[str]) -> None:
+    """Unregister the case's workers (SIGKILLed: none said it died), as RQ does for a
+    worker that stops, so that the next matrix does not take them for another's."""
+    import django_rq
+    from rq.worker import Worker
+
+    connection = django_rq.get_queue(queue_name).connection
+    for name in names:
+        found = Worker.find_by_key(
+            Worker.redis_worker_namespace_prefix + name, connection=connection
+        )
+        if found is not None:
+            found.register_death()
 
 
 def _operation_of(started: Any) -> Operation:
@@ -297,7 +336,11 @@ def _run_case(
     worker_args = ["rqworker", queue, "--with-scheduler", "--worker-ttl", "30"]
     recovery_env = {k: v for k, v in env.items() if k != "FENCE_FAILPOINTS"}
     recovery = _start(["run_recovery", "--interval", "0.5"], recovery_env)
-    worker = _start([*worker_args, "--name", f"crash-{op.pk}-0"], env)
+    # Named for this test process too: a worker killed in an earlier run leaves its name in
+    # Redis for a while, and RQ refuses to start a second worker of the same name.
+    name = f"crash-{os.getpid()}-{op.pk}"
+    names = [f"{name}-0"]
+    worker = _start([*worker_args, "--name", names[0]], env)
     stderr: list[str] = []
     began = time.monotonic()
     restarts = 0
@@ -306,7 +349,8 @@ def _run_case(
             if worker.poll() is not None:  # killed at the point: restart it, as systemd would
                 stderr.append(stop_process(worker))
                 restarts += 1
-                worker = _start([*worker_args, "--name", f"crash-{op.pk}-{restarts}"], env)
+                names.append(f"{name}-{restarts}")
+                worker = _start([*worker_args, "--name", names[-1]], env)
             op.refresh_from_db()
             if op.state in FINAL:
                 break
@@ -314,6 +358,7 @@ def _run_case(
     finally:
         stderr.append(stop_process(worker))
         stderr.append(stop_process(recovery))
+        _forget_workers(queue, names)
     case.seconds = time.monotonic() - began
     case.crashed = marker.with_name(f"{marker.name}.{point}").exists()
     if not case.crashed and _must_crash(op.kind, point):

@@ -12,6 +12,7 @@ is written only with what payments.testing offers, plus the fake provider's reco
 from __future__ import annotations
 
 import pytest
+from rq.worker import Worker
 
 from payments.checkout.handler import request_checkout
 from payments.checkout.orders import create_order
@@ -57,7 +58,9 @@ def test_every_crash_point_of_the_checkout__charged_once_invoiced_once(provider,
     assert "after_record_commit@checkout" in crashed, table
 
 
-def test_an_effect_called_outside_the_fence__the_matrix_names_the_point(tmp_path, monkeypatch):
+def test_an_effect_called_outside_the_fence__the_matrix_names_the_point(
+    tmp_path, monkeypatch, queue
+):
     """A handler that sends in its body, before its fenced step: killed after the step's
     claim commit, the redelivery sends again; the matrix reports the point as broken."""
     from django.db import transaction
@@ -92,3 +95,19 @@ def test_an_effect_called_outside_the_fence__the_matrix_names_the_point(tmp_path
     assert not case.held and "notify (at most once) happened 2 times" in case.problems[0]
     with pytest.raises(AssertionError, match="1 of 1 crash points broke"):
         table.assert_held()
+    # The workers it SIGKILLed are unregistered: the next matrix does not take them for
+    # a development worker listening on the queue.
+    assert Worker.all(queue=queue) == []
+
+
+def test_another_worker_listening_on_the_queue__refused_before_anything_starts(queue):
+    """A development `rqworker` on the tests' Redis database would run the matrix's jobs
+    without its failpoints: the matrix names it and starts no operation."""
+    other = Worker([queue], connection=queue.connection, name="dev-worker-1")
+    other.register_birth()
+    started: list[str] = []
+
+    with pytest.raises(RuntimeError, match="1 worker.*dev-worker-1.*Redis database of their own"):
+        crash_matrix(started.append)
+
+    assert started == [] and not Operation.objects.exists()

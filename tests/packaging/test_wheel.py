@@ -53,5 +53,9 @@ def test_the_wheel_names_its_runtime_dependencies_and_not_the_tools(wheel):
     ]
     for needed in ("Django", "django-rq", "rq", "psycopg", "djangorestframework"):
         assert any(r.startswith(needed) for r in requires), requires
+    # The test kit's runner comes only with the `testing` extra, the tools never.
+    runtime = [r for r in requires if "extra ==" not in r]
     for tool in ("pytest", "dbos", "stripe", "playwright"):
-        assert not any(r.lower().startswith(tool) for r in requires), requires
+        assert not any(r.lower().startswith(tool) for r in runtime), requires
+    testing = [r.split(";")[0].strip() for r in requires if 'extra == "testing"' in r]
+    assert {r.split(">")[0] for r in testing} == {"pytest", "pytest-django"}, requires
