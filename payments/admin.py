@@ -50,6 +50,7 @@ from payments.desk.lists import (
     BoundedListMixin,
     KindFilter,
     operation_id_in,
+    operations_search_help,
     operations_search_note,
     search_operations,
 )
@@ -285,15 +286,16 @@ class OperationAdmin(NamedPermissionsMixin, DeskViewsMixin, BoundedListMixin, ad
     )  # fmt: skip
     # The search is routed by the term's shape (get_search_results); this shows the box.
     search_fields = ("key",)
-    search_help_text = (
-        "Order id (17), operation id (#17), operation key, a reference as the provider's or "
-        "another system's dashboard shows it, idempotency key (fence_…) or the customer's "
-        "e-mail (exact)."
-    )
     ordering = ("-pk",)  # newest first, on the primary key
     list_per_page = 50
     actions = ("query_selected",)
     inlines = (StepClaimInline, OperationEventInline)
+
+    @property
+    def search_help_text(self) -> str:  # type: ignore[override]
+        """In the words of the entities the installed handlers declare (read per page)."""
+        return operations_search_help()
+
     fields = readonly_fields = (
         "key",
         "kind",

@@ -141,6 +141,24 @@ def with_article(words: str) -> str:
     return f"{'an' if words[:1].lower() in 'aeiou' else 'a'} {words}"
 
 
+def operations_search_help() -> str:
+    """The operations search box's help, in the words of the entities the handlers declare:
+    "Order id (17), ..." with the shop's checkout, "Reservation id (17), ..." without it."""
+    keyed = keyed_by_integer()
+    terms = [f"{entity_words(keyed)} id (17)"] if keyed else []
+    terms += [
+        "operation id (#17)",
+        "operation key",
+        "a reference as the provider's or another system's dashboard shows it",
+        "idempotency key (fence_…)",
+    ]
+    with_email = [model for model in entity_models() if email_fields(model)]
+    if with_email:
+        terms.append(f"the {entity_words(with_email)}'s e-mail (exact)")
+    text = ", ".join(terms[:-1]) + f" or {terms[-1]}."
+    return text[:1].upper() + text[1:]
+
+
 def email_fields(model: type[Model]) -> list[str]:
     """The e-mail fields of an entity model the desk's e-mail search reads: those with an
     index on LOWER(field) (`models.Index(Lower("email"), ...)` in its Meta), so that a

@@ -195,7 +195,8 @@ def check_new_attempt(op: Operation, claims: list[StepClaim], spec: HandlerSpec)
     hooks = spec.desk
     if hooks is None or hooks.new_attempt is None:
         raise DeskError(
-            f"{op.kind} operations declare no new attempt; a new request goes through the API",
+            f"{op.kind} operations declare no new attempt: a new one is asked for where "
+            "they are started (the API, the business's own page)",
             operation_key=op.key,
         )
     if op.state != OperationState.FAILED:

@@ -120,3 +120,16 @@ def test_operations_list__searching_a_members_email_lists_its_operations(members
     request.user.is_superuser = True
     found, _ = model_admin.get_search_results(request, Operation.objects.all(), "kim@example.com")
     assert keys(found) == {"kim-joins"}
+
+
+def test_search_help__in_the_words_of_the_declared_entities(members, monkeypatch):
+    """The box's help names the entities the handlers declare: the shop's order and the
+    member beside it; with the member's handler alone (a project without the shop), no
+    order."""
+    shop_and_club = django_admin.site._registry[Operation].search_help_text
+    monkeypatch.setattr(handlers, "_HANDLERS", {"join-club": handlers._HANDLERS["join-club"]})
+    club_only = django_admin.site._registry[Operation].search_help_text
+
+    assert shop_and_club.startswith("Member or order id (17), operation id (#17)")
+    assert club_only.startswith("Member id (17), operation id (#17)")
+    assert club_only.endswith("or the member's e-mail (exact).") and "order" not in club_only

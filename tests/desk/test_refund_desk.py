@@ -301,7 +301,10 @@ def test_a_kind_without_a_new_attempt__says_so_and_starts_nothing(gift_cards, se
         locked = fence.locked_operation_in_tx(op.pk)
         fence.release_in_tx(locked, OperationState.FAILED, actor="worker-1/1", reason="gave up")
     client = client_for(senior)
-    why = f"{gift_cards} operations declare no new attempt; a new request goes through the API"
+    why = (
+        f"{gift_cards} operations declare no new attempt: a new one is asked for where they "
+        "are started (the API, the business's own page)"
+    )
 
     page = words(client.get(change_url(op)).content.decode())
     assert f"Start a new attempt is unavailable: {why}" in page
