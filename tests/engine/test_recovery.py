@@ -421,3 +421,16 @@ def test_a_replay_that_could_not_connect__puts_the_last_request_time_back(
     claim = op.claims.get(step="charge")
     assert claim.last_request_at == before
     assert claim.state == ClaimState.UNCERTAIN
+
+
+def test_run_recovery__says_it_runs_and_how_often__a_quiet_round_prints_nothing_more(queue):
+    """An operator starting run_recovery sees it alive; a round with nothing to do is
+    silent (no line every 10 s in the logs)."""
+    from io import StringIO
+
+    from django.core.management import call_command
+
+    out = StringIO()
+    call_command("run_recovery", "--once", stdout=out)
+
+    assert out.getvalue() == "run_recovery: one round (a sweep and a reconcile)\n"

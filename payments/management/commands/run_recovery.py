@@ -29,6 +29,14 @@ class Command(BaseCommand):
         stop = threading.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: stop.set())
+        # A quiet round prints nothing: this line says the loop is alive, and how often.
+        if options["once"]:
+            self.stdout.write("run_recovery: one round (a sweep and a reconcile)")
+        else:
+            self.stdout.write(
+                f"run_recovery: a sweep and a reconcile every {interval:g} s; a round that "
+                "finds nothing prints nothing; stops on SIGTERM or Ctrl-C"
+            )
         while not stop.is_set():
             close_old_connections()
             # Each half runs even when the other fails (Redis down must not stop
