@@ -188,6 +188,16 @@ def test_the_answer_lost__a_same_key_replay_settles_it__one_deposit_held(deposit
     assert op.state == OperationState.SUCCEEDED
     assert len(made) == 1
     assert (claim.state, claim.provider_reference) == (ClaimState.DONE, made[0]["id"])
+    # The requests the effect noted are the step's evidence: the lost POST, then its replay.
+    sent = [
+        (r["method"], r["path"], r["status"], r.get("replayed", False), r.get("error", ""))
+        for event in op.events.filter(step=HOLD).exclude(requests=None).order_by("pk")
+        for r in event.requests
+    ]
+    assert sent == [
+        ("POST", "/objects", None, False, "ConnectionError"),
+        ("POST", "/objects", 201, True, ""),
+    ]
 
 
 @pytest.mark.django_db(transaction=True)
