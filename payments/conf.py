@@ -77,10 +77,12 @@ Every key, its default and its meaning:
     statements are planned once per connection instead of at each call (one
     ``SET`` with the connection's set-up; docs/deployment.md). It applies to
     the session's prepared statements only: the ORM's queries are not prepared.
-    Never set where the fence does not prepare (``prepare_threshold`` None,
-    behind a transaction pooler). ``False`` if the project prepares statements
-    of its own, or runs PL/pgSQL functions on these connections, whose queries
-    need plans made for their values.
+    Never set where the fence does not prepare (OPTIONS ``prepare_threshold``
+    None): behind PgBouncer in transaction pooling pin that, or set this
+    ``False``, or the SET lands on a server connection other clients share.
+    ``False`` if the project prepares statements of its own, or runs PL/pgSQL
+    functions on these connections, whose queries need plans made for their
+    values.
 
 `payments.E009` reports a bad value at start-up; the timeout chain between
 them is checked by `payments.E002`-`E005`.

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 import psycopg
+from django.core.exceptions import ImproperlyConfigured
 from django.db import DEFAULT_DB_ALIAS, DatabaseError, connections, transaction
 from django.db.backends.postgresql.base import TIMESTAMPTZ_OID
 from django.db.backends.postgresql.psycopg_any import register_tzloader
@@ -153,10 +154,13 @@ def plan_once_per_connection(sender: Any, connection: Any, **kwargs: Any) -> Non
 
     Sent with the connection's set-up, in autocommit (no rollback can undo it),
     before any job or request uses the connection: a cost per connection, as
-    Django's own time-zone set-up, never per transition. Only on the default
-    database and only where the fence prepares (`prepares`): behind a
-    transaction pooler the session belongs to other clients too. A pooled
-    psycopg connection is set once (marked).
+    Django's own time-zone set-up, never per transition (with CONN_MAX_AGE 0 a
+    connection lasts one request or job). Only on the default database and only
+    where the fence prepares (`prepares`: not where OPTIONS pin
+    `prepare_threshold` to None, as a transaction pooler needs). A pooled
+    psycopg connection is set once (marked). It never fails the connection: a
+    SET refused, or PAYMENTS invalid (payments.E009 says so), leaves the
+    session as PostgreSQL's default, logged.
     """
     if connection.vendor != "postgresql" or connection.alias != DEFAULT_DB_ALIAS:
         return
@@ -165,9 +169,13 @@ def plan_once_per_connection(sender: Any, connection: Any, **kwargs: Any) -> Non
         return
     from payments.conf import payments_settings  # settings are read once a connection opens
 
-    if not payments_settings().generic_plans:
+    try:
+        if not payments_settings().generic_plans:
+            return
+        raw.execute("SET plan_cache_mode = force_generic_plan")
+    except (ImproperlyConfigured, psycopg.Error) as exc:
+        logger.warning("fence statements keep PostgreSQL's plan cache mode: %s", exc)
         return
-    raw.execute("SET plan_cache_mode = force_generic_plan")
     setattr(raw, _GENERIC_PLANS, True)
 
 

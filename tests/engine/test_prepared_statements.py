@@ -320,3 +320,28 @@ def test_generic_plans_off__the_session_keeps_postgresqls_default(queue, setting
     connection.ensure_connection()
 
     assert plan_cache_mode() == "auto"
+
+
+def test_a_set_the_server_refuses__leaves_the_connection_usable_and_says_so(
+    queue, monkeypatch, caplog
+):
+    """The receiver never fails a connection: a refused SET (here, an unknown setting's
+    name, as an older server would answer) is logged and the session keeps its default."""
+    monkeypatch.setattr(
+        driver.psycopg.Connection, "execute", _refusing_set(driver.psycopg.Connection.execute)
+    )
+    connection.close()
+
+    connection.ensure_connection()
+
+    assert plan_cache_mode() == "auto"
+    assert "keep PostgreSQL's plan cache mode" in caplog.text
+
+
+def _refusing_set(execute):
+    def refusing(self, query, *args, **kwargs):
+        if str(query).startswith("SET plan_cache_mode"):
+            return execute(self, "SET plan_cache_moode = force_generic_plan")
+        return execute(self, query, *args, **kwargs)
+
+    return refusing
