@@ -40,7 +40,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from django.conf import settings
 from django.db import connections
@@ -233,26 +233,61 @@ def crash_matrix(
 
 
 def _refuse_other_workers() -> None:
-    """Refuse to start while other workers listen on the fence's queue (a development
-    `rqworker` on the same Redis database): they would take the matrix's jobs and run
-    them without its failpoints, and its verdicts would be about their runs."""
+    """Refuse to start while another worker listens on the fence's queue's Redis database
+    (a development `rqworker`): it would take the matrix's jobs and run them without its
+    failpoints, and the verdicts would be about its runs.
+
+    A listener is a connection to that database blocked waiting for a job (RQ's BLPOP or
+    BLMOVE), a named one subscribed to a channel (a worker's command channel, on a
+    connection RQ names after it), or one named as a worker RQ lists for the queue (a
+    worker busy with a job is not blocked): read from Redis' CLIENT LIST,
+    so a worker whose registration a test's FLUSHDB erased is still seen, and one that
+    died without unregistering (a SIGKILL) is not. Where CLIENT LIST is refused (a
+    managed Redis' ACL), the check is skipped.
+    """
     import django_rq
+    from redis.exceptions import ResponseError
     from rq.worker import Worker
-    from rq.worker_registration import clean_worker_registry
 
     from payments.conf import payments_settings
 
     queue = django_rq.get_queue(payments_settings().queue)
-    clean_worker_registry(queue)  # forget workers that died without saying so
-    others = sorted(worker.name for worker in Worker.all(queue=queue))
+    redis = queue.connection
+    where = redis.connection_pool.connection_kwargs
+    db = int(where.get("db", 0))
+    registered = {worker.name for worker in Worker.all(queue=queue)}
+    try:
+        # A sync client (redis-py's annotations also allow the asyncio client's Awaitable).
+        clients = cast(list[dict[str, Any]], redis.client_list())
+    except ResponseError:
+        return
+    others = sorted(
+        {
+            client.get("name") or f"a client at {client.get('addr', '?')}"
+            for client in clients
+            if int(client.get("db", -1)) == db
+            and (
+                client.get("cmd") in WAITING_COMMANDS
+                or client.get("name") in registered
+                or (client.get("name") and client.get("cmd") in SUBSCRIBING_COMMANDS)
+            )
+        }
+    )
     if others:
-        where = queue.connection.connection_pool.connection_kwargs
         raise RuntimeError(
-            f"crash_matrix: {len(others)} worker(s) already listen on queue {queue.name!r} "
-            f"(Redis db {where.get('db', 0)} at {where.get('host', '?')}:{where.get('port', '?')}): "
-            f"{', '.join(others[:5])}. They would run the matrix's jobs without its failpoints. "
-            "Stop them, or give the tests a Redis database of their own (docs/testing.md)."
+            f"crash_matrix: {len(others)} worker(s) listen on Redis db {db} at "
+            f"{where.get('host', '?')}:{where.get('port', '?')}, where the queue "
+            f"{queue.name!r} is: {', '.join(others[:5])}. They would run the matrix's jobs "
+            "without its failpoints. Stop them, or give the tests a Redis database of their "
+            "own (docs/testing.md)."
         )
+
+
+#: The Redis commands a worker waits for a job with (rq's Queue.dequeue_any), on a
+#: connection RQ leaves unnamed.
+WAITING_COMMANDS = frozenset({"blpop", "blmove", "brpoplpush"})
+#: A worker also listens for commands (rq:pubsub:<name>) on a connection named after it.
+SUBSCRIBING_COMMANDS = frozenset({"subscribe", "psubscribe"})
 
 
 def _forget_workers(queue_name: str, names: list[str]) -> None:

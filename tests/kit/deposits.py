@@ -2,7 +2,7 @@
 
 What a handler author writes for a system that is not the payment provider
 (docs/handlers.md, "An external system in your own project" shows this file as
-it is; tests/docs checks they agree), against payments.testing.FakeSystem's
+it is; tests/test_readme_handler.py checks they agree), against payments.testing.FakeSystem's
 contract: a create under the claim's key, a retrieve by id, a list by the
 `external_id` the request carries (a consistent read that settles a lost
 answer). It imports nothing of the fence but its public API, payments.fence.
@@ -62,6 +62,10 @@ def _object(answer: requests.Response, context: str) -> SimpleNamespace:
         raise TransientProviderError(
             f"{context}: {answer.status_code}", http_status=answer.status_code
         )
+    if answer.status_code == 409:  # a request under this key is still in flight
+        busy = TransientProviderError(f"{context}: in flight", http_status=409)
+        busy.in_flight = True  # it may still succeed: wait for it, never fail the step
+        raise busy
     if 400 <= answer.status_code < 500:
         raise InvalidRequest(f"{context}: {answer.status_code}", http_status=answer.status_code)
     # A 5xx, or anything else: the deposit may have been made. Never failed: replayed

@@ -11,14 +11,20 @@ is written only with what payments.testing offers, plus the fake provider's reco
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import time
+from pathlib import Path
+
 import pytest
+from redis import Redis
 from rq.worker import Worker
 
 from payments.checkout.handler import request_checkout
 from payments.checkout.orders import create_order
 from payments.models import Operation
 from payments.shop.models import Invoice, LedgerEntry, SalesDay
-from payments.testing import crash_matrix, crash_points
+from payments.testing import _refuse_other_workers, crash_matrix, crash_points, stop_process
 from tests.support.workers import worker_env
 
 # Transactional: the matrix's worker processes must see the operations the test commits.
@@ -102,12 +108,43 @@ def test_an_effect_called_outside_the_fence__the_matrix_names_the_point(
 
 def test_another_worker_listening_on_the_queue__refused_before_anything_starts(queue):
     """A development `rqworker` on the tests' Redis database would run the matrix's jobs
-    without its failpoints: the matrix names it and starts no operation."""
-    other = Worker([queue], connection=queue.connection, name="dev-worker-1")
-    other.register_birth()
-    started: list[str] = []
+    without its failpoints: a real one listens, its registration erased (the FLUSHDB of
+    docs/testing.md's fixture), and the matrix names it and starts no operation."""
+    kwargs = queue.connection.connection_pool.connection_kwargs
+    url = f"redis://{kwargs['host']}:{kwargs['port']}/{kwargs['db']}"
+    rq = Path(sys.executable).with_name("rq")
+    dev = subprocess.Popen(
+        [str(rq), "worker", queue.name, "--url", url, "--name", "dev-worker-1"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 20
+        while not {"dev-worker-1", "blocked"} <= {
+            "blocked" if c.get("cmd") in ("blpop", "blmove") else c.get("name")
+            for c in queue.connection.client_list()
+            if c.get("db") == str(kwargs["db"])
+        }:
+            assert time.monotonic() < deadline and dev.poll() is None, "the worker never waited"
+            time.sleep(0.1)
+        queue.connection.flushdb()
+        started: list[str] = []
 
-    with pytest.raises(RuntimeError, match="1 worker.*dev-worker-1.*Redis database of their own"):
-        crash_matrix(started.append)
+        with pytest.raises(RuntimeError, match="worker.*dev-worker-1.*Redis database of their"):
+            crash_matrix(started.append)
 
-    assert started == [] and not Operation.objects.exists()
+        assert started == []
+    finally:
+        stop_process(dev)
+
+
+def test_a_worker_that_died_registered__is_not_taken_for_a_listener(queue):
+    """A worker SIGKILLed before (an aborted run) stays in RQ's list until its key expires;
+    with no connection of its own it listens to nothing: no refusal."""
+    gone = Redis(**queue.connection.connection_pool.connection_kwargs)
+    Worker([queue], connection=gone, name="killed-earlier").register_birth()
+    gone.close()
+
+    assert [w.name for w in Worker.all(queue=queue)] == ["killed-earlier"]
+    _refuse_other_workers()  # raises if it took it for a listener
