@@ -152,9 +152,9 @@ def operations_search_help() -> str:
         "a reference as the provider's or another system's dashboard shows it",
         "idempotency key (fence_…)",
     ]
-    with_email = [model for model in entity_models() if email_fields(model)]
-    if with_email:
-        terms.append(f"the {entity_words(with_email)}'s e-mail (exact)")
+    # Which entities an e-mail finds depends on what the operator may view: not named here.
+    if any(email_fields(model) for model in entity_models()):
+        terms.append("an e-mail (exact)")
     text = ", ".join(terms[:-1]) + f" or {terms[-1]}."
     return text[:1].upper() + text[1:]
 

@@ -132,4 +132,4 @@ def test_search_help__in_the_words_of_the_declared_entities(members, monkeypatch
 
     assert shop_and_club.startswith("Member or order id (17), operation id (#17)")
     assert club_only.startswith("Member id (17), operation id (#17)")
-    assert club_only.endswith("or the member's e-mail (exact).") and "order" not in club_only
+    assert club_only.endswith("or an e-mail (exact).") and "order" not in club_only

@@ -426,11 +426,15 @@ def test_a_replay_that_could_not_connect__puts_the_last_request_time_back(
 def test_run_recovery__says_it_runs_and_how_often__a_quiet_round_prints_nothing_more(queue):
     """An operator starting run_recovery sees it alive; a round with nothing to do is
     silent (no line every 10 s in the logs)."""
+    import signal
     from io import StringIO
 
     from django.core.management import call_command
 
     out = StringIO()
+    handlers = (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT))
     call_command("run_recovery", "--once", stdout=out)
 
     assert out.getvalue() == "run_recovery: one round (a sweep and a reconcile)\n"
+    # One round leaves the caller's signal handlers as they were (a test runner's Ctrl-C).
+    assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)) == handlers

@@ -27,16 +27,19 @@ class Command(BaseCommand):
         if interval <= 0:
             raise CommandError("--interval must be positive.")
         stop = threading.Event()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda *_: stop.set())
-        # A quiet round prints nothing: this line says the loop is alive, and how often.
+        # A quiet round prints nothing: this line says the loop is alive, and how often
+        # (flushed: under systemd or docker stdout is a pipe, buffered).
         if options["once"]:
             self.stdout.write("run_recovery: one round (a sweep and a reconcile)")
         else:
+            # One round needs no handlers (nor does the caller of call_command lose its own).
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                signal.signal(sig, lambda *_: stop.set())
             self.stdout.write(
                 f"run_recovery: a sweep and a reconcile every {interval:g} s; a round that "
                 "finds nothing prints nothing; stops on SIGTERM or Ctrl-C"
             )
+        self.stdout.flush()
         while not stop.is_set():
             close_old_connections()
             # Each half runs even when the other fails (Redis down must not stop
