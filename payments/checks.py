@@ -51,7 +51,7 @@ def check_payments_settings(app_configs: Any = None, **kwargs: Any) -> list[Erro
     try:
         payments_settings()
     except ImproperlyConfigured as exc:
-        return [Error(str(exc), hint="See payments/conf.py for every key.", id="payments.E009")]
+        return [Error(str(exc), hint="docs/settings.md documents every key.", id="payments.E009")]
     return []
 
 
@@ -443,7 +443,7 @@ def check_external_systems(app_configs: Any = None, **kwargs: Any) -> list[Check
                     f"{where} calls the external system {name!r}, which PAYMENTS['SYSTEMS'] "
                     "does not configure.",
                     hint=f"Add PAYMENTS['SYSTEMS'][{name!r}] with its URL and API_KEY "
-                    "(docs/handlers.md, 'Adding an external system').",
+                    "(docs/handlers.md, 'An external system in your own project').",
                     id="payments.E013",
                 )
             )

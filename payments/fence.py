@@ -167,6 +167,7 @@ def operation(
     for step, effect in effects.items():
         if not (isinstance(effect, type) and issubclass(effect, ProviderEffect)):
             raise TypeError(f"step {step!r}: {effect!r} is not a ProviderEffect subclass")
+        _refuse_instance_methods(step, effect)
     return handler(
         kind,
         effects=dict(effects),
@@ -180,6 +181,26 @@ def operation(
         on_reversal=on_reversal,
         follows=follows,
     )
+
+
+#: What the desk and the engine read off an effect's class, with no instance (a done
+#: step's recorded result, an operation): each must be a classmethod or staticmethod.
+CLASS_HOOKS = ("money", "held", "system_for")
+
+
+def _refuse_instance_methods(step: str, effect: type[ProviderEffect]) -> None:
+    """Refuse, when the handler is declared, a hook of CLASS_HOOKS written as an instance
+    method: it would pass every test of the steps and fail the desk's pages."""
+    for name in CLASS_HOOKS:
+        for klass in effect.__mro__:
+            if name in vars(klass):
+                if not isinstance(vars(klass)[name], classmethod | staticmethod):
+                    raise TypeError(
+                        f"step {step!r}: {klass.__name__}.{name} is read off the class (the "
+                        f"desk has no instance): declare it `@classmethod def {name}(cls, ...)` "
+                        "or `@staticmethod`"
+                    )
+                break
 
 
 def create_follow_ups_in_tx(

@@ -47,3 +47,25 @@ def test_own_system_example__is_the_kit_deposit_file_verbatim_and_imports_only_t
     assert imported == ["payments.fence"]
     names = re.search(r"from payments\.fence import \((.*?)\)", source, flags=re.S).group(1)
     assert {n.strip() for n in names.split(",") if n.strip()} <= set(payments.fence.__all__)
+
+
+def test_an_effects_money_written_as_an_instance_method__refused_when_declared():
+    """The desk reads `money` off the effect's class (a done step's recorded result, no
+    instance): written as a plain method it passed every step's test and failed the
+    operations list with a 500. Declaring the handler refuses it, naming the fix."""
+    import pytest
+
+    from payments.fence import ProviderEffect, operation
+
+    class BookPickup(ProviderEffect):
+        def money(self, result):  # the natural way, and wrong
+            return None
+
+    class Release(ProviderEffect):
+        @staticmethod
+        def money(result):
+            return None
+
+    with pytest.raises(TypeError, match=r"BookPickup\.money is read off the class.*@classmethod"):
+        operation("kit_book_pickup", steps={"book": BookPickup})
+    assert payments.fence._refuse_instance_methods("release", Release) is None
