@@ -16,13 +16,14 @@ from django.core.exceptions import ImproperlyConfigured
 
 @dataclass(frozen=True)
 class SystemSettings:
-    """One external system's entry in PAYMENTS["SYSTEMS"] (durations in seconds)."""
+    """One external system's entry in PAYMENTS["SYSTEMS"] (durations in seconds; the
+    timeouts are the provider's where the entry sets none)."""
 
     url: str
     api_key: str
+    connect_timeout: float
+    read_timeout: float
     key_retention: int | None = None
-    connect_timeout: float | None = None
-    read_timeout: float | None = None
     dashboard_url: str = ""
     options: tuple[tuple[str, Any], ...] = ()
 
@@ -111,8 +112,11 @@ def _optional(entry: dict[str, Any], name: str, key: str, integer: bool, minimum
     return None if raw is None else _number(f"{name}.{key}", raw, integer=integer, minimum=minimum)
 
 
-def _systems(value: Any) -> tuple[tuple[str, SystemSettings], ...]:
-    """Validate PAYMENTS["SYSTEMS"]: an entry per system name, each with its known keys."""
+def _systems(
+    value: Any, connect_timeout: float, read_timeout: float
+) -> tuple[tuple[str, SystemSettings], ...]:
+    """Validate PAYMENTS["SYSTEMS"]: an entry per system name, each with its known keys;
+    `connect_timeout` and `read_timeout` (the provider's) for an entry that sets none."""
     if not isinstance(value, dict):
         raise ImproperlyConfigured("PAYMENTS['SYSTEMS'] must be a dict of system name -> entry.")
     read = []
@@ -142,8 +146,10 @@ def _systems(value: Any) -> tuple[tuple[str, SystemSettings], ...]:
                     url=_text(f"SYSTEMS.{name}.URL", entry.get("URL")),
                     api_key=_text(f"SYSTEMS.{name}.API_KEY", entry.get("API_KEY")),
                     key_retention=_optional(entry, name, "KEY_RETENTION", True, 60),
-                    connect_timeout=_optional(entry, name, "CONNECT_TIMEOUT", False, 0.01),
-                    read_timeout=_optional(entry, name, "READ_TIMEOUT", False, 0.01),
+                    connect_timeout=_optional(entry, name, "CONNECT_TIMEOUT", False, 0.01)
+                    or connect_timeout,
+                    read_timeout=_optional(entry, name, "READ_TIMEOUT", False, 0.01)
+                    or read_timeout,
                     dashboard_url=_dashboard(
                         f"SYSTEMS.{name}.DASHBOARD_URL", entry.get("DASHBOARD_URL", "")
                     ),
@@ -209,15 +215,17 @@ def _read(raw: object) -> PaymentsSettings:
     backoff = get("retry_backoff")
     if not isinstance(backoff, list | tuple) or not backoff:
         raise ImproperlyConfigured("PAYMENTS['RETRY_BACKOFF'] must be a non-empty list of seconds.")
+    connect_timeout = _number(
+        "PROVIDER_CONNECT_TIMEOUT", get("provider_connect_timeout"), integer=False, minimum=0.01
+    )
+    read_timeout = _number(
+        "PROVIDER_READ_TIMEOUT", get("provider_read_timeout"), integer=False, minimum=0.01
+    )
     return PaymentsSettings(
         provider_url=_text("PROVIDER_URL", get("provider_url")),
         provider_api_key=_text("PROVIDER_API_KEY", get("provider_api_key")),
-        provider_connect_timeout=_number(
-            "PROVIDER_CONNECT_TIMEOUT", get("provider_connect_timeout"), integer=False, minimum=0.01
-        ),
-        provider_read_timeout=_number(
-            "PROVIDER_READ_TIMEOUT", get("provider_read_timeout"), integer=False, minimum=0.01
-        ),
+        provider_connect_timeout=connect_timeout,
+        provider_read_timeout=read_timeout,
         provider_key_retention=_number(
             "PROVIDER_KEY_RETENTION", get("provider_key_retention"), integer=True, minimum=3600
         ),
@@ -240,7 +248,7 @@ def _read(raw: object) -> PaymentsSettings:
         purge_batch_size=_number(
             "PURGE_BATCH_SIZE", get("purge_batch_size"), integer=True, minimum=1
         ),
-        systems=_systems(raw.get("SYSTEMS", {})),
+        systems=_systems(raw.get("SYSTEMS", {}), connect_timeout, read_timeout),
         handler_modules=_modules("HANDLER_MODULES", get("handler_modules")),
         inline_follow_ups=_flag("INLINE_FOLLOW_UPS", get("inline_follow_ups")),
         generic_plans=_flag("GENERIC_PLANS", get("generic_plans")),

@@ -53,8 +53,8 @@ import exactly those at start-up, and refuse a handler registered later.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Mapping
-from dataclasses import replace
 from typing import Any
 
 from django.core.exceptions import ImproperlyConfigured
@@ -123,18 +123,13 @@ def system_settings(name: str) -> SystemSettings:
     """The settings entry of external system `name`: PAYMENTS["SYSTEMS"][name], validated
     (`url`, `api_key`, `connect_timeout`, `read_timeout`, `option(name)`; the timeouts
     default to the provider's). ImproperlyConfigured names an entry that is missing."""
-    settings_ = payments_settings()
-    entry = settings_.system(name)
+    entry = payments_settings().system(name)
     if entry is None:
         raise ImproperlyConfigured(
             f"PAYMENTS['SYSTEMS'][{name!r}] is not configured: add its URL and API_KEY "
             f"(docs/handlers.md, 'The settings entry')."
         )
-    return replace(
-        entry,
-        connect_timeout=entry.connect_timeout or settings_.provider_connect_timeout,
-        read_timeout=entry.read_timeout or settings_.provider_read_timeout,
-    )
+    return entry
 
 
 def operation(
@@ -192,15 +187,14 @@ def _refuse_instance_methods(step: str, effect: type[ProviderEffect]) -> None:
     """Refuse, when the handler is declared, a hook of CLASS_HOOKS written as an instance
     method: it would pass every test of the steps and fail the desk's pages."""
     for name in CLASS_HOOKS:
-        for klass in effect.__mro__:
-            if name in vars(klass):
-                if not isinstance(vars(klass)[name], classmethod | staticmethod):
-                    raise TypeError(
-                        f"step {step!r}: {klass.__name__}.{name} is read off the class (the "
-                        f"desk has no instance): declare it `@classmethod def {name}(cls, ...)` "
-                        "or `@staticmethod`"
-                    )
-                break
+        # As the class defines it (the first in its MRO), before any binding.
+        declared = inspect.getattr_static(effect, name, None)
+        if declared is not None and not isinstance(declared, classmethod | staticmethod):
+            raise TypeError(
+                f"step {step!r}: {effect.__name__}.{name} is read off the class (the desk "
+                f"has no instance): declare it `@classmethod def {name}(cls, ...)` or "
+                "`@staticmethod`"
+            )
 
 
 def create_follow_ups_in_tx(

@@ -81,8 +81,8 @@ class AdyenClient:
             url=entry.url,
             api_key=entry.api_key,
             merchant_account=str(merchant),
-            connect_timeout=entry.connect_timeout or conf.provider_connect_timeout,
-            read_timeout=entry.read_timeout or conf.provider_read_timeout,
+            connect_timeout=entry.connect_timeout,
+            read_timeout=entry.read_timeout,
         )
 
     def pay(self, body: dict[str, Any], *, idempotency_key: str) -> Answer:

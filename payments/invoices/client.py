@@ -160,8 +160,8 @@ class AccountingClient:
         return cls(
             entry.url,
             entry.api_key,
-            connect_timeout=entry.connect_timeout or conf.provider_connect_timeout,
-            read_timeout=entry.read_timeout or conf.provider_read_timeout,
+            connect_timeout=entry.connect_timeout,
+            read_timeout=entry.read_timeout,
             observe=observe,
         )
 
