@@ -21,6 +21,10 @@
 - `start_operation`: answer an API request that starts an operation (202, replays).
 - `create_operation_in_tx`: write an operation in the caller's transaction and
   deliver it once that commits (the service an API view and the desk both call).
+  Its `tenant` (default "") is the namespace of its key, which the project supplies
+  (its own customer's, "hotel:42"; the JSON API's client N is "client:N"): two
+  tenants' equal keys are two operations with two provider idempotency keys. The
+  same tenant's key with other parameters raises `OperationConflict`.
 - `create_follow_ups_in_tx`: write an operation's follow-ups (derived keys) likewise.
 - `Follows`, `kinds_following`, `replaced_by`: an operation declares the business event it
   follows (`@operation(..., follows=Follows(ORDER_PAID))`, `@message` too); the event's
@@ -73,6 +77,7 @@ from payments.engine.handlers import EntityHook, ReversalHook, Run, handler, reg
 from payments.engine.handlers import message_handler as message
 from payments.engine.systems import ExternalSystem, Read
 from payments.engine.systems import declare as declare_system
+from payments.exceptions import OperationConflict
 from payments.models import KeyScope
 from payments.provider.effect import ProviderEffect
 from payments.provider.errors import (
@@ -96,6 +101,7 @@ __all__ = [
     "Follows",
     "IdempotencyConflict",
     "InvalidRequest",
+    "OperationConflict",
     "ProviderEffect",
     "ProviderError",
     "Read",

@@ -16,7 +16,12 @@ from rest_framework_api_key.models import AbstractAPIKey
 
 from payments.engine.writes import writing
 
+#: UNIQUE(tenant, scope, key). It kept the name it had over (client, scope, key) before
+#: migration 0028: a previous release's INSERT ... ON CONFLICT ON CONSTRAINT names it.
 OPERATION_KEY_CONSTRAINT = "payments_operation_client_scope_key_uniq"
+#: Operation.tenant's length; the JSON API's clients are API_CLIENT_TENANT + their id.
+TENANT_MAX_LENGTH = 64
+API_CLIENT_TENANT = "client:"
 
 
 class FenceWriteRefused(RuntimeError):
@@ -103,6 +108,24 @@ class ApiClient(models.Model):
     def __str__(self) -> str:
         return self.name
 
+    @property
+    def tenant(self) -> str:
+        """The namespace of its operations' keys (Operation.tenant)."""
+        return f"{API_CLIENT_TENANT}{self.pk}"
+
+    @classmethod
+    def of_tenant(cls, tenant: str) -> ApiClient | None:
+        """The client whose namespace `tenant` is; None for another tenant or a deleted client."""
+        number = tenant.removeprefix(API_CLIENT_TENANT)
+        if number == tenant or not number.isdigit():
+            return None
+        return cls.objects.filter(pk=int(number)).first()
+
+
+def tenant_of(client: ApiClient | None) -> str:
+    """The tenant of `client`'s operations: its `tenant`, or "" without a client (a tool's)."""
+    return client.tenant if client is not None else ""
+
 
 class ClientApiKey(AbstractAPIKey):
     """A key of an API client: stored hashed, shown once, with a visible prefix; revocable.
@@ -131,16 +154,11 @@ class Operation(FenceModel):
 
     key = models.CharField(max_length=255)
     scope = models.CharField(max_length=16, choices=KeyScope, default=KeyScope.CLIENT)
-    #: The API client that asked for it: its idempotency keys are scoped to it (None: the
-    #: system or a tool asked).
-    client = models.ForeignKey(
-        ApiClient,
-        null=True,
-        blank=True,
-        on_delete=models.PROTECT,
-        related_name="operations",
-        db_index=False,  # the key's unique index leads with client_id
-    )
+    #: The namespace its key lives in, supplied by the project that creates it: the
+    #: JSON API's client ("client:<id>", ApiClient.tenant), a project's own customer or
+    #: account, or "" (the system's own, a project with one namespace). Two tenants' keys
+    #: never meet, and each step's provider idempotency key is derived with it.
+    tenant = models.CharField(max_length=TENANT_MAX_LENGTH, blank=True, db_default="")
     kind = models.CharField(max_length=64)
     entity_type = models.CharField(max_length=64)
     entity_id = models.CharField(max_length=64)
@@ -181,9 +199,7 @@ class Operation(FenceModel):
     class Meta:
         constraints = [
             models.UniqueConstraint(
-                fields=["client", "scope", "key"],
-                name=OPERATION_KEY_CONSTRAINT,
-                nulls_distinct=False,  # no client (the system's own) is one namespace too
+                fields=["tenant", "scope", "key"], name=OPERATION_KEY_CONSTRAINT
             ),
         ]
         # Every index is written on each insert and on each state change (an update of

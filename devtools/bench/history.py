@@ -56,12 +56,12 @@ WHERE o.id <= %(orders)s
 """
 
 COPY_OPERATIONS = """
-INSERT INTO payments_operation (id, key, scope, client_id, kind, entity_type, entity_id, params,
+INSERT INTO payments_operation (id, key, scope, tenant, kind, entity_type, entity_id, params,
                                 fingerprint, state, attempts, last_error, next_attempt_at,
                                 lease_owner, lease_expires_at, job_id, dispatched_at, result,
                                 retry_of_id, parent_id, created_at, updated_at)
 OVERRIDING SYSTEM VALUE
-SELECT op.id + i * %(operations)s, op.key || '~' || i, op.scope, op.client_id, op.kind,
+SELECT op.id + i * %(operations)s, op.key || '~' || i, op.scope, op.tenant, op.kind,
        op.entity_type,
        CASE WHEN op.entity_type = 'order' THEN (op.entity_id::bigint + i * %(orders)s)::text
             ELSE op.entity_id || '~' || i END,

@@ -71,7 +71,7 @@ def operation_detail(request: Request, key: str) -> Response:
     """Show one of your operations by its Idempotency-Key: its state and its steps."""
     _check_text(key)  # a NUL would reach PostgreSQL as an error, not a 404
     op = Operation.objects.filter(
-        client=caller_client(request), scope=KeyScope.CLIENT, key=key
+        tenant=caller_client(request).tenant, scope=KeyScope.CLIENT, key=key
     ).first()
     if op is None:
         raise ApiError(404, "operation_not_found", "No operation of yours has this key.")

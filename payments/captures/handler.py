@@ -20,7 +20,7 @@ from payments.adyen.choice import system_params
 from payments.captures.effects import AUTHORIZE, Authorization, Capture, Release
 from payments.exceptions import InvalidTransition
 from payments.fence import Desk, Run, create_operation_in_tx, operation
-from payments.models import ApiClient, KeyScope, Operation
+from payments.models import ApiClient, KeyScope, Operation, tenant_of
 from payments.money import format_money
 from payments.shop.entities import lock_order, write_follow_ups_in_tx
 from payments.shop.models import Invoice, Order, OrderStatus
@@ -60,7 +60,9 @@ def request_capture(
             "amount_to_capture": amount,
             **system_params(client),
         }
-        known = Operation.objects.filter(client=client, scope=KeyScope.CLIENT, key=key).exists()
+        known = Operation.objects.filter(
+            tenant=tenant_of(client), scope=KeyScope.CLIENT, key=key
+        ).exists()
         if not known and order.status != OrderStatus.PENDING:
             raise CaptureNotAllowed(f"order {order.pk} is {order.status}; it cannot be captured")
         if not 0 < amount <= order.amount:
@@ -72,7 +74,7 @@ def request_capture(
             entity_id=order.pk,
             params=params,
             actor=actor,
-            client=client,
+            tenant=tenant_of(client),
         )
         if created:
             order.status = OrderStatus.PROCESSING

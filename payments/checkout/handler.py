@@ -33,7 +33,15 @@ from payments.fence import (
     operation,
     replaced_by,
 )
-from payments.models import ApiClient, ClaimState, KeyScope, Operation, OperationState, StepClaim
+from payments.models import (
+    ApiClient,
+    ClaimState,
+    KeyScope,
+    Operation,
+    OperationState,
+    StepClaim,
+    tenant_of,
+)
 from payments.money import format_money
 from payments.shop.entities import ORDER_CONFIRMATION, ORDER_PAID, lock_order, money_line
 from payments.shop.models import Invoice, Order, OrderStatus
@@ -115,7 +123,7 @@ def request_checkout(
             actor=actor,
             retry_of=retry_of,
             scope=scope,
-            client=client,
+            tenant=tenant_of(client),
         )
         if created:
             order.status = OrderStatus.PROCESSING
@@ -125,7 +133,7 @@ def request_checkout(
 
 def _with_key(client: ApiClient | None, scope: str, key: str) -> QuerySet[Operation]:
     """The operation a client's key names (none or one)."""
-    return Operation.objects.filter(client=client, scope=scope, key=key)
+    return Operation.objects.filter(tenant=tenant_of(client), scope=scope, key=key)
 
 
 def _attempts(order_id: Any) -> QuerySet[Operation]:
@@ -251,7 +259,7 @@ def new_checkout_attempt(
         actor=actor,
         retry_of=operation,
         scope=KeyScope.DERIVED,
-        client=operation.client,
+        client=ApiClient.of_tenant(operation.tenant),
     )
 
 

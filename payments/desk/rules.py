@@ -45,7 +45,7 @@ def next_attempt_key(op: Operation) -> str:
     "order-6-checkout attempt 2": what an operator knows the payment by, not an
     id. It lives in the derived scope (KeyScope.DERIVED), so it never collides
     with a client's key, whatever the client chose; attempts of the same first
-    share its client (the handler's new attempt keeps it), whose keys are unique
+    share its tenant (the handler's new attempt keeps it), whose keys are unique
     in their scope, and " attempt <n>" at the end is read back unambiguously. A
     first attempt keyed by the system (its string may equal a client's key) or a
     name past the column's length ends in the first attempt's id instead:

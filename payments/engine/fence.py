@@ -54,8 +54,8 @@ from payments.exceptions import (
 from payments.models import (
     INCIDENT_LOOKS,
     RUNNABLE_OPERATION_STATES,
+    TENANT_MAX_LENGTH,
     UNSETTLED_CLAIM_STATES,
-    ApiClient,
     ClaimLook,
     ClaimState,
     KeyScope,
@@ -70,6 +70,22 @@ logger = logging.getLogger("payments.engine.fence")
 # --- keys and fingerprints -----------------------------------------------------
 
 
+def check_tenant(tenant: str) -> None:
+    """Refuse a tenant that is not 0-64 printable ASCII characters (ValueError, naming it).
+
+    The tenant goes into every step's provider idempotency key beside the
+    operation's key, with control characters between them: a tenant holding
+    one could derive another tenant's key.
+    """
+    if not isinstance(tenant, str):
+        raise ValueError(f"an operation's tenant is a str, not {type(tenant).__name__}")
+    if len(tenant) > TENANT_MAX_LENGTH or not all(" " < c <= "~" for c in tenant):
+        raise ValueError(
+            f"tenant {tenant!r}: at most {TENANT_MAX_LENGTH} printable ASCII characters, "
+            "no spaces (e.g. 'hotel:42')"
+        )
+
+
 def fingerprint(kind: str, entity_type: str, entity_id: str, params: dict[str, Any]) -> str:
     """Hash what makes two requests the same intent (kind, entity, parameters)."""
     canonical = json.dumps(
@@ -81,20 +97,22 @@ def fingerprint(kind: str, entity_type: str, entity_id: str, params: dict[str, A
 
 
 def derive_idempotency_key(
-    operation_key: str, step: str, scope: str = KeyScope.CLIENT, client_id: int | None = None
+    operation_key: str, step: str, scope: str = KeyScope.CLIENT, tenant: str = ""
 ) -> str:
     """Derive the provider idempotency key of a step: stable, bounded, no attempt number.
 
     A derived operation's scope goes into the hash, so that a client key equal
     to a derived key can never share a provider idempotency key with it; the
-    client goes in too, so that two shops using the same key (their own order
-    numbers, say) never share one either. A claim stores its key when it is
-    inserted and every request under it sends that stored key: a claim made
-    before the client went into the hash keeps the key it was made with.
+    tenant goes in too, so that two shops using the same key (their own order
+    numbers, say) never share one either. An API client's tenant is the
+    "client:<id>" its id went in as before Operation.tenant existed, so every
+    key derives as it did. A claim stores its key when it is inserted and every
+    request under it sends that stored key: a claim made before the client went
+    into the hash keeps the key it was made with.
     """
     name = operation_key if scope == KeyScope.CLIENT else f"{scope}\x1e{operation_key}"
-    if client_id is not None:
-        name = f"client:{client_id}\x1d{name}"
+    if tenant:
+        name = f"{tenant}\x1d{name}"
     digest = hashlib.sha256(f"{name}\x1f{step}".encode()).hexdigest()
     return f"fence_{digest[:48]}"
 
@@ -322,14 +340,15 @@ def create_operation_in_tx(
     retry_of: Operation | None = None,
     parent: Operation | None = None,
     scope: str = KeyScope.CLIENT,
-    client: ApiClient | None = None,
+    tenant: str = "",
     job_id: str = "",
 ) -> tuple[Operation, bool]:
     """Create the operation for `key`, or return the existing one with the same fingerprint.
 
     Runs inside the caller's transaction, next to the business change that asks
-    for it (the row is the durable outbox). Keys are scoped per API client and
-    per scope: two clients' keys never meet. `job_id` records the delivery the
+    for it (the row is the durable outbox). Keys are scoped per tenant (the
+    namespace the project supplies: an API client's `ApiClient.tenant`, its own
+    customer's, or "") and per scope: two tenants' keys never meet. `job_id` records the delivery the
     caller will enqueue once the transaction commits (dispatch does that), in
     the same statement. Returns (operation, created).
     Raises OperationConflict when the key exists with another fingerprint.
@@ -346,7 +365,7 @@ def create_operation_in_tx(
                 retry_of=retry_of,
                 parent=parent,
                 scope=scope,
-                client=client,
+                tenant=tenant,
                 job_id=job_id,
             )
         ]
@@ -367,8 +386,11 @@ class NewOperation:
     retry_of: Operation | None = None
     parent: Operation | None = None
     scope: str = KeyScope.CLIENT
-    client: ApiClient | None = None
+    tenant: str = ""
     job_id: str = ""
+
+    def __post_init__(self) -> None:
+        check_tenant(self.tenant)
 
 
 @fence_writer
@@ -396,7 +418,7 @@ def create_operations_in_tx(new: list[NewOperation]) -> list[tuple[Operation, bo
                 {
                     "key": one.key,
                     "scope": one.scope,
-                    "client": one.client.pk if one.client is not None else None,
+                    "tenant": one.tenant,
                     "parent": one.parent.pk if one.parent is not None else None,
                     "retry_of": one.retry_of.pk if one.retry_of is not None else None,
                     "kind": one.kind,
@@ -428,7 +450,7 @@ def create_operations_in_tx(new: list[NewOperation]) -> list[tuple[Operation, bo
 def _existing(new: NewOperation, fp: str) -> Operation:
     """The operation holding `new`'s key (ON CONFLICT waited for a concurrent inserter to
     commit); OperationConflict if it was created with other parameters."""
-    existing = Operation.objects.get(client=new.client, scope=new.scope, key=new.key)
+    existing = Operation.objects.get(tenant=new.tenant, scope=new.scope, key=new.key)
     if existing.fingerprint != fp:
         raise OperationConflict(
             new.key,
@@ -926,7 +948,7 @@ def claim_step_in_tx(
             # the claimant acts at once (attempts 1); each take-over adds one
             lease_seconds=lease_seconds,
             idempotency_key=derive_idempotency_key(
-                operation.key, step, operation.scope, operation.client_id
+                operation.key, step, operation.scope, operation.tenant
             )
             if provider_call
             else "",

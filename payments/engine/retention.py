@@ -3,7 +3,7 @@
 What goes: an old finished operation's step claims, its audit rows
 (OperationEvent) and the provider events about it, and the audit runs and
 unmatched provider events as old. What stays: the operation row itself,
-marked `purged_at`: its (client, scope, key) unique index still refuses the
+marked `purged_at`: its (tenant, scope, key) unique index still refuses the
 key to anyone else, so a client's retry, a redelivered or replayed job, or a
 new operation can never reuse a purged key (a replayed job finds a final
 operation and does nothing); its kind, entity, params and state stay for

@@ -22,7 +22,7 @@ from django.db import transaction
 from payments.adyen.choice import payment_system_of
 from payments.exceptions import InvalidTransition
 from payments.fence import Desk, EffectResult, Run, create_operation_in_tx, operation
-from payments.models import ApiClient, KeyScope, Operation, OperationState
+from payments.models import ApiClient, KeyScope, Operation, OperationState, tenant_of
 from payments.money import format_money
 from payments.provider.client import ProviderClient
 from payments.provider.errors import ProviderError
@@ -100,7 +100,7 @@ def request_refund(
             # The system the payment went through, whatever the shop pays with today.
             **payment_system_of(invoice.provider_reference if invoice is not None else ""),
         }
-        if not Operation.objects.filter(client=client, scope=scope, key=key).exists():
+        if not Operation.objects.filter(tenant=tenant_of(client), scope=scope, key=key).exists():
             refuse_unseen_in_tx(order, seen)
             if order.status not in REFUNDABLE_STATUSES or invoice is None:
                 raise RefundNotAllowed(not_refundable(order))
@@ -119,7 +119,7 @@ def request_refund(
             actor=actor,
             retry_of=retry_of,
             scope=scope,
-            client=client,
+            tenant=tenant_of(client),
         )
     return op, created
 
@@ -298,7 +298,7 @@ def new_refund_attempt(
         actor=actor,
         retry_of=operation,
         scope=KeyScope.DERIVED,
-        client=operation.client,
+        client=ApiClient.of_tenant(operation.tenant),
     )
 
 

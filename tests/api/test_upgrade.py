@@ -1,19 +1,23 @@
-"""Upgrading to per-client keys keeps every earlier Idempotency-Key replayable."""
+"""Upgrading to per-client keys, then per-tenant keys, keeps every earlier Idempotency-Key
+replayable."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 from importlib import import_module
 from io import StringIO
 
 import pytest
 from django.core.management import call_command
-from django.db import connection
+from django.db import connection, transaction
 from django.db.migrations.executor import MigrationExecutor
 from django.test import Client
 
-from payments.engine.fence import fingerprint
+from payments.engine.fence import derive_idempotency_key, fingerprint
 from payments.engine.writes import fence_writes
+from payments.exceptions import OperationConflict
+from payments.fence import create_operation_in_tx
 from payments.models import ApiClient, ClientApiKey, Operation
 from payments.shop.models import Order
 
@@ -52,7 +56,7 @@ def test_upgrade__an_operation_from_before_api_clients_replays_for_the_bootstrap
     MigrationExecutor(connection).migrate(executor.loader.graph.leaf_nodes())
 
     op = Operation.objects.get(key="before-upgrade")
-    assert op.client is not None and op.client.name == "bootstrap"
+    assert ApiClient.of_tenant(op.tenant).name == "bootstrap"
     with fence_writes():  # hand-made state: the fingerprint the old release would have stored
         Operation.objects.filter(pk=op.pk).update(
             fingerprint=fingerprint("checkout", "order", str(order.pk), op.params)
@@ -149,3 +153,102 @@ def test_upgrade__0012_changes_payments_order_under_a_lock_timeout():
     resets = [i for i, line in enumerate(lines) if line.startswith("RESET lock_timeout")]
     assert alters and sets and resets, lines
     assert sets[0] < alters[0] and alters[-1] < resets[0]
+
+
+# --- 0028: an operation's key namespace becomes a tenant --------------------------------------
+
+BEFORE_TENANT = [("payments", "0027_shop_models_moved")]
+
+#: The previous release's INSERT (payments/engine/sql/queries.sql before 0028): it names
+#: client_id, not tenant, and its ON CONFLICT names the key constraint.
+PREVIOUS_RELEASE_INSERT = """
+INSERT INTO payments_operation (key, scope, client_id, kind, entity_type, entity_id, params,
+    fingerprint, state, attempts, last_error, lease_owner, job_id, created_at, updated_at)
+VALUES (%s, 'client', %s, 'checkout', 'order', '1', '{}', 'fp', 'pending', 0, '', '', '',
+    now(), now())
+ON CONFLICT ON CONSTRAINT payments_operation_client_scope_key_uniq DO NOTHING
+RETURNING id, tenant
+"""
+
+
+def previous_release_derivation(key: str, step: str, client_id: int) -> str:
+    """The provider idempotency key 0027's release derived for a client's step."""
+    digest = hashlib.sha256(f"client:{client_id}\x1d{key}\x1f{step}".encode()).hexdigest()
+    return f"fence_{digest[:48]}"
+
+
+def migrate_to(target: list[tuple[str, str]] | None = None) -> None:
+    executor = MigrationExecutor(connection)
+    executor.loader.build_graph()
+    executor.migrate(target or executor.loader.graph.leaf_nodes())
+
+
+@pytest.mark.django_db(transaction=True)  # migrations run outside the test's transaction
+def test_upgrade__0028_every_clients_operation_gets_its_tenant_and_keeps_its_keys(monkeypatch):
+    """Rows written by 0027's release get "client:<id>" in batches (2 here); each step's
+    provider idempotency key derives exactly as before, the API still finds each client's
+    own operations by key, and the migration rolls back and forward again."""
+    monkeypatch.setattr(import_module("payments.migrations.0028_operation_tenant"), "BATCH", 2)
+    migrate_to(BEFORE_TENANT)
+    old = MigrationExecutor(connection).loader.project_state(BEFORE_TENANT).apps
+    old_client, old_operation = (
+        old.get_model("payments", "ApiClient"),
+        old.get_model("payments", "Operation"),
+    )
+    shops = [old_client.objects.create(name=f"shop-{i}") for i in range(2)]
+    rows = [("k-1", shops[0]), ("k-2", shops[0]), ("k-1", shops[1]), ("k-1", None), ("k-3", None)]
+    for i, (key, client) in enumerate(rows):
+        old_operation.objects.create(
+            key=key, scope="client", client=client, kind="checkout", entity_type="order",
+            entity_id=str(i), params={}, fingerprint="x", state="succeeded",
+        )  # fmt: skip
+
+    migrate_to()
+
+    tenants = sorted(Operation.objects.values_list("key", "tenant"))
+    assert tenants == sorted((key, f"client:{client.pk}" if client else "") for key, client in rows)
+    op = Operation.objects.get(key="k-1", tenant=f"client:{shops[1].pk}")
+    assert derive_idempotency_key(op.key, "charge", op.scope, op.tenant) == (
+        previous_release_derivation("k-1", "charge", shops[1].pk)
+    )
+    _, key = ClientApiKey.objects.create_key(name="k", client=ApiClient.objects.get(pk=shops[1].pk))
+    api = Client(headers={"Authorization": f"Bearer {key}"})
+    assert api.get("/api/operations/k-1").json()["entity"]["id"] == op.entity_id == "2"
+    assert api.get("/api/operations/k-2").status_code == 404  # shop-0's
+
+    migrate_to(BEFORE_TENANT)  # rolled back: each row still has its client
+    old = MigrationExecutor(connection).loader.project_state(BEFORE_TENANT).apps
+    back = old.get_model("payments", "Operation").objects.values_list("key", "client_id")
+    assert sorted(back, key=str) == sorted(((k, c.pk if c else None) for k, c in rows), key=str)
+    migrate_to()
+    assert sorted(Operation.objects.values_list("key", "tenant")) == tenants
+
+
+@pytest.mark.django_db
+def test_upgrade__0028_the_previous_release_writing_beside_this_one__one_namespace_per_client():
+    """While both releases serve: the previous one's INSERT (client_id, no tenant) gets the
+    client's tenant; its key then meets this release's (a conflict, not a second
+    operation) and the other way round; this release's rows keep a client_id, which the
+    previous release finds its client's operations by."""
+    shop = ApiClient.objects.create(name="shop-old")
+    with connection.cursor() as cursor:
+        cursor.execute(PREVIOUS_RELEASE_INSERT, ["old-key", shop.pk])
+        ((_, tenant),) = cursor.fetchall()
+        cursor.execute(PREVIOUS_RELEASE_INSERT, ["old-key", shop.pk])
+        assert cursor.fetchall() == []  # the same client's key: one operation
+    assert tenant == shop.tenant == f"client:{shop.pk}"
+    with pytest.raises(OperationConflict), transaction.atomic():
+        create_operation_in_tx(
+            key="old-key", kind="checkout", entity_type="order", entity_id="2",
+            params={}, actor="t", tenant=shop.tenant,
+        )  # fmt: skip
+    with transaction.atomic():
+        new, _ = create_operation_in_tx(
+            key="new-key", kind="checkout", entity_type="order", entity_id="3",
+            params={}, actor="t", tenant=shop.tenant,
+        )  # fmt: skip
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT client_id FROM payments_operation WHERE id = %s", [new.pk])
+        assert cursor.fetchone() == (shop.pk,)
+        cursor.execute(PREVIOUS_RELEASE_INSERT, ["new-key", shop.pk])
+        assert cursor.fetchall() == []

@@ -108,9 +108,9 @@ def no_seq_scans() -> Iterator[None]:
             lambda: StepClaim.objects.filter(operation_id=1),
             "payments_stepclaim_operation_step_uniq",
         ),
-        # a client's operations (and the foreign key's check)
+        # a tenant's operations (an API client's: the JSON API's GET /api/operations/<key>)
         (
-            lambda: Operation.objects.filter(client_id=1),
+            lambda: Operation.objects.filter(tenant="client:1"),
             "payments_operation_client_scope_key_uniq",
         ),
         # a checkout's follow-ups, a first attempt's retries (the desk)

@@ -186,7 +186,7 @@ def test_transitions__reuse_their_connections_psycopg_cursors(queue, monkeypatch
 
 
 OPERATION_BY_ID = (
-    "SELECT id, key, scope, client_id, kind, entity_type, entity_id, params, fingerprint, "
+    "SELECT id, key, scope, tenant, kind, entity_type, entity_id, params, fingerprint, "
     "state, attempts, last_error, next_attempt_at, lease_owner, lease_expires_at, job_id, "
     "dispatched_at, result, retry_of_id, parent_id, created_at, updated_at, purged_at "
     "FROM payments_operation WHERE id = %(id)s"

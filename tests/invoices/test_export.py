@@ -128,7 +128,7 @@ def test_same_key_other_body__a_conflict_for_review__never_a_second_invoice(
             actor="test",
         )  # fmt: skip
     export = export_of(op)
-    key = fence.derive_idempotency_key(export.key, EXPORT, export.scope, export.client_id)
+    key = fence.derive_idempotency_key(export.key, EXPORT, export.scope, export.tenant)
     squatter = requests.post(
         f"{accounting.url}/v1/invoices",
         json={

@@ -20,7 +20,7 @@ from django.db import transaction
 from django.db.models import F
 
 from payments.engine.writes import fence_writes
-from payments.fence import create_operation_in_tx
+from payments.fence import OperationConflict, create_operation_in_tx
 from payments.models import ClaimState, Operation, OperationState, StepClaim
 from payments.testing import FakeSystem, run_jobs
 from tests.kit.deposits import DEPOSITS, HOLD, TAKE_DEPOSIT
@@ -161,13 +161,48 @@ def deposits(system, settings):
     return system
 
 
-def take_deposit(key: str, amount: int = 5000) -> Operation:
+def take_deposit(key: str, amount: int = 5000, tenant: str = "") -> Operation:
     with transaction.atomic():
         op, _ = create_operation_in_tx(
             key=key, kind=TAKE_DEPOSIT, entity_type="booking", entity_id="b-1",
-            params={"amount": amount}, actor="test",
+            params={"amount": amount}, actor="test", tenant=tenant,
         )  # fmt: skip
     return op
+
+
+@pytest.mark.django_db(transaction=True)
+def test_two_hotels_of_the_project_use_the_same_key__two_deposits_each_held_once(deposits, queue):
+    """A project's own tenants ("hotel:1", "hotel:2": not API clients) keep their keys
+    apart: the same booking key is two operations, sent under two idempotency keys (the
+    system would otherwise replay the first hotel's deposit to the second), and each
+    hotel's key asked again is its operation, not a new one."""
+    first = take_deposit("booking-7", amount=5000, tenant="hotel:1")
+    second = take_deposit("booking-7", amount=7000, tenant="hotel:2")
+    again = take_deposit("booking-7", amount=5000, tenant="hotel:1")
+
+    run_jobs()
+
+    first.refresh_from_db()
+    second.refresh_from_db()
+    keys = {op.claims.get(step=HOLD).idempotency_key for op in (first, second)}
+    assert again.pk == first.pk and first.pk != second.pk
+    assert (first.tenant, second.tenant) == ("hotel:1", "hotel:2")
+    assert first.state == second.state == OperationState.SUCCEEDED
+    assert len(keys) == 2
+    assert sorted(o["amount"] for o in deposits.objects()) == [5000, 7000]
+    with pytest.raises(OperationConflict):  # hotel 1's key, another amount
+        take_deposit("booking-7", amount=6000, tenant="hotel:1")
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("tenant", ["hotel 1", "hotel\x1d1", "h" * 65, "hôtel:1"])
+def test_a_tenant_that_could_meet_another_in_a_derived_key__refused_nothing_written(tenant):
+    """The tenant goes into each step's idempotency key before a control character:
+    one holding control characters, spaces or more than 64 characters is refused by
+    name, before any row is written."""
+    with pytest.raises(ValueError, match="printable ASCII"):
+        take_deposit("booking-8", tenant=tenant)
+    assert not Operation.objects.filter(key="booking-8").exists()
 
 
 @pytest.mark.django_db(transaction=True)

@@ -34,19 +34,19 @@ VALUES (%(operation)s, %(step)s, %(from_state)s, %(to_state)s, %(actor)s, %(reas
 -- Create an operation (none -> pending), audited; a key already taken returns nothing.
 WITH created AS (
     INSERT INTO {Operation} (
-        key, scope, client_id, parent_id, retry_of_id, kind, entity_type, entity_id, params,
+        key, scope, tenant, parent_id, retry_of_id, kind, entity_type, entity_id, params,
         fingerprint, state, attempts, last_error, lease_owner, job_id, dispatched_at,
         created_at, updated_at
     )
     VALUES (
-        %(key)s::text, %(scope)s::text, %(client)s, %(parent)s, %(retry_of)s, %(kind)s::text,
+        %(key)s::text, %(scope)s::text, %(tenant)s::text, %(parent)s, %(retry_of)s, %(kind)s::text,
         %(entity_type)s::text, %(entity_id)s::text, %(params)s::jsonb, %(fingerprint)s::text,
         'pending', 0, '', '', %(job_id)s::text,
         CASE WHEN %(job_id)s::text <> '' THEN statement_timestamp() END,
         statement_timestamp(), statement_timestamp()
     )
     ON CONFLICT ON CONSTRAINT {Operation.KEY_CONSTRAINT} DO NOTHING
-    RETURNING id, key, scope, client_id, kind, entity_type, entity_id, params, fingerprint,
+    RETURNING id, key, scope, tenant, kind, entity_type, entity_id, params, fingerprint,
               state, attempts, last_error, next_attempt_at, lease_owner, lease_expires_at,
               job_id, dispatched_at, result, retry_of_id, parent_id, created_at, updated_at, purged_at
 ), audit AS (
@@ -54,7 +54,7 @@ WITH created AS (
         (operation_id, step, from_state, to_state, actor, reason, created_at)
     SELECT id, '', '', 'pending', %(actor)s::text, 'created', statement_timestamp() FROM created
 )
-SELECT id, key, scope, client_id, kind, entity_type, entity_id, params, fingerprint,
+SELECT id, key, scope, tenant, kind, entity_type, entity_id, params, fingerprint,
        state, attempts, last_error, next_attempt_at, lease_owner, lease_expires_at,
        job_id, dispatched_at, result, retry_of_id, parent_id, created_at, updated_at, purged_at
 FROM created
@@ -88,7 +88,7 @@ WITH old AS (
       AND old.state = ANY(%(from_states)s)
       AND NOT (old.state = 'running' AND op.lease_owner <> %(owner)s::text
                AND COALESCE(op.lease_expires_at > statement_timestamp(), false))
-    RETURNING op.id, op.key, op.scope, op.client_id, op.kind, op.entity_type, op.entity_id,
+    RETURNING op.id, op.key, op.scope, op.tenant, op.kind, op.entity_type, op.entity_id,
               op.params, op.fingerprint, op.state, op.attempts, op.last_error,
               op.next_attempt_at, op.lease_owner, op.lease_expires_at, op.job_id,
               op.dispatched_at, op.result, op.retry_of_id, op.parent_id, op.created_at,
@@ -101,7 +101,7 @@ WITH old AS (
            statement_timestamp()
     FROM leased
 )
-SELECT id, key, scope, client_id, kind, entity_type, entity_id, params, fingerprint,
+SELECT id, key, scope, tenant, kind, entity_type, entity_id, params, fingerprint,
        state, attempts, last_error, next_attempt_at, lease_owner, lease_expires_at,
        job_id, dispatched_at, result, retry_of_id, parent_id, created_at, updated_at, purged_at,
        from_state, db_now,
@@ -131,7 +131,7 @@ WITH old AS (
     FROM old
     WHERE op.id = %(id)s AND op.id = old.id
       AND op.state = 'running' AND op.lease_owner = %(owner)s::text
-    RETURNING op.id, op.key, op.scope, op.client_id, op.kind, op.entity_type, op.entity_id,
+    RETURNING op.id, op.key, op.scope, op.tenant, op.kind, op.entity_type, op.entity_id,
               op.params, op.fingerprint, op.state, op.attempts, op.last_error,
               op.next_attempt_at, op.lease_owner, op.lease_expires_at, op.job_id,
               op.dispatched_at, op.result, op.retry_of_id, op.parent_id, op.created_at,
@@ -143,7 +143,7 @@ WITH old AS (
            statement_timestamp()
     FROM released
 )
-SELECT id, key, scope, client_id, kind, entity_type, entity_id, params, fingerprint,
+SELECT id, key, scope, tenant, kind, entity_type, entity_id, params, fingerprint,
        state, attempts, last_error, next_attempt_at, lease_owner, lease_expires_at,
        job_id, dispatched_at, result, retry_of_id, parent_id, created_at, updated_at, purged_at,
        from_state
@@ -158,7 +158,7 @@ WITH old AS (
     SET state = 'succeeded', next_attempt_at = NULL, updated_at = statement_timestamp()
     FROM old
     WHERE op.id = %(id)s AND op.id = old.id AND old.state = ANY(%(from_states)s)
-    RETURNING op.id, op.key, op.scope, op.client_id, op.kind, op.entity_type, op.entity_id,
+    RETURNING op.id, op.key, op.scope, op.tenant, op.kind, op.entity_type, op.entity_id,
               op.params, op.fingerprint, op.state, op.attempts, op.last_error,
               op.next_attempt_at, op.lease_owner, op.lease_expires_at, op.job_id,
               op.dispatched_at, op.result, op.retry_of_id, op.parent_id, op.created_at,
@@ -170,7 +170,7 @@ WITH old AS (
            statement_timestamp()
     FROM succeeded
 )
-SELECT id, key, scope, client_id, kind, entity_type, entity_id, params, fingerprint,
+SELECT id, key, scope, tenant, kind, entity_type, entity_id, params, fingerprint,
        state, attempts, last_error, next_attempt_at, lease_owner, lease_expires_at,
        job_id, dispatched_at, result, retry_of_id, parent_id, created_at, updated_at, purged_at,
        from_state
@@ -195,7 +195,7 @@ WITH inbox AS (
     SET state = 'succeeded', next_attempt_at = NULL, updated_at = statement_timestamp()
     FROM old
     WHERE op.id = %(id)s AND op.id = old.id AND old.state = ANY(%(from_states)s)
-    RETURNING op.id, op.key, op.scope, op.client_id, op.kind, op.entity_type, op.entity_id,
+    RETURNING op.id, op.key, op.scope, op.tenant, op.kind, op.entity_type, op.entity_id,
               op.params, op.fingerprint, op.state, op.attempts, op.last_error,
               op.next_attempt_at, op.lease_owner, op.lease_expires_at, op.job_id,
               op.dispatched_at, op.result, op.retry_of_id, op.parent_id, op.created_at,
@@ -207,7 +207,7 @@ WITH inbox AS (
            statement_timestamp()
     FROM succeeded
 )
-SELECT s.id, s.key, s.scope, s.client_id, s.kind, s.entity_type, s.entity_id, s.params,
+SELECT s.id, s.key, s.scope, s.tenant, s.kind, s.entity_type, s.entity_id, s.params,
        s.fingerprint, s.state, s.attempts, s.last_error, s.next_attempt_at, s.lease_owner,
        s.lease_expires_at, s.job_id, s.dispatched_at, s.result, s.retry_of_id, s.parent_id,
        s.created_at, s.updated_at, s.purged_at, s.from_state,
