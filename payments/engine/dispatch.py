@@ -34,9 +34,16 @@ from payments.models import KeyScope, Operation, OperationState
 logger = logging.getLogger("payments.engine.dispatch")
 
 
-def message_id_for(operation_key: str, scope: str = KeyScope.CLIENT) -> str:
-    """Return the stable 32-hex message id of a message operation (the same on every delivery)."""
+def message_id_for(operation_key: str, scope: str = KeyScope.CLIENT, tenant: str = "") -> str:
+    """Return the stable 32-hex message id of a message operation (the same on every delivery).
+
+    Named as its key is (scope and tenant, fence.derive_idempotency_key): two
+    tenants' messages under the same key are two jobs and two inbox rows, never
+    one skipped as the other's duplicate.
+    """
     name = operation_key if scope == KeyScope.CLIENT else f"{scope}\x1e{operation_key}"
+    if tenant:
+        name = f"{tenant}\x1d{name}"
     return hashlib.sha256(name.encode()).hexdigest()[:32]
 
 
@@ -51,10 +58,10 @@ DELIVER_MESSAGE = "payments.engine.jobs.deliver_message"
 
 def _delivery(op: Operation) -> tuple[str, str]:
     """Return the job function's path and a job id for one delivery of `op`."""
-    return _delivery_of(op.kind, op.key, op.scope)
+    return _delivery_of(op.kind, op.key, op.scope, op.tenant)
 
 
-def _delivery_of(kind: str, key: str, scope: str) -> tuple[str, str]:
+def _delivery_of(kind: str, key: str, scope: str, tenant: str) -> tuple[str, str]:
     """Return the job function's path and a job id for one delivery of an operation."""
     try:
         consumer = get_handler(kind).consumer
@@ -62,7 +69,7 @@ def _delivery_of(kind: str, key: str, scope: str) -> tuple[str, str]:
         consumer = None
     if consumer is not None:
         # An inbox message: every delivery of it must carry the same id.
-        return DELIVER_MESSAGE, message_id_for(key, scope)
+        return DELIVER_MESSAGE, message_id_for(key, scope, tenant)
     # The fence guards operations; each delivery is a job of its own.
     return RUN_OPERATION, uuid.uuid4().hex
 
@@ -198,7 +205,7 @@ def create_and_dispatch_all_in_tx(
 ) -> list[tuple[Operation, bool]]:
     """`create_and_dispatch_in_tx` for each of `new`: their INSERTs in one round trip
     (fence.create_operations_in_tx), the new ones enqueued together after the commit."""
-    deliveries = [_delivery_of(one.kind, one.key, one.scope) for one in new]
+    deliveries = [_delivery_of(one.kind, one.key, one.scope, one.tenant) for one in new]
     results = fence.create_operations_in_tx(
         [replace(one, job_id=job_id) for one, (_func, job_id) in zip(new, deliveries, strict=True)]
     )

@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import pytest
 from django.core import mail
+from django.db import transaction
 
 from payments.captures.handler import request_capture
 from payments.checkout import handler as checkout_handler
 from payments.checkout.orders import create_order
 from payments.engine import follow_ups, handlers
 from payments.exceptions import ConfigurationError
-from payments.fence import Follows, kinds_following, message
+from payments.fence import Follows, create_operation_in_tx, kinds_following, message
 from payments.models import ClaimState, Operation, OperationState
 from payments.shop.entities import ORDER_CONFIRMATION, ORDER_PAID
 from tests.support import flows
@@ -142,3 +143,30 @@ def test_a_captured_order__gets_no_replacing_follow_up__the_capture_sends_no_con
     assert op.state == OperationState.SUCCEEDED
     assert seen == [] and mail.outbox == []
     assert not Operation.objects.filter(parent=op, kind=CONFIRM).exists()
+
+
+def test_two_tenants_messages_under_one_key__each_delivered_once(queue):
+    """A message operation's job id is its inbox message id: named by its key alone, two
+    tenants' equal keys made one job (the second enqueue replaced the first) and one
+    inbox row (the first skipped as the second's duplicate, its handler never run)."""
+    seen: list[str] = []
+
+    @message(NOTIFY, consumer=NOTIFY)
+    def deliver(op: Operation) -> None:
+        seen.append(op.tenant)
+
+    ops = []
+    for tenant in ("hotel:1", "hotel:2"):
+        with transaction.atomic():
+            op, _ = create_operation_in_tx(
+                key="booking-7", kind=NOTIFY, entity_type="booking", entity_id="7",
+                params={}, actor="t", tenant=tenant,
+            )  # fmt: skip
+        ops.append(op)
+
+    run_worker(queue)
+
+    assert ops[0].job_id != ops[1].job_id
+    assert sorted(seen) == ["hotel:1", "hotel:2"]
+    states = Operation.objects.filter(pk__in=[o.pk for o in ops]).values_list("state", flat=True)
+    assert list(states) == [OperationState.SUCCEEDED] * 2
