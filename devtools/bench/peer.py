@@ -243,14 +243,17 @@ def elapsed_seconds() -> float:
         return (int(last) - int(first)) / 1000
 
 
-def _schemas_ready() -> bool:
-    with connection.cursor() as cursor:
-        cursor.execute(
-            "SELECT count(*) FROM pg_tables WHERE (schemaname, tablename) IN "
-            "((%s, 'workflow_status'), (%s, 'datasource_outputs'))",
-            [SYSTEM_SCHEMA, DATASOURCE_SCHEMA],
-        )
-        return int(cursor.fetchone()[0]) == 2
+def migrate() -> None:
+    """Create or bring DBOS's system and datasource tables to this version, in this process
+    (DBOS.migrate and SQLAlchemyDatasource.migrate, what `dbos migrate` runs), before any
+    worker launches; nothing to do once they are. A worker's launch would migrate them
+    too, but a setup worker stopped as soon as `workflow_status` appeared could leave
+    DBOS's later migrations undone on a busy machine (the enqueue then failed on a
+    missing column)."""
+    from dbos import DBOS, SQLAlchemyDatasource
+
+    DBOS.migrate(database_url(), schema=SYSTEM_SCHEMA)
+    SQLAlchemyDatasource.migrate(database_url(), schema=DATASOURCE_SCHEMA)
 
 
 def side_by_side(bench: Any, n: int, workers: int, rounds: int) -> dict[str, Any]:
@@ -337,17 +340,7 @@ def _dbos_batch(bench: Any, n: int, workers: int) -> dict[str, Any]:
     from devtools.bench.runner import wal_bytes_since as since
     from devtools.bench.runner import wal_position as position
 
-    if not _schemas_ready():  # the first time: a worker's launch creates DBOS's tables
-        first = bench.stack._spawn("peer-setup", ["bench_peer_worker", "--executor", "setup"],
-                                   bench.worker_env)  # fmt: skip
-        deadline = time.monotonic() + 120
-        while not _schemas_ready():
-            if time.monotonic() > deadline or not first.alive:
-                raise RuntimeError(f"DBOS did not create its tables; see {bench.stack.log_dir}")
-            time.sleep(0.2)
-        time.sleep(1.0)  # its launch's last statements
-        bench.stack.kill(first)
-        bench.stack.procs.remove(first)
+    migrate()
     bench.reset()
     reset()
     orders = make_orders(n)
@@ -407,6 +400,7 @@ def crash_check(bench: Any, n: int, *, keyed: bool) -> dict[str, Any]:
     from the provider's own record (`/_fake/timeline`)."""
     from devtools.bench.runner import _orders
 
+    migrate()
     bench.reset()
     reset()
     orders = _orders(n)
