@@ -8,6 +8,7 @@ import json
 from importlib import import_module
 from io import StringIO
 
+import psycopg
 import pytest
 from django.core.management import call_command
 from django.db import connection, transaction
@@ -18,7 +19,7 @@ from payments.engine.fence import derive_idempotency_key, fingerprint
 from payments.engine.writes import fence_writes
 from payments.exceptions import OperationConflict
 from payments.fence import create_operation_in_tx
-from payments.models import ApiClient, ClientApiKey, Operation
+from payments.models import OPERATION_KEY_CONSTRAINT, ApiClient, ClientApiKey, Operation
 from payments.shop.models import Order
 
 TOKEN = "upgrade-token-that-is-long-enough-0123456789"
@@ -252,3 +253,93 @@ def test_upgrade__0028_the_previous_release_writing_beside_this_one__one_namespa
         assert cursor.fetchone() == (shop.pk,)
         cursor.execute(PREVIOUS_RELEASE_INSERT, ["new-key", shop.pk])
         assert cursor.fetchall() == []
+
+
+TENANT_MIGRATION = "payments.migrations.0028_operation_tenant"
+
+
+def key_constraint() -> str:
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT pg_get_constraintdef(oid) FROM pg_constraint WHERE conname = %s",
+            [OPERATION_KEY_CONSTRAINT],
+        )
+        return cursor.fetchone()[0]
+
+
+@pytest.mark.django_db(transaction=True)  # migrations run outside the test's transaction
+def test_upgrade__0028_stopped_halfway__migrate_again_finishes_it():
+    """A run stopped after its first steps committed (the column added, the trigger made,
+    one row filled, the index's concurrent build interrupted and left INVALID) is
+    finished by running migrate again: before, the second run failed at once on
+    'column "tenant" already exists'."""
+    step = import_module(TENANT_MIGRATION)
+    migrate_to(BEFORE_TENANT)
+    old = MigrationExecutor(connection).loader.project_state(BEFORE_TENANT).apps
+    shop = old.get_model("payments", "ApiClient").objects.create(name="shop-half")
+    for key in ("h-1", "h-2", "h-3"):
+        old.get_model("payments", "Operation").objects.create(
+            key=key, scope="client", client=shop, kind="checkout", entity_type="order",
+            entity_id="1", params={}, fingerprint="x", state="succeeded",
+        )  # fmt: skip
+    with connection.cursor() as cursor:
+        for sql in (step.ADD_TENANT, step.DROP_CLIENT_FOREIGN_KEY, step.CREATE_BRIDGE):
+            cursor.execute(sql)
+        cursor.execute(f"UPDATE {step.TABLE} SET tenant = 'client:' || client_id WHERE key = 'h-1'")
+        cursor.execute(f"CREATE UNIQUE INDEX {step.INDEX} ON {step.TABLE} (tenant, scope, key)")
+        cursor.execute(  # as a CREATE INDEX CONCURRENTLY killed halfway leaves it
+            "UPDATE pg_index SET indisvalid = false WHERE indexrelid = %s::regclass", [step.INDEX]
+        )
+
+    migrate_to()
+
+    assert set(Operation.objects.values_list("tenant", flat=True)) == {f"client:{shop.pk}"}
+    assert key_constraint() == "UNIQUE (tenant, scope, key)"
+
+
+@pytest.mark.django_db(transaction=True)  # the lock is held by another connection
+def test_upgrade__0028_its_lock_not_granted__nothing_changed_and_it_says_run_again(monkeypatch):
+    """The constraint's swap waits LOCK_TIMEOUT for its lock, then rolls back whole and
+    names what to do; the connection stays usable (no transaction left aborted)."""
+    step = import_module(TENANT_MIGRATION)
+    monkeypatch.setattr(step, "LOCK_TIMEOUT", "100ms")
+    settings = connection.settings_dict
+    holder = psycopg.connect(
+        host=settings["HOST"] or "127.0.0.1", port=settings["PORT"] or 5432,
+        user=settings["USER"] or "postgres", dbname=settings["NAME"],
+    )  # fmt: skip
+    try:
+        holder.execute(f"LOCK TABLE {step.TABLE} IN ACCESS SHARE MODE")  # a long reader
+        with (
+            connection.schema_editor(atomic=False) as editor,
+            pytest.raises(RuntimeError, match="not locked within 100ms.*Run migrate again"),
+        ):
+            step.swap(None, editor)
+    finally:
+        holder.close()
+    assert key_constraint() == "UNIQUE (tenant, scope, key)"
+    assert Operation.objects.count() == 0
+
+
+@pytest.mark.django_db(transaction=True)  # migrations run outside the test's transaction
+def test_upgrade__0028_back_to_0027_with_a_projects_own_tenant__refused_nothing_changed():
+    """0027 keys operations by API client alone: two hotels' "booking-7" would be one
+    key there (the old constraint could not even be built). The way back is refused
+    first, naming why, and the schema stays this release's."""
+    with connection.cursor() as cursor:
+        for tenant in ("hotel:1", "hotel:2"):
+            cursor.execute(
+                "INSERT INTO payments_operation (key, scope, tenant, kind, entity_type, "
+                "entity_id, params, fingerprint, state, attempts, last_error, lease_owner, "
+                "job_id, created_at, updated_at) VALUES ('booking-7', 'client', %s, 'x', 'b', "
+                "'7', '{}', 'fp', 'succeeded', 0, '', '', '', now(), now())",
+                [tenant],
+            )
+
+    with pytest.raises(RuntimeError, match=r"nothing changed: 2 operation\(s\).*'hotel:1'"):
+        migrate_to(BEFORE_TENANT)
+
+    assert key_constraint() == "UNIQUE (tenant, scope, key)"
+    assert sorted(Operation.objects.values_list("tenant", flat=True)) == ["hotel:1", "hotel:2"]
+    applied = MigrationExecutor(connection).loader.applied_migrations
+    assert ("payments", "0028_operation_tenant") in applied
