@@ -116,10 +116,17 @@ class ApiClient(models.Model):
     @classmethod
     def of_tenant(cls, tenant: str) -> ApiClient | None:
         """The client whose namespace `tenant` is; None for another tenant or a deleted client."""
-        number = tenant.removeprefix(API_CLIENT_TENANT)
-        if number == tenant or not number.isdigit():
-            return None
-        return cls.objects.filter(pk=int(number)).first()
+        client_id = api_client_id(tenant)
+        return None if client_id is None else cls.objects.filter(pk=client_id).first()
+
+
+def api_client_id(tenant: str) -> int | None:
+    """The id in an API client's tenant ("client:12" -> 12, as ApiClient.tenant writes it:
+    no sign, no leading zero, at most 18 digits); None for any other tenant."""
+    number = tenant.removeprefix(API_CLIENT_TENANT)
+    if number == tenant or not number.isascii() or not number.isdigit() or len(number) > 18:
+        return None
+    return int(number) if number == str(int(number)) and int(number) > 0 else None
 
 
 def tenant_of(client: ApiClient | None) -> str:

@@ -52,6 +52,7 @@ from payments.exceptions import (
     StepDoneMeanwhile,
 )
 from payments.models import (
+    API_CLIENT_TENANT,
     INCIDENT_LOOKS,
     RUNNABLE_OPERATION_STATES,
     TENANT_MAX_LENGTH,
@@ -63,11 +64,16 @@ from payments.models import (
     Operation,
     OperationState,
     StepClaim,
+    api_client_id,
 )
 
 logger = logging.getLogger("payments.engine.fence")
 
 # --- keys and fingerprints -----------------------------------------------------
+
+
+#: What derive_idempotency_key puts between a key's tenant, scope, name and step.
+KEY_SEPARATORS = ("\x1d", "\x1e", "\x1f")
 
 
 def check_tenant(tenant: str) -> None:
@@ -83,6 +89,11 @@ def check_tenant(tenant: str) -> None:
         raise ValueError(
             f"tenant {tenant!r}: at most {TENANT_MAX_LENGTH} printable ASCII characters, "
             "no spaces (e.g. 'hotel:42')"
+        )
+    if tenant.startswith(API_CLIENT_TENANT) and api_client_id(tenant) is None:
+        raise ValueError(
+            f"tenant {tenant!r}: {API_CLIENT_TENANT!r} is the JSON API's clients' prefix, "
+            f"followed by a client's id ('{API_CLIENT_TENANT}12'); choose a prefix of your own"
         )
 
 
@@ -391,6 +402,12 @@ class NewOperation:
 
     def __post_init__(self) -> None:
         check_tenant(self.tenant)
+        if any(separator in self.key for separator in KEY_SEPARATORS):
+            raise ValueError(
+                f"operation key {self.key!r} holds a control character that separates a "
+                "derived key's parts (\\x1d, \\x1e, \\x1f): it could derive another "
+                "tenant's or scope's idempotency key"
+            )
 
 
 @fence_writer

@@ -195,14 +195,26 @@ def test_two_hotels_of_the_project_use_the_same_key__two_deposits_each_held_once
 
 
 @pytest.mark.django_db
-@pytest.mark.parametrize("tenant", ["hotel 1", "hotel\x1d1", "h" * 65, "hôtel:1"])
+@pytest.mark.parametrize(
+    "tenant", ["hotel 1", "hotel\x1d1", "h" * 65, "hôtel:1", "client:007", "client:", "client:x"]
+)
 def test_a_tenant_that_could_meet_another_in_a_derived_key__refused_nothing_written(tenant):
     """The tenant goes into each step's idempotency key before a control character:
     one holding control characters, spaces or more than 64 characters is refused by
-    name, before any row is written."""
-    with pytest.raises(ValueError, match="printable ASCII"):
+    name, before any row is written; so is "client:" followed by anything but an API
+    client's id as the API writes it (the previous release's trigger reads
+    "client:007" as client 7, whose tenant is "client:7")."""
+    with pytest.raises(ValueError, match=r"printable ASCII|JSON API's clients' prefix"):
         take_deposit("booking-8", tenant=tenant)
     assert not Operation.objects.filter(key="booking-8").exists()
+
+
+@pytest.mark.django_db
+def test_a_key_holding_a_derived_keys_separator__refused_nothing_written():
+    """Tenant "" and key "hotel:1\x1dk" would derive hotel:1's key "k"'s idempotency key."""
+    with pytest.raises(ValueError, match="control character"):
+        take_deposit("hotel:1\x1dk")
+    assert not Operation.objects.exists()
 
 
 @pytest.mark.django_db(transaction=True)
