@@ -298,6 +298,7 @@ class OperationAdmin(NamedPermissionsMixin, DeskViewsMixin, BoundedListMixin, ad
 
     fields = readonly_fields = (
         "key",
+        "tenant_shown",
         "kind",
         "entity_link",
         "money",
@@ -475,6 +476,15 @@ class OperationAdmin(NamedPermissionsMixin, DeskViewsMixin, BoundedListMixin, ad
     def entity_link(self, obj: Operation) -> str:
         """The operation's entity in its handler's words: "Order 42", "Booking 7d1c…"."""
         return entity_link(obj, self.admin_site)
+
+    @admin.display(description="tenant")
+    def tenant_shown(self, obj: Operation) -> str:
+        """Whose key it is: an API client by name ("shop-eu (client:3)"), the project's own
+        tenant as written ("hotel:42"), "-" for none."""
+        if not obj.tenant:
+            return "-"
+        client = ApiClient.of_tenant(obj.tenant)
+        return obj.tenant if client is None else f"{client.name} ({obj.tenant})"
 
     @admin.display(description="RQ job")
     def rq_job(self, obj: Operation) -> str:
