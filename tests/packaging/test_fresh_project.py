@@ -83,11 +83,11 @@ def confirm_booking(run: Run) -> None:
     )
 
 
-def request_confirmation(booking, key):
+def request_confirmation(booking, key, hotel_id):
     with transaction.atomic():
         return create_operation_in_tx(
             key=key, kind=CONFIRM, entity_type="booking", entity_id=booking.pk,
-            params={"deposit": booking.deposit}, actor="shop",
+            params={"deposit": booking.deposit}, actor="shop", tenant=f"hotel:{hotel_id}",
         )
 """
 
@@ -96,8 +96,8 @@ from bookings.handler import request_confirmation
 from bookings.models import Booking
 
 booking = Booking.objects.create(guest="Ada", deposit=5000)
-request_confirmation(booking, "book-1")
-request_confirmation(booking, "book-1")  # the same key again: the same operation
+request_confirmation(booking, "book-1", 1)
+request_confirmation(booking, "book-1", 1)  # the same key again: the same operation
 """
 
 REPORT = """
@@ -143,7 +143,7 @@ SENT = Path(__file__).resolve().parents[1] / "bookings" / "sent.txt"
 
 def test_confirm_booking__once_whatever_the_crash():
     def start(key):
-        return request_confirmation(Booking.objects.create(guest=key, deposit=100), key)
+        return request_confirmation(Booking.objects.create(guest=key, deposit=100), key, 1)
 
     def sent(op):
         lines = SENT.read_text().splitlines() if SENT.exists() else []
