@@ -394,9 +394,10 @@ class OperationAdmin(NamedPermissionsMixin, DeskViewsMixin, BoundedListMixin, ad
                 return format_money(*moved)
         return money_of(obj.params)
 
-    @admin.display(description="amount")
+    @admin.display(description="what it does")
     def money(self, obj: Operation) -> str:
-        """On the operation's page: the money in its handler's words ("€6.00 refund of order 3")."""
+        """On the operation's page: its intent in its handler's words ("€6.00 refund of order
+        3", "invoice of order 19 (€19.99) to the accounting system"): not always an amount."""
         return money_line(obj)
 
     @admin.display(description="in state for", ordering="state_since")
