@@ -160,7 +160,7 @@ def _enqueue_together(deliveries: Sequence[_Delivery]) -> None:
 def dispatch(operation_id: int, *, at: datetime | None = None, first: bool = False) -> str:
     """Record a new job id, then enqueue the job (at `at`, else now; with `first`, at the
     front of the queue); return the job id."""
-    op = Operation.objects.only("key", "kind", "scope").get(pk=operation_id)
+    op = Operation.objects.only("key", "kind", "scope", "tenant").get(pk=operation_id)
     func, job_id = _delivery(op)
     fence.record_dispatch_in_tx(op.pk, job_id)
     _enqueue(op, func, job_id, at, first)
@@ -178,7 +178,7 @@ def dispatch_on_commit(operation: Operation | int, *, first: bool = False) -> No
     op = (
         operation
         if isinstance(operation, Operation)
-        else Operation.objects.only("key", "kind", "scope").get(pk=operation)
+        else Operation.objects.only("key", "kind", "scope", "tenant").get(pk=operation)
     )
     func, job_id = _delivery(op)
     fence.record_dispatch_in_tx(op.pk, job_id)

@@ -215,3 +215,21 @@ def test_the_batch_is_its_own_callback__no_private_list_of_django_read():
     source = Path(dispatch_module.__file__).read_text()
     assert "run_on_commit" not in source
     assert "savepoint_ids" not in source
+
+
+def test_a_redispatched_message_of_a_tenant__its_id_names_the_tenant_in_one_read(
+    queue, django_assert_num_queries
+):
+    """The sweeper's and a retry's dispatch(id) read the row once (key, kind, scope and
+    tenant): the message id names the tenant without a second query for it."""
+    _, parent = paid("pipe-tenant")
+    with transaction.atomic():
+        op, _ = fence.create_operation_in_tx(
+            key="pipe-tenant-message", kind=RECORD_SALE, entity_type="order",
+            entity_id=parent.params["order_id"], params={}, actor="test", tenant="hotel:1",
+        )  # fmt: skip
+
+    with django_assert_num_queries(2):  # the row, then the job id recorded
+        job_id = dispatch_module.dispatch(op.pk)
+
+    assert job_id == message_id_for(op.key, op.scope, "hotel:1") != message_id_for(op.key)
