@@ -29,16 +29,25 @@ The column client_id and the trigger stay in the database for this release
 (the model no longer has the field): the next release's migration drops
 both, once no process of a release before this one can run.
 
-Every step can run again: a run stopped anywhere (a lock not granted in
-LOCK_TIMEOUT, a killed process) is finished by running `migrate` again.
+Every step can run again, either way: a run stopped anywhere (a lock not
+granted in LOCK_TIMEOUT, a killed process) is finished by running the same
+`migrate` again; a step already done (the constraint already over the
+columns it moves to) is skipped.
 
-Back to 0027 (`migrate payments 0027`): refused, changing nothing, while an
-operation has a tenant of the project's own ("hotel:42": 0027 has only API
-clients, and would merge those tenants' keys into one namespace). Otherwise
-the old index is built CONCURRENTLY, takes the constraint's name in one short
-transaction, and the trigger and the tenant column go; each row keeps its
-client_id. The foreign key comes back NOT VALID (rows are not re-checked).
+Back to 0027 (`migrate payments 0027`, with this release's processes
+stopped): refused, changing nothing, while an operation has a tenant of the
+project's own ("hotel:42": 0027 has only API clients, and would merge those
+tenants' keys into one namespace), checked first and again under each lock.
+Otherwise the old index is built CONCURRENTLY and takes the constraint's name
+in one short transaction (not done, the old index is dropped again: left
+behind it would refuse two tenants' equal keys); then, in one more, the
+trigger and the tenant column go and the foreign key comes back NOT VALID
+(rows are not re-checked). Each row keeps its client_id.
 """
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
 
 from django.db import OperationalError, migrations, models, transaction
 
@@ -51,7 +60,6 @@ BATCH = 10_000
 LOCK_TIMEOUT = "5s"
 
 ADD_TENANT = f"ALTER TABLE {TABLE} ADD COLUMN IF NOT EXISTS tenant varchar(64) DEFAULT '' NOT NULL"
-DROP_TENANT = f"ALTER TABLE {TABLE} DROP COLUMN IF EXISTS tenant"
 
 DROP_CLIENT_FOREIGN_KEY = f"""
 DO $$
@@ -81,43 +89,47 @@ DROP TRIGGER IF EXISTS {BRIDGE} ON {TABLE};
 CREATE TRIGGER {BRIDGE} BEFORE INSERT ON {TABLE} FOR EACH ROW EXECUTE FUNCTION {BRIDGE}();
 """
 
+CLIENT_FOREIGN_KEY = "payments_operation_client_id_fk"
+
+#: The way back: the foreign key again (NOT VALID: rows are not re-checked), if missing.
 RESTORE_CLIENT_FOREIGN_KEY = f"""
-ALTER TABLE {TABLE} ADD CONSTRAINT payments_operation_client_id_fk
-    FOREIGN KEY (client_id) REFERENCES payments_apiclient (id)
-    DEFERRABLE INITIALLY DEFERRED NOT VALID;
+DO $$
+BEGIN
+    IF NOT EXISTS (
+        SELECT 1 FROM pg_constraint
+        WHERE conrelid = '{TABLE}'::regclass AND contype = 'f'
+          AND conkey = ARRAY[(SELECT attnum FROM pg_attribute
+                              WHERE attrelid = '{TABLE}'::regclass AND attname = 'client_id')]
+    ) THEN
+        ALTER TABLE {TABLE} ADD CONSTRAINT {CLIENT_FOREIGN_KEY}
+            FOREIGN KEY (client_id) REFERENCES payments_apiclient (id)
+            DEFERRABLE INITIALLY DEFERRED NOT VALID;
+    END IF;
+END $$;
 """
 
-DROP_BRIDGE = f"DROP TRIGGER IF EXISTS {BRIDGE} ON {TABLE}; DROP FUNCTION IF EXISTS {BRIDGE}();"
-
-#: In one short transaction each: the constraint's name moves to the other index.
-SWAP = [
-    f"ALTER TABLE {TABLE} DROP CONSTRAINT IF EXISTS {CONSTRAINT}",
-    f"ALTER TABLE {TABLE} ADD CONSTRAINT {CONSTRAINT} UNIQUE USING INDEX {INDEX}",
-]
-
+BUILD_INDEX = (
+    f"CREATE UNIQUE INDEX CONCURRENTLY IF NOT EXISTS {INDEX} ON {TABLE} (tenant, scope, key)"
+)
 BUILD_OLD_INDEX = (
     f"CREATE UNIQUE INDEX CONCURRENTLY IF NOT EXISTS {OLD_INDEX} "
     f"ON {TABLE} (client_id, scope, key) NULLS NOT DISTINCT"
 )
 
-UNSWAP = [
-    f"ALTER TABLE {TABLE} DROP CONSTRAINT IF EXISTS {CONSTRAINT}",
-    f"ALTER TABLE {TABLE} ADD CONSTRAINT {CONSTRAINT} UNIQUE USING INDEX {OLD_INDEX}",
-]
-
 #: A tenant 0027 holds: none, or an API client's (the trigger's pattern).
 API_CLIENT_TENANT = r"^client:[1-9][0-9]{0,17}$"
 
 
-def _in_one_transaction(schema_editor, statements: list[str]) -> None:
-    """Run `statements` in one transaction waiting at most LOCK_TIMEOUT for a lock; a lock
-    not granted rolls it back and says what to do."""
+@contextmanager
+def _locked(schema_editor) -> Iterator[Any]:
+    """A transaction holding TABLE exclusively, its lock waited for at most LOCK_TIMEOUT;
+    a lock not granted rolls it back and says what to do."""
     connection = schema_editor.connection
     try:
         with transaction.atomic(using=connection.alias), connection.cursor() as cursor:
             cursor.execute(f"SET LOCAL lock_timeout = '{LOCK_TIMEOUT}'")
-            for statement in statements:
-                cursor.execute(statement)
+            cursor.execute(f"LOCK TABLE {TABLE} IN ACCESS EXCLUSIVE MODE")
+            yield cursor
     except OperationalError as exc:
         raise RuntimeError(
             f"{TABLE} was not locked within {LOCK_TIMEOUT} (a long transaction holds it: "
@@ -125,12 +137,45 @@ def _in_one_transaction(schema_editor, statements: list[str]) -> None:
         ) from exc
 
 
-def swap(apps, schema_editor) -> None:
-    _in_one_transaction(schema_editor, SWAP)
+def _key_on(schema_editor, column: str) -> bool:
+    """Whether CONSTRAINT is the unique key over (`column`, scope, key) already."""
+    with schema_editor.connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT pg_get_constraintdef(oid) FROM pg_constraint "
+            "WHERE conrelid = %s::regclass AND conname = %s",
+            [TABLE, CONSTRAINT],
+        )
+        row = cursor.fetchone()
+    return row is not None and f"({column}, scope, key)" in row[0]
 
 
-def unswap(apps, schema_editor) -> None:
-    _in_one_transaction(schema_editor, UNSWAP)
+def _drop_index(schema_editor, index: str, *, only_invalid: bool) -> None:
+    """Drop `index` CONCURRENTLY if it exists (with `only_invalid`: if an interrupted
+    build left it INVALID)."""
+    with schema_editor.connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT NOT indisvalid FROM pg_index WHERE indexrelid = to_regclass(%s)", [index]
+        )
+        row = cursor.fetchone()
+        if row is not None and (row[0] or not only_invalid):
+            cursor.execute(f"DROP INDEX CONCURRENTLY IF EXISTS {index}")
+
+
+def _refuse_project_tenants(cursor) -> None:
+    """Stop the way back to 0027 while an operation has a tenant of the project's own:
+    0027 keys operations by API client alone, and would merge those tenants' keys."""
+    cursor.execute(
+        f"SELECT count(*), min(tenant) FROM {TABLE} WHERE tenant <> '' AND tenant !~ %s",
+        [API_CLIENT_TENANT],
+    )
+    count, example = cursor.fetchone()
+    if count:
+        raise RuntimeError(
+            f"Not migrated back to 0027, nothing changed: {count} operation(s) have a tenant "
+            f"of the project's own (e.g. {example!r}), which 0027 cannot hold (it keys "
+            "operations by API client, and would merge those tenants' keys into one "
+            "namespace). Keep this release, or remove those operations first."
+        )
 
 
 def fill_tenants(apps, schema_editor) -> None:
@@ -149,41 +194,74 @@ def fill_tenants(apps, schema_editor) -> None:
             )
 
 
-def _drop_if_invalid(schema_editor, index: str) -> None:
-    """Drop `index` (CONCURRENTLY) if an interrupted build left it INVALID."""
+def build_index(apps, schema_editor) -> None:
+    """The unique index over (tenant, scope, key), built CONCURRENTLY (an interrupted build
+    dropped first); nothing to do once the key constraint is over it."""
+    if _key_on(schema_editor, "tenant"):
+        return
+    _drop_index(schema_editor, INDEX, only_invalid=True)
     with schema_editor.connection.cursor() as cursor:
+        cursor.execute(BUILD_INDEX)
+
+
+def drop_index(apps, schema_editor) -> None:
+    _drop_index(schema_editor, INDEX, only_invalid=False)
+
+
+def swap(apps, schema_editor) -> None:
+    """The key constraint's name moves to the new index, in one short transaction."""
+    if _key_on(schema_editor, "tenant"):
+        return
+    with _locked(schema_editor) as cursor:
+        cursor.execute(f"ALTER TABLE {TABLE} DROP CONSTRAINT IF EXISTS {CONSTRAINT}")
         cursor.execute(
-            "SELECT NOT indisvalid FROM pg_index WHERE indexrelid = to_regclass(%s)", [index]
+            f"ALTER TABLE {TABLE} ADD CONSTRAINT {CONSTRAINT} UNIQUE USING INDEX {INDEX}"
         )
-        row = cursor.fetchone()
-        if row is not None and row[0]:
-            cursor.execute(f"DROP INDEX CONCURRENTLY {index}")
 
 
-def drop_index_if_invalid(apps, schema_editor) -> None:
-    _drop_if_invalid(schema_editor, INDEX)
+def unswap(apps, schema_editor) -> None:
+    """Back: the key constraint's name moves to the old index, in one short transaction
+    that refuses a project's own tenant written meanwhile. Not done, the old index is
+    dropped: left in place it would refuse two tenants' equal keys."""
+    if _key_on(schema_editor, "client_id"):
+        return
+    try:
+        with _locked(schema_editor) as cursor:
+            _refuse_project_tenants(cursor)
+            cursor.execute(f"ALTER TABLE {TABLE} DROP CONSTRAINT IF EXISTS {CONSTRAINT}")
+            cursor.execute(
+                f"ALTER TABLE {TABLE} ADD CONSTRAINT {CONSTRAINT} UNIQUE USING INDEX {OLD_INDEX}"
+            )
+    except Exception:
+        _drop_index(schema_editor, OLD_INDEX, only_invalid=False)
+        raise
 
 
-def drop_old_index_if_invalid(apps, schema_editor) -> None:
-    _drop_if_invalid(schema_editor, OLD_INDEX)
+def build_old_index(apps, schema_editor) -> None:
+    """Back: the old unique index over (client_id, scope, key), built CONCURRENTLY before
+    the constraint moves to it; nothing to do once the key constraint is over it."""
+    if _key_on(schema_editor, "client_id"):
+        return
+    _drop_index(schema_editor, OLD_INDEX, only_invalid=True)
+    with schema_editor.connection.cursor() as cursor:
+        cursor.execute(BUILD_OLD_INDEX)
 
 
 def refuse_project_tenants(apps, schema_editor) -> None:
-    """Stop the way back to 0027, before it changes anything, while an operation has a
-    tenant of the project's own: 0027 keys operations by API client alone."""
+    """Back, first: refused before anything changes (and again under each lock after)."""
     with schema_editor.connection.cursor() as cursor:
-        cursor.execute(
-            f"SELECT count(*), min(tenant) FROM {TABLE} WHERE tenant <> '' AND tenant !~ %s",
-            [API_CLIENT_TENANT],
-        )
-        count, example = cursor.fetchone()
-    if count:
-        raise RuntimeError(
-            f"Not migrated back to 0027, nothing changed: {count} operation(s) have a tenant "
-            f"of the project's own (e.g. {example!r}), which 0027 cannot hold (it keys "
-            "operations by API client, and would merge those tenants' keys into one "
-            "namespace). Keep this release, or remove those operations first."
-        )
+        _refuse_project_tenants(cursor)
+
+
+def back_to_client_ids(apps, schema_editor) -> None:
+    """Back, last, in one transaction: the trigger and the tenant column go, the foreign
+    key comes back (NOT VALID), refused if a project's own tenant was written meanwhile."""
+    with _locked(schema_editor) as cursor:
+        _refuse_project_tenants(cursor)
+        cursor.execute(f"DROP TRIGGER IF EXISTS {BRIDGE} ON {TABLE}")
+        cursor.execute(f"DROP FUNCTION IF EXISTS {BRIDGE}()")
+        cursor.execute(RESTORE_CLIENT_FOREIGN_KEY)
+        cursor.execute(f"ALTER TABLE {TABLE} DROP COLUMN IF EXISTS tenant")
 
 
 class Migration(migrations.Migration):
@@ -209,26 +287,20 @@ class Migration(migrations.Migration):
                     ),
                 ),
             ],
+            # Every step can run again. Back to 0027 they run in the opposite order: the
+            # refusal, the old index, the swap back, then the column, trigger and key.
             database_operations=[
-                # As AddField with db_default writes it (no table rewrite), run again or not.
-                migrations.RunSQL(ADD_TENANT, DROP_TENANT),
-                migrations.RunSQL(DROP_CLIENT_FOREIGN_KEY, RESTORE_CLIENT_FOREIGN_KEY),
-                migrations.RunSQL(CREATE_BRIDGE, DROP_BRIDGE),
-                migrations.RunSQL("RESET lock_timeout", f"SET lock_timeout = '{LOCK_TIMEOUT}'"),
+                migrations.RunPython(migrations.RunPython.noop, back_to_client_ids),
+                # As AddField with db_default writes it (no table rewrite).
+                migrations.RunSQL(ADD_TENANT, migrations.RunSQL.noop),
+                migrations.RunSQL(DROP_CLIENT_FOREIGN_KEY, migrations.RunSQL.noop),
+                migrations.RunSQL(CREATE_BRIDGE, migrations.RunSQL.noop),
+                migrations.RunSQL("RESET lock_timeout", migrations.RunSQL.noop),
                 migrations.RunPython(fill_tenants, migrations.RunPython.noop),
                 # CREATE INDEX CONCURRENTLY waits for older transactions by design.
-                migrations.RunPython(drop_index_if_invalid, migrations.RunPython.noop),
-                migrations.RunSQL(
-                    f"CREATE UNIQUE INDEX CONCURRENTLY IF NOT EXISTS {INDEX} "
-                    f"ON {TABLE} (tenant, scope, key)",
-                    f"DROP INDEX CONCURRENTLY IF EXISTS {INDEX}",
-                ),
+                migrations.RunPython(build_index, drop_index),
                 migrations.RunPython(swap, unswap),
-                # The way back only (operations reverse in the opposite order): refused
-                # first if it would merge tenants, then the old index built before the
-                # swap back.
-                migrations.RunSQL(migrations.RunSQL.noop, BUILD_OLD_INDEX),
-                migrations.RunPython(migrations.RunPython.noop, drop_old_index_if_invalid),
+                migrations.RunPython(migrations.RunPython.noop, build_old_index),
                 migrations.RunPython(migrations.RunPython.noop, refuse_project_tenants),
             ],
         ),

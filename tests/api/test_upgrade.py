@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from importlib import import_module
 from io import StringIO
 
@@ -267,6 +270,18 @@ def key_constraint() -> str:
         return cursor.fetchone()[0]
 
 
+def deposit_row(key: str, tenant: str) -> None:
+    """An operation row written in SQL (no job enqueued), under `tenant`."""
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "INSERT INTO payments_operation (key, scope, tenant, kind, entity_type, "
+            "entity_id, params, fingerprint, state, attempts, last_error, lease_owner, "
+            "job_id, created_at, updated_at) VALUES (%s, 'client', %s, 'x', 'b', "
+            "'7', '{}', 'fp', 'succeeded', 0, '', '', '', now(), now())",
+            [key, tenant],
+        )
+
+
 @pytest.mark.django_db(transaction=True)  # migrations run outside the test's transaction
 def test_upgrade__0028_stopped_halfway__migrate_again_finishes_it():
     """A run stopped after its first steps committed (the column added, the trigger made,
@@ -297,28 +312,89 @@ def test_upgrade__0028_stopped_halfway__migrate_again_finishes_it():
     assert key_constraint() == "UNIQUE (tenant, scope, key)"
 
 
-@pytest.mark.django_db(transaction=True)  # the lock is held by another connection
-def test_upgrade__0028_its_lock_not_granted__nothing_changed_and_it_says_run_again(monkeypatch):
-    """The constraint's swap waits LOCK_TIMEOUT for its lock, then rolls back whole and
-    names what to do; the connection stays usable (no transaction left aborted)."""
-    step = import_module(TENANT_MIGRATION)
-    monkeypatch.setattr(step, "LOCK_TIMEOUT", "100ms")
+@contextmanager
+def long_reader(table: str, seconds: float = 1.0) -> Iterator[None]:
+    """Another connection holding `table` in ACCESS SHARE mode for `seconds` (a long
+    report, say), then ending its transaction: what waits for it behind a lock timeout
+    (DROP INDEX CONCURRENTLY waits for every transaction that may use the index) goes on."""
     settings = connection.settings_dict
     holder = psycopg.connect(
         host=settings["HOST"] or "127.0.0.1", port=settings["PORT"] or 5432,
         user=settings["USER"] or "postgres", dbname=settings["NAME"],
     )  # fmt: skip
+    holder.execute(f"LOCK TABLE {table} IN ACCESS SHARE MODE")
+    ends = threading.Timer(seconds, holder.close)
+    ends.start()
     try:
-        holder.execute(f"LOCK TABLE {step.TABLE} IN ACCESS SHARE MODE")  # a long reader
+        yield
+    finally:
+        ends.cancel()
+        holder.close()
+
+
+def old_index_exists(step) -> bool:
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT to_regclass(%s) IS NOT NULL", [step.OLD_INDEX])
+        return cursor.fetchone()[0]
+
+
+@pytest.mark.django_db(transaction=True)  # the lock is held by another connection
+def test_upgrade__0028_the_swap_back_not_locked_in_time__nothing_changed_no_index_left(
+    monkeypatch,
+):
+    """The swap back waits LOCK_TIMEOUT for its lock, then rolls back whole, names what to
+    do, and drops the old index it built: left behind, that unique index over
+    (client_id, scope, key) would refuse two hotels' equal keys (both client_id NULL)
+    on this release, which ON CONFLICT ON CONSTRAINT does not cover."""
+    step = import_module(TENANT_MIGRATION)
+    monkeypatch.setattr(step, "LOCK_TIMEOUT", "100ms")
+    with connection.schema_editor(atomic=False) as editor:
+        step.build_old_index(None, editor)
+        assert old_index_exists(step)
         with (
-            connection.schema_editor(atomic=False) as editor,
+            long_reader(step.TABLE),
             pytest.raises(RuntimeError, match="not locked within 100ms.*Run migrate again"),
         ):
-            step.swap(None, editor)
-    finally:
-        holder.close()
+            step.unswap(None, editor)
+
     assert key_constraint() == "UNIQUE (tenant, scope, key)"
-    assert Operation.objects.count() == 0
+    assert not old_index_exists(step)
+    for tenant in ("hotel:1", "hotel:2"):  # the connection usable, two tenants' keys apart
+        deposit_row("booking-7", tenant)
+
+
+@pytest.mark.django_db(transaction=True)  # migrations run outside the test's transaction
+def test_upgrade__0028_the_way_back_stopped_at_its_last_step__migrate_back_again_finishes(
+    monkeypatch,
+):
+    """Back to 0027 stopped after the swap back (the column's drop not locked in time):
+    running it again skips what is done and finishes; before, it failed for good on the
+    foreign key it had already restored."""
+    step = import_module(TENANT_MIGRATION)
+    shop = ApiClient.objects.create(name="shop-back")
+    deposit_row("back-1", shop.tenant)
+    with connection.schema_editor(atomic=False) as editor:
+        step.build_old_index(None, editor)
+        step.unswap(None, editor)
+        monkeypatch.setattr(step, "LOCK_TIMEOUT", "100ms")
+        with long_reader(step.TABLE), pytest.raises(RuntimeError, match="Run migrate again"):
+            step.back_to_client_ids(None, editor)
+    monkeypatch.setattr(step, "LOCK_TIMEOUT", "5s")
+
+    migrate_to(BEFORE_TENANT)
+
+    old = MigrationExecutor(connection).loader.project_state(BEFORE_TENANT).apps
+    rows = old.get_model("payments", "Operation").objects.values_list("key", "client_id")
+    assert list(rows) == [("back-1", shop.pk)]
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT pg_get_constraintdef(oid) FROM pg_constraint WHERE conrelid = %s::regclass "
+            "AND contype = 'f' AND pg_get_constraintdef(oid) LIKE 'FOREIGN KEY (client_id)%%'",
+            [step.TABLE],
+        )
+        assert len(cursor.fetchall()) == 1
+    migrate_to()
+    assert list(Operation.objects.values_list("key", "tenant")) == [("back-1", shop.tenant)]
 
 
 @pytest.mark.django_db(transaction=True)  # migrations run outside the test's transaction
@@ -326,15 +402,8 @@ def test_upgrade__0028_back_to_0027_with_a_projects_own_tenant__refused_nothing_
     """0027 keys operations by API client alone: two hotels' "booking-7" would be one
     key there (the old constraint could not even be built). The way back is refused
     first, naming why, and the schema stays this release's."""
-    with connection.cursor() as cursor:
-        for tenant in ("hotel:1", "hotel:2"):
-            cursor.execute(
-                "INSERT INTO payments_operation (key, scope, tenant, kind, entity_type, "
-                "entity_id, params, fingerprint, state, attempts, last_error, lease_owner, "
-                "job_id, created_at, updated_at) VALUES ('booking-7', 'client', %s, 'x', 'b', "
-                "'7', '{}', 'fp', 'succeeded', 0, '', '', '', now(), now())",
-                [tenant],
-            )
+    for tenant in ("hotel:1", "hotel:2"):
+        deposit_row("booking-7", tenant)
 
     with pytest.raises(RuntimeError, match=r"nothing changed: 2 operation\(s\).*'hotel:1'"):
         migrate_to(BEFORE_TENANT)
