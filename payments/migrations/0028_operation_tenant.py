@@ -194,14 +194,25 @@ def fill_tenants(apps, schema_editor) -> None:
             )
 
 
-def build_index(apps, schema_editor) -> None:
-    """The unique index over (tenant, scope, key), built CONCURRENTLY (an interrupted build
-    dropped first); nothing to do once the key constraint is over it."""
-    if _key_on(schema_editor, "tenant"):
+def _build(schema_editor, column: str, index: str, build: str) -> None:
+    """`index` (over `column`, scope, key) built CONCURRENTLY by `build`, an interrupted
+    build dropped first; nothing to do once the key constraint is over `column`."""
+    if _key_on(schema_editor, column):
         return
-    _drop_index(schema_editor, INDEX, only_invalid=True)
+    _drop_index(schema_editor, index, only_invalid=True)
     with schema_editor.connection.cursor() as cursor:
-        cursor.execute(BUILD_INDEX)
+        cursor.execute(build)
+
+
+def _move_key(cursor, index: str) -> None:
+    """The key constraint's name moves to `index` (inside a `_locked` transaction)."""
+    cursor.execute(f"ALTER TABLE {TABLE} DROP CONSTRAINT IF EXISTS {CONSTRAINT}")
+    cursor.execute(f"ALTER TABLE {TABLE} ADD CONSTRAINT {CONSTRAINT} UNIQUE USING INDEX {index}")
+
+
+def build_index(apps, schema_editor) -> None:
+    """The unique index over (tenant, scope, key)."""
+    _build(schema_editor, "tenant", INDEX, BUILD_INDEX)
 
 
 def drop_index(apps, schema_editor) -> None:
@@ -213,10 +224,7 @@ def swap(apps, schema_editor) -> None:
     if _key_on(schema_editor, "tenant"):
         return
     with _locked(schema_editor) as cursor:
-        cursor.execute(f"ALTER TABLE {TABLE} DROP CONSTRAINT IF EXISTS {CONSTRAINT}")
-        cursor.execute(
-            f"ALTER TABLE {TABLE} ADD CONSTRAINT {CONSTRAINT} UNIQUE USING INDEX {INDEX}"
-        )
+        _move_key(cursor, INDEX)
 
 
 def unswap(apps, schema_editor) -> None:
@@ -228,23 +236,16 @@ def unswap(apps, schema_editor) -> None:
     try:
         with _locked(schema_editor) as cursor:
             _refuse_project_tenants(cursor)
-            cursor.execute(f"ALTER TABLE {TABLE} DROP CONSTRAINT IF EXISTS {CONSTRAINT}")
-            cursor.execute(
-                f"ALTER TABLE {TABLE} ADD CONSTRAINT {CONSTRAINT} UNIQUE USING INDEX {OLD_INDEX}"
-            )
+            _move_key(cursor, OLD_INDEX)
     except Exception:
         _drop_index(schema_editor, OLD_INDEX, only_invalid=False)
         raise
 
 
 def build_old_index(apps, schema_editor) -> None:
-    """Back: the old unique index over (client_id, scope, key), built CONCURRENTLY before
-    the constraint moves to it; nothing to do once the key constraint is over it."""
-    if _key_on(schema_editor, "client_id"):
-        return
-    _drop_index(schema_editor, OLD_INDEX, only_invalid=True)
-    with schema_editor.connection.cursor() as cursor:
-        cursor.execute(BUILD_OLD_INDEX)
+    """Back: the old unique index over (client_id, scope, key), before the constraint
+    moves to it."""
+    _build(schema_editor, "client_id", OLD_INDEX, BUILD_OLD_INDEX)
 
 
 def refuse_project_tenants(apps, schema_editor) -> None:
