@@ -41,10 +41,7 @@ def message_id_for(operation_key: str, scope: str = KeyScope.CLIENT, tenant: str
     tenants' messages under the same key are two jobs and two inbox rows, never
     one skipped as the other's duplicate.
     """
-    name = operation_key if scope == KeyScope.CLIENT else f"{scope}\x1e{operation_key}"
-    if tenant:
-        name = f"{tenant}\x1d{name}"
-    return hashlib.sha256(name.encode()).hexdigest()[:32]
+    return hashlib.sha256(fence.key_name(operation_key, scope, tenant).encode()).hexdigest()[:32]
 
 
 #: The job's meta entry naming the operation's kind.

@@ -121,11 +121,16 @@ def derive_idempotency_key(
     request under it sends that stored key: a claim made before the client went
     into the hash keeps the key it was made with.
     """
+    digest = hashlib.sha256(f"{key_name(operation_key, scope, tenant)}\x1f{step}".encode())
+    return f"fence_{digest.hexdigest()[:48]}"
+
+
+def key_name(operation_key: str, scope: str = KeyScope.CLIENT, tenant: str = "") -> str:
+    """An operation's key as its derived ids name it: prefixed with its scope when derived,
+    and with its tenant when it has one (KEY_SEPARATORS between), so that no two
+    operations' names meet (derive_idempotency_key, dispatch.message_id_for)."""
     name = operation_key if scope == KeyScope.CLIENT else f"{scope}\x1e{operation_key}"
-    if tenant:
-        name = f"{tenant}\x1d{name}"
-    digest = hashlib.sha256(f"{name}\x1f{step}".encode()).hexdigest()
-    return f"fence_{digest[:48]}"
+    return f"{tenant}\x1d{name}" if tenant else name
 
 
 def follow_up_key(parent: Operation, kind: str) -> str:
