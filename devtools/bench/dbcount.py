@@ -2,20 +2,22 @@
 
 What is counted, and why this way. A round trip is one message sequence that
 waits for PostgreSQL's ReadyForQuery: a statement, a BEGIN, a COMMIT or
-ROLLBACK, a health check. Django's `execute_wrappers` see only what goes
-through a Django cursor (statements, SAVEPOINT and RELEASE included), not the
-rest, so the counter adds what the wrapper cannot see, where it happens:
+ROLLBACK, a health check. Statements are counted where psycopg's cursor
+sends them (`psycopg.Cursor.execute`, patched while counting): what goes
+through Django's cursors (SAVEPOINT and RELEASE included) and what is sent
+on the psycopg connection itself, but not what a Django execute wrapper
+keeps back (payments.engine.driver holds a SAVEPOINT for its block's first
+statement and never sends its RELEASE). The counter adds what a cursor does
+not send, where it happens:
 
 - BEGIN: with Django's stock backend (the default) psycopg 3 sends it
   alone, a round trip of its own, when a statement is about to run with
   autocommit off and no transaction open (psycopg's `transaction_status`
   IDLE): counted so. The opt-in backend (project.postgresql,
-  DATABASE_BEGIN_WITH_FIRST_STATEMENT=1) sends it in one pipeline with the
-  transaction's first statement (alone first for a statement without
-  parameters); the fence queues it in front of its own pipelines, as a
-  statement the wrapper sees. The wrapper counts one when a statement is
-  about to run while the backend owes a BEGIN (`begin_owed()`), and counts
-  both in `pipelined` when they share a pipeline.
+  DATABASE_BEGIN_WITH_FIRST_STATEMENT=1) sends it itself, as a statement,
+  in one pipeline with the transaction's first statement (alone first for a
+  statement without parameters); the fence queues it in front of its own
+  pipelines. Counted as it is sent, in `pipelined` when it shares a pipeline.
 - COMMIT and ROLLBACK: Django calls the psycopg connection's `commit()` and
   `rollback()` from `DatabaseWrapper._commit` / `_rollback`; psycopg sends
   nothing when no transaction is open, so they count only when one is.
@@ -80,7 +82,7 @@ KEY_PREFIX = "bench:db-round-trips:"
 class RoundTrips:
     """Database round trips by kind; `total` is their sum (connects apart)."""
 
-    statements: int = 0  # every statement through a Django cursor, savepoints included
+    statements: int = 0  # every statement a cursor sent, savepoints included
     savepoints: int = 0  # of which SAVEPOINT / RELEASE / ROLLBACK TO
     begins: int = 0
     commits: int = 0
@@ -151,14 +153,15 @@ class RoundTripCounter:
         self._undo: list[Callable[[], None]] = []
         #: Whether the pipeline being sent holds a write (one implicit transaction).
         self._pipeline_wrote = False
+        #: Inside a health check or a connect: their statements are theirs, not counted.
+        self._quiet = False
 
     def snapshot(self) -> RoundTrips:
         return RoundTrips(**asdict(self.counts))
 
     def install(self) -> None:
         db = connections[self.alias]
-        db.execute_wrappers.append(self._execute)
-        self._undo.append(lambda: db.execute_wrappers.remove(self._execute))
+        self._count_statements(db)
         self._patch(db, "_commit", self._ending(db, "commits"))
         self._patch(db, "_rollback", self._ending(db, "rollbacks"))
         self._patch(db, "is_usable", self._counting("health_checks"))
@@ -199,14 +202,40 @@ class RoundTripCounter:
 
         self._undo.append(undo)
 
-    def _execute(self, execute: Any, sql: str, params: Any, many: bool, context: dict) -> Any:
-        db = context["connection"]
+    def _count_statements(self, db: Any) -> None:
+        """Count every statement psycopg sends on this connection, where psycopg's cursor
+        sends it: what went through Django's cursors and what was sent on the psycopg
+        connection itself (a savepoint held for its block's first statement,
+        payments.engine.driver), never what a Django execute wrapper kept back."""
+        execute, executemany = psycopg.Cursor.execute, psycopg.Cursor.executemany
+
+        def counted(send: Any, many: bool) -> Any:
+            def sending(cursor: Any, query: Any, params: Any = None, **kwargs: Any) -> Any:
+                if cursor.connection is not db.connection or self._quiet:
+                    return send(cursor, query, params, **kwargs)
+                sql = query if isinstance(query, str) else ""
+                return self._execute(
+                    lambda: send(cursor, query, params, **kwargs), db, sql, params, many
+                )
+
+            return sending
+
+        psycopg.Cursor.execute = counted(execute, False)  # type: ignore[method-assign]
+        psycopg.Cursor.executemany = counted(executemany, True)  # type: ignore[method-assign]
+
+        def undo() -> None:
+            psycopg.Cursor.execute = execute  # type: ignore[method-assign]
+            psycopg.Cursor.executemany = executemany  # type: ignore[method-assign]
+
+        self._undo.append(undo)
+
+    def _execute(self, send: Callable[[], Any], db: Any, sql: str, params: Any, many: bool) -> Any:
         raw = db.connection
         piped = raw is not None and raw.pgconn.pipeline_status != pq.PipelineStatus.OFF
         if _BEGIN_SQL.match(sql):  # queued in front of a pipeline (payments.engine.fence)
             self.counts.begins += 1
             self.counts.pipelined += piped
-            return execute(sql, params, many, context)
+            return send()
         if piped:
             # The pipeline's owner sent what a transaction needs first; outside one, the
             # pipeline is one implicit transaction, committed at its end, if it writes
@@ -215,14 +244,9 @@ class RoundTripCounter:
                 self.counts.autocommits += 1
                 self._pipeline_wrote = True
         elif raw is not None and raw.info.transaction_status == pq.TransactionStatus.IDLE:
-            if getattr(db, "begin_owed", None) is not None and db.begin_owed():
-                # project.postgresql: the BEGIN goes with the statement, in a pipeline of
-                # their own (its sync counted as one round trip), unless the statement has
-                # no parameters: then the BEGIN goes alone first, a round trip of its own.
-                self.counts.begins += 1
-                if params and not many:
-                    self.counts.pipelined += 2
-            elif not db.get_autocommit():
+            # (project.postgresql sends the BEGIN it owes as a statement of its own, alone
+            # or in a pipeline with the statement: counted above when it is sent.)
+            if not raw.autocommit:
                 # Django's stock backend: psycopg sends BEGIN first, in a round trip of its
                 # own (in a pipeline too: it syncs the BEGIN before it queues the statement).
                 self.counts.begins += 1
@@ -237,7 +261,7 @@ class RoundTripCounter:
             self.counts.savepoints += 1
         prepared = _prepared_statements(raw)
         try:
-            return execute(sql, params, many, context)
+            return send()
         finally:
             if _prepared_statements(raw) > prepared and not piped:
                 self.counts.prepares += 1
@@ -262,10 +286,16 @@ class RoundTripCounter:
         return wrap
 
     def _counting(self, field: str) -> Callable[[Callable[[], Any]], Callable[[], Any]]:
+        """Count a call of its own kind; the statements it sends are not counted again."""
+
         def wrap(original: Callable[[], Any]) -> Callable[[], Any]:
             def counted() -> Any:
                 setattr(self.counts, field, getattr(self.counts, field) + 1)
-                return original()
+                self._quiet = True
+                try:
+                    return original()
+                finally:
+                    self._quiet = False
 
             return counted
 

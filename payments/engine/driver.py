@@ -16,6 +16,7 @@ It writes nothing of its own: every statement it sends is the fence's.
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -352,19 +353,27 @@ def _pipeline(
 ) -> None:
     """Send the BEGIN owed, the queued statements, the statements and the COMMIT asked
     for in one psycopg pipeline; wait for its one answer."""
+    with one_round_trip(db, raw):
+        if begin:
+            with db.cursor() as opening:
+                opening.execute(db.begin_statement())
+        for cursor, ahead in queued:
+            cursor.execute(ahead.sql, ahead.params)
+        for cursor, sql, params in statements:
+            cursor.execute(sql, params)
+        if commit:
+            _COMMIT_WITH_NEXT.set(None)  # one batch commits; later ones after it
+            with db.cursor() as ending:
+                ending.execute("COMMIT")
+
+
+@contextmanager
+def one_round_trip(db: Any, raw: Any) -> Iterator[None]:
+    """A psycopg pipeline on `raw` (`db`'s connection): what the block executes is sent
+    together, and waits for one answer when the block ends (its errors raised there)."""
     try:
         with raw.pipeline():
-            if begin:
-                with db.cursor() as opening:
-                    opening.execute(db.begin_statement())
-            for cursor, ahead in queued:
-                cursor.execute(ahead.sql, ahead.params)
-            for cursor, sql, params in statements:
-                cursor.execute(sql, params)
-            if commit:
-                _COMMIT_WITH_NEXT.set(None)  # one batch commits; later ones after it
-                with db.cursor() as ending:
-                    ending.execute("COMMIT")
+            yield
     except psycopg.OperationalError as exc:
         interrupted = exc.__context__
         if raw.pgconn.pipeline_status == pq.PipelineStatus.OFF or not is_interruption(interrupted):
@@ -374,6 +383,76 @@ def _pipeline(
         # and whether the COMMIT ran is unknown: close it, raise the interruption.
         db.close()
         raise cast(BaseException, interrupted) from None
+
+
+# --- a savepoint sent with its block's first statement ----------------------------------
+
+#: Django's savepoint statements (DatabaseOperations.savepoint_*_sql: a quoted name).
+_SAVEPOINT_SQL = re.compile(r'SAVEPOINT ("[^"]+")\Z')
+_SAVEPOINT_END_SQL = re.compile(r'(RELEASE|ROLLBACK TO) SAVEPOINT ("[^"]+")\Z')
+
+
+class _SavepointWithNextStatement:
+    """A Django execute wrapper: see `savepoints_with_next_statement`."""
+
+    def __init__(self) -> None:
+        #: SAVEPOINTs Django asked for, not sent yet: (name, statement), oldest first.
+        self.held: list[tuple[str, str]] = []
+
+    def __call__(self, execute: Any, sql: Any, params: Any, many: bool, context: dict) -> Any:
+        db = context["connection"]
+        raw = db.connection
+        created = _SAVEPOINT_SQL.match(sql) if isinstance(sql, str) else None
+        if created and raw.info.transaction_status == pq.TransactionStatus.INTRANS:
+            self.held.append((created[1], sql))
+            return None
+        ended = _SAVEPOINT_END_SQL.match(sql) if isinstance(sql, str) else None
+        if ended:
+            names = [name for name, _ in self.held]
+            if ended[2] in names:  # never sent: nothing to release or to roll back
+                del self.held[names.index(ended[2]) :]
+                return None
+            if ended[1] == "RELEASE":
+                return None  # the transaction's COMMIT or ROLLBACK ends it
+            self.held.clear()  # created after the savepoint rolled back to: gone with it
+            return execute(sql, params, many, context)
+        if not self.held:
+            return execute(sql, params, many, context)
+        held, self.held = self.held, []
+        if raw.pgconn.pipeline_status != pq.PipelineStatus.OFF:  # in the caller's pipeline
+            with raw.cursor() as opening:
+                for _, statement in held:
+                    opening.execute(statement)
+            return execute(sql, params, many, context)
+        opening = raw.cursor()  # Django's cursor class: client-side binding, never prepared
+        try:
+            with db.wrap_database_errors, one_round_trip(db, raw):
+                for _, statement in held:
+                    opening.execute(statement)
+                return execute(sql, params, many, context)
+        finally:
+            opening.close()
+
+
+@contextmanager
+def savepoints_with_next_statement() -> Iterator[None]:
+    """Inside the block, a savepoint costs no round trip of its own on this thread's
+    connection.
+
+    For an atomic block nested in a transaction that PostgreSQL has begun
+    (payments.engine.dispatch's inline follow-ups): Django's SAVEPOINT is held
+    and sent with the block's first statement, in one round trip (psycopg's
+    pipeline mode); a block that sends nothing sends no savepoint either. Its
+    RELEASE is not sent: the savepoint stays PostgreSQL's until the
+    transaction's COMMIT or ROLLBACK, which end it, and what follows runs in
+    it (the same rows, locks and outcome: a savepoint is only ever rolled
+    back to, and then by Django's ROLLBACK TO, which is sent). Only what goes
+    through Django's cursors (the ORM, `connection.cursor()`, the fence's
+    statements) is seen: a statement sent on the psycopg connection itself
+    would run before the savepoint held for it.
+    """
+    with this_thread().execute_wrapper(_SavepointWithNextStatement()):
+        yield
 
 
 # --- rows into model instances ----------------------------------------------------------

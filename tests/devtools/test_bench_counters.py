@@ -165,3 +165,28 @@ def test_counting_worker__a_fenced_checkout_counted_as_the_trace_counts_it(
     assert 0 < jobs.total <= whole_run.total
     assert jobs.commits >= 3 and jobs.health_checks == 3
     assert Operation.objects.filter(parent=op).count() == 2
+
+
+def test_counting_worker__a_checkout_with_inline_follow_ups__counted_as_the_trace_counts_it(
+    provider, queue, trace, settings
+):
+    """The ledger line and the sales counter run in mark_paid's transaction, in a
+    savepoint that goes with the ledger line's INSERT and is never released
+    (payments.engine.driver.savepoints_with_next_statement): one SAVEPOINT sent, in a
+    pipeline, no RELEASE; the counter sees it where psycopg sends it, as the trace does."""
+    settings.PAYMENTS = {**settings.PAYMENTS, "INLINE_FOLLOW_UPS": True}
+    op = checkout("count-inline")
+    trace.arm()
+    CountingWorker.counter = dbcount.RoundTripCounter()
+    CountingWorker.counter.install()
+    CountingWorker([queue], connection=queue.connection).work(burst=True)
+    whole_run = CountingWorker.counter.snapshot()
+    assert trace.round_trips() == whole_run.total
+
+    op.refresh_from_db()
+    assert op.state == OperationState.SUCCEEDED
+    by_job = recorded(queue.connection)
+    assert set(by_job) == {RUN_OPERATION}
+    assert by_job[RUN_OPERATION].savepoints == 1  # SAVEPOINT and RELEASE, each its own, before
+    assert by_job[RUN_OPERATION].pipelined > by_job[RUN_OPERATION].syncs
+    assert not Operation.objects.filter(parent=op).exists()
