@@ -208,6 +208,7 @@ class RoundTripCounter:
         connection itself (a savepoint held for its block's first statement,
         payments.engine.driver), never what a Django execute wrapper kept back."""
         execute, executemany = psycopg.Cursor.execute, psycopg.Cursor.executemany
+        declare = psycopg.ServerCursor.execute  # its own, not Cursor's: a DECLARE
 
         def counted(send: Any, many: bool) -> Any:
             def sending(cursor: Any, query: Any, params: Any = None, **kwargs: Any) -> Any:
@@ -222,10 +223,12 @@ class RoundTripCounter:
 
         psycopg.Cursor.execute = counted(execute, False)  # type: ignore[method-assign]
         psycopg.Cursor.executemany = counted(executemany, True)  # type: ignore[method-assign]
+        psycopg.ServerCursor.execute = counted(declare, False)  # type: ignore[method-assign]
 
         def undo() -> None:
             psycopg.Cursor.execute = execute  # type: ignore[method-assign]
             psycopg.Cursor.executemany = executemany  # type: ignore[method-assign]
+            psycopg.ServerCursor.execute = declare  # type: ignore[method-assign]
 
         self._undo.append(undo)
 

@@ -236,7 +236,9 @@ def create_follow_ups_in_tx(parent: Operation, new: list[fence.NewOperation]) ->
                     write = get_handler(one.kind).inline
                     assert write is not None  # chosen above for having one
                     write(_unsaved(parent, one))
-        except Exception:  # rolled back to the savepoint; delivered on their own instead
+        except Exception as exc:  # rolled back to the savepoint; delivered on their own instead
+            if driver.is_interruption(exc) or transaction.get_connection().needs_rollback:
+                raise  # the job's timeout, or a transaction that can only roll back
             logger.warning(
                 "follow-ups %s of operation %s failed in its transaction; queued instead",
                 ", ".join(one.kind for one in inline),

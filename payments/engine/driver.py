@@ -402,12 +402,14 @@ class _SavepointWithNextStatement:
     def __call__(self, execute: Any, sql: Any, params: Any, many: bool, context: dict) -> Any:
         db = context["connection"]
         raw = db.connection
-        created = _SAVEPOINT_SQL.match(sql) if isinstance(sql, str) else None
-        if created and raw.info.transaction_status == pq.TransactionStatus.INTRANS:
-            self.held.append((created[1], sql))
+        text = sql if isinstance(sql, str) else ""
+        status = raw.info.transaction_status
+        created = _SAVEPOINT_SQL.match(text)
+        if created and status == pq.TransactionStatus.INTRANS:
+            self.held.append((created[1], text))
             return None
-        ended = _SAVEPOINT_END_SQL.match(sql) if isinstance(sql, str) else None
-        if ended:
+        ended = _SAVEPOINT_END_SQL.match(text)
+        if ended and status != pq.TransactionStatus.INERROR:
             names = [name for name, _ in self.held]
             if ended[2] in names:  # never sent: nothing to release or to roll back
                 del self.held[names.index(ended[2]) :]
@@ -416,6 +418,9 @@ class _SavepointWithNextStatement:
                 return None  # the transaction's COMMIT or ROLLBACK ends it
             self.held.clear()  # created after the savepoint rolled back to: gone with it
             return execute(sql, params, many, context)
+        # An aborted transaction (a statement's error caught inside the block): what Django
+        # sends goes as it sends it, and fails as it would (Django then rolls back to the
+        # savepoint, or marks the transaction for rollback), never left looking fine.
         if not self.held:
             return execute(sql, params, many, context)
         held, self.held = self.held, []
@@ -426,6 +431,13 @@ class _SavepointWithNextStatement:
             return execute(sql, params, many, context)
         opening = raw.cursor()  # Django's cursor class: client-side binding, never prepared
         try:
+            if not params or isinstance(context["cursor"].cursor, psycopg.ServerCursor):
+                # What a pipeline refuses: a server-side cursor (QuerySet.iterator()), and
+                # text without parameters, which may hold several commands (a RunSQL).
+                with db.wrap_database_errors:
+                    for _, statement in held:
+                        opening.execute(statement)
+                return execute(sql, params, many, context)
             with db.wrap_database_errors, one_round_trip(db, raw):
                 for _, statement in held:
                     opening.execute(statement)
@@ -446,10 +458,14 @@ def savepoints_with_next_statement() -> Iterator[None]:
     RELEASE is not sent: the savepoint stays PostgreSQL's until the
     transaction's COMMIT or ROLLBACK, which end it, and what follows runs in
     it (the same rows, locks and outcome: a savepoint is only ever rolled
-    back to, and then by Django's ROLLBACK TO, which is sent). Only what goes
-    through Django's cursors (the ORM, `connection.cursor()`, the fence's
-    statements) is seen: a statement sent on the psycopg connection itself
-    would run before the savepoint held for it.
+    back to, and then by Django's ROLLBACK TO, which is sent). In a transaction
+    an error aborted, they go as Django sends them. Only what goes through
+    Django's execute wrappers (the ORM, `connection.cursor()`'s execute and
+    executemany, the fence's statements) is seen: a statement sent on the
+    psycopg connection itself, or by a cursor's `callproc()` or `copy()`,
+    would run before the savepoint held for it. A statement a pipeline
+    refuses (a server-side cursor's, text without parameters) gets the held
+    savepoint in a round trip of its own, as without the block.
     """
     with this_thread().execute_wrapper(_SavepointWithNextStatement()):
         yield

@@ -121,3 +121,23 @@ def test_a_checkout_with_inline_follow_ups__writes_48_index_entries_not_84(provi
     assert entries["payments_operationevent_pkey"] == 8, entries
     assert entries["inbox_entry_consumer_message_uniq"] == 0, entries
     assert OperationEvent.objects.count() == 9  # created, and the 8 above
+
+
+def test_the_job_s_timeout_inside_an_inline_follow_up__is_raised_not_queued(
+    provider, queue, monkeypatch
+):
+    """An interruption is not a follow-up's failure: no "queued instead", it goes up to the
+    worker (which treats the attempt as interrupted)."""
+    from rq.timeouts import JobTimeoutException
+
+    from payments.engine.follow_ups import local_step_running
+
+    def times_out(*args, **kwargs):
+        raise JobTimeoutException("job timed out")
+
+    monkeypatch.setattr(followups, "add_to_sales_day", times_out)
+    order, op = flows.order_and_checkout(key="inl-5")
+    with pytest.raises(JobTimeoutException), transaction.atomic(), local_step_running():
+        write_follow_ups_in_tx(order, "pi_x", parent=op, actor="test")
+    assert not Operation.objects.filter(parent=op).exists()
+    assert not LedgerEntry.objects.exists()

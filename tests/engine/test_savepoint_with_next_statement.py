@@ -127,3 +127,41 @@ def test_outside_a_begun_transaction__the_savepoint_goes_as_django_sends_it(orde
             with savepoints_with_next_statement(), transaction.atomic():
                 _fails()
     assert LedgerEntry.objects.count() == 1
+
+
+def test_an_error_caught_inside_the_block__still_fails_the_block(order):
+    """A statement's error caught in the block without an atomic() of its own leaves the
+    transaction aborted: Django's RELEASE is what finds that (it fails, Django rolls back
+    to the savepoint and raises), so in an aborted transaction it is sent."""
+    with transaction.atomic():
+        Order.objects.filter(pk=order.pk).update(amount=101)
+        with pytest.raises(DatabaseError):
+            with savepoints_with_next_statement(), transaction.atomic():
+                _line(order, "undone")
+                try:
+                    _fails()
+                except DatabaseError:
+                    pass  # the handler's mistake: the transaction is aborted
+        _line(order, "after")  # usable again: rolled back to the savepoint
+    order.refresh_from_db()
+    assert order.amount == 101
+    assert list(LedgerEntry.objects.values_list("provider_reference", flat=True)) == ["after"]
+
+
+def test_a_first_statement_a_pipeline_refuses__gets_the_savepoint_before_it(order):
+    """A server-side cursor (QuerySet.iterator() in a transaction) and text without
+    parameters (several commands) cannot go in a pipeline: the savepoint goes first."""
+    table = Order._meta.db_table
+    with transaction.atomic():
+        Order.objects.filter(pk=order.pk).update(amount=101)
+        with savepoints_with_next_statement(), transaction.atomic():
+            assert [one.pk for one in Order.objects.all().iterator(chunk_size=10)] == [order.pk]
+        with pytest.raises(DatabaseError):
+            with savepoints_with_next_statement(), transaction.atomic():
+                with connection.cursor() as cursor:
+                    cursor.execute(
+                        f"UPDATE {table} SET amount = 104; UPDATE {table} SET amount = 105"
+                    )
+                _fails()
+    order.refresh_from_db()
+    assert order.amount == 101  # both UPDATEs rolled back to the savepoint sent before them
