@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from django.utils.functional import Promise
@@ -36,20 +36,56 @@ from pythonjsonlogger.json import JsonFormatter as _BaseJsonFormatter
 
 PAYLOAD = "[payload]"
 
-_PATTERNS: list[tuple[re.Pattern[str], str]] = [
+
+def _has_whitespace(text: str) -> bool:
+    """Tell whether `text` may hold what `\\s` matches: a space, or a character that is
+    not printable (every other whitespace character is a control or a separator)."""
+    return " " in text or not text.isprintable()
+
+
+#: The words two rules need, searched for as those rules search (same flags): a word
+#: search takes one pass, where the rule tries every word's every ending.
+_BEARER_WORD = re.compile(r"(?i)bearer")
+_SECRET_WORD = re.compile(r"(?i)secret|token|password|passwd|api_?key|cvc|cvv")
+
+#: Each rule: its pattern, its replacement, and a test of what the pattern cannot match
+#: without (a substring, a length, its word), run first because most values (a step's
+#: name, a state, an id) and most finished lines hold none of it.
+_PATTERNS: list[tuple[re.Pattern[str], str, Callable[[str], bool]]] = [
     # user:password@ in URLs (Redis, database): before the e-mail rule eats the host part.
-    (re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://[^\s:/@]*:)[^\s@/]+@"), r"\1[secret]@"),
-    (re.compile(r"[A-Za-z0-9._%+-]+@[A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)*\.[A-Za-z]{2,}"), "[email]"),
-    (re.compile(r"(?i)\bbearer\s+[A-Za-z0-9._~+/=-]+"), "Bearer [secret]"),
-    (re.compile(r"\b(?:sk|rk)_[A-Za-z0-9_]{3,}|\bwhsec_[A-Za-z0-9]+"), "[secret]"),
+    (
+        re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://[^\s:/@]*:)[^\s@/]+@"),
+        r"\1[secret]@",
+        lambda text: "://" in text,
+    ),
+    (
+        re.compile(r"[A-Za-z0-9._%+-]+@[A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)*\.[A-Za-z]{2,}"),
+        "[email]",
+        lambda text: "@" in text,
+    ),
+    (
+        re.compile(r"(?i)\bbearer\s+[A-Za-z0-9._~+/=-]+"),
+        "Bearer [secret]",
+        lambda text: _has_whitespace(text) and _BEARER_WORD.search(text) is not None,
+    ),
+    (
+        re.compile(r"\b(?:sk|rk)_[A-Za-z0-9_]{3,}|\bwhsec_[A-Za-z0-9]+"),
+        "[secret]",
+        lambda text: "_" in text,
+    ),
     (
         re.compile(
             r"(?i)\b(\w*(?:secret|token|password|passwd|api_?key|cvc|cvv)\w*)"
             r"(['\"]?\s*[=:]\s*['\"]?)(?!\[)[^\s'\",;&}\]]+"
         ),
         r"\1\2[secret]",
+        lambda text: ("=" in text or ":" in text) and _SECRET_WORD.search(text) is not None,
     ),
-    (re.compile(r"(?<![\w.-])\d(?:[ -]?\d){12,18}(?![\w-])"), "[card]"),
+    (
+        re.compile(r"(?<![\w.-])\d(?:[ -]?\d){12,18}(?![\w-])"),
+        "[card]",
+        lambda text: len(text) >= 13,
+    ),
 ]
 
 #: Secrets shorter than this are not searched for by value (too many false hits).
@@ -83,27 +119,32 @@ def _provider_api_key() -> str:
         return ""
 
 
-def redact(text: str) -> str:
-    """Return `text` with e-mail addresses, card-like numbers and secrets masked."""
+def redact(text: str, secrets: list[str] | None = None) -> str:
+    """Return `text` with e-mail addresses, card-like numbers and secrets masked.
+
+    `secrets`: the configured secrets' values (`_configured_secrets()`), when the
+    caller redacts several texts at once; read here otherwise.
+    """
     if not text:
         return text
-    for secret in _configured_secrets():
+    for secret in _configured_secrets() if secrets is None else secrets:
         text = text.replace(secret, "[secret]")
-    for pattern, replacement in _PATTERNS:
-        text = pattern.sub(replacement, text)
+    for pattern, replacement, could_match in _PATTERNS:
+        if could_match(text):
+            text = pattern.sub(replacement, text)
     return text
 
 
-def _scrub(value: Any, *, nested: bool) -> Any:
+def _scrub(value: Any, *, nested: bool, secrets: list[str]) -> Any:
     """Redact one field value; a mapping below the top level is a payload and is dropped."""
     if isinstance(value, str):
-        return redact(value)
+        return redact(value, secrets)
     if isinstance(value, Mapping):
         if nested:
             return PAYLOAD
-        return {str(k): _scrub(v, nested=True) for k, v in value.items()}
+        return {str(k): _scrub(v, nested=True, secrets=secrets) for k, v in value.items()}
     if isinstance(value, list | tuple | set | frozenset):
-        return [_scrub(v, nested=True) for v in value]
+        return [_scrub(v, nested=True, secrets=secrets) for v in value]
     return value
 
 
@@ -121,35 +162,41 @@ class RedactFilter(logging.Filter):
     """
 
     def filter(self, record: logging.LogRecord) -> bool:
+        secrets = _configured_secrets()  # once per record, not once per field
         if isinstance(record.msg, Mapping):
-            record.msg = _scrub(record.msg, nested=False)
+            record.msg = _scrub(record.msg, nested=False, secrets=secrets)
         else:
             args = record.args
             if isinstance(args, tuple):
                 args = tuple(
-                    PAYLOAD if isinstance(a, Mapping) else _scrub(a, nested=True) for a in args
+                    PAYLOAD if isinstance(a, Mapping) else _scrub(a, nested=True, secrets=secrets)
+                    for a in args
                 )
             elif isinstance(args, Mapping):
                 # logging turns a lone mapping argument into `args` itself: named
                 # formatting ("%(name)s") if the message asks for it, else a payload.
-                args = _scrub(args, nested=False) if "%(" in str(record.msg) else (PAYLOAD,)
+                args = (
+                    _scrub(args, nested=False, secrets=secrets)
+                    if "%(" in str(record.msg)
+                    else (PAYLOAD,)
+                )
             try:
                 message = str(record.msg) % args if args else str(record.msg)
             except (TypeError, ValueError, KeyError):
                 message = f"{record.msg} {args!r}"  # as logging would show the broken call
-            record.msg, record.args = redact(message), None
+            record.msg, record.args = redact(message, secrets), None
         for name, value in list(record.__dict__.items()):
             if name in _RECORD_ATTRS or name in _KEEP_OBJECTS:
                 continue
-            record.__dict__[name] = _scrub(value, nested=True)
+            record.__dict__[name] = _scrub(value, nested=True, secrets=secrets)
         if record.exc_info and not record.exc_text:
             # Formatters reuse exc_text; rendering it here makes every handler print
             # the redacted traceback instead of rendering the raw one again.
             record.exc_text = logging.Formatter().formatException(record.exc_info)
         if record.exc_text:
-            record.exc_text = redact(record.exc_text)
+            record.exc_text = redact(record.exc_text, secrets)
         if record.stack_info:
-            record.stack_info = redact(record.stack_info)
+            record.stack_info = redact(record.stack_info, secrets)
         return True
 
 
