@@ -147,12 +147,7 @@ def test_counting_worker__a_fenced_checkout_counted_as_the_trace_counts_it(
         op = checkout("count-1")
     assert trace.round_trips() == api.snapshot().total > 0
 
-    trace.arm()
-    CountingWorker.counter = dbcount.RoundTripCounter()
-    CountingWorker.counter.install()
-    CountingWorker([queue], connection=queue.connection).work(burst=True)
-    whole_run = CountingWorker.counter.snapshot()
-    assert trace.round_trips() == whole_run.total
+    whole_run = _counted_burst(queue, trace)
     assert trace.reconnects == 0 and whole_run.connects == 0
 
     op.refresh_from_db()
@@ -176,12 +171,7 @@ def test_counting_worker__a_checkout_with_inline_follow_ups__counted_as_the_trac
     pipeline, no RELEASE; the counter sees it where psycopg sends it, as the trace does."""
     settings.PAYMENTS = {**settings.PAYMENTS, "INLINE_FOLLOW_UPS": True}
     op = checkout("count-inline")
-    trace.arm()
-    CountingWorker.counter = dbcount.RoundTripCounter()
-    CountingWorker.counter.install()
-    CountingWorker([queue], connection=queue.connection).work(burst=True)
-    whole_run = CountingWorker.counter.snapshot()
-    assert trace.round_trips() == whole_run.total
+    _counted_burst(queue, trace)
 
     op.refresh_from_db()
     assert op.state == OperationState.SUCCEEDED
@@ -190,3 +180,15 @@ def test_counting_worker__a_checkout_with_inline_follow_ups__counted_as_the_trac
     assert by_job[RUN_OPERATION].savepoints == 1  # SAVEPOINT and RELEASE, each its own, before
     assert by_job[RUN_OPERATION].pipelined > by_job[RUN_OPERATION].syncs
     assert not Operation.objects.filter(parent=op).exists()
+
+
+def _counted_burst(queue: Any, trace: Trace) -> RoundTrips:
+    """Run the queued jobs on the bench's counting worker, traced; check that the counter
+    and the trace agree on the whole run's round trips, and return the counter's."""
+    trace.arm()
+    CountingWorker.counter = dbcount.RoundTripCounter()
+    CountingWorker.counter.install()
+    CountingWorker([queue], connection=queue.connection).work(burst=True)
+    whole_run = CountingWorker.counter.snapshot()
+    assert trace.round_trips() == whole_run.total
+    return whole_run
