@@ -43,10 +43,24 @@ def _has_whitespace(text: str) -> bool:
     return " " in text or not text.isprintable()
 
 
-#: The words two rules need, searched for as those rules search (same flags): a word
-#: search takes one pass, where the rule tries every word's every ending.
-_BEARER_WORD = re.compile(r"(?i)bearer")
-_SECRET_WORD = re.compile(r"(?i)secret|token|password|passwd|api_?key|cvc|cvv")
+#: The characters `re.IGNORECASE` takes for an ASCII letter besides its two cases (Python's
+#: own equivalences: tests/observability/test_logging.py checks every code point).
+_ASCII_FOLDS = str.maketrans({"\u0130": "i", "\u0131": "i", "\u017f": "s", "\u212a": "k"})
+#: The words of the key=value rule, as they read folded (`_folded`).
+_SECRET_WORDS = ("secret", "token", "password", "passwd", "api_key", "apikey", "cvc", "cvv")
+
+
+def _folded(text: str) -> str:
+    """`text` with every letter a case-insensitive rule could take for an ASCII one made
+    that ASCII letter, in lower case: a rule's word is in it wherever the rule finds it
+    (one pass each, where the rule's own search tries every word's every ending)."""
+    return text.translate(_ASCII_FOLDS).lower()
+
+
+def _has_secret_word(text: str) -> bool:
+    folded = _folded(text)
+    return any(word in folded for word in _SECRET_WORDS)
+
 
 #: Each rule: its pattern, its replacement, and a test of what the pattern cannot match
 #: without (a substring, a length, its word), run first because most values (a step's
@@ -66,12 +80,12 @@ _PATTERNS: list[tuple[re.Pattern[str], str, Callable[[str], bool]]] = [
     (
         re.compile(r"(?i)\bbearer\s+[A-Za-z0-9._~+/=-]+"),
         "Bearer [secret]",
-        lambda text: _has_whitespace(text) and _BEARER_WORD.search(text) is not None,
+        lambda text: _has_whitespace(text) and "bearer" in _folded(text),
     ),
     (
         re.compile(r"\b(?:sk|rk)_[A-Za-z0-9_]{3,}|\bwhsec_[A-Za-z0-9]+"),
         "[secret]",
-        lambda text: "_" in text,
+        lambda text: "k_" in text or "whsec_" in text,
     ),
     (
         re.compile(
@@ -79,7 +93,7 @@ _PATTERNS: list[tuple[re.Pattern[str], str, Callable[[str], bool]]] = [
             r"(['\"]?\s*[=:]\s*['\"]?)(?!\[)[^\s'\",;&}\]]+"
         ),
         r"\1\2[secret]",
-        lambda text: ("=" in text or ":" in text) and _SECRET_WORD.search(text) is not None,
+        lambda text: ("=" in text or ":" in text) and _has_secret_word(text),
     ),
     (
         re.compile(r"(?<![\w.-])\d(?:[ -]?\d){12,18}(?![\w-])"),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 
 import hypothesis
 import pytest
@@ -248,3 +249,16 @@ _WORDS = ["secret", "token", "password", "api_key", "apikey", "cvc", "bearer", "
 )
 def test_redact__the_same_as_every_rule_run(text):
     assert redact(text) == _every_rule(text)
+
+
+def test_the_ascii_folds__are_every_character_ignorecase_takes_for_an_ascii_letter():
+    """_folded() must make every character a case-insensitive rule matches for an ASCII
+    letter into that letter, or a rule's first test would skip a text it matches."""
+    from project.logging import _folded
+
+    letter = re.compile(r"[a-z]", re.IGNORECASE)
+    for code in range(0x110000):
+        char = chr(code)
+        if letter.fullmatch(char):
+            assert _folded(char) in "abcdefghijklmnopqrstuvwxyz", hex(code)
+            assert re.fullmatch(_folded(char), char, re.IGNORECASE), hex(code)
