@@ -262,3 +262,14 @@ def test_the_ascii_folds__are_every_character_ignorecase_takes_for_an_ascii_lett
         if letter.fullmatch(char):
             assert _folded(char) in "abcdefghijklmnopqrstuvwxyz", hex(code)
             assert re.fullmatch(_folded(char), char, re.IGNORECASE), hex(code)
+
+
+def test_every_character_backslash_s_matches__is_a_space_or_not_printable():
+    """The Bearer rule's first test (project.logging._has_whitespace) stands for `\\s`."""
+    from project.logging import _has_whitespace
+
+    space = re.compile(r"\s")
+    for code in range(0x110000):
+        char = chr(code)
+        if space.fullmatch(char):
+            assert _has_whitespace(char), hex(code)
