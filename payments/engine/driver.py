@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import re
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any, cast
@@ -424,21 +424,19 @@ class _SavepointWithNextStatement:
         if not self.held:
             return execute(sql, params, many, context)
         held, self.held = self.held, []
-        if raw.pgconn.pipeline_status != pq.PipelineStatus.OFF:  # in the caller's pipeline
-            with raw.cursor() as opening:
-                for _, statement in held:
-                    opening.execute(statement)
-            return execute(sql, params, many, context)
+        # One round trip of their own for the savepoints and the statement, unless the
+        # caller's pipeline is open (they ride it), or the statement is what a pipeline
+        # refuses: a server-side cursor's (QuerySet.iterator()), or text without
+        # parameters, which may hold several commands (a RunSQL); then the savepoints go
+        # first, in a round trip of their own.
+        together = (
+            raw.pgconn.pipeline_status == pq.PipelineStatus.OFF
+            and bool(params)
+            and not isinstance(context["cursor"].cursor, psycopg.ServerCursor)
+        )
         opening = raw.cursor()  # Django's cursor class: client-side binding, never prepared
         try:
-            if not params or isinstance(context["cursor"].cursor, psycopg.ServerCursor):
-                # What a pipeline refuses: a server-side cursor (QuerySet.iterator()), and
-                # text without parameters, which may hold several commands (a RunSQL).
-                with db.wrap_database_errors:
-                    for _, statement in held:
-                        opening.execute(statement)
-                return execute(sql, params, many, context)
-            with db.wrap_database_errors, one_round_trip(db, raw):
+            with db.wrap_database_errors, one_round_trip(db, raw) if together else nullcontext():
                 for _, statement in held:
                     opening.execute(statement)
                 return execute(sql, params, many, context)

@@ -157,3 +157,19 @@ def test_a_first_statement_a_pipeline_refuses__gets_the_savepoint_before_it(orde
                 _fails()
     order.refresh_from_db()
     assert order.amount == 101  # both UPDATEs rolled back to the savepoint sent before them
+
+
+def test_in_a_pipeline_the_caller_opened__the_savepoint_rides_it(order):
+    with transaction.atomic():
+        Order.objects.filter(pk=order.pk).update(amount=101)
+        with savepoints_with_next_statement(), transaction.atomic():
+            with connection.connection.pipeline():
+                _line(order, "kept")
+        with pytest.raises(DatabaseError):
+            with savepoints_with_next_statement(), transaction.atomic():
+                with connection.connection.pipeline():
+                    Order.objects.filter(pk=order.pk).update(amount=102)
+                _fails()
+    order.refresh_from_db()
+    assert order.amount == 101  # the second block's write rolled back to its savepoint
+    assert list(LedgerEntry.objects.values_list("provider_reference", flat=True)) == ["kept"]
