@@ -16,7 +16,7 @@ from django.db import connection
 from rq.job import Job
 from rq.registry import FinishedJobRegistry
 
-from devtools.bench import jobs
+from devtools.bench import jobs, runner
 from devtools.bench.cpu import process_cpu
 from devtools.bench.runner import BatchCpu, Bench
 from devtools.management.commands import bench as bench_command
@@ -165,3 +165,41 @@ def test_opt_in_backend_section__both_comparisons_on_it__then_back_to_djangos():
     assert (bench.backend, bench.latency) == ("django", 0.02)
     assert figures["default_latency"]["fenced_to_unfenced"] == 1.0
     assert figures["realistic_latency"]["fenced_checkouts_per_second"] == 5.0
+
+
+class _MeteredBatches:
+    """A stand-in for `Bench` whose batches take one second and cost `worker_seconds` of
+    worker CPU over the jobs `prepare` says it queued: `_side_by_side`'s arithmetic only."""
+
+    def __init__(self, worker_seconds: float) -> None:
+        self.worker_seconds = worker_seconds
+        self.cpu: BatchCpu | None = None
+
+    def batch(self, prepare, **_: object) -> float:
+        self.cpu = BatchCpu({"workers": self.worker_seconds}, jobs=prepare())
+        return 1.0
+
+
+@pytest.mark.parametrize("inline", [True, False])
+def test_side_by_side__cpu_per_checkout__divides_by_the_checkouts_not_by_three_jobs(
+    inline, settings
+):
+    """With the follow-ups inline a checkout is one job: 10 checkouts that cost the workers
+    0.5 s are 50 ms each, whichever way the follow-ups run (it read 150 ms: every batch's
+    CPU was divided by 3 jobs per checkout, as when the follow-ups were queued)."""
+    settings.PAYMENTS = {**settings.PAYMENTS, "INLINE_FOLLOW_UPS": inline}
+
+    def queued(n: int):
+        return lambda: n * runner.jobs_per_checkout()
+
+    compared = bench_command._side_by_side(
+        _MeteredBatches(worker_seconds=0.5),
+        10,
+        workers=2,
+        worker_class="W",
+        rounds=2,
+        sides=(queued, queued),
+    )
+
+    for side in ("fenced", "unfenced"):
+        assert [run["workers"] for run in compared.cpu[side]] == pytest.approx([50.0, 50.0])

@@ -26,6 +26,7 @@ from devtools.bench.runner import (
     db_round_trips,
     fenced,
     inbox_cost,
+    jobs_per_checkout,
     noop,
     purge_rate,
     reconciler_rate,
@@ -242,7 +243,7 @@ class Command(BaseCommand):
                 per_class[cls] = {
                     "noop_jobs_per_second": options["noops"] / noop_s,
                     **compared.figures(n),
-                    "fenced_jobs_per_second": 3 * n / compared.seconds["fenced"],
+                    "fenced_jobs_per_second": jobs_per_checkout() * n / compared.seconds["fenced"],
                     "cpu_ms_per_checkout": {
                         side: _mean(runs) for side, runs in compared.cpu.items()
                     },
@@ -472,7 +473,7 @@ def _side_by_side(
             seconds[side].append(
                 bench.batch(prepare(n), workers=workers, worker_class=worker_class)
             )
-            cpu[side] += [bench.cpu.ms_per(3)] if bench.cpu else []
+            cpu[side] += [bench.cpu.ms_per(jobs_per_checkout())] if bench.cpu else []
     return SideBySide(
         seconds={side: min(runs) for side, runs in seconds.items()},
         round_ratios=[u / f for f, u in zip(seconds["fenced"], seconds["unfenced"], strict=True)],
