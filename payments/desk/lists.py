@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import re
+import uuid
 from collections.abc import Callable
 from functools import cached_property
 from typing import Any
@@ -26,7 +27,7 @@ from django.http import HttpRequest
 from django.utils.html import format_html
 from django.utils.http import urlencode
 
-from payments.engine.fence import entity_key_kind
+from payments.engine.fence import ENTITY_KEY_LENGTH, entity_key_kind
 from payments.engine.handlers import entity_models, registered_handlers
 from payments.engine.systems import reference_system
 from payments.models import Operation, StepClaim
@@ -106,7 +107,7 @@ def search_operations(
     A declared system's reference: the claims carrying it (EXISTS through the
     reference index); digits: the operations of the entity with that key, for
     each entity model the handlers declare with an integer key (the entity
-    index), never the operation with that id, which `#17` or `op 17` finds (or
+    index), or a text key of digits, never the operation with that id, which `#17` or `op 17` finds (or
     a key spelled so); an e-mail: the operations of the entities whose e-mail
     field holds it (any case), of the models `may_view` lets the user see.
     """
@@ -115,7 +116,8 @@ def search_operations(
         carrying = StepClaim.objects.filter(operation=OuterRef("pk"), provider_reference=term)
         return queryset.filter(Exists(carrying))
     if DIGITS.match(term):
-        return queryset.filter(_of_entities({m: [term] for m in keyed_by_integer()}))
+        integer_keyed = _of_entities({m: [term] for m in keyed_by_integer()})
+        return queryset.filter(integer_keyed | entities_keyed(term))
     op_id = operation_id_in(term)
     if op_id is not None:
         return queryset.filter(Q(pk=op_id) | Q(key=term))
@@ -125,10 +127,31 @@ def search_operations(
     return None
 
 
+def keyed_by(*kinds: str) -> list[type[Model]]:
+    """The entity models the handlers declare whose key is of one of these kinds
+    (`entity_key_kind`: integer, uuid, text), by name."""
+    keyed = [m for m in entity_models() if entity_key_kind(m) in kinds]
+    return sorted(keyed, key=lambda m: str(m._meta.verbose_name))
+
+
 def keyed_by_integer() -> list[type[Model]]:
     """The entity models the handlers declare whose key is an integer (a bare number's)."""
-    keyed = [m for m in entity_models() if entity_key_kind(m) == "integer"]
-    return sorted(keyed, key=lambda m: str(m._meta.verbose_name))
+    return keyed_by("integer")
+
+
+def entities_keyed(term: str) -> Q:
+    """Operations of the text- or UUID-keyed entities whose key `term` is, through the
+    entity index: a text key exactly as written, a UUID however written (any case, with
+    or without hyphens or braces). Matches nothing for a term no such key can be."""
+    term = term.strip()
+    ids = {m: [term] for m in keyed_by("text")} if 0 < len(term) <= ENTITY_KEY_LENGTH else {}
+    try:
+        canonical = str(uuid.UUID(term))
+    except ValueError:
+        canonical = ""
+    if canonical:
+        ids.update({m: [canonical] for m in keyed_by("uuid")})
+    return _of_entities(ids)
 
 
 def entity_words(models: list[type[Model]]) -> str:
@@ -146,6 +169,8 @@ def operations_search_help() -> str:
     "Order id (17), ..." with the shop's checkout, "Reservation id (17), ..." without it."""
     keyed = keyed_by_integer()
     terms = [f"{entity_words(keyed)} id (17)"] if keyed else []
+    written = keyed_by("text", "uuid")
+    terms += [f"{entity_words(written)} key (as written)"] if written else []
     terms += [
         "operation id (#17)",
         "operation key",

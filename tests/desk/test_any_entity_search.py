@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 from django.contrib import admin as django_admin
+from django.contrib.auth.models import User
 from django.db import connection, models
 from django.db.models.functions import Lower
 from django.test import RequestFactory
@@ -133,3 +134,77 @@ def test_search_help__in_the_words_of_the_declared_entities(members, monkeypatch
     assert shop_and_club.startswith("Member or order id (17), operation id (#17)")
     assert club_only.startswith("Member id (17), operation id (#17)")
     assert club_only.endswith("or an e-mail (exact).") and "order" not in club_only
+
+
+class GearRental(models.Model):  # noqa: DJ008
+    """An equipment rental keyed by its own text code (found by a newcomer: the search
+    took only integer keys, so "RNT-2026-0001" found nothing)."""
+
+    code = models.CharField(max_length=20, primary_key=True)
+
+    class Meta:
+        app_label = "payments"
+        db_table = "test_desk_rental"
+        managed = False
+
+
+class GymLocker(models.Model):  # noqa: DJ008
+    """A locker keyed by a UUID."""
+
+    id = models.UUIDField(primary_key=True)
+
+    class Meta:
+        app_label = "payments"
+        db_table = "test_desk_locker"
+        managed = False
+
+
+@pytest.fixture
+def rentals_and_lockers(monkeypatch):
+    with connection.schema_editor() as editor:
+        editor.create_model(GearRental)
+        editor.create_model(GymLocker)
+    monkeypatch.setattr(handlers, "_HANDLERS", dict(handlers._HANDLERS))
+    handlers.handler("rent", entity=GearRental)(lambda run: None)
+    handlers.handler("book-locker", entity=GymLocker)(lambda run: None)
+
+
+def admin_search(term: str) -> set[str]:
+    """What the admin's operations list finds for `term` (OperationAdmin.get_search_results),
+    searched by a superuser (who may view every entity)."""
+    model_admin = OperationAdmin(Operation, django_admin.site)
+    request = RequestFactory().get("/admin/payments/operation/", {"q": term})
+    request.user = User(username="root", is_superuser=True, is_staff=True, is_active=True)
+    found, _ = model_admin.get_search_results(request, Operation.objects.all(), term)
+    return keys(found)
+
+
+def test_operations_list__a_text_key_finds_its_entitys_operations(rentals_and_lockers):
+    operation("rent", "gearrental", "RNT-2026-0001", "rent-1")
+    operation("rent", "gearrental", "RNT-2026-0002", "rent-2")
+    operation("rent", "gearrental", "0042", "rent-digits")  # a text key of digits only
+
+    assert admin_search(" RNT-2026-0001 ") == {"rent-1"}
+    assert admin_search("0042") == {"rent-digits"}
+    assert admin_search("rent-2") == {"rent-2"}  # the operation's own key still finds it
+
+
+def test_operations_list__a_uuid_finds_its_entitys_operations_however_written(
+    rentals_and_lockers,
+):
+    locker = "5f0c6a8e-3b1d-4c5e-9a7f-0123456789ab"
+    operation("book-locker", "gymlocker", locker, "locker-op")
+    operation("book-locker", "gymlocker", "00000000-0000-0000-0000-000000000001", "other-locker")
+
+    assert admin_search(locker) == {"locker-op"}
+    assert admin_search(locker.upper()) == {"locker-op"}
+    assert admin_search(locker.replace("-", "")) == {"locker-op"}
+
+
+def test_search_help__names_text_and_uuid_keyed_entities(rentals_and_lockers, monkeypatch):
+    monkeypatch.setattr(
+        handlers, "_HANDLERS", {k: handlers._HANDLERS[k] for k in ("rent", "book-locker")}
+    )
+    text = django_admin.site._registry[Operation].search_help_text
+
+    assert text.startswith("Gear rental or gym locker key (as written), operation id (#17)")
