@@ -30,6 +30,12 @@ from payments.exceptions import ConfigurationError
 MAX_JOB_TIMEOUT = 60
 
 
+def _rq_queues() -> dict[str, Any]:
+    """django-rq's RQ_QUEUES, or none: a project without it gets payments.E014, not a
+    traceback from every check that reads it."""
+    return getattr(settings, "RQ_QUEUES", None) or {}
+
+
 @register(Tags.database)
 def check_database_is_postgresql(app_configs: Any = None, **kwargs: Any) -> list[Error]:
     """The fence relies on PostgreSQL's unique-constraint and row-locking semantics."""
@@ -98,7 +104,7 @@ def check_timeout_chain(app_configs: Any = None, **kwargs: Any) -> list[Error]:
                 id="payments.E004",
             )
         )
-    queue = settings.RQ_QUEUES.get(conf.queue, {})
+    queue = _rq_queues().get(conf.queue, {})
     if queue.get("DEFAULT_TIMEOUT") not in (None, job):
         errors.append(
             Error(
@@ -195,7 +201,7 @@ def check_no_development_secrets(app_configs: Any = None, **kwargs: Any) -> list
 def _redis_endpoints() -> dict[str, Redis]:
     """Return one client per distinct queue Redis (by its connection settings)."""
     seen: dict[str, Redis] = {}
-    for name, config in settings.RQ_QUEUES.items():
+    for name, config in _rq_queues().items():
         where = _location_of_queue(config)
         label = f"{where[0]}:{where[1]}/{where[2]}" if where else name
         if label not in seen:
@@ -302,7 +308,7 @@ def check_redis_roles_do_not_share_keys(
         where = _location_of_cache(alias)
         if where is not None:
             roles.append((role, where, str(settings.CACHES[alias].get("KEY_PREFIX", ""))))
-    for name, config in settings.RQ_QUEUES.items():
+    for name, config in _rq_queues().items():
         where = _location_of_queue(config)
         if where is not None:
             roles.append((f"queue {name!r}", where, None))  # None: RQ's fixed "rq:" prefix
@@ -363,7 +369,7 @@ def check_rq_classes(app_configs: Any = None, **kwargs: Any) -> list[CheckMessag
         name = payments_settings().queue
     except ImproperlyConfigured:
         return []  # payments.E009 reports it
-    config = getattr(settings, "RQ_QUEUES", {}).get(name)
+    config = _rq_queues().get(name)
     if config is None:
         return [
             Error(

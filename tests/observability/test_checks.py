@@ -356,3 +356,13 @@ def test_e015__fires_when_two_apps_entity_models_share_a_name(monkeypatch):
 
     assert ids(found) == ["payments.E015"]
     assert "inbox.Order, shop.Order" in found[0].msg
+
+
+def test_e014__a_project_without_rq_queues__reported_not_a_traceback(settings):
+    """Every registered check runs on a project with no RQ_QUEUES at all (a newcomer's
+    first `manage.py check`: it died with AttributeError); the fence's queue is E014."""
+    del settings.RQ_QUEUES
+
+    found = registry.run_checks(include_deployment_checks=True)
+
+    assert "payments.E014" in ids(found)
