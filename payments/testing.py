@@ -160,7 +160,8 @@ class CrashTable:
     cases: list[CrashCase]
 
     def __str__(self) -> str:
-        head = f"crash matrix of {self.kind}: {len(self.cases)} points"
+        count = len(self.cases)
+        head = f"crash matrix of {self.kind}: {count} point{'' if count == 1 else 's'}"
         lines = [head, f"{'point':44} {'crashed':12} {'state':10} {'effects':24} verdict"]
         for case in self.cases:
             counts = ", ".join(f"{k}={v}" for k, v in sorted(case.counts.items())) or "-"
@@ -275,7 +276,7 @@ def _refuse_other_workers() -> None:
     )
     if others:
         raise RuntimeError(
-            f"crash_matrix: {len(others)} worker(s) listen on Redis db {db} at "
+            f"crash_matrix: workers listen on Redis db {db} at "
             f"{where.get('host', '?')}:{where.get('port', '?')}, where the queue "
             f"{queue.name!r} is: {', '.join(others[:5])}. They would run the matrix's jobs "
             "without its failpoints. Stop them, or give the tests a Redis database of their "

@@ -26,6 +26,12 @@ from redis import Redis
 from tests.conftest import TEST_REDIS_URL
 
 SETTINGS = """
+# The desk's admin site stands in for django.contrib.admin (docs/install.md, section 2).
+INSTALLED_APPS = [
+    "payments.apps.DeskAdminConfig" if app == "django.contrib.admin" else app
+    for app in INSTALLED_APPS
+]
+RQ_SHOW_ADMIN_LINK = False
 INSTALLED_APPS += ["django_rq", "rest_framework", "rest_framework_api_key", "inbox", "payments",
                    "bookings"]
 DATABASES = {{"default": {{"ENGINE": "django.db.backends.postgresql", "NAME": "{database}",
@@ -198,6 +204,38 @@ def database():
     subprocess.run(["dropdb", "-h", "127.0.0.1", "-U", "postgres", "--if-exists", name], check=True)
 
 
+#: docs/install.md's URLs, section 4.
+URLS = """
+from django.contrib import admin
+from django.urls import include, path
+from django_rq import urls as django_rq_urls
+
+from payments.desk.rq_access import guarded_urlpatterns
+
+urlpatterns = [
+    path("admin/rq/", include((guarded_urlpatterns(django_rq_urls.urlpatterns), "django_rq"))),
+    path("admin/", admin.site.urls),
+]
+"""
+
+#: The admin's home page is the desk's, and django-rq's pages are not served to staff
+#: without their permission (a staff user without any: 403 or a redirect to log in).
+DESK = """
+from django.contrib.auth.models import User
+from django.test import Client
+from django.test.utils import setup_test_environment
+setup_test_environment()
+root = User.objects.create_superuser("root", "root@example.com", "x")
+staff = User.objects.create_user("staff", "staff@example.com", "x", is_staff=True)
+client = Client()
+client.force_login(root)
+home = client.get("/admin/")
+print("HOME", home.status_code, b"payments-desk-module" in home.content)
+client.force_login(staff)
+print("RQ FOR STAFF", client.get("/admin/rq/").status_code)
+print("RQ ADMIN LINK", client.get("/admin/django_rq/dashboard/").status_code)
+"""
+
 #: What of the shop a project without it has: tables, admin pages, permissions (none).
 NO_SHOP = """
 from django.apps import apps
@@ -230,6 +268,7 @@ def test_a_new_project_installs_the_wheel_and_fences_a_model_of_its_own(
     run([str(venv / "bin" / "django-admin"), "startproject", "site_conf", "."], project, env)
     settings = project / "site_conf" / "settings.py"
     settings.write_text(settings.read_text() + SETTINGS.format(database=database, redis=redis_url))
+    (project / "site_conf" / "urls.py").write_text(URLS)
     app = project / "bookings"
     (app / "migrations").mkdir(parents=True)
     for name, text in {
@@ -250,6 +289,9 @@ def test_a_new_project_installs_the_wheel_and_fences_a_model_of_its_own(
     assert "TABLES ['payments_operation', 'payments_stepclaim']" in shop, shop
     assert "SHOP TABLES []" in shop and "SHOP PAGES []" in shop, shop
     assert "SHOP PERMISSIONS 0" in shop, shop
+    desk = run([*manage, "shell", "-c", DESK], project, env)
+    assert "HOME 200 True" in desk, desk
+    assert "RQ FOR STAFF 200" not in desk and "RQ ADMIN LINK 404" in desk, desk
     run([*manage, "shell", "-c", START], project, env)
     run([*manage, "rqworker", "payments", "--burst"], project, env)
     report = run([*manage, "shell", "-c", REPORT], project, env)
