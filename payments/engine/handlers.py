@@ -28,7 +28,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from django.apps import apps
-from django.db import DatabaseError
 from django.db.models import Exists, Model, OuterRef
 from django.utils.module_loading import module_has_submodule
 
@@ -37,10 +36,10 @@ from payments.conf import payments_settings
 from payments.engine import fence, telemetry
 from payments.engine.effects import DeliveryPolicy, EffectResult, ExternalEffect, reversal_step
 from payments.engine.failpoints import AFTER_CLAIM_COMMIT, AFTER_PROVIDER_ACCEPT, failpoint
-from payments.engine.follow_ups import Follows, declare_follow_up, local_step_running
+from payments.engine.follow_ups import Follows, declare_follow_up
 from payments.engine.steps import run_external_step
 from payments.engine.unit import WorkUnit
-from payments.exceptions import ConfigurationError, StepBusy, StepDoneMeanwhile, StepTransient
+from payments.exceptions import ConfigurationError, StepBusy, StepTransient
 from payments.models import (
     UNFINISHED_OPERATION_STATES,
     ClaimState,
@@ -564,80 +563,21 @@ class Run:
 
     @telemetry.traced("local")
     def _local(self, step: str, func: Callable[[], dict[str, Any] | None]) -> dict[str, Any]:
-        """Run a local step: its `done` claim and its writes commit together, once.
-
-        They go in the run's open transaction (payments.engine.unit), which
-        commits with the next claim or when the handler returns. A step the
-        lease found unclaimed runs `func` first; its claim, with its result,
-        goes in front of the unit's next fence statement (no round trip of its
-        own). Any other step inserts
-        its claim first, so a step done before is replayed without running
-        `func` again. A concurrent duplicate waits on the claim's unique key;
-        once the first commits it finds the step taken: it replays it, or,
-        when its own `func` has run already, rolls its open transaction back
-        (StepDoneMeanwhile: the operation runs again, uncounted, and replays). If
-        `func` raises, the open transaction rolls back: this step and the
-        local steps since the last claim run again on the next attempt.
-        """
+        """Run a local step in the run's open transaction (payments.engine.unit, which owns
+        it: WorkUnit.local_step says how). A step the lease found unclaimed, on its first
+        go in this run, runs `func` before its claim; any other inserts its claim first,
+        so a step done before is replayed without running `func` again."""
         self._declared(step)
-        self.unit.join()
         first_go = step not in self._local_steps
         self._local_steps.add(step)
-        if first_go and self.claimed_at_lease is not None and step not in self.claimed_at_lease:
-            return self._local_then_claim(step, func)
-        try:
-            claim = fence.insert_local_claim_in_tx(self.operation, step, owner=self.worker_id)
-        except BaseException as exc:  # a queued claim sent with it was taken meanwhile, ...
-            self.unit.roll_back(f"local step {step} could not claim ({type(exc).__name__})")
-            raise
-        if claim is None:
-            existing = StepClaim.objects.get(operation=self.operation, step=step)
-            telemetry.note(outcome=telemetry.SKIPPED, transaction=telemetry.NONE)
-            logger.info("step %s/%s already done; skipped", self.operation.key, step)
-            return existing.result or {}
-        try:
-            with local_step_running():
-                result = func() or {}
-            fence.store_local_result_in_tx(claim, result)
-        except BaseException as exc:
-            self.unit.roll_back(f"local step {step} failed ({type(exc).__name__})")
-            raise
-        return result
-
-    def _local_then_claim(
-        self, step: str, func: Callable[[], dict[str, Any] | None]
-    ) -> dict[str, Any]:
-        """Run a local step no claim existed for at the lease: `func`, then claim and result.
-
-        The claim is queued (fence.queue_local_claim_in_tx): it goes in the
-        pipeline of the unit's next fence statement, or with its COMMIT. A run
-        whose lease was taken over while it still ran may commit the step
-        meanwhile: then this run's claim finds it taken (that later statement
-        raises), or `func` fails on the rows the other wrote (a unique invoice
-        number). Either way this run's writes roll back and StepDoneMeanwhile
-        makes the operation run again at once, without counting an attempt, to
-        replay the step.
-        """
-        try:
-            with local_step_running():
-                result = func() or {}
-            # Its claim goes with the unit's next fence statement (or its COMMIT), which
-            # raises StepDoneMeanwhile if another run committed the step meanwhile.
-            fence.queue_local_claim_in_tx(self.operation, step, owner=self.worker_id, result=result)
-        except BaseException as exc:
-            self.unit.roll_back(f"local step {step} failed ({type(exc).__name__})")
-            # An interruption (the job's timeout) stays what it is, whatever else happened.
-            if not fence.is_interruption(exc) and self._claimed_elsewhere(step):
-                raise StepDoneMeanwhile(operation_key=self.operation.key, step=step) from exc
-            raise
-        return result
-
-    def _claimed_elsewhere(self, step: str) -> bool:
-        """Tell whether another run has committed a claim of `step` (after this run's rollback)."""
-        try:
-            return StepClaim.objects.filter(operation=self.operation, step=step).exists()
-        except DatabaseError:
-            return False
+        unclaimed = self.claimed_at_lease is not None and step not in self.claimed_at_lease
+        return self.unit.local_step(
+            self.operation,
+            step,
+            func,
+            owner=self.worker_id,
+            claim_first=not (first_go and unclaimed),
+        )
 
     @telemetry.traced("side_effect")
     def side_effect(

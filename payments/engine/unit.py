@@ -54,9 +54,10 @@ from typing import Any, TypeVar
 from django.db import DatabaseError, connection, transaction
 from psycopg import pq
 
-from payments.engine import exchanges, fence
-from payments.exceptions import InvalidTransition
-from payments.models import ClaimState, StepClaim
+from payments.engine import exchanges, fence, telemetry
+from payments.engine.follow_ups import local_step_running
+from payments.exceptions import InvalidTransition, StepDoneMeanwhile
+from payments.models import ClaimState, Operation, StepClaim
 
 logger = logging.getLogger("payments.engine.unit")
 
@@ -123,6 +124,74 @@ class WorkUnit:
             self._atomic.__enter__()
         elif connection.atomic_blocks[-1] is not self._atomic:
             raise InvalidTransition(NESTED)
+
+    def local_step(
+        self,
+        operation: Operation,
+        step: str,
+        func: Callable[[], dict[str, Any] | None],
+        *,
+        owner: str,
+        claim_first: bool,
+    ) -> dict[str, Any]:
+        """Run a local step in the unit: its `done` claim and its writes commit together, once.
+
+        `claim_first`: insert the claim before `func` runs, so a step done before
+        is replayed (its stored result) without running `func` again; a
+        concurrent duplicate waits on the claim's unique key and, once the first
+        commits, replays the step. Otherwise (a step the lease found unclaimed)
+        `func` runs first and its claim, with its result, is queued
+        (fence.queue_local_claim_in_tx): it goes in front of the unit's next
+        fence statement or with its COMMIT, in no round trip of its own. If
+        another run committed the step meanwhile, that later statement raises
+        StepDoneMeanwhile; so does this call when `func` failed on the rows the
+        other run wrote (a unique invoice number): the operation runs again at
+        once, uncounted, and replays the step. If `func` raises, the unit rolls
+        back: this step and the local steps since the last claim run again on
+        the next attempt.
+        """
+        self.join()
+        if not claim_first:
+            return self._run_then_claim(operation, step, func, owner=owner)
+        try:
+            claim = fence.insert_local_claim_in_tx(operation, step, owner=owner)
+        except BaseException as exc:  # a queued claim sent with it was taken meanwhile, ...
+            self.roll_back(f"local step {step} could not claim ({type(exc).__name__})")
+            raise
+        if claim is None:
+            existing = StepClaim.objects.get(operation=operation, step=step)
+            telemetry.note(outcome=telemetry.SKIPPED, transaction=telemetry.NONE)
+            logger.info("step %s/%s already done; skipped", operation.key, step)
+            return existing.result or {}
+        try:
+            with local_step_running():
+                result = func() or {}
+            fence.store_local_result_in_tx(claim, result)
+        except BaseException as exc:
+            self.roll_back(f"local step {step} failed ({type(exc).__name__})")
+            raise
+        return result
+
+    def _run_then_claim(
+        self,
+        operation: Operation,
+        step: str,
+        func: Callable[[], dict[str, Any] | None],
+        *,
+        owner: str,
+    ) -> dict[str, Any]:
+        """`func`, then its claim queued in the unit (see `local_step`)."""
+        try:
+            with local_step_running():
+                result = func() or {}
+            fence.queue_local_claim_in_tx(operation, step, owner=owner, result=result)
+        except BaseException as exc:
+            self.roll_back(f"local step {step} failed ({type(exc).__name__})")
+            # An interruption (the job's timeout) stays what it is, whatever else happened.
+            if not fence.is_interruption(exc) and _claimed_elsewhere(operation, step):
+                raise StepDoneMeanwhile(operation_key=operation.key, step=step) from exc
+            raise
+        return result
 
     def record_outcome(self, claim: StepClaim, state: ClaimState, **settled: Any) -> None:
         """Queue a claim's outcome, known outside, in the unit (fence.queue_outcome_in_tx,
@@ -226,3 +295,11 @@ class WorkUnit:
                 write()
             except Exception:  # the next attempt or the reconciler settles it
                 logger.exception("an outcome could not be written again after a rollback")
+
+
+def _claimed_elsewhere(operation: Operation, step: str) -> bool:
+    """Tell whether another run has committed a claim of `step` (after this run's rollback)."""
+    try:
+        return StepClaim.objects.filter(operation=operation, step=step).exists()
+    except DatabaseError:
+        return False
