@@ -49,7 +49,6 @@ from payments.desk.filters import DateRangeFilter
 from payments.desk.lists import (
     BoundedListMixin,
     KindFilter,
-    entities_keyed,
     operation_id_in,
     operations_search_help,
     operations_search_note,
@@ -337,8 +336,7 @@ class OperationAdmin(NamedPermissionsMixin, DeskViewsMixin, BoundedListMixin, ad
         self, request: HttpRequest, queryset: QuerySet[Operation], search_term: str
     ) -> tuple[QuerySet[Operation], bool]:
         """One indexed lookup chosen by the term's shape (payments.desk.lists); any other
-        term is an exact operation key or idempotency key, or a text or UUID entity key
-        (payments.desk.lists.entities_keyed). Never duplicates (EXISTS)."""
+        term is an exact operation key or idempotency key. Never duplicates (EXISTS)."""
         term = search_term.strip()
         if not term:
             return queryset, False
@@ -352,7 +350,7 @@ class OperationAdmin(NamedPermissionsMixin, DeskViewsMixin, BoundedListMixin, ad
         )
         if found is None:
             keyed = StepClaim.objects.filter(operation=OuterRef("pk"), idempotency_key=term)
-            found = queryset.filter(Q(key=term) | Exists(keyed) | entities_keyed(term))
+            found = queryset.filter(Q(key=term) | Exists(keyed))
         if not found.exists():  # a reference no step has: ask the provider
             lead = lead_from_provider(term)
             if lead is not None:

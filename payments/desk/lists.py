@@ -107,24 +107,44 @@ def search_operations(
     A declared system's reference: the claims carrying it (EXISTS through the
     reference index); digits: the operations of the entity with that key, for
     each entity model the handlers declare with an integer key (the entity
-    index), or a text key of digits, never the operation with that id, which `#17` or `op 17` finds (or
+    index), never the operation with that id, which `#17` or `op 17` finds (or
     a key spelled so); an e-mail: the operations of the entities whose e-mail
     field holds it (any case), of the models `may_view` lets the user see.
+    Whatever its shape, a term that is a text or UUID entity's key also finds
+    that entity's operations (`entities_keyed`, read first through the entity
+    index: a term of no other shape that finds them is not searched further).
     """
     term = term.strip()
+    keyed = entities_keyed(term)
+    # Their ids, not their condition: ORed with an EXISTS or a scan, the entity index's
+    # condition would turn every such search into a scan of the operations.
+    ids = (
+        list(queryset.filter(keyed).values_list("pk", flat=True)[:ENTITY_MATCHES]) if keyed else []
+    )
+
+    def also_keyed(condition: Q) -> Q:
+        return condition | Q(pk__in=ids) if ids else condition
+
     if is_reference(term):
         carrying = StepClaim.objects.filter(operation=OuterRef("pk"), provider_reference=term)
-        return queryset.filter(Exists(carrying))
+        if not ids:
+            return queryset.filter(Exists(carrying))
+        return queryset.filter(also_keyed(Q(Exists(carrying))))
     if DIGITS.match(term):
-        integer_keyed = _of_entities({m: [term] for m in keyed_by_integer()})
-        return queryset.filter(integer_keyed | entities_keyed(term))
+        return queryset.filter(also_keyed(_of_entities({m: [term] for m in keyed_by_integer()})))
     op_id = operation_id_in(term)
     if op_id is not None:
-        return queryset.filter(Q(pk=op_id) | Q(key=term))
+        return queryset.filter(also_keyed(Q(pk=op_id) | Q(key=term)))
     if "@" in term:
         seen = [m for m in entity_models() if may_view(m) and email_fields(m)]
-        return queryset.filter(_of_entities({m: entities_with_email(m, term) for m in seen}))
-    return None
+        emails = _of_entities({m: entities_with_email(m, term) for m in seen})
+        return queryset.filter(also_keyed(emails))
+    return queryset.filter(pk__in=ids) if ids else None
+
+
+#: The operations of text- or UUID-keyed entities one search lists at most (an entity has
+#: a handful: its operation, retries, reversals).
+ENTITY_MATCHES = 500
 
 
 def keyed_by(*kinds: str) -> list[type[Model]]:
@@ -139,19 +159,27 @@ def keyed_by_integer() -> list[type[Model]]:
     return keyed_by("integer")
 
 
-def entities_keyed(term: str) -> Q:
-    """Operations of the text- or UUID-keyed entities whose key `term` is, through the
-    entity index: a text key exactly as written, a UUID however written (any case, with
-    or without hyphens or braces). Matches nothing for a term no such key can be."""
+def entities_keyed(term: str) -> Q | None:
+    """Operations of the text- or UUID-keyed entities whose key `term` is, by the entity
+    index; None when no such key can be `term` (no such entity declared, too long).
+
+    A text key is matched exactly as written (case included). A UUID in any form
+    (case, hyphens, braces), against the forms an operation may have kept it in:
+    the fence keeps the entity id as the caller gave it (`str(uuid)` or `.hex`,
+    either case).
+    """
     term = term.strip()
-    ids = {m: [term] for m in keyed_by("text")} if 0 < len(term) <= ENTITY_KEY_LENGTH else {}
+    ids: dict[type[Model], list[str]] = {}
+    if 0 < len(term) <= ENTITY_KEY_LENGTH:
+        ids.update({m: [term] for m in keyed_by("text")})
     try:
-        canonical = str(uuid.UUID(term))
+        value = uuid.UUID(term)
     except ValueError:
-        canonical = ""
-    if canonical:
-        ids.update({m: [canonical] for m in keyed_by("uuid")})
-    return _of_entities(ids)
+        value = None
+    if value is not None:
+        forms = [str(value), value.hex]
+        ids.update({m: forms + [f.upper() for f in forms] for m in keyed_by("uuid")})
+    return _of_entities(ids) if ids else None
 
 
 def entity_words(models: list[type[Model]]) -> str:
@@ -169,8 +197,9 @@ def operations_search_help() -> str:
     "Order id (17), ..." with the shop's checkout, "Reservation id (17), ..." without it."""
     keyed = keyed_by_integer()
     terms = [f"{entity_words(keyed)} id (17)"] if keyed else []
-    written = keyed_by("text", "uuid")
-    terms += [f"{entity_words(written)} key (as written)"] if written else []
+    by_text, by_uuid = keyed_by("text"), keyed_by("uuid")
+    terms += [f"{entity_words(by_text)} key (exact)"] if by_text else []
+    terms += [f"{entity_words(by_uuid)} UUID (any form)"] if by_uuid else []
     terms += [
         "operation id (#17)",
         "operation key",
@@ -238,11 +267,13 @@ def operations_search_note(term: str, changelist_url: str) -> str:
         )  # fmt: skip
     if not DIGITS.match(term):
         return ""
-    models = keyed_by_integer()
-    words = entity_words(models)
+    # Digits are an integer key, and a text key of digits (as search_operations reads them).
+    words = entity_words(keyed_by("integer", "text"))
+    listed = _of_entities({m: [term] for m in keyed_by_integer()})
+    keyed = entities_keyed(term)
     other = (
         Operation.objects.filter(pk=int(term))
-        .exclude(_of_entities({m: [term] for m in models}))
+        .exclude(listed | keyed if keyed is not None else listed)
         .values_list("key", "entity_type", "entity_id")
         .first()
     )

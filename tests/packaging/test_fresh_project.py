@@ -291,7 +291,7 @@ def test_a_new_project_installs_the_wheel_and_fences_a_model_of_its_own(
     assert "SHOP PERMISSIONS 0" in shop, shop
     desk = run([*manage, "shell", "-c", DESK], project, env)
     assert "HOME 200 True" in desk, desk
-    assert "RQ FOR STAFF 200" not in desk and "RQ ADMIN LINK 404" in desk, desk
+    assert "RQ FOR STAFF 403" in desk and "RQ ADMIN LINK 404" in desk, desk
     run([*manage, "shell", "-c", START], project, env)
     run([*manage, "rqworker", "payments", "--burst"], project, env)
     report = run([*manage, "shell", "-c", REPORT], project, env)
