@@ -40,14 +40,18 @@
 - `system_settings(name)`: the system's PAYMENTS["SYSTEMS"][name] entry (`url`,
   `api_key`, timeouts, `option(name)`), or ImproperlyConfigured naming the missing entry.
 - The errors an effect raises, each carrying the outcome the fence acts on (docs/handlers.md,
-  "The errors an effect raises"): `TransientProviderError` (nothing happened: retried
-  under the same key), `UncertainProviderError` (it may have happened: replayed or looked
-  up, never failed), `InvalidRequest` and `CardDeclined` (refused for good: the step
-  fails), `ResourceMissing` (a retrieve's 404), `IdempotencyConflict` (the key was used
-  with other parameters: needs review), their base `ProviderError`; and
-  `classify_exception(exc, context=...)`, which turns a `requests` failure into the right
-  one (before the request was sent: transient; after: uncertain). Any other exception
-  from `send` counts as uncertain.
+  "The errors an effect raises"), any system's: `TransientError` (nothing happened:
+  retried under the same key), `UncertainError` (it may have happened: replayed or looked
+  up, never failed), `PermanentError` (refused for good: the step fails),
+  `NotFoundError` (a retrieve's 404: nothing there yet; from a send, refused),
+  `ConflictError` (the key was used with other parameters: needs review), their base
+  `EffectError`. The Stripe-compatible provider's are subclasses of those with its own
+  fields: `TransientProviderError`, `UncertainProviderError`, `InvalidRequest` and
+  `CardDeclined`, `ResourceMissing` (a retrieve's 404, an `InvalidRequest`),
+  `IdempotencyConflict`, their base `ProviderError`; and `classify_exception(exc,
+  context=...)`, which turns a `requests` failure into the right one (before the request
+  was sent: transient; after: uncertain). Any other exception from `send` counts as
+  uncertain.
 
 Handlers live in `<app>/handler.py` of an installed app (the shop's examples:
 `payments/checkout/handler.py`, the app `payments.checkout`), in a module named in
@@ -75,6 +79,14 @@ from payments.engine.follow_ups import Follows, kinds_following, replaced_by
 from payments.engine.handlers import DeskHooks as Desk
 from payments.engine.handlers import EntityHook, ReversalHook, Run, handler, registered_handlers
 from payments.engine.handlers import message_handler as message
+from payments.engine.outcomes import (
+    ConflictError,
+    EffectError,
+    NotFoundError,
+    PermanentError,
+    TransientError,
+    UncertainError,
+)
 from payments.engine.systems import ExternalSystem, Read
 from payments.engine.systems import declare as declare_system
 from payments.exceptions import OperationConflict
@@ -94,21 +106,27 @@ from payments.provider.errors import (
 __all__ = [
     "CardDeclined",
     "ClaimView",
+    "ConflictError",
     "Desk",
     "DeliveryPolicy",
+    "EffectError",
     "EffectResult",
     "ExternalSystem",
     "Follows",
     "IdempotencyConflict",
     "InvalidRequest",
+    "NotFoundError",
     "OperationConflict",
+    "PermanentError",
     "ProviderEffect",
     "ProviderError",
     "Read",
     "ResourceMissing",
     "Run",
     "SystemSettings",
+    "TransientError",
     "TransientProviderError",
+    "UncertainError",
     "UncertainProviderError",
     "classify_exception",
     "create_follow_ups_in_tx",

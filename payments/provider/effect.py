@@ -24,7 +24,7 @@ from payments.engine.effects import (
     fence_metadata,
     sent_metadata_matches,
 )
-from payments.engine.outcomes import Outcome
+from payments.engine.outcomes import NotFoundError, Outcome
 from payments.engine.systems import (
     DEFAULT_SYSTEM,
     Described,
@@ -106,7 +106,8 @@ class ProviderEffect:
     - `send(request, idempotency_key)`: make the call, return the provider's
       object (or an EffectResult for a refusal it reads itself); provider
       errors carry their `outcome`.
-    - `retrieve(reference)`: one object by id (ResourceMissing when absent).
+    - `retrieve(reference)`: one object by id (NotFoundError when absent, as
+      ResourceMissing is).
     - `candidates(claim)`: a consistent list where a lost answer's object would
       be (a `created` window, an intent's refunds); never search.
     - `outcome(obj)`: SUCCESS or PERMANENT as an EffectResult, None while in
@@ -297,7 +298,7 @@ class ProviderEffect:
     def _retrieve_or_none(self, reference: str, *, missing: bool = False) -> Any:
         try:
             return self.retrieve(reference)
-        except (ResourceMissing, ValueError) as exc:
+        except (NotFoundError, ValueError) as exc:  # ResourceMissing, any system's 404
             if missing:
                 raise ReferenceNotFound(reference) from exc
             return None

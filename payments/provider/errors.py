@@ -18,7 +18,15 @@ from typing import Any
 import requests
 from urllib3.exceptions import ConnectTimeoutError, NewConnectionError
 
-from payments.engine.outcomes import Outcome
+from payments.engine.outcomes import (
+    ConflictError,
+    EffectError,
+    NotFoundError,
+    Outcome,
+    PermanentError,
+    TransientError,
+    UncertainError,
+)
 
 # Stripe's error codes for a refused refund (https://docs.stripe.com/error-codes),
 # all on a 400 invalid_request_error (InvalidRequest, PERMANENT):
@@ -39,10 +47,13 @@ PAYMENT_INTENT_NOT_REFUNDABLE = PAYMENT_INTENT_UNEXPECTED_STATE
 CAPTURE_AMOUNT_TOO_LARGE = "amount_too_large"
 
 
-class ProviderError(Exception):
-    """Base class: a provider call did not return a usable success."""
+class ProviderError(EffectError):
+    """Base class: a call to the Stripe-compatible provider did not return a usable success.
 
-    default_outcome: Outcome = Outcome.UNCERTAIN
+    An EffectError with the provider's own fields besides (its error type, decline
+    code, param, and the PaymentIntent an error names); each subclass is also the
+    neutral class of its outcome (CardDeclined is a PermanentError, ...).
+    """
 
     def __init__(
         self,
@@ -59,19 +70,20 @@ class ProviderError(Exception):
         payment_intent_status: str | None = None,
         replayed: bool = False,
     ) -> None:
-        super().__init__(message)
-        self.message = message
-        self.outcome: Outcome = outcome if outcome is not None else self.default_outcome
-        self.http_status = http_status
+        super().__init__(
+            message,
+            outcome=outcome,
+            http_status=http_status,
+            code=code,
+            request_id=request_id,
+            replayed=replayed,
+        )
         self.error_type = error_type
-        self.code = code
         self.decline_code = decline_code
         self.param = param
-        self.request_id = request_id
         self.payment_intent_id = payment_intent_id
         #: The intent's status as the error reported it (a decline, an unexpected state).
         self.payment_intent_status = payment_intent_status
-        self.replayed = replayed
 
     def as_dict(self) -> dict[str, object]:
         """Return the structured, log-safe fields (for claim results and events)."""
@@ -98,29 +110,29 @@ class ProviderError(Exception):
         )
 
 
-class CardDeclined(ProviderError):
+class CardDeclined(ProviderError, PermanentError):
     """The card was declined (HTTP 402): refused for good, no retry."""
 
     default_outcome = Outcome.PERMANENT
 
 
-class InvalidRequest(ProviderError):
+class InvalidRequest(ProviderError, PermanentError):
     """The provider rejected the request as invalid (400 other than idempotency, or 404)."""
 
     default_outcome = Outcome.PERMANENT
 
 
-class ResourceMissing(InvalidRequest):
+class ResourceMissing(InvalidRequest, NotFoundError):
     """The object asked for does not exist at the provider (404 resource_missing)."""
 
 
-class IdempotencyConflict(ProviderError):
+class IdempotencyConflict(ProviderError, ConflictError):
     """The idempotency key was used before with other parameters: a bug, never retried."""
 
     default_outcome = Outcome.CONFLICT
 
 
-class TransientProviderError(ProviderError):
+class TransientProviderError(ProviderError, TransientError):
     """Nothing was executed; retry the same request with the same key."""
 
     default_outcome = Outcome.TRANSIENT
@@ -129,7 +141,7 @@ class TransientProviderError(ProviderError):
     in_flight = False
 
 
-class UncertainProviderError(ProviderError):
+class UncertainProviderError(ProviderError, UncertainError):
     """The provider may have executed the request; reconcile before anything else."""
 
     default_outcome = Outcome.UNCERTAIN

@@ -18,16 +18,16 @@ import requests
 
 from payments.fence import (
     ClaimView,
+    ConflictError,
     EffectResult,
     ExternalSystem,
-    IdempotencyConflict,
-    InvalidRequest,
+    NotFoundError,
+    PermanentError,
     ProviderEffect,
     Read,
-    ResourceMissing,
     Run,
-    TransientProviderError,
-    UncertainProviderError,
+    TransientError,
+    UncertainError,
     classify_exception,
     declare_system,
     note_request,
@@ -55,22 +55,20 @@ def _object(answer: requests.Response, context: str) -> SimpleNamespace:
     if answer.status_code in (200, 201):
         return SimpleNamespace(**answer.json())
     if answer.status_code == 404:
-        raise ResourceMissing(f"{context}: 404", http_status=404)
+        raise NotFoundError(f"{context}: 404", http_status=404)
     if answer.status_code == 422:
-        raise IdempotencyConflict(f"{context}: key reused", http_status=422)
+        raise ConflictError(f"{context}: key reused", http_status=422)
     if answer.status_code in (429, 503):  # the contract: nothing was made
-        raise TransientProviderError(
-            f"{context}: {answer.status_code}", http_status=answer.status_code
-        )
+        raise TransientError(f"{context}: {answer.status_code}", http_status=answer.status_code)
     if answer.status_code == 409:  # a request under this key is still in flight
-        busy = TransientProviderError(f"{context}: in flight", http_status=409)
+        busy = TransientError(f"{context}: in flight", http_status=409)
         busy.in_flight = True  # it may still succeed: wait for it, never fail the step
         raise busy
     if 400 <= answer.status_code < 500:
-        raise InvalidRequest(f"{context}: {answer.status_code}", http_status=answer.status_code)
+        raise PermanentError(f"{context}: {answer.status_code}", http_status=answer.status_code)
     # A 5xx, or anything else: the deposit may have been made. Never failed: replayed
     # under the same key, or settled by the list below.
-    raise UncertainProviderError(f"{context}: {answer.status_code}", http_status=answer.status_code)
+    raise UncertainError(f"{context}: {answer.status_code}", http_status=answer.status_code)
 
 
 def _send(method: str, path: str, **kwargs: Any) -> SimpleNamespace:
