@@ -86,20 +86,15 @@ class ProviderError(EffectError):
         self.payment_intent_status = payment_intent_status
 
     def as_dict(self) -> dict[str, object]:
-        """Return the structured, log-safe fields (for claim results and events)."""
+        """Return the structured, log-safe fields (for claim results and events): the
+        neutral ones and the provider's own."""
         return {
-            "error": type(self).__name__,
-            "outcome": str(self.outcome),
-            "message": self.message,
-            "http_status": self.http_status,
+            **super().as_dict(),
             "error_type": self.error_type,
-            "code": self.code,
             "decline_code": self.decline_code,
             "param": self.param,
-            "request_id": self.request_id,
             "payment_intent_id": self.payment_intent_id,
             "payment_intent_status": self.payment_intent_status,
-            "replayed": self.replayed,
         }
 
     def __repr__(self) -> str:
