@@ -33,7 +33,7 @@ from typing import Any
 import requests
 from urllib3.exceptions import ConnectTimeoutError, NewConnectionError
 
-from payments.engine.outcomes import Outcome
+from payments.engine.outcomes import EffectError, Outcome
 
 #: Adyen's error code for "request already processed or in progress" (a key in flight).
 IN_PROGRESS = "704"
@@ -42,25 +42,28 @@ TRANSIENT_HEADER = "transient-error"
 _CONNECT_PHASE = (NewConnectionError, ConnectTimeoutError, ConnectionRefusedError, socket.gaierror)
 
 
-class AdyenError(Exception):
-    """A call to Adyen that did not return a usable answer; `outcome` tells the fence what to do."""
+class AdyenError(EffectError):
+    """A call to Adyen that did not return a usable answer; `outcome` tells the fence what to
+    do (an EffectError of any outcome: the table above decides it)."""
 
     def __init__(
         self,
         message: str,
         *,
-        outcome: Outcome,
+        outcome: Outcome | None = None,
         http_status: int | None = None,
         code: str = "",
         psp_reference: str = "",
         in_flight: bool = False,
     ) -> None:
-        super().__init__(message)
-        self.outcome = outcome
-        self.http_status = http_status
-        self.code = code
-        #: Adyen's pspReference of the request, what its support asks for first.
-        self.request_id = psp_reference or None
+        # Adyen's pspReference of the request is what its support asks for first.
+        super().__init__(
+            message,
+            outcome=outcome,
+            http_status=http_status,
+            code=code,
+            request_id=psp_reference or None,
+        )
         #: Another request under the same key is still being executed (`704`).
         self.in_flight = in_flight
 

@@ -15,10 +15,10 @@ from payments.desk.evidence import system_label
 from payments.engine import fence
 from payments.engine.effects import ReferenceNotFound
 from payments.engine.handlers import HandlerSpec, get_handler
+from payments.engine.outcomes import EffectError
 from payments.engine.steps import view_of
 from payments.exceptions import InvalidTransition, PaymentsError
 from payments.models import ClaimState, KeyScope, Operation, OperationState, StepClaim
-from payments.provider.errors import ProviderError
 
 
 class DeskError(InvalidTransition):
@@ -295,7 +295,7 @@ def verified_success(
         raise DeskError(
             f"{reference} does not settle step {claim.step}: {exc}", operation_key=op.key
         ) from exc
-    except ProviderError as exc:
+    except EffectError as exc:  # any system's (ProviderError, AdyenError, a project's own)
         raise DeskError(
             f"could not check {reference} with the provider ({type(exc).__name__}); "
             "nothing was changed",

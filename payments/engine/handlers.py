@@ -568,6 +568,7 @@ class Run:
         go in this run, runs `func` before its claim; any other inserts its claim first,
         so a step done before is replayed without running `func` again."""
         self._declared(step)
+        self.unit.join()  # refused (nested, rolled back) before the step counts as seen
         first_go = step not in self._local_steps
         self._local_steps.add(step)
         unclaimed = self.claimed_at_lease is not None and step not in self.claimed_at_lease

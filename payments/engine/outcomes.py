@@ -31,7 +31,8 @@ class EffectError(Exception):
 
     Raise the subclass that says what your system's answer means: TransientError
     (nothing was done), UncertainError (it may have been done), PermanentError
-    (refused for good), ConflictError (the key was used with other parameters).
+    (refused for good), NotFoundError (a retrieve's 404: a PermanentError),
+    ConflictError (the key was used with other parameters).
     Any other exception from an effect is taken as uncertain. The fields are
     for the record, the audit trail and the operator: build the message from
     them, never from request or response bodies (they are logged and stored).
@@ -64,7 +65,7 @@ class EffectError(Exception):
         self.replayed = replayed
 
     def as_dict(self) -> dict[str, object]:
-        """The structured, log-safe fields (for claim results and audit rows)."""
+        """The structured, log-safe fields (for a record or a log line)."""
         return {
             "error": type(self).__name__,
             "outcome": str(self.outcome),

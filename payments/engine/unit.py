@@ -60,6 +60,8 @@ from payments.exceptions import InvalidTransition, StepDoneMeanwhile
 from payments.models import ClaimState, Operation, StepClaim
 
 logger = logging.getLogger("payments.engine.unit")
+#: A step's own lines (replayed, skipped) keep the logger they had in Run (handlers.py).
+step_logger = logging.getLogger("payments.engine.runtime")
 
 T = TypeVar("T")
 
@@ -161,7 +163,7 @@ class WorkUnit:
         if claim is None:
             existing = StepClaim.objects.get(operation=operation, step=step)
             telemetry.note(outcome=telemetry.SKIPPED, transaction=telemetry.NONE)
-            logger.info("step %s/%s already done; skipped", operation.key, step)
+            step_logger.info("step %s/%s already done; skipped", operation.key, step)
             return existing.result or {}
         try:
             with local_step_running():

@@ -20,7 +20,7 @@ from payments.engine import handlers as handlers_module
 from payments.engine.effects import DeliveryPolicy
 from payments.engine.handlers import Run, get_handler
 from payments.engine.unit import UnitRolledBack
-from payments.exceptions import RetryLater
+from payments.exceptions import InvalidTransition, RetryLater
 from payments.models import ClaimState, Operation, OperationState, StepClaim
 from payments.shop.models import Invoice, Order
 from tests.support.builders import with_test_steps
@@ -509,3 +509,36 @@ def test_a_connection_lost_while_the_emails_claim_and_commit_are_answered__is_wh
     op.refresh_from_db()
     assert op.last_error.startswith("OperationalError"), op.last_error
     assert len(mailoutbox) == 0
+
+
+def test_a_local_step_refused_inside_atomic__then_run_outside__is_still_its_first_go(
+    queue, monkeypatch
+):
+    """A handler that catches the refusal (a step inside its own atomic()) and runs the
+    step outside: that is the step's first go in this run, so its function runs first and
+    its claim is queued, as for any step the lease found unclaimed (a reviewer found the
+    refused call counted as the step's go: the claim went first, in a round trip of its
+    own)."""
+    op = checkout("unit-13")
+    inserted_first = []
+    insert = fence.insert_local_claim_in_tx
+
+    def recording_insert(operation, step, **kwargs):
+        inserted_first.append(step)
+        return insert(operation, step, **kwargs)
+
+    monkeypatch.setattr(fence, "insert_local_claim_in_tx", recording_insert)
+
+    def handler(run):
+        try:
+            with transaction.atomic():
+                run.local("x", lambda: {"x": 1})
+        except InvalidTransition:
+            pass
+        run.local("x", lambda: {"x": 1})
+
+    with_handler(monkeypatch, op, handler)
+    assert runtime.execute(op.pk, worker_id="worker-a/1") == "succeeded"
+
+    assert inserted_first == []
+    assert claims(op) == {"x": ClaimState.DONE}

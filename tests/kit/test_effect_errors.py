@@ -9,10 +9,15 @@ their own fields, and the dict stored from them keeps its shape.
 
 from __future__ import annotations
 
+import pickle
 from types import SimpleNamespace
 
 import pytest
+from django.utils import timezone
 
+from payments.adyen.errors import AdyenError
+from payments.desk.rules import DeskError, verified_success
+from payments.desk.views.queries import not_found_kind
 from payments.engine.effects import ClaimView, ReferenceNotFound
 from payments.engine.outcomes import Outcome
 from payments.fence import (
@@ -29,6 +34,7 @@ from payments.fence import (
     UncertainError,
     UncertainProviderError,
 )
+from payments.models import Operation, StepClaim
 from payments.testing import FakeSystem
 from tests.kit.deposits import DEPOSITS, HOLD, HoldDeposit
 
@@ -107,3 +113,66 @@ def test_a_typed_reference_the_system_does_not_have__not_found_through_its_404(s
         with pytest.raises(ReferenceNotFound):
             effect.verify(claim, missing)
         assert effect.find(claim) is None
+
+
+class _Unreachable:
+    """An effect whose check of a reference fails with `error` (the system did not answer)."""
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+    def verify(self, claim: ClaimView, reference: str) -> None:
+        raise self.error
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        TransientError("GET /objects/obj_1: 503", http_status=503),
+        UncertainError("GET /objects/obj_1: no complete answer"),
+        PermanentError("GET /objects/obj_1: 401", http_status=401),
+        ConflictError("GET /objects/obj_1: 422", http_status=422),
+        AdyenError("GET /payments/obj_1: 503", outcome=Outcome.TRANSIENT, http_status=503),
+    ],
+    ids=lambda error: type(error).__name__,
+)
+def test_the_desks_reference_check__any_systems_error_refused_nothing_changed(error):
+    """An operator's mark-succeeded checks the reference with the step's system first
+    (payments.desk.rules.verified_success): a project's own system's error, or Adyen's,
+    is refused as the provider's was. It escaped before: a 500 page mid-incident."""
+    op = Operation(key="dep-1")
+    claim = StepClaim(
+        operation=op, step=HOLD, idempotency_key="k", request={}, claimed_at=timezone.now()
+    )
+    spec = SimpleNamespace(effect=lambda step, operation: _Unreachable(error))
+
+    with pytest.raises(DeskError, match=r"could not check obj_1 .*nothing was changed"):
+        verified_success(op, claim, spec, "obj_1")
+
+
+def test_an_adyen_error__an_effect_error_that_survives_a_pickle():
+    """RQ may pickle what a job raised: Adyen's error came back as a TypeError (its
+    outcome was a required keyword)."""
+    error = AdyenError("POST /payments: 704", outcome=Outcome.TRANSIENT, code="704",
+                       psp_reference="PSP1", in_flight=True)  # fmt: skip
+
+    back = pickle.loads(pickle.dumps(error))
+
+    assert isinstance(back, EffectError)
+    assert (back.outcome, back.code, back.request_id, back.in_flight) == (
+        Outcome.TRANSIENT, "704", "PSP1", True,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "first_error, says",
+    [
+        ("UncertainError: POST /objects: 502", "answer lost"),
+        ("UncertainProviderError: POST /v1/payment_intents: 502", "answer lost"),
+        ("TransientError: POST /objects: 503", "never reached"),
+    ],
+)
+def test_not_found__the_first_errors_kind_read_from_any_systems_class(first_error, says):
+    """The look-up's "not found" says whether the first request may have run: a project's
+    own system records UncertainError, not the provider's UncertainProviderError."""
+    assert says in not_found_kind(first_error, "step hold_deposit: not found at the system")

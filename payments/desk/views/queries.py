@@ -130,11 +130,14 @@ def lookups_of(op: Operation) -> int:
     return sum(max(c.attempts - 1 - c.requests_sent, 0) for c in external)
 
 
-#: How the engine words an error that says nothing ran at the provider (a 5xx, a 429,
-#: a refused connection): payments.provider.errors' TransientProviderError, released.
-NOTHING_RAN = ("released after transient failure", "TransientProviderError")
-#: And one after which the provider may have acted (no complete answer, a timeout).
-MAY_HAVE_RUN = ("UncertainProviderError", "ReadTimeout", "JobTimeoutException", "its call may")
+#: How the engine words an error that says nothing ran at the system (a 5xx, a 429,
+#: a refused connection): a TransientError (the provider's TransientProviderError), released.
+NOTHING_RAN = ("released after transient failure", "TransientProviderError", "TransientError")
+#: And one after which the system may have acted (no complete answer, a timeout).
+MAY_HAVE_RUN = (
+    "UncertainProviderError", "UncertainError", "ReadTimeout", "JobTimeoutException",
+    "its call may",
+)  # fmt: skip
 
 
 def first_error_of(op: Operation) -> str:
