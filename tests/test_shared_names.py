@@ -52,11 +52,9 @@ SYSTEM_PACKAGES = ("payments.provider", "payments.adyen", "payments.invoices")
 NOT_YET: dict[str, int] = {}
 #: Shared modules that still import one system's package (issue 38 open): the provider's
 #: webhook endpoint and its catch-up (its signature, its event object, its list of events),
-#: the desk's rules (the provider's error class), the handler authors' base class and the
-#: errors an effect raises, re-exported by the public API (their home is the provider's
-#: package until issue 38 moves them).
+#: the handler authors' base class and the provider's errors, re-exported by the public
+#: API beside the neutral ones (payments.engine.outcomes) they subclass.
 IMPORTS_NOT_YET = {
-    "payments/desk/rules.py": ["payments.provider.errors"],
     "payments/fence.py": ["payments.provider.effect", "payments.provider.errors"],
     "payments/management/commands/fence_audit.py": ["payments.provider.errors"],
     "payments/webhooks/handling.py": ["payments.provider.client"],
