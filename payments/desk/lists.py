@@ -127,8 +127,6 @@ def search_operations(
 
     if is_reference(term):
         carrying = StepClaim.objects.filter(operation=OuterRef("pk"), provider_reference=term)
-        if not ids:
-            return queryset.filter(Exists(carrying))
         return queryset.filter(also_keyed(Q(Exists(carrying))))
     if DIGITS.match(term):
         return queryset.filter(also_keyed(_of_entities({m: [term] for m in keyed_by_integer()})))
