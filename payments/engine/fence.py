@@ -72,6 +72,9 @@ logger = logging.getLogger("payments.engine.fence")
 # --- keys and fingerprints -----------------------------------------------------
 
 
+#: How a step's release after a refusal begins its audit row: nothing ran at the system
+#: (the desk's "not found" hint reads it).
+RELEASED_AFTER_TRANSIENT = "released after transient failure"
 #: What derive_idempotency_key puts between a key's tenant, scope, name and step.
 KEY_SEPARATORS = ("\x1d", "\x1e", "\x1f")
 
@@ -1432,7 +1435,7 @@ def release_claim(
             from_state=row.state,
             to_state=row.state,
             actor=actor,
-            reason=f"released after transient failure: {reason}"[:2000],
+            reason=f"{RELEASED_AFTER_TRANSIENT}: {reason}"[:2000],
             requests=requests,
         )
 

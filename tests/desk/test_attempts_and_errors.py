@@ -8,7 +8,7 @@ import pytest
 from django.urls import reverse
 
 from payments.engine import fence
-from payments.models import OperationState, StepClaim
+from payments.models import ClaimState, OperationState, StepClaim
 from tests.support import builders
 from tests.support.users import VIEW, client_for, make_user
 
@@ -45,3 +45,27 @@ def test_not_found_after_a_lost_answer__says_charged_and_answer_lost_beside_the_
     assert "first error: ReadTimeout" in shown.group(1)
     assert "Not found: charged and its answer lost?" in shown.group(1)
     assert StepClaim.objects.get(pk=claim.pk).error == "ReadTimeout"
+
+
+@pytest.mark.parametrize(
+    "error", ["AdyenError: POST /payments: 502", "LedgerUnreachable: no answer in 10 s"]
+)
+def test_not_found_after_any_systems_lost_answer__read_from_the_claims_state_not_its_name(
+    provider, error
+):
+    """The engine recorded the claim uncertain: the first request may have run, whatever
+    the system's error class is called (Adyen's is AdyenError, a project's own anything)."""
+    op = builders.new_checkout("lost-answer-any")
+    claim = fence.settle_claim(
+        builders.claim_charge(op), ClaimState.UNCERTAIN, actor=builders.WORKER, error=error
+    )
+    builders.move(op, OperationState.NEEDS_REVIEW, reason="not found",
+                  last_error="not found at the system a grace period after the last request")  # fmt: skip
+
+    shown = re.search(
+        r'field-last_error_shown.*?<div class="readonly">(.*?)</div>', page_of(op), re.S
+    ).group(1)
+
+    assert f"first error: {error}" in shown
+    assert "Not found: charged and its answer lost?" in shown
+    assert StepClaim.objects.get(pk=claim.pk).state == ClaimState.UNCERTAIN

@@ -17,7 +17,7 @@ from django.utils import timezone
 
 from payments.adyen.errors import AdyenError
 from payments.desk.rules import DeskError, verified_success
-from payments.desk.views.queries import not_found_kind
+from payments.desk.views.queries import FirstError, not_found_kind
 from payments.engine.effects import ClaimView, ReferenceNotFound
 from payments.engine.outcomes import Outcome
 from payments.fence import (
@@ -165,14 +165,17 @@ def test_an_adyen_error__an_effect_error_that_survives_a_pickle():
 
 
 @pytest.mark.parametrize(
-    "first_error, says",
+    "first, says",
     [
-        ("UncertainError: POST /objects: 502", "answer lost"),
-        ("UncertainProviderError: POST /v1/payment_intents: 502", "answer lost"),
-        ("TransientError: POST /objects: 503", "never reached"),
+        (FirstError("AdyenError: POST /payments: 502", may_have_run=True), "answer lost"),
+        (FirstError("UncertainError: POST /objects: 502", may_have_run=True), "answer lost"),
+        (FirstError("released after transient failure: AdyenError: 503"), "never reached"),
+        (FirstError("released after transient failure: TransientError: 503"), "never reached"),
+        (FirstError("PermanentError: POST /objects: 400"), "nothing under its key"),
     ],
 )
-def test_not_found__the_first_errors_kind_read_from_any_systems_class(first_error, says):
-    """The look-up's "not found" says whether the first request may have run: a project's
-    own system records UncertainError, not the provider's UncertainProviderError."""
-    assert says in not_found_kind(first_error, "step hold_deposit: not found at the system")
+def test_not_found__the_first_errors_kind_read_from_the_engine_not_the_class(first, says):
+    """The look-up's "not found" says whether the first request may have run, from what
+    the engine recorded (the claim held uncertain, or released after a refusal), whatever
+    the system's error classes are called."""
+    assert says in not_found_kind(first, "step hold_deposit: not found at the system")

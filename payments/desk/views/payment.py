@@ -527,8 +527,8 @@ def _last_lookup(
 
 def errors_shown(op: Operation) -> str:
     """The operation's last error; beside it the first one, and which "not found" it is."""
-    first = first_error_of(op)
-    kind = not_found_kind(first, op.last_error)
+    first_error = first_error_of(op)
+    kind, first = not_found_kind(first_error, op.last_error), first_error.text
     if not first or first == op.last_error:
         return format_html('<span class="desk-last-error">{}</span>', op.last_error)
     return format_html(

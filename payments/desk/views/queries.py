@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import defaultdict
+from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, TypedDict
 
@@ -24,6 +25,7 @@ from django.urls import reverse
 from django.utils import timezone
 
 from payments.desk.display import reference_link, when
+from payments.engine.fence import RELEASED_AFTER_TRANSIENT
 from payments.engine.handlers import registered_handlers
 from payments.engine.systems import system_of
 from payments.models import (
@@ -130,17 +132,18 @@ def lookups_of(op: Operation) -> int:
     return sum(max(c.attempts - 1 - c.requests_sent, 0) for c in external)
 
 
-#: How the engine words an error that says nothing ran at the system (a 5xx, a 429,
-#: a refused connection): a TransientError (the provider's TransientProviderError), released.
-NOTHING_RAN = ("released after transient failure", "TransientProviderError", "TransientError")
-#: And one after which the system may have acted (no complete answer, a timeout).
-MAY_HAVE_RUN = (
-    "UncertainProviderError", "UncertainError", "ReadTimeout", "JobTimeoutException",
-    "its call may",
-)  # fmt: skip
+@dataclass(frozen=True)
+class FirstError:
+    """The first error a step recorded, and whether the engine then held its call in doubt."""
+
+    text: str = ""
+    #: The engine recorded the step uncertain (no complete answer, a timeout, a take-over
+    #: of a call in flight): the system may have acted on the first request. Read from
+    #: the claim's state, not from the error's class name, which is the system's own.
+    may_have_run: bool = False
 
 
-def first_error_of(op: Operation) -> str:
+def first_error_of(op: Operation) -> FirstError:
     """The first error a step recorded (the audit keeps it; `last_error` is overwritten)."""
     first = (
         OperationEvent.objects.filter(operation=op)
@@ -150,22 +153,25 @@ def first_error_of(op: Operation) -> str:
         .exclude(actor__startswith="operator:")
         .exclude(reason__startswith="taken over from", to_state=F("from_state"))
         .order_by("created_at", "id")
-        .values_list("reason", flat=True)
+        .values_list("reason", "to_state")
         .first()
     )
-    return first or ""
+    if first is None:
+        return FirstError()
+    reason, to_state = first
+    return FirstError(reason, may_have_run=to_state == ClaimState.UNCERTAIN)
 
 
-def not_found_kind(first_error: str, last_error: str) -> str:
+def not_found_kind(first: FirstError, last_error: str) -> str:
     """Say which "not found" it is, from the first error: never reached, or answer lost."""
     if "not found" not in last_error:
         return ""
-    if any(word in first_error for word in MAY_HAVE_RUN):
+    if first.may_have_run:
         return (
             "charged and its answer lost? The first request got no complete answer: the "
             "provider may have acted on it, so a look-up by reference is the safe next step"
         )
-    if any(word in first_error for word in NOTHING_RAN):
+    if first.text.startswith(RELEASED_AFTER_TRANSIENT):
         return (
             "never reached the provider: the first request was refused before it ran "
             "(a 5xx, a 429 or a refused connection), and nothing under its key was found"
