@@ -48,10 +48,11 @@
   `EffectError`. The Stripe-compatible provider's are subclasses of those with its own
   fields: `TransientProviderError`, `UncertainProviderError`, `InvalidRequest` and
   `CardDeclined`, `ResourceMissing` (a retrieve's 404, an `InvalidRequest`),
-  `IdempotencyConflict`, their base `ProviderError`; and `classify_exception(exc,
-  context=...)`, which turns a `requests` failure into the right one (before the request
-  was sent: transient; after: uncertain). Any other exception from `send` counts as
-  uncertain.
+  `IdempotencyConflict`, their base `ProviderError`. `classify_request_failure(exc,
+  context=...)` turns a `requests` failure into the right neutral one (before the request
+  was sent: `TransientError`; after: `UncertainError`); `classify_exception` does the same
+  with the provider's classes, for a Stripe-shaped client. Any other exception from `send`
+  counts as uncertain.
 
 Handlers live in `<app>/handler.py` of an installed app (the shop's examples:
 `payments/checkout/handler.py`, the app `payments.checkout`), in a module named in
@@ -101,6 +102,7 @@ from payments.provider.errors import (
     TransientProviderError,
     UncertainProviderError,
     classify_exception,
+    classify_request_failure,
 )
 
 __all__ = [
@@ -129,6 +131,7 @@ __all__ = [
     "UncertainError",
     "UncertainProviderError",
     "classify_exception",
+    "classify_request_failure",
     "create_follow_ups_in_tx",
     "create_operation_in_tx",
     "declare_system",

@@ -162,7 +162,9 @@ def system_named(name: str) -> ExternalSystem:
         known = ", ".join(sorted(_declared)) or "none"
         raise ConfigurationError(
             f"no external system {name!r} is declared (declared: {known}); a package declares "
-            "its system with payments.fence.declare_system"
+            "its system with payments.fence.declare_system, which runs when its module is "
+            "imported: import the declaration where the effect is defined "
+            "(SYSTEM = declared.name)"
         ) from None
 
 

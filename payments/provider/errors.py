@@ -176,17 +176,37 @@ def _causes(exc: BaseException) -> Iterator[BaseException]:
         stack.extend(arg for arg in current.args if isinstance(arg, BaseException))
 
 
-def classify_exception(exc: requests.RequestException, *, context: str) -> ProviderError:
-    """Turn a transport failure into a ProviderError: before send TRANSIENT, else UNCERTAIN."""
+def _transport_failure(exc: requests.RequestException) -> tuple[Outcome, str]:
+    """What a transport failure means: before send TRANSIENT, else UNCERTAIN; and its words."""
     if isinstance(exc, requests.exceptions.ConnectTimeout) or any(
         isinstance(cause, _CONNECT_PHASE_ERRORS) for cause in _causes(exc)
     ):
-        return TransientProviderError(f"{context}: could not connect ({type(exc).__name__})")
+        return Outcome.TRANSIENT, f"could not connect ({type(exc).__name__})"
     if isinstance(exc, _NOT_SENT_REQUEST_ERRORS):
-        return TransientProviderError(f"{context}: request not sent ({type(exc).__name__})")
+        return Outcome.TRANSIENT, f"request not sent ({type(exc).__name__})"
     # Read timeouts, resets after send, broken chunked bodies: the request
-    # left this process, so the provider may have executed it.
-    return UncertainProviderError(f"{context}: no complete answer ({type(exc).__name__})")
+    # left this process, so the system may have executed it.
+    return Outcome.UNCERTAIN, f"no complete answer ({type(exc).__name__})"
+
+
+def classify_exception(exc: requests.RequestException, *, context: str) -> ProviderError:
+    """Turn a transport failure into the payment provider's ProviderError: before send
+    TRANSIENT, else UNCERTAIN (a Stripe-shaped client's; any other system's client uses
+    `classify_request_failure`)."""
+    outcome, words = _transport_failure(exc)
+    if outcome == Outcome.TRANSIENT:
+        return TransientProviderError(f"{context}: {words}")
+    return UncertainProviderError(f"{context}: {words}")
+
+
+def classify_request_failure(exc: requests.RequestException, *, context: str) -> EffectError:
+    """Turn a transport failure into any system's neutral error: `TransientError` before
+    the request was sent, else `UncertainError` (the desk and the audit trail show these
+    names, not the payment provider's)."""
+    outcome, words = _transport_failure(exc)
+    if outcome == Outcome.TRANSIENT:
+        return TransientError(f"{context}: {words}")
+    return UncertainError(f"{context}: {words}")
 
 
 def classify_response(

@@ -215,3 +215,19 @@ def test_no_read__past_the_deadline__never_replayed__held_for_review_with_the_de
     assert claim.look.showed == LookShowed.NO_READ
     assert "replay window ended at " + deadline in claim.look.hold
     assert deadline in op.last_error
+
+
+def test_checks__an_effect_naming_a_system_nobody_imported__says_to_import_the_declaration(
+    monkeypatch,
+):
+    """A newcomer wrote the declaration but named it as a string: the module that
+    declares it never ran. E013 says where the import goes."""
+    monkeypatch.setattr(PaymentIntentCharge, "SYSTEM", "shipping_never_imported")
+
+    found = [e.msg for e in check_external_systems() if e.id == "payments.E013"]
+
+    assert any(
+        "'shipping_never_imported' is declared" in msg
+        and "import the declaration where the effect is defined" in msg
+        for msg in found
+    ), found

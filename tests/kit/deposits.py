@@ -28,7 +28,7 @@ from payments.fence import (
     Run,
     TransientError,
     UncertainError,
-    classify_exception,
+    classify_request_failure,
     declare_system,
     note_request,
     operation,
@@ -84,7 +84,7 @@ def _send(method: str, path: str, **kwargs: Any) -> SimpleNamespace:
         # Noted for the desk's evidence (its "requests" column) and the audit trail.
         note_request(method, path, status=None, request_id=None, idempotency_key=key,
                      error=type(exc).__name__)  # fmt: skip
-        raise classify_exception(exc, context=f"{method} {path}") from exc
+        raise classify_request_failure(exc, context=f"{method} {path}") from exc
     note_request(method, path, status=answer.status_code, request_id=None, idempotency_key=key,
                  replayed=answer.headers.get("Idempotent-Replayed") == "true")  # fmt: skip
     return _object(answer, f"{method} {path}")

@@ -13,6 +13,7 @@ import pickle
 from types import SimpleNamespace
 
 import pytest
+import requests
 from django.utils import timezone
 
 from payments.adyen.errors import AdyenError
@@ -28,11 +29,13 @@ from payments.fence import (
     InvalidRequest,
     NotFoundError,
     PermanentError,
+    ProviderError,
     ResourceMissing,
     TransientError,
     TransientProviderError,
     UncertainError,
     UncertainProviderError,
+    classify_request_failure,
 )
 from payments.models import Operation, StepClaim
 from payments.testing import FakeSystem
@@ -179,3 +182,20 @@ def test_not_found__the_first_errors_kind_read_from_the_engine_not_the_class(fir
     the engine recorded (the claim held uncertain, or released after a refusal), whatever
     the system's error classes are called."""
     assert says in not_found_kind(first, "step hold_deposit: not found at the system")
+
+
+@pytest.mark.parametrize(
+    "failure, neutral",
+    [
+        (requests.exceptions.ConnectionError(ConnectionRefusedError()), TransientError),
+        (requests.exceptions.ReadTimeout(), UncertainError),
+    ],
+)
+def test_a_transport_failure_of_any_system__the_neutral_class_not_the_providers(failure, neutral):
+    """The desk showed a label service's lost answer as "UncertainProviderError: ...":
+    `classify_request_failure` gives the neutral class, its name what the audit keeps."""
+    error = classify_request_failure(failure, context="POST /labels")
+
+    assert type(error) is neutral
+    assert f"{neutral.__name__}: POST /labels" in f"{type(error).__name__}: {error}"
+    assert not isinstance(error, ProviderError)
