@@ -131,6 +131,22 @@ def look_words(look: ClaimLook) -> str:
     return f"{count}, {last}: {showed}{detail}"
 
 
+def mark_failed_words(claim: StepClaim) -> str:
+    """What marking the step failed does at its system, from its effect's `VOIDS`: the
+    payment intent is cancelled; a system whose objects cannot be called back only has it
+    checked that nothing was made."""
+    from payments.engine.handlers import registered_handlers  # handlers import the engine
+
+    spec = registered_handlers().get(claim.operation.kind)
+    effect = spec.effects.get(claim.step) if spec is not None else None
+    if getattr(effect, "VOIDS", ""):
+        return f"it cancels what {system_label(claim)} holds"
+    return (
+        f"{system_label(claim)} cannot call it back: it is marked failed only when "
+        f"{system_label(claim)} shows nothing made under its key, or a refusal"
+    )
+
+
 def next_step(op: Operation, claim: StepClaim, look: ClaimLook | None) -> str:
     """What happens next to this unsettled step: a stated wait (reason, time) or an action."""
     if claim.state not in UNSETTLED_CLAIM_STATES:
@@ -171,8 +187,8 @@ def next_step(op: Operation, claim: StepClaim, look: ClaimLook | None) -> str:
         return (
             f"Under review for want of a decisive answer. The fence keeps looking (next look at "
             f"{next_look}) and settles it by itself when {who} shows the outcome; or "
-            "decide now from the evidence: mark the step succeeded (with the reference the "
-            f"{who} shows) or failed (it cancels what {who} holds)." + replay
+            "decide now from the evidence: mark the step succeeded (with the reference "
+            f"{who} shows) or failed ({mark_failed_words(claim)})." + replay
         )
     if look is not None and look.in_flight_since:
         return (

@@ -179,16 +179,28 @@ def check_resume(op: Operation, claims: list[StepClaim], *, reopen: bool = False
             if claim.error.startswith("marked failed by "):  # a person decided; nobody refused
                 raise DeskError(
                     f"step {claim.step} was marked failed by an operator; its key is closed: "
-                    "start a new attempt instead",
+                    + _a_new_attempt(op),
                     operation_key=op.key,
                 )
             raise DeskError(
                 f"step {claim.step} was refused; the same key would be refused again: "
-                "start a new attempt instead",
+                + _a_new_attempt(op),
                 operation_key=op.key,
             )
     if reopen and op.state == OperationState.FAILED:
         check_entity_reopenable(op)
+
+
+def _a_new_attempt(op: Operation) -> str:
+    """Where a new attempt comes from: the desk's button when the kind declares one, else
+    wherever operations of the kind are started (never a button the page refuses)."""
+    hooks = get_handler(op.kind).desk
+    if hooks is not None and hooks.new_attempt is not None:
+        return "start a new attempt instead"
+    return (
+        f"a new {op.kind} operation is asked for where it is started (the API, the "
+        "business's own page); the desk offers no new attempt for this kind"
+    )
 
 
 def check_new_attempt(op: Operation, claims: list[StepClaim], spec: HandlerSpec) -> None:

@@ -16,7 +16,7 @@ from django.urls import reverse
 from payments.engine.recovery import reconcile
 from payments.models import OperationState
 from tests.invoices.conftest import export_of
-from tests.support import flows
+from tests.support import builders, flows
 from tests.support.users import RECONCILE, VIEW, client_for, make_user
 from tests.support.workers import run_worker
 
@@ -113,3 +113,46 @@ def test_export_page__its_look_up_button_names_the_accounting_system(accounting,
     assert "Query the accounting system now" in page.decode()
     assert "Query the provider now" not in page.decode()
     assert "nobody has asked the accounting system about step export" in mark_failed
+
+
+def test_refused_export__resume_points_where_a_new_one_is_asked_not_at_a_missing_button(
+    accounting, queue, monkeypatch
+):
+    """The export declares no new attempt: "start a new attempt instead" sent the operator
+    to a button the same page refuses (a dead end). It says where a new one comes from."""
+    from payments.desk.rules import available_actions
+    from payments.invoices.effect import ExportInvoice
+
+    real_request = ExportInvoice.request
+    monkeypatch.setattr(
+        ExportInvoice, "request", lambda self: {**real_request(self), "currency": "euro"}
+    )
+    _, op = flows.order_and_checkout(key="desk-exp-refused")
+    run_worker(queue)
+    export = export_of(op)
+    assert export.state == OperationState.FAILED  # the API's 400: refused for good
+
+    refused = available_actions(export).refused
+
+    assert "declare no new attempt" in refused["new_attempt"]
+    assert "start a new attempt instead" not in refused["resume"]
+    assert "where it is started" in refused["resume"], refused["resume"]
+
+
+def test_export_under_review__mark_failed_is_not_said_to_cancel_what_cannot_be_called_back(
+    accounting, queue
+):
+    """The desk told the operator that marking the export failed "cancels what the
+    accounting system holds": an invoice cannot be called back (its effect voids nothing)."""
+    from payments.desk.evidence import evidence_html
+
+    export = uncertain_export(accounting, queue)
+    builders.move(export, OperationState.NEEDS_REVIEW, reason="not found")
+    export.refresh_from_db()
+
+    shown = str(evidence_html(export))
+
+    assert "Under review for want of a decisive answer" in shown
+    assert "cancels" not in shown
+    assert "the accounting system cannot call it back" in shown
+    assert "the the " not in shown

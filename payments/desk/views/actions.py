@@ -40,6 +40,7 @@ from payments.desk.evidence import (
     after_query,
     evidence_html,
     look_of,
+    mark_failed_words,
     operation_label,
     query_tally,
     query_title,
@@ -340,10 +341,11 @@ def mark_failed_refusal(op: Operation, step: str) -> str:
     """Why "mark failed" is off: the provider showed the step succeeded, or nobody asked it
     about the step in this state ("" when it may be pressed)."""
     claim = next((c for c in op.claims.all() if c.step == step), None)
+    who = system_label(claim) if claim is not None else operation_label(op)
     reference = succeeded_at_provider(claim) if claim is not None else ""
     if reference:
         return (
-            f"the provider showed step {step} succeeded ({reference}) at its last look-up: "
+            f"{who} showed step {step} succeeded ({reference}) at its last look-up: "
             "mark it succeeded with that reference instead"
         )
     if asked_in_this_state(op, step):
@@ -351,18 +353,18 @@ def mark_failed_refusal(op: Operation, step: str) -> str:
     look = look_of(claim) if claim is not None else None
     if look is not None and look.in_flight_since is not None:
         return (
-            f"a request under step {step}'s key is in flight at the provider since "
+            f"a request under step {step}'s key is in flight at {who} since "
             f"{when(look.in_flight_since)}: it may still succeed. The fence looks again at "
-            f"{when(look.next_look_at)} and settles it when the provider answers"
+            f"{when(look.next_look_at)} and settles it when {who} answers"
         )
-    if look is not None and look.showed in INCIDENT_LOOKS:
+    if claim is not None and look is not None and look.showed in INCIDENT_LOOKS:
         # Asking now would meet the same silence: say what is awaited, and until when.
         return (
-            f"the provider has not given an answer about step {step} at the last look "
+            f"{who} has not given an answer about step {step} at the last look "
             f"({when(look.last_look_at)}: {look.detail[:200] or look.get_showed_display()}); "
-            f"the fence looks again at {when(look.next_look_at)} and settles it when the "
-            "provider answers. Marking it failed needs the provider's answer first (it "
-            "cancels what the provider holds)"
+            f"the fence looks again at {when(look.next_look_at)} and settles it when "
+            f"{who} answers. Marking it failed needs {who}'s answer first "
+            f"({mark_failed_words(claim)})"
         )
     return (
         f"nobody has asked {system_label(claim) if claim else operation_label(op)} about "
