@@ -320,7 +320,7 @@ def incident_html(found: Incident | None, *, list_url: str = "") -> str:
         "<strong>Provider incident since {}</strong>: "
         "{} operations wait for the provider's answer ({} with a request in flight there, {} "
         "unanswered), {} at stake. The fence keeps looking (next look at {}) and settles each "
-        "one as soon as the provider answers; nothing needs pressing.{}</div>",
+        "one as soon as the provider answers; nothing needs pressing for them.{}</div>",
         when(found.since),
         found.operations,
         found.in_flight,

@@ -176,6 +176,13 @@ def check_resume(op: Operation, claims: list[StepClaim], *, reopen: bool = False
                 operation_key=op.key,
             )
         if claim.state == ClaimState.FAILED and op.state == OperationState.FAILED:
+            if claim.error.startswith(fence.GAVE_UP_BEFORE_RUNNING):  # an outage, say
+                raise DeskError(
+                    f"every request under step {claim.step}'s key was refused before it ran "
+                    f"({system_label(claim)} executed nothing) and the fence gave up; its key "
+                    "is closed: " + _a_new_attempt(op),
+                    operation_key=op.key,
+                )
             if claim.error.startswith("marked failed by "):  # a person decided; nobody refused
                 raise DeskError(
                     f"step {claim.step} was marked failed by an operator; its key is closed: "

@@ -75,6 +75,10 @@ logger = logging.getLogger("payments.engine.fence")
 #: How a step's release after a refusal begins its audit row: nothing ran at the system
 #: (the desk's "not found" hint reads it).
 RELEASED_AFTER_TRANSIENT = "released after transient failure"
+#: How a claim's error begins when the fence gave up on its step after every try was
+#: refused before it executed: nothing ran at the system (the desk lists the operation
+#: as a case until a new attempt is asked for).
+GAVE_UP_BEFORE_RUNNING = "gave up: "
 #: What derive_idempotency_key puts between a key's tenant, scope, name and step.
 KEY_SEPARATORS = ("\x1d", "\x1e", "\x1f")
 

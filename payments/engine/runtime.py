@@ -336,7 +336,7 @@ def _settle_released_in_tx(op: Operation, spec: HandlerSpec, worker_id: str, rea
                 taken,
                 ClaimState.FAILED,
                 actor=worker_id,
-                error=f"gave up: {reason}"[:2000],
+                error=f"{fence.GAVE_UP_BEFORE_RUNNING}{reason}"[:2000],
                 reason="refused before executing; the operation compensated",
             )
 
@@ -446,6 +446,6 @@ def _settle_refused_in_tx(op: Operation, step: str, worker_id: str, reason: str)
             claim,
             ClaimState.FAILED,
             actor=worker_id,
-            error=f"gave up: {reason}",
+            error=f"{fence.GAVE_UP_BEFORE_RUNNING}{reason}",
             reason="every attempt was refused before executing",
         )

@@ -4,7 +4,8 @@ Four uncertain charges whose provider stopped answering (a port nothing listens
 on), one of them held in flight by the provider first (its same-key replay
 answered 409, its list read showing the declined intent and its amount): an
 operator walks home -> Needs attention -> an operation -> mark failed -> a bulk
-query, as one would at 3 a.m. Every page fits the window; the banner, the
+query, as one would at 3 a.m. A refund the outage refused before it ran is a case
+on Needs attention, not gone from it. Every page fits the window; the banner, the
 evidence and the stated waits are on screen. Screenshots (artifacts/screenshots/
 37-incident-<width>-<page>.png) are the pages docs/operators.md describes under
 "During a provider incident".
@@ -20,7 +21,8 @@ from django.db import connections
 from payments.checkout.handler import request_checkout
 from payments.checkout.orders import create_order
 from payments.engine.recovery import reconcile
-from tests.support import builders
+from payments.refunds.handler import request_refund
+from tests.support import builders, flows
 from tests.support.users import RECONCILE, VIEW, make_user
 from tests.support.workers import run_worker
 
@@ -62,6 +64,11 @@ def shot(page, name: str) -> None:
 def test_an_operator_walks_the_desk_during_a_provider_incident(
     tab, live_server, provider, queue, settings
 ):
+    # A refund the outage refused three times before it ran: failed, the customer owed.
+    paid = flows.paid_order(queue)
+    provider.state.enqueue_faults("fail_before", 3)
+    request_refund(order_id=paid.pk, key="walk-refund", amount=400, actor="api")
+    run_worker(queue)
     provider.state.configure(slow_delay=3.0)
     provider.state.enqueue_faults("slow", 1)
     order = create_order(amount=7450, currency="eur", email="held@example.com")
@@ -90,6 +97,8 @@ def test_an_operator_walks_the_desk_during_a_provider_incident(
 
     tab.goto(f"{live_server.url}/admin/payments/operation/needs-attention/")
     assert "operations wait for the provider's answer" in tab.locator(".desk-incident").inner_text()
+    case = tab.locator(".desk-case", has_text="walk-refund")
+    assert "Nothing ran at the provider" in case.inner_text()
     shot(tab, "needs-attention")
 
     tab.goto(f"{live_server.url}/admin/payments/operation/{held.pk}/change/")

@@ -15,13 +15,21 @@ from django.utils import timezone
 from django.utils.timesince import timesince
 
 from payments.desk.display import AGED_STATES, is_stale, money_line, state_badge, when
-from payments.desk.evidence import incident, incident_html, taken_not_settled, why_waiting
+from payments.desk.evidence import (
+    incident,
+    incident_html,
+    operation_label,
+    taken_not_settled,
+    why_waiting,
+)
 from payments.desk.views.audit import audit_view
 from payments.desk.views.base import VIEW_PERMISSION, DeskBase
 from payments.desk.views.chart import legend, outcomes_per_hour, outcomes_svg
 from payments.desk.views.queries import (
     business_kinds,
     counts_by_state,
+    failed_before_running,
+    follow_up_kinds,
     follow_up_q,
     money_by_state_and_kind,
     recently_failed_q,
@@ -102,6 +110,7 @@ class NeedsAttentionMixin(DeskBase):
                 o["oldest"] for o in oldest if o["state"] == "needs_review"
             ),
             "follow_ups_open": follow_ups_open,
+            "follow_up_kinds": ", ".join(follow_up_kinds()) or "none registered",
             "follow_ups_url": f"{changelist}?followups=only",
             "failed_jobs": failed_jobs(),
             "audit": audit,
@@ -133,15 +142,29 @@ def _oldest(
     }
 
 
+def _nothing_ran(op: Operation) -> str:
+    """A case failed before anything ran (failed_before_running): what to do with it."""
+    return (
+        f"Nothing ran at {operation_label(op)}: every request was refused before it "
+        "executed, and the fence gave up. Start a new attempt if it is still wanted. "
+        f"({op.last_error})"
+    )
+
+
 #: The states an operator works: the provider must be asked, or a person decide.
 CASE_STATES = (OperationState.UNCERTAIN, OperationState.NEEDS_REVIEW)
 CASES_PER_PAGE = 25
 
 
 def cases_page(business: QuerySet[Operation], request: HttpRequest, now: datetime) -> Any:
-    """The cases to work, oldest in their state first, one page of them, with age and money."""
+    """The cases to work, oldest in their state first, one page of them, with age and money:
+    uncertain, under review, stale, and failed before anything ran with no new attempt."""
     cases = with_last_reason(
-        with_state_since(business.filter(Q(state__in=CASE_STATES) | stale_q(now)))
+        with_state_since(
+            business.filter(
+                Q(state__in=CASE_STATES) | stale_q(now) | Q(pk__in=failed_before_running(now))
+            )
+        )
     )
     paginator = Paginator(cases.order_by("state_since", "pk"), CASES_PER_PAGE)
     page = paginator.get_page(request.GET.get("page"))
@@ -157,9 +180,11 @@ def cases_page(business: QuerySet[Operation], request: HttpRequest, now: datetim
             "since": when(getattr(op, "state_since", op.updated_at)),
             "amount": money_line(op),
             # As the operation's page: the last error, else its last audit row's reason.
-            "error": (seen.get(op.pk) or op.last_error or getattr(op, "last_reason", "") or "")[
-                :240
-            ],
+            "error": (
+                _nothing_ran(op)
+                if op.state == OperationState.FAILED
+                else seen.get(op.pk) or op.last_error or getattr(op, "last_reason", "") or ""
+            )[:240],
         }
         for op in page.object_list
     ]

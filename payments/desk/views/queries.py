@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any, TypedDict
 from django.db.models import (
     BigIntegerField,
     Count,
+    Exists,
     F,
     IntegerField,
     OuterRef,
@@ -25,7 +26,7 @@ from django.urls import reverse
 from django.utils import timezone
 
 from payments.desk.display import reference_link, when
-from payments.engine.fence import RELEASED_AFTER_TRANSIENT
+from payments.engine.fence import GAVE_UP_BEFORE_RUNNING, RELEASED_AFTER_TRANSIENT
 from payments.engine.handlers import registered_handlers
 from payments.engine.systems import system_of
 from payments.models import (
@@ -221,6 +222,35 @@ def recently_failed_q(now: datetime | None = None) -> Q:
     """Operations that failed within FAILED_WINDOW (a range of the failed ones' index)."""
     since = (now or timezone.now()) - FAILED_WINDOW
     return Q(state=OperationState.FAILED, updated_at__gte=since)
+
+
+#: The most operations failed before running that Needs attention lists (the newest).
+FAILED_BEFORE_RUNNING_MOST = 1000
+
+
+def failed_before_running(now: datetime | None = None) -> list[int]:
+    """Operations failed within FAILED_WINDOW because the fence gave up on a step whose every
+    try was refused before it executed (an outage), with no new attempt asked for since:
+    nothing happened at the system, and the business's intent (a refund owed, a charge
+    wanted) is not met. A case for a person: a new attempt, or leave it.
+
+    Their ids, the newest FAILED_BEFORE_RUNNING_MOST: read from the recently failed ones
+    (their partial index), each one's claims through its own index, never a scan of the
+    claims (an EXISTS inside the cases' OR would be hashed over the whole table).
+    """
+    gave_up = StepClaim.objects.filter(
+        operation=OuterRef("pk"),
+        state=ClaimState.FAILED,
+        error__startswith=GAVE_UP_BEFORE_RUNNING,
+    )
+    retried = Operation.objects.filter(retry_of=OuterRef("pk"))
+    return list(
+        Operation.objects.filter(recently_failed_q(now))
+        .filter(Exists(gave_up))
+        .exclude(Exists(retried))
+        .order_by("-updated_at")
+        .values_list("pk", flat=True)[:FAILED_BEFORE_RUNNING_MOST]
+    )
 
 
 def stale_q(now: datetime | None = None) -> Q:

@@ -1,0 +1,78 @@
+"""What an outage failed before anything ran stays a case to work, with a true reason.
+
+An operator's try during a provider outage (every request refused before it
+executed, three times): the refunds gave up and failed, correctly (nothing
+happened at the provider). But Needs attention then read "Nothing to work", the
+customers stayed unrefunded, and Resume said "step refund was refused; the same
+key would be refused again" although the provider refused nothing. Real
+PostgreSQL, a real worker in this process, the real HTTP fake provider.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from django.urls import reverse
+
+from payments.desk import services as desk
+from payments.desk.rules import available_actions
+from payments.models import OperationState
+from payments.refunds.handler import request_refund
+from tests.support import flows
+from tests.support.users import VIEW, client_for, make_user
+from tests.support.workers import run_worker
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+NEEDS_ATTENTION = reverse("admin:payments_operation_needs_attention")
+
+
+def words(response) -> str:
+    return re.sub(r"\s+", " ", re.sub(r"<[^>]+>", " ", response.content.decode()))
+
+
+def refund_failed_by_an_outage(provider, queue, key: str):
+    order = flows.paid_order(queue)
+    provider.state.enqueue_faults("fail_before", 3)  # every try refused before executing
+    op, _ = request_refund(order_id=order.pk, key=key, amount=400, actor="api")
+    run_worker(queue)
+    op.refresh_from_db()
+    assert op.state == OperationState.FAILED
+    return op
+
+
+def test_a_refund_failed_before_anything_ran__a_case_on_needs_attention(provider, queue):
+    op = refund_failed_by_an_outage(provider, queue, "outage-refund")
+
+    page = words(client_for(make_user("vera", *VIEW)).get(NEEDS_ATTENTION))
+
+    assert "Nothing to work" not in page
+    assert op.key in page
+    assert "Nothing ran at the provider: every request was refused before it executed" in page
+
+
+def test_a_refund_failed_before_anything_ran__resume_does_not_say_the_provider_refused(
+    provider, queue
+):
+    op = refund_failed_by_an_outage(provider, queue, "outage-resume")
+
+    why = available_actions(op).refused["resume"]
+
+    assert "was refused; the same key would be refused again" not in why
+    assert "refused before it ran" in why and "start a new attempt" in why
+
+
+def test_once_a_new_attempt_is_asked__the_case_leaves_needs_attention(provider, queue):
+    op = refund_failed_by_an_outage(provider, queue, "outage-retried")
+    senior = make_user(
+        "sam", "payments.view_operation", "payments.reconcile_operation",
+        "payments.start_new_attempt",
+    )  # fmt: skip
+    new = desk.start_new_attempt(op, user=senior, reason="provider back; customer waits")
+    run_worker(queue)
+
+    page = words(client_for(make_user("vera", *VIEW)).get(NEEDS_ATTENTION))
+
+    assert new.key != op.key
+    assert f"{op.key} " not in page
