@@ -7,9 +7,11 @@ signed to this app's endpoint, the fake provider moves refunds as Stripe does.
 from __future__ import annotations
 
 import logging
+import re
 from datetime import timedelta
 
 import pytest
+from django.urls import reverse
 
 from payments.desk import services as desk
 from payments.desk.services import DeskError
@@ -20,7 +22,7 @@ from payments.refunds.names import REFUND_REVERSED, REFUND_STEP
 from payments.shop.models import CreditNote, OrderStatus
 from tests.support import builders
 from tests.support.flows import order_and_checkout
-from tests.support.users import RECONCILE, VIEW, make_user
+from tests.support.users import RECONCILE, VIEW, client_for, make_user
 from tests.support.workers import run_worker
 from tests.webhooks.test_settling import deliver
 
@@ -150,3 +152,89 @@ def test_a_refund_reversed_before_its_credit_note__writes_none_and_keeps_the_oth
     assert refund.state == OperationState.SUCCEEDED
     assert (order.refunded_amount, order.status) == (300, OrderStatus.PARTIALLY_REFUNDED)
     assert CreditNote.objects.count() == 1  # refund-0's only
+
+
+def words(html: str) -> str:
+    return re.sub(r"\s+", " ", re.sub(r"<[^>]+>", " ", html)).strip()
+
+
+def figure(page: str, name: str) -> str:
+    """One figure of the order page's Money box, with its label ("Net €20.00")."""
+    return words(page.split(f'id="desk-{name}"', 1)[1].split("</div>", 1)[0].split(">", 1)[1])
+
+
+def refund_rows(page: str) -> list[str]:
+    table = page.split('id="desk-movements"', 1)[1].split("</table>", 1)[0]
+    return [
+        words("<tr" + row)
+        for row in table.split("<tbody>", 1)[1].split("<tr")[1:]
+        if "desk-movement-refund" in row.split(">", 1)[0]
+    ]
+
+
+def test_a_refund_the_provider_reversed__not_counted_refunded_on_the_desks_pages(
+    provider_with_secret, queue
+):
+    """An operator's try: a refund that failed at the provider after it succeeded (reversed,
+    the order reopened: the API says refunded 0) still read "Refunded €10.00 · Net €9.99"
+    and "Succeeded" on the order's page, and the same on its refund page."""
+    order, _ = order_and_checkout()
+    run_worker(queue)
+    refund, _ = request_refund(order_id=order.pk, key="reversed-1", amount=1000, actor="t")
+    run_worker(queue)
+    reference = refund.claims.get(step=REFUND_STEP).provider_reference
+    provider_with_secret.state.fail_refund(reference)
+    for event in provider_with_secret.state.events():
+        if event["type"] in ("refund.updated", "refund.failed"):
+            deliver(event)
+    run_worker(queue)
+    order.refresh_from_db()
+    assert order.refunded_amount == 0
+
+    page = (
+        client_for(make_user("vera", *VIEW))
+        .get(reverse("admin:shop_order_change", args=[order.pk]))
+        .content.decode()
+    )
+
+    assert figure(page, "refunded").startswith("Refunded €0.00"), figure(page, "refunded")
+    assert figure(page, "net") == "Net €19.99"
+    (row,) = refund_rows(page)
+    assert "reversed by the provider" in row, row
+    refund_page = client_for(make_user("rita", *VIEW, "shop.refund_order")).get(
+        reverse("admin:shop_order_refund", args=[order.pk])
+    )
+    assert refund_page.status_code == 200
+    assert "Refunded €0.00" in words(refund_page.content.decode())
+
+
+def test_a_refund_the_provider_reversed__the_audits_finding_reads_settled_not_open(
+    provider_with_secret, queue
+):
+    """Needs attention showed "Open: rf-14/refund is still done with it", with nothing to
+    press: the claim stays done by design (the refund happened), its reversal recorded."""
+    import io
+
+    from django.core.management import call_command
+
+    order, refund = paid_and_refunded(provider_with_secret, queue)
+    reference = refund.claims.get(step=REFUND_STEP).provider_reference
+    provider_with_secret.state.fail_refund(reference)
+    for event in provider_with_secret.state.events():
+        if event["type"] in ("refund.updated", "refund.failed"):
+            deliver(event)
+    run_worker(queue)
+    try:
+        call_command("fence_audit", "--since", "1h", stdout=io.StringIO())
+    except Exception:  # exit 1 on any finding: the finding is what is read below
+        pass
+
+    page = words(
+        client_for(make_user("vera", *VIEW))
+        .get(reverse("admin:payments_operation_needs_attention"))
+        .content.decode()
+    )
+
+    assert reference in page
+    assert "is still done with it" not in page
+    assert "reversed by the provider, recorded and undone" in page

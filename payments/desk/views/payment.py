@@ -44,6 +44,7 @@ from payments.desk.display import (
     when,
 )
 from payments.desk.views.queries import first_error_of, not_found_kind
+from payments.engine.effects import reversal_step
 from payments.engine.handlers import get_handler
 from payments.engine.outcomes import Outcome
 from payments.engine.systems import reference_system
@@ -66,6 +67,9 @@ logger = logging.getLogger("payments.admin")
 CHARGE, REFUND = "payment", "refund"
 #: A charge the provider showed succeeded that no step recorded done yet (its answer was lost).
 AT_PROVIDER = "at the provider, not yet settled"
+#: A done step the provider took back since (a refund that failed after it succeeded: the
+#: handler's on_reversal undid its writes): it moved nothing in the end.
+REVERSED = "reversed by the provider: nothing moved in the end"
 #: The states of a charge that took the money: recorded done, a provider success outside the
 #: fence, or a success the provider showed for a step still unsettled.
 CHARGED = frozenset({ClaimState.DONE, "succeeded", AT_PROVIDER})
@@ -236,9 +240,13 @@ def _movement(op: Operation, claim: StepClaim, audited: str) -> Movement | None:
         amount, currency = _shown_money(claim, amount, currency)
     if shown and what == "charge":
         state = AT_PROVIDER
+    if any(c.step == reversal_step(claim.step) for c in op.claims.all()):
+        state = REVERSED  # the claim stays done (it happened), the money came back
     reference = claim.provider_reference or succeeded_at_provider(claim)
     row = Movement(what, reference, amount, currency, state, op, claim.step)
-    row.shown_succeeded = what == "refund" and (claim.state == ClaimState.DONE or shown)
+    row.shown_succeeded = (
+        what == "refund" and state != REVERSED and (claim.state == ClaimState.DONE or shown)
+    )
     return row
 
 
@@ -363,7 +371,7 @@ def _note_duplicate_refunds(charge: Movement, rows: list[Movement]) -> None:
             continue
         if desk_refund.refunded_payment(op) != charge.reference:
             continue
-        if op.state == OperationState.FAILED:
+        if op.state == OperationState.FAILED or m.state == REVERSED:
             continue
         charge.refunded += int(op.params.get("amount") or 0)
         charge.refunded_by = ", ".join(filter(None, (charge.refunded_by, op.key)))
@@ -397,15 +405,16 @@ def _outside_the_fence(reference: str) -> Movement:
 def money_summary(order: Any, rows: list[Movement]) -> dict[str, str]:
     """Amount asked, charged (every success, duplicates too, and those the provider showed
     for steps not settled yet), refunded (operations succeeded) and net, formatted; beside
-    them the refunds not settled yet and the holds, each with what became of it."""
+    them the refunds not settled yet and the holds, each with what became of it. A step the
+    provider reversed since counts as neither charged nor refunded."""
     currency = order.currency
     charged = sum(m.amount or 0 for m in rows if m.what == "charge" and m.state in CHARGED)
     unsettled = sum(m.amount or 0 for m in rows if m.what == "charge" and m.state == AT_PROVIDER)
     refunds = [(m, m.operation) for m in rows if m.what == "refund" and m.operation is not None]
     refunded = sum(
         int(op.params.get("amount") or 0)
-        for _, op in refunds
-        if op.state == OperationState.SUCCEEDED
+        for m, op in refunds
+        if op.state == OperationState.SUCCEEDED and m.state != REVERSED
     )
     waiting = [m for m, op in refunds if op.state not in FINAL]
     shown = sum(m.amount or 0 for m in waiting if m.shown_succeeded)
