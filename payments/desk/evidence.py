@@ -333,7 +333,7 @@ def incident_html(found: Incident | None, *, list_url: str = "") -> str:
 
 #: A query's outcomes by what they did: settled something, read without deciding, not read.
 SETTLED_OUTCOMES = frozenset({"done", "failed", "reversed", "already_settled"})
-NOT_READ_OUTCOMES = frozenset({"retry_later", "busy"})
+NOT_READ_OUTCOMES = frozenset({"retry_later", "busy", "not_asked"})
 
 
 def query_tally(outcomes: list[str]) -> str:

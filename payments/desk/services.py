@@ -15,6 +15,7 @@ across an HTTP call); what they showed is re-checked under the lock.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -108,6 +109,13 @@ class QueryReport:
         )
 
 
+#: How long one "Query ... now" asks the systems before it reports the rest not asked: under
+#: a web server's request timeout (gunicorn's default is 30 s), however slowly a system
+#: answers in an incident. Checked between operations (one may take its requests' timeouts).
+QUERY_BUDGET_SECONDS = 10.0
+#: The outcome of an operation a query had no time left to ask about (nothing was sent).
+NOT_ASKED = "not_asked"
+
 #: States in which a worker may still run the operation: a query there only reads.
 WORKER_STATES = frozenset({OperationState.PENDING, OperationState.RUNNING, OperationState.RETRYING})
 
@@ -121,8 +129,9 @@ def query_provider(operation_ids: list[int], *, user: AbstractBaseUser) -> Query
     (pending, running, retrying) are only *read* (retrieve or list, no
     replay, nothing settled): a replay there could execute a charge beside the
     worker's own attempt; the worker records what happened. One under a live
-    lease is refused, naming who holds it and until when. Each operation gets
-    one audit row saying the operator asked and what came back.
+    lease is refused, naming who holds it and until when. Each operation asked
+    about gets one audit row saying the operator asked and what came back; once
+    QUERY_BUDGET_SECONDS have passed the rest are not asked (NOT_ASKED), with no row.
     """
     require_permission(user, RECONCILE_PERMISSION)
     ids = sorted({int(i) for i in operation_ids})
@@ -134,7 +143,11 @@ def query_provider(operation_ids: list[int], *, user: AbstractBaseUser) -> Query
     # The requests each operation's lookups sent that no settled step's row took: its
     # "queried the provider" row carries them (one recording per operation).
     sent_for: dict[int, list[dict[str, Any]] | None] = {}
+    started = time.monotonic()
     for op_id, listed in ops.items():
+        if outcome_of and time.monotonic() - started > QUERY_BUDGET_SECONDS:  # one is asked
+            outcome_of[op_id] = NOT_ASKED
+            continue
         if fence.lease_alive(listed, fence.clock_of(listed)):
             outcome_of[op_id] = (
                 f"held by {listed.lease_owner} until {when(listed.lease_expires_at)}; not queried"
@@ -149,6 +162,10 @@ def query_provider(operation_ids: list[int], *, user: AbstractBaseUser) -> Query
     result = QueryReport()
     for op_id in ids:
         if op_id not in ops:
+            continue
+        if outcome_of[op_id] == NOT_ASKED:  # nothing was asked: nothing to audit
+            state = ops[op_id].state
+            result.rows.append(QueryOutcome(op_id, ops[op_id].key, NOT_ASKED, state, state))
             continue
         with transaction.atomic():
             op = fence.locked_operation_in_tx(op_id)

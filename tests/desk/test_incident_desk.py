@@ -228,3 +228,30 @@ def test_mark_failed__refused_while_a_request_is_in_flight__nothing_failed(
     op.refresh_from_db()
     assert op.state != "failed"
     assert provider.state.wait_idle(timeout=10)
+
+
+def test_a_bulk_query_past_its_time_budget__the_rest_not_asked_and_not_audited(
+    provider, settings, monkeypatch
+):
+    """An operator's try: six uncertain operations took a bulk query 37 s in an outage,
+    past gunicorn's 30 s, and the page died. Past QUERY_BUDGET_SECONDS the rest are
+    reported not asked (nothing sent, no audit row) instead."""
+    from payments.desk import services
+    from payments.desk.evidence import query_tally
+    from tests.support.users import RECONCILE, VIEW, make_user
+
+    ops = [builders.uncertain(key=f"budget-{n}", charged=False)[0] for n in range(3)]
+    provider_down(settings)
+    monkeypatch.setattr(services, "QUERY_BUDGET_SECONDS", 0.0)
+    before = {op.pk: OperationEvent.objects.filter(operation=op).count() for op in ops}
+
+    report = services.query_provider(
+        [op.pk for op in ops], user=make_user("rita", *VIEW, RECONCILE)
+    )
+
+    outcomes = [row.outcome for row in report.rows]
+    assert outcomes[1:] == [services.NOT_ASKED, services.NOT_ASKED]
+    assert query_tally(outcomes).endswith("3 not read")  # one unanswered, two not asked
+    after = {op.pk: OperationEvent.objects.filter(operation=op).count() for op in ops}
+    assert after[ops[0].pk] > before[ops[0].pk]  # asked: its rows
+    assert [after[op.pk] - before[op.pk] for op in ops[1:]] == [0, 0]  # not asked: none

@@ -238,3 +238,25 @@ def test_a_refund_the_provider_reversed__the_audits_finding_reads_settled_not_op
     assert reference in page
     assert "is still done with it" not in page
     assert "reversed by the provider, recorded and undone" in page
+
+
+def test_a_pending_refund_after_a_query__mark_failed_says_it_is_pending_not_that_nobody_asked(
+    provider_with_secret, queue
+):
+    """An operator's loop: "Query the provider now" answered the refund pending, and the
+    mark-failed page still said "nobody has asked the provider ... Query first"."""
+    from payments.desk.views.actions import mark_failed_refusal
+
+    order, _ = order_and_checkout()
+    run_worker(queue)
+    provider_with_secret.state.configure(refund_status="pending")
+    refund, _ = request_refund(order_id=order.pk, key="refund-loop", amount=500, actor="t")
+    run_worker(queue)
+    operator = make_user("alice", *VIEW, RECONCILE)
+    desk.query_provider([refund.pk], user=operator)  # the operator's "Query the provider now"
+    refund = refund.__class__.objects.prefetch_related("claims").get(pk=refund.pk)
+
+    why = mark_failed_refusal(refund, REFUND_STEP)
+
+    assert "nobody has asked" not in why
+    assert "in progress" in why and "may still succeed" in why, why

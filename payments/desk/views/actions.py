@@ -53,7 +53,7 @@ from payments.engine import fence
 from payments.engine.handlers import get_handler, registered_handlers
 from payments.engine.steps import replay_allowed
 from payments.exceptions import PaymentsError
-from payments.models import INCIDENT_LOOKS, Operation, OperationState, StepClaim
+from payments.models import INCIDENT_LOOKS, LookShowed, Operation, OperationState, StepClaim
 
 # --- forms -----------------------------------------------------------------------
 
@@ -233,6 +233,8 @@ QUERY_WORDS = {
     "already_settled": "settled meanwhile by someone else",
     "retry_later": "not read: the provider did not answer",
     "busy": "not read: someone else holds the step now",
+    "not_asked": "not asked: the time for this query ran out (the systems answer slowly); ask "
+    "again, or let the reconciler, which keeps looking",
 }
 #: Outcomes that settled something: the only ones a success message (green ✓) may carry.
 SETTLED = frozenset({"done", "failed", "reversed"})
@@ -348,9 +350,19 @@ def mark_failed_refusal(op: Operation, step: str) -> str:
             f"{who} showed step {step} succeeded ({reference}) at its last look-up: "
             "mark it succeeded with that reference instead"
         )
+    look = look_of(claim) if claim is not None else None
+    if look is not None and look.showed == LookShowed.IN_PROGRESS:
+        # Its object exists and is neither done nor refused (a pending refund): asked, and
+        # marking it failed could fail what still succeeds.
+        detail = f": {look.detail[:200]}" if look.detail else ""
+        return (
+            f"{who} showed step {step} still in progress at the last look "
+            f"({when(look.last_look_at)}{detail}): it may still succeed. The fence looks "
+            f"again at {when(look.next_look_at)} and settles it when {who} shows it done or "
+            "refused"
+        )
     if asked_in_this_state(op, step):
         return ""
-    look = look_of(claim) if claim is not None else None
     if look is not None and look.in_flight_since is not None:
         return (
             f"a request under step {step}'s key is in flight at {who} since "
