@@ -131,7 +131,8 @@ def query_provider(operation_ids: list[int], *, user: AbstractBaseUser) -> Query
     worker's own attempt; the worker records what happened. One under a live
     lease is refused, naming who holds it and until when. Each operation asked
     about gets one audit row saying the operator asked and what came back; once
-    QUERY_BUDGET_SECONDS have passed the rest are not asked (NOT_ASKED), with no row.
+    QUERY_BUDGET_SECONDS have passed the rest are not asked (NOT_ASKED), with no row,
+    as is one held by a worker, and one with nothing to settle for which nothing was sent.
     """
     require_permission(user, RECONCILE_PERMISSION)
     ids = sorted({int(i) for i in operation_ids})
@@ -143,15 +144,17 @@ def query_provider(operation_ids: list[int], *, user: AbstractBaseUser) -> Query
     # The requests each operation's lookups sent that no settled step's row took: its
     # "queried the provider" row carries them (one recording per operation).
     sent_for: dict[int, list[dict[str, Any]] | None] = {}
+    held: dict[int, str] = {}  # under a worker's live lease: why it was not asked
     started = time.monotonic()
     for op_id, listed in ops.items():
         if outcome_of and time.monotonic() - started > QUERY_BUDGET_SECONDS:  # one is asked
             outcome_of[op_id] = NOT_ASKED
             continue
         if fence.lease_alive(listed, fence.clock_of(listed)):
-            outcome_of[op_id] = (
+            held[op_id] = (
                 f"held by {listed.lease_owner} until {when(listed.lease_expires_at)}; not queried"
             )
+            outcome_of[op_id] = NOT_ASKED
             continue
         with exchanges.recording():
             if listed.state in WORKER_STATES:
@@ -163,9 +166,17 @@ def query_provider(operation_ids: list[int], *, user: AbstractBaseUser) -> Query
     for op_id in ids:
         if op_id not in ops:
             continue
-        if outcome_of[op_id] == NOT_ASKED:  # nothing was asked: nothing to audit
+        if outcome_of[op_id] == "nothing_to_settle" and not sent_for.get(op_id):
+            # Nothing waited and nothing was sent: a press that changed and learned nothing
+            # writes no audit row (fifteen presses wrote fifteen).
             state = ops[op_id].state
-            result.rows.append(QueryOutcome(op_id, ops[op_id].key, NOT_ASKED, state, state))
+            result.rows.append(
+                QueryOutcome(op_id, ops[op_id].key, "nothing_to_settle", state, state)
+            )
+            continue
+        if outcome_of[op_id] == NOT_ASKED:  # nothing was asked: nothing to audit
+            state, outcome = ops[op_id].state, held.get(op_id, NOT_ASKED)
+            result.rows.append(QueryOutcome(op_id, ops[op_id].key, outcome, state, state))
             continue
         with transaction.atomic():
             op = fence.locked_operation_in_tx(op_id)

@@ -510,3 +510,39 @@ def test_orders_and_invoices__read_only_and_no_email_in_the_list(provider, viewe
     assert client.get(reverse("admin:shop_order_add")).status_code == 403
     assert client.get(reverse("admin:shop_invoice_changelist")).status_code == 200
     assert client.get(reverse("admin:shop_invoice_add")).status_code == 403
+
+
+def test_desk_action__query_provider_on_a_succeeded_operation__refused_and_nothing_written(
+    provider, operator
+):
+    """An operator's try: 15 presses of "Query the provider now" on a succeeded checkout
+    wrote 15 audit rows "nothing to settle" and 15 desk-log lines. Nothing waits there."""
+    op, _ = builders.succeeded(key="asked-after-done")
+    client = client_for(operator)
+    rows = OperationEvent.objects.filter(operation=op).count()
+
+    page = client.get(desk_url(op, "query_provider")).content.decode()
+    response = client.post(desk_url(op, "query_provider"))
+
+    assert "no step of it waits to be settled" in page
+    assert response.status_code == 409
+    assert OperationEvent.objects.filter(operation=op).count() == rows
+    assert log_messages(op, operator) == []
+
+
+def test_desk_action__query_provider_on_an_operation_a_worker_holds__a_warning_and_no_row(
+    provider, operator
+):
+    """It answered "not queried" in green, and wrote an audit row for a query never made."""
+    op, _, _ = builders.uncertain(key="asked-while-held", charged=False)
+    builders.move(op, OperationState.RETRYING, reason="resumed")
+    assert fence.acquire_lease(op.pk, owner=builders.WORKER, seconds=300).acquired  # running
+    client = client_for(operator)
+    rows = OperationEvent.objects.filter(operation=op).count()
+
+    response = client.post(desk_url(op, "query_provider"), follow=True)
+
+    page = response.content.decode()
+    assert "not queried" in page
+    assert '<li class="warning">Queried' in page
+    assert OperationEvent.objects.filter(operation=op).count() == rows

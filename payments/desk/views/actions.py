@@ -53,7 +53,14 @@ from payments.engine import fence
 from payments.engine.handlers import get_handler, registered_handlers
 from payments.engine.steps import replay_allowed
 from payments.exceptions import PaymentsError
-from payments.models import INCIDENT_LOOKS, LookShowed, Operation, OperationState, StepClaim
+from payments.models import (
+    INCIDENT_LOOKS,
+    UNSETTLED_CLAIM_STATES,
+    LookShowed,
+    Operation,
+    OperationState,
+    StepClaim,
+)
 
 # --- forms -----------------------------------------------------------------------
 
@@ -205,16 +212,24 @@ def _nothing_to_ask(op: Operation, step: str) -> str:
     spec = registered_handlers().get(op.kind)
     if spec is not None and not spec.effects:
         return "its steps call no external system that can be asked"
+    if op.state in (OperationState.SUCCEEDED, OperationState.FAILED) and not any(
+        c.state in UNSETTLED_CLAIM_STATES for c in op.claims.all()
+    ):
+        return (
+            f"it {op.state} and no step of it waits to be settled: there is nothing to ask "
+            f"{operation_label(op)} (each step's look-ups are on this page)"
+        )
     return ""
 
 
-def _run_query(op: Operation, step: str, request: HttpRequest, data: dict[str, Any]) -> str:
+def _run_query(op: Operation, step: str, request: HttpRequest, data: dict[str, Any]) -> ActionDone:
     report = desk.query_provider([op.pk], user=operator_of(request))
     row = report.rows[0] if report.rows else None
     asked = f"Queried {operation_label(op)}"
     if row is None:
-        return f"{asked}: nothing to settle."
-    return f"{asked}: {query_words(row)}."
+        return ActionDone(f"{asked}: nothing to settle.")
+    # Green only for a look-up that settled something (level_after reads the state then).
+    return ActionDone(f"{asked}: {query_words(row)}.", warning=row.outcome not in SETTLED)
 
 
 def _seen(row: Any) -> str:
@@ -327,7 +342,8 @@ def _refusal(op: Operation, spec: DeskAction, step: str) -> str:
         if step not in available.settleable_steps:
             return f"step {step} is not waiting to be settled"
         return spec.refusal(op, step) if spec.refusal is not None else ""
-    return available.refused.get(spec.name, "")
+    refused = available.refused.get(spec.name, "")
+    return refused or (spec.refusal(op, "") if spec.refusal is not None else "")
 
 
 def asked_in_this_state(op: Operation, step: str) -> bool:
@@ -558,7 +574,7 @@ class ActionViewsMixin(DeskBase):
                 done = message if isinstance(message, ActionDone) else ActionDone(message, False)
                 self.log_change(request, op, done.message)
                 level = messages.WARNING if done.warning else messages.SUCCESS
-                if spec.level_after is not None:
+                if spec.level_after is not None and not done.warning:
                     op = self.get_object(request, unquote(object_id)) or op
                     level = spec.level_after(op)
                 self.message_user(request, done.message, level)
