@@ -249,4 +249,3 @@ def test_order_page__status_field_and_money_box__read_at_one_moment(provider, qu
     )
     refunded = number(page, "refunded")
     assert ("Partially refunded" in status) == (refunded == "Refunded €10.00"), (status, refunded)
-
