@@ -15,9 +15,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
+from typing import Any
 
 from django.db.models import Exists, Min, OuterRef, Q
 from django.utils.html import format_html, format_html_join
+from django.utils.text import Truncator
 
 from payments.conf import payments_settings
 from payments.desk.display import when
@@ -106,7 +108,7 @@ def seen_words(claim: StepClaim) -> str:
     at = when(view.get("checked_at"))
     system = system_words(claim)
     if view.get("status") == "not_found":
-        return f"{system.label}'s consistent list at {at} shows no {system.object_noun} for it"
+        return f"{system.label}'s consistent list at {at} shows no {object_noun(claim)} for it"
     status = str(view.get("status") or view.get("outcome") or "unknown").replace("_", " ")
     amount = format_money(view.get("amount"), view.get("currency"))
     reference = str(view.get("reference") or "its object")
@@ -131,15 +133,25 @@ def look_words(look: ClaimLook) -> str:
     return f"{count}, {last}: {showed}{detail}"
 
 
+def step_effect(claim: StepClaim) -> Any:
+    """The effect class of the claim's step (None for a kind or step no longer registered)."""
+    from payments.engine.handlers import registered_handlers  # handlers import the engine
+
+    spec = registered_handlers().get(claim.operation.kind)
+    return spec.effects.get(claim.step) if spec is not None else None
+
+
+def object_noun(claim: StepClaim) -> str:
+    """What the step makes at its system, in the desk's words: a refund's step makes a
+    "refund" (its effect's AUDITED) at the payment provider, whose objects are "payments"."""
+    return str(getattr(step_effect(claim), "AUDITED", "") or system_words(claim).object_noun)
+
+
 def mark_failed_words(claim: StepClaim) -> str:
     """What marking the step failed does at its system, from its effect's `VOIDS`: the
     payment intent is cancelled; a system whose objects cannot be called back only has it
     checked that nothing was made."""
-    from payments.engine.handlers import registered_handlers  # handlers import the engine
-
-    spec = registered_handlers().get(claim.operation.kind)
-    effect = spec.effects.get(claim.step) if spec is not None else None
-    if getattr(effect, "VOIDS", ""):
+    if getattr(step_effect(claim), "VOIDS", ""):
         return f"it cancels what {system_label(claim)} holds"
     return (
         f"{system_label(claim)} cannot call it back: it is marked failed only when "
@@ -230,7 +242,7 @@ def evidence_html(op: Operation) -> str:
                 claim.step,
                 seen[:1].upper() + seen[1:] + "."
                 if seen
-                else f"No {system.object_noun} seen at {system.label} yet.",
+                else f"No {object_noun(claim)} seen at {system.label} yet.",
                 how[:1].upper() + how[1:] + ".",
                 next_step(op, claim, look),
             )
@@ -356,7 +368,7 @@ def after_query(operation_id: int) -> str:
             continue
         said = f"{claim.step}: {LookShowed(look.showed).label.lower()}"
         if look.detail:
-            said += f" ({look.detail[:200]})"
+            said += f" ({Truncator(look.detail).chars(200)})"
         if look.next_look_at and not look.hold:
             said += f"; the fence looks again at {when(look.next_look_at)}"
         words.append(said)

@@ -325,3 +325,17 @@ def test_a_kind_without_a_new_attempt__says_so_and_starts_nothing(gift_cards, se
     assert refused.status_code == 409
     assert f"Nothing was changed: {why}" in words(refused.content.decode())
     assert not Operation.objects.filter(retry_of=op).exists()
+
+
+def test_an_uncertain_refund_not_looked_up__its_evidence_speaks_of_a_refund(
+    provider, queue, senior
+):
+    """An operator's try: a pending refund's page read "No payment seen at the provider
+    yet": the provider's objects are payments, but this step makes a refund."""
+    order = flows.paid_order(queue, amount=2500, key="paid-first")
+    op = uncertain_refund(provider, queue, order)
+
+    text = words(client_for(senior).get(change_url(op)).content.decode())
+
+    assert "No refund seen at the provider yet." in text
+    assert "No payment seen" not in text

@@ -23,6 +23,7 @@ from django.template.response import TemplateResponse
 from django.urls import reverse
 from django.utils.dateparse import parse_datetime
 from django.utils.html import format_html, format_html_join
+from django.utils.text import Truncator
 
 from payments.conf import payments_settings
 from payments.desk import services as desk
@@ -370,7 +371,7 @@ def mark_failed_refusal(op: Operation, step: str) -> str:
     if look is not None and look.showed == LookShowed.IN_PROGRESS:
         # Its object exists and is neither done nor refused (a pending refund): asked, and
         # marking it failed could fail what still succeeds.
-        detail = f": {look.detail[:200]}" if look.detail else ""
+        detail = f": {Truncator(look.detail).chars(200)}" if look.detail else ""
         return (
             f"{who} showed step {step} still in progress at the last look "
             f"({when(look.last_look_at)}{detail}): it may still succeed. The fence looks "
@@ -389,7 +390,7 @@ def mark_failed_refusal(op: Operation, step: str) -> str:
         # Asking now would meet the same silence: say what is awaited, and until when.
         return (
             f"{who} has not given an answer about step {step} at the last look "
-            f"({when(look.last_look_at)}: {look.detail[:200] or look.get_showed_display()}); "
+            f"({when(look.last_look_at)}: {Truncator(look.detail).chars(200) or look.get_showed_display()}); "
             f"the fence looks again at {when(look.next_look_at)} and settles it when "
             f"{who} answers. Marking it failed needs {who}'s answer first "
             f"({mark_failed_words(claim)})"

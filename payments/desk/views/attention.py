@@ -12,6 +12,7 @@ from django.http import HttpRequest, HttpResponse
 from django.template.response import TemplateResponse
 from django.urls import reverse
 from django.utils import timezone
+from django.utils.text import Truncator
 from django.utils.timesince import timesince
 
 from payments.desk.display import AGED_STATES, is_stale, money_line, state_badge, when
@@ -180,11 +181,11 @@ def cases_page(business: QuerySet[Operation], request: HttpRequest, now: datetim
             "since": when(getattr(op, "state_since", op.updated_at)),
             "amount": money_line(op),
             # As the operation's page: the last error, else its last audit row's reason.
-            "error": (
+            "error": Truncator(
                 _nothing_ran(op)
                 if op.state == OperationState.FAILED
                 else seen.get(op.pk) or op.last_error or getattr(op, "last_reason", "") or ""
-            )[:240],
+            ).chars(240),
         }
         for op in page.object_list
     ]
