@@ -79,6 +79,13 @@ RELEASED_AFTER_TRANSIENT = "released after transient failure"
 #: refused before it executed: nothing ran at the system (the desk lists the operation
 #: as a case until a new attempt is asked for).
 GAVE_UP_BEFORE_RUNNING = "gave up: "
+#: Why the looks at a claim stop after an idempotency conflict (the system refused the
+#: step's key as used before with other parameters): a look replays the same request and
+#: meets the same refusal; a person decides (the desk says so, "Held for a person").
+CONFLICT_HOLD = (
+    "idempotency conflict: the key was used with other parameters (a bug, never retried); "
+    "check what the key made at the system"
+)
 #: What derive_idempotency_key puts between a key's tenant, scope, name and step.
 KEY_SEPARATORS = ("\x1d", "\x1e", "\x1f")
 

@@ -381,7 +381,7 @@ def _look_and_move(taken: StepClaim, op: Operation, actor: str) -> str:
             alerts.error("operation %s needs review: outcome of %s unknown", op.key, taken.step)
         return "needs_review"
     except StepConflict:
-        fence.hold_looks(taken, "idempotency conflict: the key was used with other parameters")
+        fence.hold_looks(taken, fence.CONFLICT_HOLD)
         _move(op, OperationState.NEEDS_REVIEW, actor, "idempotency conflict")
         alerts.error("operation %s: idempotency conflict at %s", op.key, taken.step)
         return "needs_review"

@@ -282,6 +282,8 @@ def call_effect(
             raise error from exc
         if outcome == Outcome.CONFLICT:
             fence.settle_claim(claim, ClaimState.UNCERTAIN, actor=actor, error=reason)
+            # A look would replay the same request into the same refusal: a person decides.
+            fence.hold_looks(claim, fence.CONFLICT_HOLD)
             raise StepConflict(reason, operation_key=op_key, step=step, provider_code=code) from exc
         if outcome == Outcome.PERMANENT:
             fence.settle_claim(claim, ClaimState.FAILED, actor=actor, error=reason)

@@ -255,3 +255,40 @@ def test_a_bulk_query_past_its_time_budget__the_rest_not_asked_and_not_audited(
     after = {op.pk: OperationEvent.objects.filter(operation=op).count() for op in ops}
     assert after[ops[0].pk] > before[ops[0].pk]  # asked: its rows
     assert [after[op.pk] - before[op.pk] for op in ops[1:]] == [0, 0]  # not asked: none
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_key_used_with_other_parameters__held_for_a_person_at_once_not_looked_at_again(
+    provider, queue, monkeypatch
+):
+    """A newcomer's try: a 422 "key reused" read "Under review for want of a decisive
+    answer. The fence keeps looking ... settles it by itself": a look replays the same
+    request into the same refusal. The worker's conflict holds the looks, as the
+    reconciler's did, and the desk says a person decides."""
+    from payments.checkout.charge import PaymentIntentCharge
+    from payments.desk.evidence import evidence_html
+    from payments.models import OperationState
+    from payments.provider.errors import IdempotencyConflict
+
+    def refused(self, request, idempotency_key):
+        raise IdempotencyConflict(
+            "POST /v1/payment_intents: HTTP 400 idempotency_error", http_status=400
+        )
+
+    monkeypatch.setattr(PaymentIntentCharge, "send", refused)
+    order = create_order(amount=1999, currency="eur", email="x@example.com")
+    op, _ = request_checkout(order_id=order.pk, key="reused", payment_method="pm_card_visa",
+                             actor="t")  # fmt: skip
+    run_worker(queue)
+    op.refresh_from_db()
+    assert op.state == OperationState.NEEDS_REVIEW
+
+    shown = text_of(str(evidence_html(op)))
+
+    assert "Held for a person: idempotency conflict" in shown
+    assert "settles it by itself" not in shown
+    assert ClaimLook.objects.get(claim__operation=op).next_look_at is None  # no more looks
+
+
+def text_of(html: str) -> str:
+    return re.sub(r"\s+", " ", re.sub(r"<[^>]+>", " ", html))
