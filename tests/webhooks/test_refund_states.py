@@ -172,24 +172,28 @@ def refund_rows(page: str) -> list[str]:
     ]
 
 
+def reversed_refund(provider, queue, amount: int = 500):
+    """A paid order, refunded, then the refund failed at the provider (its events posted):
+    the reversal recorded and the order reopened. Returns (order, the refund's reference)."""
+    order, refund = paid_and_refunded(provider, queue, amount=amount)
+    reference = refund.claims.get(step=REFUND_STEP).provider_reference
+    provider.state.fail_refund(reference)
+    for event in provider.state.events():
+        if event["type"] in ("refund.updated", "refund.failed"):
+            deliver(event)
+    run_worker(queue)
+    order.refresh_from_db()
+    assert order.refunded_amount == 0
+    return order, reference
+
+
 def test_a_refund_the_provider_reversed__not_counted_refunded_on_the_desks_pages(
     provider_with_secret, queue
 ):
     """An operator's try: a refund that failed at the provider after it succeeded (reversed,
     the order reopened: the API says refunded 0) still read "Refunded €10.00 · Net €9.99"
     and "Succeeded" on the order's page, and the same on its refund page."""
-    order, _ = order_and_checkout()
-    run_worker(queue)
-    refund, _ = request_refund(order_id=order.pk, key="reversed-1", amount=1000, actor="t")
-    run_worker(queue)
-    reference = refund.claims.get(step=REFUND_STEP).provider_reference
-    provider_with_secret.state.fail_refund(reference)
-    for event in provider_with_secret.state.events():
-        if event["type"] in ("refund.updated", "refund.failed"):
-            deliver(event)
-    run_worker(queue)
-    order.refresh_from_db()
-    assert order.refunded_amount == 0
+    order, _ = reversed_refund(provider_with_secret, queue, amount=1000)
 
     page = (
         client_for(make_user("vera", *VIEW))
@@ -218,13 +222,7 @@ def test_a_refund_the_provider_reversed__the_audits_finding_reads_settled_not_op
 
     from django.core.management import CommandError, call_command
 
-    order, refund = paid_and_refunded(provider_with_secret, queue)
-    reference = refund.claims.get(step=REFUND_STEP).provider_reference
-    provider_with_secret.state.fail_refund(reference)
-    for event in provider_with_secret.state.events():
-        if event["type"] in ("refund.updated", "refund.failed"):
-            deliver(event)
-    run_worker(queue)
+    _, reference = reversed_refund(provider_with_secret, queue)
     with contextlib.suppress(CommandError):  # exit 1 on a finding: read below, on the desk
         call_command("fence_audit", "--since", "1h", stdout=io.StringIO())
 
