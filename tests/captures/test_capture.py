@@ -256,3 +256,15 @@ def test_a_run_that_dies_after_the_releases_200__resumes_the_compensation(provid
     assert intent["status"] == "canceled"
     order.refresh_from_db()
     assert order.status == OrderStatus.PAYMENT_FAILED
+
+
+def test_a_compensated_capture__not_listed_as_failed_before_anything_ran(provider, queue):
+    """Needs attention lists what an outage refused before anything ran, for a new attempt.
+    A capture whose authorisation was done (a hold made, then released) moved something:
+    it is not one of those."""
+    from payments.desk.views.queries import failed_before_running
+
+    op = gave_up_and_compensated(provider, queue)
+    assert op.claims.get(step="capture").error.startswith("gave up: ")
+
+    assert op.pk not in failed_before_running()

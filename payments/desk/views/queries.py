@@ -230,8 +230,8 @@ FAILED_BEFORE_RUNNING_MOST = 1000
 
 def failed_before_running(now: datetime | None = None) -> list[int]:
     """Operations failed within FAILED_WINDOW because the fence gave up on a step whose every
-    try was refused before it executed (an outage), with no new attempt asked for since:
-    nothing happened at the system, and the business's intent (a refund owed, a charge
+    try was refused before it executed (an outage), no external step of them done, and no
+    new attempt asked for since: nothing happened at the system, and the business's intent (a refund owed, a charge
     wanted) is not met. A case for a person: a new attempt, or leave it.
 
     Their ids, the newest FAILED_BEFORE_RUNNING_MOST: read from the recently failed ones
@@ -243,10 +243,16 @@ def failed_before_running(now: datetime | None = None) -> list[int]:
         state=ClaimState.FAILED,
         error__startswith=GAVE_UP_BEFORE_RUNNING,
     )
+    # A step that did take effect (a hold later released by the compensation): something
+    # ran, and a new attempt is not the plain answer; the operation's page says what ran.
+    moved = StepClaim.objects.filter(operation=OuterRef("pk"), state=ClaimState.DONE).exclude(
+        idempotency_key=""
+    )
     retried = Operation.objects.filter(retry_of=OuterRef("pk"))
     return list(
         Operation.objects.filter(recently_failed_q(now))
         .filter(Exists(gave_up))
+        .exclude(Exists(moved))
         .exclude(Exists(retried))
         .order_by("-updated_at")
         .values_list("pk", flat=True)[:FAILED_BEFORE_RUNNING_MOST]
