@@ -119,6 +119,8 @@ def seen_words(claim: StepClaim) -> str:
 def look_words(look: ClaimLook) -> str:
     """How the last look went, in the system's own words."""
     who = system_label(look.claim)
+    if not look.looks and look.hold:  # held before any look (a worker's key conflict)
+        return f"not looked up: held for a person: {look.hold}"
     count = f"looked {look.looks} time{'s' if look.looks != 1 else ''}"
     source = "" if look.showed == LookShowed.NO_READ else f" ({look.source or 'a look'})"
     last = f"last at {when(look.last_look_at)}{source}"

@@ -180,25 +180,25 @@ def check_resume(op: Operation, claims: list[StepClaim], *, reopen: bool = False
                 raise DeskError(
                     f"every request under step {claim.step}'s key was refused before it ran "
                     f"({system_label(claim)} executed nothing) and the fence gave up; its key "
-                    "is closed: " + _a_new_attempt(op),
+                    "is closed: " + a_new_attempt(op),
                     operation_key=op.key,
                 )
             if claim.error.startswith("marked failed by "):  # a person decided; nobody refused
                 raise DeskError(
                     f"step {claim.step} was marked failed by an operator; its key is closed: "
-                    + _a_new_attempt(op),
+                    + a_new_attempt(op),
                     operation_key=op.key,
                 )
             raise DeskError(
                 f"step {claim.step} was refused; the same key would be refused again: "
-                + _a_new_attempt(op),
+                + a_new_attempt(op),
                 operation_key=op.key,
             )
     if reopen and op.state == OperationState.FAILED:
         check_entity_reopenable(op)
 
 
-def _a_new_attempt(op: Operation) -> str:
+def a_new_attempt(op: Operation) -> str:
     """Where a new attempt comes from: the desk's button when the kind declares one, else
     wherever operations of the kind are started (never a button the page refuses)."""
     hooks = get_handler(op.kind).desk

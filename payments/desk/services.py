@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 from django.contrib.auth.models import PermissionsMixin
 from django.core.exceptions import PermissionDenied
 from django.db import transaction
+from django.db.models import F, Max
 from django.db.models.functions import Now
 
 from payments.conf import payments_settings
@@ -139,7 +140,14 @@ def query_provider(operation_ids: list[int], *, user: AbstractBaseUser) -> Query
     if not ids:
         raise DeskError("select at least one operation", action="query_provider")
     actor = actor_of(user)
-    ops = {op.pk: op for op in Operation.objects.filter(pk__in=ids).annotate(db_now=Now())}
+    # The ones looked at longest ago first: a press after a query that ran out of time asks
+    # those it did not reach, not the same first few again.
+    ops = {
+        op.pk: op
+        for op in Operation.objects.filter(pk__in=ids)
+        .annotate(db_now=Now(), last_look=Max("claims__look__last_look_at"))
+        .order_by(F("last_look").asc(nulls_first=True), "pk")
+    }
     outcome_of: dict[int, str] = {}
     # The requests each operation's lookups sent that no settled step's row took: its
     # "queried the provider" row carries them (one recording per operation).
@@ -160,7 +168,11 @@ def query_provider(operation_ids: list[int], *, user: AbstractBaseUser) -> Query
             if listed.state in WORKER_STATES:
                 outcome_of[op_id] = recovery.look_up(listed, actor=actor)
             else:
-                outcome_of[op_id] = _reconciled(listed, actor)
+                left = max(QUERY_BUDGET_SECONDS - (time.monotonic() - started), 0.0)
+                # The first operation is always asked whole; the next within what is left.
+                outcome_of[op_id] = _reconciled(
+                    listed, actor, time_budget=left if outcome_of else None
+                )
             sent_for[op_id] = exchanges.take()
     result = QueryReport()
     for op_id in ids:
@@ -174,7 +186,7 @@ def query_provider(operation_ids: list[int], *, user: AbstractBaseUser) -> Query
                 QueryOutcome(op_id, ops[op_id].key, "nothing_to_settle", state, state)
             )
             continue
-        if outcome_of[op_id] == NOT_ASKED:  # nothing was asked: nothing to audit
+        if outcome_of[op_id] == NOT_ASKED and not sent_for.get(op_id):  # nothing asked
             state, outcome = ops[op_id].state, held.get(op_id, NOT_ASKED)
             result.rows.append(QueryOutcome(op_id, ops[op_id].key, outcome, state, state))
             continue
@@ -194,12 +206,16 @@ def query_provider(operation_ids: list[int], *, user: AbstractBaseUser) -> Query
     return result
 
 
-def _reconciled(op: Operation, actor: str) -> str:
-    """Reconcile one operation no worker will run, as the reconciler does; its outcome."""
+def _reconciled(op: Operation, actor: str, *, time_budget: float | None = None) -> str:
+    """Reconcile one operation no worker will run, as the reconciler does; its outcome.
+    `time_budget`: no claim of it is started once spent (then NOT_ASKED)."""
     claims = StepClaim.objects.filter(operation=op).count()
-    report = recovery.reconcile(actor=actor, operation_ids=[op.pk], batch_size=max(claims, 1))
+    report = recovery.reconcile(
+        actor=actor, operation_ids=[op.pk], batch_size=max(claims, 1), time_budget=time_budget
+    )
     by_key = {key: outcome for outcome, keys in report.outcomes.items() for key in keys}
-    return by_key.get(op.key, "nothing_to_settle")
+    outcome = by_key.get(op.key, "nothing_to_settle")
+    return NOT_ASKED if outcome == "left_for_next_round" else outcome
 
 
 # --- resume ----------------------------------------------------------------------

@@ -17,6 +17,7 @@ from django.db.models import Q
 from django.utils import timezone
 
 from payments.conf import payments_settings
+from payments.engine.effects import reversal_step
 from payments.engine.handlers import registered_handlers
 from payments.engine.systems import LedgerEntry
 from payments.models import ClaimState, Operation, StepClaim
@@ -314,8 +315,20 @@ def audit_refunds(
         .values_list("provider_reference", flat=True)
     )
     result.unfenced = sorted(succeeded - fenced)
-    scoped = list(done.filter(claims or Q()).values_list("provider_reference", flat=True))
+    rows = list(
+        done.filter(claims or Q()).values_list("provider_reference", "operation_id", "step")
+    )
+    scoped = [ref for ref, _, _ in rows]
     result.done_claims = len(scoped)
+    # A refund that failed at the provider after it succeeded, its reversal recorded
+    # (`<step>:reversed`, the order given its amount back): not succeeded there, and known.
+    reversals = set(
+        StepClaim.objects.filter(
+            operation_id__in={pk for _, pk, _ in rows},
+            step__in={reversal_step(step) for _, _, step in rows},
+        ).values_list("operation_id", "step")
+    )
+    taken_back = {ref for ref, pk, step in rows if (pk, reversal_step(step)) in reversals}
     listed = set(refunds_by_payment)
     for kind, step, item in refund_parents():
         parents.update(
@@ -325,7 +338,11 @@ def audit_refunds(
         )
     # Only a refund of a listed payment can be judged unknown: the others were not asked for.
     result.unknown_references = sorted(
-        ref for ref in scoped if ref not in succeeded and (judge_all or parents.get(ref) in listed)
+        ref
+        for ref in scoped
+        if ref not in succeeded
+        and ref not in taken_back
+        and (judge_all or parents.get(ref) in listed)
     )
     return result
 

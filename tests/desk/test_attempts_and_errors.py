@@ -69,3 +69,23 @@ def test_not_found_after_any_systems_lost_answer__read_from_the_claims_state_not
     assert f"first error: {error}" in shown
     assert "Not found: charged and its answer lost?" in shown
     assert StepClaim.objects.get(pk=claim.pk).state == ClaimState.UNCERTAIN
+
+
+def test_not_found_after_a_release_then_a_lost_answer__not_said_never_reached(provider):
+    """A review's catch: the hint read only the first error. A step released after a
+    refusal (nothing ran) and then held uncertain (a read timeout) may have charged."""
+    op = builders.new_checkout("released-then-lost")
+    claim = builders.claim_charge(op)
+    fence.release_claim(claim, actor=builders.WORKER, reason="TransientError: HTTP 503")
+    claim = fence.take_over_claim(claim, owner=builders.WORKER, lease_seconds=30)
+    fence.settle_claim(claim, ClaimState.UNCERTAIN, actor=builders.WORKER, error="ReadTimeout")
+    builders.move(op, OperationState.NEEDS_REVIEW, reason="not found",
+                  last_error="not found at the provider a grace period after the last request")  # fmt: skip
+
+    shown = re.search(
+        r'field-last_error_shown.*?<div class="readonly">(.*?)</div>', page_of(op), re.S
+    ).group(1)
+
+    assert "first error: released after transient failure" in shown
+    assert "Not found: charged and its answer lost?" in shown
+    assert "never reached" not in shown

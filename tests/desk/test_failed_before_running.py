@@ -76,3 +76,18 @@ def test_once_a_new_attempt_is_asked__the_case_leaves_needs_attention(provider, 
 
     assert new.key != op.key
     assert f"{op.key} " not in page
+
+
+def test_once_the_refund_is_asked_again_under_a_new_key__the_case_leaves(provider, queue):
+    """A review's catch: the case stayed for 24 h after the API (or the desk's refund form)
+    asked the same refund again under a new key, inviting a second refund of it."""
+    op = refund_failed_by_an_outage(provider, queue, "outage-asked-again")
+    again, _ = request_refund(
+        order_id=op.params["order_id"], key="asked-again", amount=400, actor="api"
+    )
+    run_worker(queue)
+
+    page = words(client_for(make_user("vera", *VIEW)).get(NEEDS_ATTENTION))
+
+    assert again.key != op.key
+    assert f"{op.key} " not in page

@@ -255,6 +255,10 @@ def test_a_bulk_query_past_its_time_budget__the_rest_not_asked_and_not_audited(
     after = {op.pk: OperationEvent.objects.filter(operation=op).count() for op in ops}
     assert after[ops[0].pk] > before[ops[0].pk]  # asked: its rows
     assert [after[op.pk] - before[op.pk] for op in ops[1:]] == [0, 0]  # not asked: none
+    # Pressed again: the ones not reached go first (the first now has a look).
+    again = services.query_provider([op.pk for op in ops], user=make_user("olga", *VIEW, RECONCILE))
+    asked = [r.operation_id for r in again.rows if r.outcome != services.NOT_ASKED]
+    assert asked == [ops[1].pk]
 
 
 @pytest.mark.django_db(transaction=True)
@@ -287,6 +291,7 @@ def test_a_key_used_with_other_parameters__held_for_a_person_at_once_not_looked_
 
     assert "Held for a person: idempotency conflict" in shown
     assert "settles it by itself" not in shown
+    assert "Looked 0 times" not in shown and "Not looked up: held for a person" in shown
     assert ClaimLook.objects.get(claim__operation=op).next_look_at is None  # no more looks
 
 

@@ -53,9 +53,9 @@ def test_a_fenced_checkout__costs_its_worker_more_instructions_than_the_unfenced
 
     monkeypatch.setattr(instructions, "count_worker", kept)
 
-    fenced_one = instructions.per_checkout(bench, fenced, small=1, large=2)
+    fenced_one = instructions.per_checkout(bench, fenced, small=1, large=3)
     one_checkout = counted[0]
-    unfenced_one = instructions.per_checkout(bench, unfenced, small=1, large=2)
+    unfenced_one = instructions.per_checkout(bench, unfenced, small=1, large=3)
 
     assert unfenced_one > 5e6  # three jobs of Python: millions, not a stub's thousands
     assert fenced_one > unfenced_one

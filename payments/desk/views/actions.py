@@ -372,11 +372,15 @@ def mark_failed_refusal(op: Operation, step: str) -> str:
         # Its object exists and is neither done nor refused (a pending refund): asked, and
         # marking it failed could fail what still succeeds.
         detail = f": {Truncator(look.detail).chars(200)}" if look.detail else ""
+        then = (
+            f"The fence looks again at {when(look.next_look_at)} and settles it when {who} "
+            "shows it done or refused"
+            if look.next_look_at
+            else f"The fence no longer looks ({look.hold or 'held'}): check {who}'s dashboard"
+        )
         return (
             f"{who} showed step {step} still in progress at the last look "
-            f"({when(look.last_look_at)}{detail}): it may still succeed. The fence looks "
-            f"again at {when(look.next_look_at)} and settles it when {who} shows it done or "
-            "refused"
+            f"({when(look.last_look_at)}{detail}): it may still succeed. {then}"
         )
     if asked_in_this_state(op, step):
         return ""

@@ -23,6 +23,7 @@ from payments.desk.evidence import (
     taken_not_settled,
     why_waiting,
 )
+from payments.desk.rules import a_new_attempt
 from payments.desk.views.audit import audit_view
 from payments.desk.views.base import VIEW_PERMISSION, DeskBase
 from payments.desk.views.chart import legend, outcomes_per_hour, outcomes_svg
@@ -145,10 +146,10 @@ def _oldest(
 
 def _nothing_ran(op: Operation) -> str:
     """A case failed before anything ran (failed_before_running): what to do with it."""
+    how = a_new_attempt(op)
     return (
         f"Nothing ran at {operation_label(op)}: every request was refused before it "
-        "executed, and the fence gave up. Start a new attempt if it is still wanted. "
-        f"({op.last_error})"
+        f"executed, and the fence gave up. If it is still wanted: {how}. ({op.last_error})"
     )
 
 

@@ -21,7 +21,6 @@ from django.utils.http import urlencode
 from django.utils.timesince import timesince
 
 from payments.desk.display import entity_model, entity_named, reference_link, when
-from payments.engine.effects import reversal_step
 from payments.models import ClaimState, FenceAuditRun, Operation, StepClaim
 
 # --- the last fence audit, as tables ------------------------------------------------------
@@ -220,22 +219,14 @@ class _FindingsNow:
             for kind in ("unfenced", "unknown_references")
             for r in (*_listed(summary.get(kind)), *_listed(refunds.get(kind)))
         }
-        carrying = list(
-            StepClaim.objects.filter(state=ClaimState.DONE, provider_reference__in=refs)
-            .exclude(provider_reference="")  # the partial index, whatever the list's length
-            .values_list("provider_reference", "operation__key", "step", "operation_id")
-        )
         #: reference -> "operation key/step" of the done claim carrying it now.
-        self.carried: dict[str, str] = {str(ref): f"{key}/{step}" for ref, key, step, _ in carrying}
-        #: The references of those whose step the provider reversed since, recorded once
-        #: (`<step>:reversed`, the handler's on_reversal run): done, and taken back.
-        reversals = StepClaim.objects.filter(
-            operation_id__in={pk for _, _, _, pk in carrying},
-            step__in={reversal_step(step) for _, _, step, _ in carrying},
-        ).values_list("operation_id", "step")
-        taken_back = set(reversals)
-        self.reversed: set[str] = {
-            str(ref) for ref, _, step, pk in carrying if (pk, reversal_step(step)) in taken_back
+        self.carried: dict[str, str] = {
+            str(ref): f"{key}/{step}"
+            for ref, key, step in StepClaim.objects.filter(
+                state=ClaimState.DONE, provider_reference__in=refs
+            )
+            .exclude(provider_reference="")  # the partial index, whatever the list's length
+            .values_list("provider_reference", "operation__key", "step")
         }
         # A step may keep the object the audit counts in its result (a capture: its intent):
         # the done claims of the operations the provider's metadata names.
@@ -279,8 +270,6 @@ class _FindingsNow:
     def unknown(self, reference: str) -> Now:
         """A done claim the provider did not show succeeded: open while a done claim has it."""
         where = self.carried.get(reference)
-        if where is not None and reference in self.reversed:
-            return Now(True, f"{where}: reversed by the provider, recorded and undone")
         if where is not None:
             return Now(False, f"{where} is still done with it")
         return Now(True, "no done claim carries it now")

@@ -416,7 +416,7 @@ def money_summary(order: Any, rows: list[Movement]) -> dict[str, str]:
         for m, op in refunds
         if op.state == OperationState.SUCCEEDED and m.state != REVERSED
     )
-    waiting = [m for m, op in refunds if op.state not in FINAL]
+    waiting = [m for m, op in refunds if op.state not in FINAL and m.state != REVERSED]
     shown = sum(m.amount or 0 for m in waiting if m.shown_succeeded)
     holds = [m for m in rows if m.what == "hold"]
     held = sum(m.amount or 0 for m in holds if m.state == ClaimState.DONE or m.shown_succeeded)

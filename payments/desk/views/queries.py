@@ -138,8 +138,8 @@ class FirstError:
     """The first error a step recorded, and whether the engine then held its call in doubt."""
 
     text: str = ""
-    #: The engine recorded the step uncertain (no complete answer, a timeout, a take-over
-    #: of a call in flight): the system may have acted on the first request. Read from
+    #: The engine recorded a step uncertain at some point (no complete answer, a timeout, a
+    #: take-over of a call in flight): the system may have acted on a request. Read from
     #: the claim's state, not from the error's class name, which is the system's own.
     may_have_run: bool = False
 
@@ -159,8 +159,15 @@ def first_error_of(op: Operation) -> FirstError:
     )
     if first is None:
         return FirstError()
-    reason, to_state = first
-    return FirstError(reason, may_have_run=to_state == ClaimState.UNCERTAIN)
+    reason, _ = first
+    # Held uncertain at any time (a release after a refusal may come first, then a timeout):
+    # a request under the key may have run.
+    in_doubt = (
+        OperationEvent.objects.filter(operation=op, to_state=ClaimState.UNCERTAIN)
+        .exclude(step="")
+        .exists()
+    )
+    return FirstError(reason, may_have_run=in_doubt)
 
 
 def not_found_kind(first: FirstError, last_error: str) -> str:
@@ -231,7 +238,8 @@ FAILED_BEFORE_RUNNING_MOST = 1000
 def failed_before_running(now: datetime | None = None) -> list[int]:
     """Operations failed within FAILED_WINDOW because the fence gave up on a step whose every
     try was refused before it executed (an outage), no external step of them done, and no
-    new attempt asked for since: nothing happened at the system, and the business's intent (a refund owed, a charge
+    new attempt nor other operation of its kind for its entity asked for since (one not
+    failed): nothing happened at the system, and the business's intent (a refund owed, a charge
     wanted) is not met. A case for a person: a new attempt, or leave it.
 
     Their ids, the newest FAILED_BEFORE_RUNNING_MOST: read from the recently failed ones
@@ -249,11 +257,21 @@ def failed_before_running(now: datetime | None = None) -> list[int]:
         idempotency_key=""
     )
     retried = Operation.objects.filter(retry_of=OuterRef("pk"))
+    # Asked again since under a new key, by the API or the desk's own form (not a "new
+    # attempt", so no retry_of): the intent is being met; listing it would invite a second
+    # refund of the same money.
+    asked_again = Operation.objects.filter(
+        kind=OuterRef("kind"),
+        entity_type=OuterRef("entity_type"),
+        entity_id=OuterRef("entity_id"),
+        created_at__gt=OuterRef("created_at"),
+    ).exclude(state=OperationState.FAILED)
     return list(
         Operation.objects.filter(recently_failed_q(now))
         .filter(Exists(gave_up))
         .exclude(Exists(moved))
         .exclude(Exists(retried))
+        .exclude(Exists(asked_again))
         .order_by("-updated_at")
         .values_list("pk", flat=True)[:FAILED_BEFORE_RUNNING_MOST]
     )
