@@ -152,17 +152,17 @@ def query_provider(operation_ids: list[int], *, user: AbstractBaseUser) -> Query
     # The requests each operation's lookups sent that no settled step's row took: its
     # "queried the provider" row carries them (one recording per operation).
     sent_for: dict[int, list[dict[str, Any]] | None] = {}
-    held: dict[int, str] = {}  # under a worker's live lease: why it was not asked
+    held: set[int] = set()  # under a worker's live lease: not asked
     started = time.monotonic()
     for op_id, listed in ops.items():
         if outcome_of and time.monotonic() - started > QUERY_BUDGET_SECONDS:  # one is asked
             outcome_of[op_id] = NOT_ASKED
             continue
         if fence.lease_alive(listed, fence.clock_of(listed)):
-            held[op_id] = (
+            held.add(op_id)
+            outcome_of[op_id] = (
                 f"held by {listed.lease_owner} until {when(listed.lease_expires_at)}; not queried"
             )
-            outcome_of[op_id] = NOT_ASKED
             continue
         with exchanges.recording():
             if listed.state in WORKER_STATES:
@@ -178,21 +178,16 @@ def query_provider(operation_ids: list[int], *, user: AbstractBaseUser) -> Query
     for op_id in ids:
         if op_id not in ops:
             continue
-        if outcome_of[op_id] == "nothing_to_settle" and not sent_for.get(op_id):
-            # Nothing waited and nothing was sent: a press that changed and learned nothing
-            # writes no audit row (fifteen presses wrote fifteen).
+        outcome = outcome_of[op_id]
+        # Not asked (held, out of time), or nothing waited, and nothing sent: a press that
+        # changed and learned nothing writes no audit row (fifteen presses wrote fifteen).
+        quiet = op_id in held or outcome in ("nothing_to_settle", NOT_ASKED)
+        if quiet and not sent_for.get(op_id):
             state = ops[op_id].state
-            result.rows.append(
-                QueryOutcome(op_id, ops[op_id].key, "nothing_to_settle", state, state)
-            )
-            continue
-        if outcome_of[op_id] == NOT_ASKED and not sent_for.get(op_id):  # nothing asked
-            state, outcome = ops[op_id].state, held.get(op_id, NOT_ASKED)
             result.rows.append(QueryOutcome(op_id, ops[op_id].key, outcome, state, state))
             continue
         with transaction.atomic():
             op = fence.locked_operation_in_tx(op_id)
-            outcome = outcome_of[op_id]
             fence.record_event_in_tx(
                 op,
                 from_state=op.state,
