@@ -81,7 +81,8 @@ RELEASED_AFTER_TRANSIENT = "released after transient failure"
 GAVE_UP_BEFORE_RUNNING = "gave up: "
 #: Why the looks at a claim stop after an idempotency conflict (the system refused the
 #: step's key as used before with other parameters): a look replays the same request and
-#: meets the same refusal; a person decides (the desk says so, "Held for a person").
+#: meets the same refusal; a person decides (the desk says so, "Held for a person"). Set by
+#: payments.engine.steps where the conflict is met, for a worker and the reconciler alike.
 CONFLICT_HOLD = (
     "idempotency conflict: the key was used with other parameters (a bug, never retried); "
     "check what the key made at the system"

@@ -380,8 +380,7 @@ def _look_and_move(taken: StepClaim, op: Operation, actor: str) -> str:
             _move(op, OperationState.NEEDS_REVIEW, actor, str(exc))
             alerts.error("operation %s needs review: outcome of %s unknown", op.key, taken.step)
         return "needs_review"
-    except StepConflict:
-        fence.hold_looks(taken, fence.CONFLICT_HOLD)
+    except StepConflict:  # its looks are held already (steps.call_effect, before it raised)
         _move(op, OperationState.NEEDS_REVIEW, actor, "idempotency conflict")
         alerts.error("operation %s: idempotency conflict at %s", op.key, taken.step)
         return "needs_review"
