@@ -131,9 +131,6 @@ class TransientProviderError(ProviderError, TransientError):
     """Nothing was executed; retry the same request with the same key."""
 
     default_outcome = Outcome.TRANSIENT
-    #: True when another request with the same key is in flight (409): this one
-    #: did nothing, but that one may still succeed.
-    in_flight = False
 
 
 class UncertainProviderError(ProviderError, UncertainError):
