@@ -63,10 +63,10 @@ class UnseenRefund(DeskError):
 
     def __init__(self, asked: AskedRefund) -> None:
         self.asked = asked
+        #: What was asked meanwhile, without the way to refund again (for when none is left).
+        self.news = f"{asked.line()} ({asked.state}) after this page was shown. It is listed below"
         super().__init__(
-            f"{asked.line()} ({asked.state}) after this page was shown. It is listed below;"
-            " to refund again, tick “Refund again” and confirm.",
-            action="refund",
+            f"{self.news}; to refund again, tick “Refund again” and confirm.", action="refund"
         )
 
 

@@ -128,6 +128,29 @@ def test_two_tabs__the_second_post_is_refused_one_refund(provider, queue, rosa):
     assert (first.status_code, second.status_code) == (302, 409)
     (asked,) = refunds_of(order)
     assert asked.key in second.content.decode()
+
+
+def test_two_tabs__the_first_refunded_it_all__the_second_offers_no_refund_again(
+    provider, queue, rosa
+):
+    """The refusal of an unseen refund must not ask for a tick that cannot refund: with
+    nothing left, the page says so and has no "Refund again" box or instruction."""
+    order = flows.paid_order(queue, amount=2500)
+    client = client_for(rosa)
+    tab_a = client.get(refund_url(order)).content.decode()
+    tab_b = client.get(refund_url(order)).content.decode()
+    assert client.post(refund_url(order), form_of(tab_a, "25.00")).status_code == 302
+
+    second = client.post(refund_url(order), form_of(tab_b, "2.00"))
+
+    assert second.status_code == 409
+    page = second.content.decode()
+    (asked,) = refunds_of(order)
+    message = page.split('class="errornote desk-refusal"', 1)[1].split("</p>", 1)[0]
+    assert asked.key in message and "€25.00" in message
+    assert "No refund of this order can be asked now" in page
+    assert 'name="again_' not in page and "Refund again" not in page
+    assert "tick" not in message.lower()
     run_worker(queue)
     assert len(provider_refunds(provider, order)) == 1
 

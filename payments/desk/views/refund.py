@@ -203,8 +203,12 @@ def refund_view(admin: Any, request: HttpRequest, object_id: str) -> HttpRespons
                 charge=form.cleaned_data["charge"],
             )
         except desk_refund.UnseenRefund as exc:
-            form.acknowledge(exc.asked)
-            form.add_error(None, f"Nothing was refunded: {exc.detail}")
+            if duplicate is None and desk_refund.refund_refused("order", order.pk):
+                # No tick could refund now: the page says why below, and offers none.
+                form.add_error(None, f"Nothing was refunded: {exc.news}.")
+            else:
+                form.acknowledge(exc.asked)
+                form.add_error(None, f"Nothing was refunded: {exc.detail}")
             asked = desk_refund.refunds_asked("order", order.pk)
             status = 409
         except PaymentsError as exc:
