@@ -59,6 +59,7 @@ from payments.desk.views.mixin import DeskViewsMixin
 from payments.desk.views.payment import errors_shown
 from payments.desk.views.queries import (
     attempts_of,
+    first_error_of,
     follow_up_kinds,
     follow_up_q,
     last_error_of,
@@ -185,11 +186,15 @@ class StepClaimInline(ReadOnlyInline):
 
     @admin.display(description="result / error")
     def outcome(self, obj: StepClaim) -> str:
-        if obj.error and not obj.result:
-            return format_html("<small>{}</small>", obj.error)
-        if obj.error:
-            return format_html("{}<small>{}</small>", key_values(obj.result), obj.error)
-        return key_values(obj.result)
+        if not obj.error:
+            return key_values(obj.result)
+        error = format_html("<small>{}</small>", obj.error)
+        first = first_error_of(obj.operation, step=obj.step).text
+        if first and first != obj.error:  # a later look or release wrote over it
+            error = format_html(
+                '{}<br><small class="desk-first-error">first error: {}</small>', error, first
+            )
+        return format_html("{}{}", key_values(obj.result), error) if obj.result else error
 
 
 class OperationEventInline(ReadOnlyInline):

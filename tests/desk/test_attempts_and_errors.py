@@ -89,3 +89,22 @@ def test_not_found_after_a_release_then_a_lost_answer__not_said_never_reached(pr
     assert "first error: released after transient failure" in shown
     assert "Not found: charged and its answer lost?" in shown
     assert "never reached" not in shown
+
+
+def test_steps_row__a_look_overwrote_the_claims_error__the_first_one_shown_beside_it(provider):
+    """The operator's try: a look-up's "not found" replaced "ReadTimeout" on the Steps row
+    while the step stayed uncertain, hiding what the first request met."""
+    op, claim, _ = builders.uncertain(key="looked-over", charged=False)
+    fence.settle_claim(claim, ClaimState.UNCERTAIN, actor=builders.WORKER, error="not found")
+
+    row = re.search(r'<td class="field-outcome">(.*?)</td>', page_of(op), re.S).group(1)
+
+    assert "not found" in row and "first error: ReadTimeout" in row
+
+
+def test_steps_row__one_error_only__shown_once(provider):
+    op, claim, _ = builders.uncertain(key="one-error", charged=False)
+
+    row = re.search(r'<td class="field-outcome">(.*?)</td>', page_of(op), re.S).group(1)
+
+    assert row.count("ReadTimeout") == 1 and "first error" not in row

@@ -144,11 +144,12 @@ class FirstError:
     may_have_run: bool = False
 
 
-def first_error_of(op: Operation) -> FirstError:
-    """The first error a step recorded (the audit keeps it; `last_error` is overwritten)."""
+def first_error_of(op: Operation, step: str = "") -> FirstError:
+    """The first error a step (`step`, else any) recorded: the audit keeps it, while
+    `last_error` and the claim's `error` are overwritten by what came after."""
+    events = OperationEvent.objects.filter(operation=op)
     first = (
-        OperationEvent.objects.filter(operation=op)
-        .exclude(step="")
+        (events.filter(step=step) if step else events.exclude(step=""))
         .exclude(reason__in=("", "claimed"))
         .exclude(to_state=ClaimState.DONE)
         .exclude(actor__startswith="operator:")
