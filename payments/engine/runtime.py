@@ -212,7 +212,7 @@ def _finish(
     op: Operation, state: OperationState, worker_id: str, reason: str, **fields: Any
 ) -> bool:
     """Leave RUNNING if this worker still holds the lease; return whether it did (one statement)."""
-    if state in (OperationState.SUCCEEDED, OperationState.NEEDS_REVIEW):
+    if state in (OperationState.SUCCEEDED, OperationState.NEEDS_REVIEW, OperationState.UNCERTAIN):
         fields.setdefault("last_error", "" if state == OperationState.SUCCEEDED else reason)
     released = fence.release_held_lease(op, state, owner=worker_id, reason=reason[:500], **fields)
     if released is None:

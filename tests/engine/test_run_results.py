@@ -83,3 +83,4 @@ def test_an_ending_error__its_state_and_the_same_result(name, monkeypatch):
     op.refresh_from_db()
     assert op.state == state
     assert result == runtime.RunResult(state) == str(state)
+    assert op.last_error == str(error)  # why it stopped, uncertain too (a newcomer's catch)
