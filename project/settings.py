@@ -26,6 +26,13 @@ env = environ.Env()
 _ENV_FILE = os.environ.get("DJANGO_ENV_FILE", str(BASE_DIR / ".env"))
 if _ENV_FILE:
     environ.Env.read_env(_ENV_FILE)
+#: Said beside a refusal when the env file is missing (a fresh checkout before `make env`).
+_NO_ENV_FILE = (
+    f" There is no env file at {_ENV_FILE}: for development, `make env` writes one"
+    " (DEBUG on, development values); a deploy sets these in its environment."
+    if _ENV_FILE and not Path(_ENV_FILE).exists()
+    else ""
+)
 
 DEBUG = env.bool("DEBUG", default=False)
 
@@ -37,7 +44,7 @@ def _secret(name: str, dev_default: str) -> str:
         return value
     if DEBUG:
         return dev_default
-    raise ImproperlyConfigured(f"{name} must be set when DEBUG is off.")
+    raise ImproperlyConfigured(f"{name} must be set when DEBUG is off.{_NO_ENV_FILE}")
 
 
 INSECURE_DEV_SECRET_KEY = "insecure-dev-secret-key-do-not-use-in-production"

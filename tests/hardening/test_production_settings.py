@@ -80,6 +80,16 @@ def test_start_up__refused_without_debug(tmp_path, change, message):
     assert message in result.stderr
 
 
+def test_start_up__no_env_file__the_refusal_says_make_env_writes_one(tmp_path):
+    """A newcomer's catch: a fresh checkout has no .env, and pytest on one file stopped
+    at "SECRET_KEY must be set when DEBUG is off" without saying where it comes from."""
+    result = manage("check", env=process_env(tmp_path / ".env"))
+    assert result.returncode != 0
+    assert "SECRET_KEY must be set when DEBUG is off" in result.stderr
+    assert f"no env file at {tmp_path / '.env'}" in result.stderr
+    assert "`make env` writes one" in result.stderr
+
+
 def test_start_up__the_same_gaps_are_fine_with_debug_on(tmp_path):
     env_file = production_file(
         tmp_path,
