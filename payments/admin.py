@@ -566,6 +566,8 @@ def _refused(
     missing = [p for p in action.permissions if not request.user.has_perm(p)]
     if missing:
         return f"it needs the permission {missing[0]}"
+    if available.refused_all:
+        return str(available.refused_all)
     refused = available.refused.get(action.name, "")
     if not refused and action.refusal is not None:
         refused = action.refusal(op, step)

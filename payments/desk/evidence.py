@@ -24,6 +24,7 @@ from django.utils.text import Truncator
 from payments.conf import payments_settings
 from payments.desk.display import when
 from payments.engine import fence
+from payments.engine.handlers import registered_handlers
 from payments.engine.steps import claim_system, replay_allowed, replay_deadline, step_system
 from payments.engine.systems import ExternalSystem, Read, system_of
 from payments.exceptions import ConfigurationError
@@ -161,10 +162,22 @@ def mark_failed_words(claim: StepClaim) -> str:
     )
 
 
+def no_handler(op: Operation) -> str:
+    """Why the desk can do nothing for an operation whose kind no handler registers."""
+    return (
+        f"no handler is registered for kind {op.kind!r} in this deploy (renamed or removed?): "
+        "nothing can be looked up, resumed or settled from here until a handler for that kind "
+        "is registered again; its steps and audit trail are below"
+    )
+
+
 def next_step(op: Operation, claim: StepClaim, look: ClaimLook | None) -> str:
     """What happens next to this unsettled step: a stated wait (reason, time) or an action."""
     if claim.state not in UNSETTLED_CLAIM_STATES:
         return ""
+    if op.kind not in registered_handlers():  # nothing looks, replays or settles it
+        words = no_handler(op)
+        return f"Nothing happens next: {words}."
     who = system_label(claim)
     if look is not None and look.hold:
         return (

@@ -11,10 +11,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from payments.desk.display import when
-from payments.desk.evidence import system_label
+from payments.desk.evidence import no_handler, system_label
 from payments.engine import fence
 from payments.engine.effects import ReferenceNotFound
-from payments.engine.handlers import HandlerSpec, get_handler
+from payments.engine.handlers import HandlerSpec, get_handler, registered_handlers
 from payments.engine.outcomes import EffectError
 from payments.engine.steps import view_of
 from payments.exceptions import InvalidTransition, PaymentsError
@@ -128,12 +128,16 @@ class DeskActions:
 
     refused: dict[str, str]
     settleable_steps: list[str]
+    #: Why no action at all can be taken (the kind has no handler in this deploy).
+    refused_all: str = ""
 
 
 def available_actions(operation: Operation) -> DeskActions:
     """Tell which actions the operation's state allows (permissions are the caller's)."""
     claims = list(operation.claims.all())
-    spec = get_handler(operation.kind)
+    spec = registered_handlers().get(operation.kind)
+    if spec is None:  # the runtime sent it to a person; the desk cannot act for a handler
+        return DeskActions(refused={}, settleable_steps=[], refused_all=no_handler(operation))
     refused: dict[str, str] = {}
     checks = {
         "resume": lambda: check_resume(operation, claims, reopen=True),

@@ -42,6 +42,7 @@ from payments.desk.evidence import (
     evidence_html,
     look_of,
     mark_failed_words,
+    no_handler,
     operation_label,
     query_tally,
     query_title,
@@ -554,6 +555,9 @@ class ActionViewsMixin(DeskBase):
         change_url = reverse(
             f"admin:{self.opts.app_label}_{self.opts.model_name}_change", args=[op.pk]
         )
+        if op.kind not in registered_handlers():  # its page says so beside every button
+            self.message_user(request, f"Nothing was changed: {no_handler(op)}.", messages.ERROR)
+            return HttpResponseRedirect(change_url)
         form = _form_for(spec, op, step, request.POST if request.method == "POST" else None)
         status, refused_now = 200, ""
         # Refused by the server, not only by a greyed-out button: a direct GET or POST of
