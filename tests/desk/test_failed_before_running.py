@@ -17,7 +17,6 @@ from django.urls import reverse
 
 from payments.desk import services as desk
 from payments.desk.rules import available_actions
-from payments.models import OperationState
 from payments.refunds.handler import request_refund
 from tests.support import flows
 from tests.support.users import VIEW, client_for, make_user
@@ -32,18 +31,8 @@ def words(response) -> str:
     return re.sub(r"\s+", " ", re.sub(r"<[^>]+>", " ", response.content.decode()))
 
 
-def refund_failed_by_an_outage(provider, queue, key: str):
-    order = flows.paid_order(queue)
-    provider.state.enqueue_faults("fail_before", 3)  # every try refused before executing
-    op, _ = request_refund(order_id=order.pk, key=key, amount=400, actor="api")
-    run_worker(queue)
-    op.refresh_from_db()
-    assert op.state == OperationState.FAILED
-    return op
-
-
 def test_a_refund_failed_before_anything_ran__a_case_on_needs_attention(provider, queue):
-    op = refund_failed_by_an_outage(provider, queue, "outage-refund")
+    op = flows.refund_failed_by_an_outage(provider, queue, "outage-refund")
 
     page = words(client_for(make_user("vera", *VIEW)).get(NEEDS_ATTENTION))
 
@@ -55,7 +44,7 @@ def test_a_refund_failed_before_anything_ran__a_case_on_needs_attention(provider
 def test_a_refund_failed_before_anything_ran__resume_does_not_say_the_provider_refused(
     provider, queue
 ):
-    op = refund_failed_by_an_outage(provider, queue, "outage-resume")
+    op = flows.refund_failed_by_an_outage(provider, queue, "outage-resume")
 
     why = available_actions(op).refused["resume"]
 
@@ -64,7 +53,7 @@ def test_a_refund_failed_before_anything_ran__resume_does_not_say_the_provider_r
 
 
 def test_once_a_new_attempt_is_asked__the_case_leaves_needs_attention(provider, queue):
-    op = refund_failed_by_an_outage(provider, queue, "outage-retried")
+    op = flows.refund_failed_by_an_outage(provider, queue, "outage-retried")
     senior = make_user(
         "sam", "payments.view_operation", "payments.reconcile_operation",
         "payments.start_new_attempt",
@@ -81,7 +70,7 @@ def test_once_a_new_attempt_is_asked__the_case_leaves_needs_attention(provider, 
 def test_once_the_refund_is_asked_again_under_a_new_key__the_case_leaves(provider, queue):
     """A review's catch: the case stayed for 24 h after the API (or the desk's refund form)
     asked the same refund again under a new key, inviting a second refund of it."""
-    op = refund_failed_by_an_outage(provider, queue, "outage-asked-again")
+    op = flows.refund_failed_by_an_outage(provider, queue, "outage-asked-again")
     again, _ = request_refund(
         order_id=op.params["order_id"], key="asked-again", amount=400, actor="api"
     )

@@ -1,7 +1,7 @@
 """Orders and checkouts, and operations brought into shape by the real runtime.
 
-`paid_order`, `failed_by_invoice_bug` and `uncertain_after_read_timeout` run a worker in this
-process over real HTTP: for transactional tests only (a claim must commit
+`paid_order`, `failed_by_invoice_bug`, `uncertain_after_read_timeout` and
+`refund_failed_by_an_outage` run a worker in this process over real HTTP: for transactional tests only (a claim must commit
 before its call). The others only create rows and enqueue on commit.
 """
 
@@ -11,7 +11,8 @@ import pytest
 
 from payments.checkout.handler import request_checkout
 from payments.checkout.orders import create_order
-from payments.models import Operation
+from payments.models import Operation, OperationState
+from payments.refunds.handler import request_refund
 from payments.shop.models import Invoice, LedgerEntry, Order, OrderStatus
 from tests.support.workers import run_worker
 
@@ -83,6 +84,18 @@ def uncertain_after_read_timeout(provider, queue, key: str = "chk-1") -> Operati
     run_worker(queue)
     assert provider.state.wait_idle(timeout=5)  # the charge is stored at the provider
     op.refresh_from_db()
+    return op
+
+
+def refund_failed_by_an_outage(provider, queue, key: str) -> Operation:
+    """A paid order's refund whose every try the provider refused before it executed (an
+    outage): the fence gave up, the refund failed, nothing ran, the customer is still owed."""
+    order = paid_order(queue)
+    provider.state.enqueue_faults("fail_before", 3)
+    op, _ = request_refund(order_id=order.pk, key=key, amount=400, actor="api")
+    run_worker(queue)
+    op.refresh_from_db()
+    assert op.state == OperationState.FAILED
     return op
 
 
