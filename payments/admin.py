@@ -49,6 +49,7 @@ from payments.desk.filters import DateRangeFilter
 from payments.desk.lists import (
     BoundedListMixin,
     KindFilter,
+    NothingRanFilter,
     operation_id_in,
     operations_search_help,
     operations_search_note,
@@ -287,7 +288,8 @@ class OperationAdmin(NamedPermissionsMixin, DeskViewsMixin, BoundedListMixin, ad
     )  # fmt: skip
     list_display_links = ("key",)
     list_filter = (
-        FollowUpFilter, "state", LeaseFilter, KindFilter, ("created_at", DateRangeFilter)
+        FollowUpFilter, "state", LeaseFilter, NothingRanFilter, KindFilter,
+        ("created_at", DateRangeFilter),
     )  # fmt: skip
     # The search is routed by the term's shape (get_search_results); this shows the box.
     search_fields = ("key",)

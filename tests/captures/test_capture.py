@@ -262,7 +262,7 @@ def test_a_compensated_capture__not_listed_as_failed_before_anything_ran(provide
     """Needs attention lists what an outage refused before anything ran, for a new attempt.
     A capture whose authorisation was done (a hold made, then released) moved something:
     it is not one of those."""
-    from payments.desk.views.queries import failed_before_running
+    from payments.desk.views.nothing_ran import failed_before_running
 
     op = gave_up_and_compensated(provider, queue)
     assert op.claims.get(step="capture").error.startswith("gave up: ")

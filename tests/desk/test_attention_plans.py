@@ -15,8 +15,14 @@ from collections.abc import Iterator
 from datetime import timedelta
 
 import pytest
+from django.db import connection
 from django.urls import reverse
+from django.utils import timezone
 
+from payments.desk.views import nothing_ran
+from payments.desk.views.nothing_ran import failed_before_running_not_listed
+from payments.desk.views.queries import follow_up_q
+from payments.engine.fence import GAVE_UP_BEFORE_RUNNING
 from payments.models import Operation, OperationState
 from tests.support.history import FENCE_TABLES, planner_sees_larger, write_history
 from tests.support.plans import history_read_by, statements_sent
@@ -63,3 +69,46 @@ def test_summary_pages__read_only_unfinished_failed_and_recent_rows(
     read = history_read_by(statements, bound)
     assert read == [], "\n".join(read)
     assert bound < COUNT / 5  # the bound is far below a walk of the history
+
+
+@pytest.fixture
+def outage_in_history(history: int) -> int:
+    """Every failed operation of the history failed before anything ran (its claim gave up):
+    the cases' list, the count of those not listed and the look for older ones find rows."""
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "UPDATE payments_stepclaim SET error = %s WHERE state = 'failed'",
+            [f"{GAVE_UP_BEFORE_RUNNING}every try refused before it ran"],
+        )
+        cursor.execute("ANALYZE payments_stepclaim")
+    return history
+
+
+def test_needs_attention_after_an_outage__counts_what_it_does_not_list_in_bounds(
+    outage_in_history, as_on_a_large_table, senior, queue, monkeypatch
+):
+    monkeypatch.setattr(nothing_ran, "FAILED_BEFORE_RUNNING_MOST", 1)  # a full list: counted
+    client = client_for(senior)
+
+    def open_page() -> None:
+        response = client.get(reverse("admin:payments_operation_needs_attention"))
+        assert response.context["not_listed"].older
+
+    read = history_read_by(statements_sent(open_page), PER_OPERATION * outage_in_history)
+    assert read == [], "\n".join(read)
+
+
+def test_older_cases__looked_for_among_the_last_failed_only(
+    history, as_on_a_large_table, monkeypatch
+):
+    """None failed before running: the look for an older one reads FAILED_LOOK_BACK failed
+    operations, not every one of the year's."""
+    monkeypatch.setattr(nothing_ran, "FAILED_LOOK_BACK", 5)
+    business = Operation.objects.exclude(follow_up_q())
+
+    def look() -> None:
+        assert not failed_before_running_not_listed(business, timezone.now(), listed=0).older
+
+    read = history_read_by(statements_sent(look), PER_OPERATION * 5)
+    assert read == [], "\n".join(read)
+    assert Operation.objects.filter(state=OperationState.FAILED).count() > PER_OPERATION * 5

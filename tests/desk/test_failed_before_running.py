@@ -10,13 +10,19 @@ PostgreSQL, a real worker in this process, the real HTTP fake provider.
 
 from __future__ import annotations
 
+import html
 import re
+from datetime import timedelta
 
 import pytest
 from django.urls import reverse
+from django.utils import timezone
 
 from payments.desk import services as desk
 from payments.desk.rules import available_actions
+from payments.desk.views import nothing_ran, queries
+from payments.engine.writes import fence_writes
+from payments.models import Operation
 from payments.refunds.handler import request_refund
 from tests.support import flows
 from tests.support.users import VIEW, client_for, make_user
@@ -29,6 +35,14 @@ NEEDS_ATTENTION = reverse("admin:payments_operation_needs_attention")
 
 def words(response) -> str:
     return re.sub(r"\s+", " ", re.sub(r"<[^>]+>", " ", response.content.decode()))
+
+
+def not_listed_link(response) -> str:
+    """The link of the cases' note on what they do not list."""
+    note = response.content.decode().split('id="cases-not-listed"', 1)[1].split("</p>", 1)[0]
+    link = re.search(r'href="([^"]+)"', note)
+    assert link, note
+    return html.unescape(link.group(1))
 
 
 def test_a_refund_failed_before_anything_ran__a_case_on_needs_attention(provider, queue):
@@ -80,3 +94,42 @@ def test_once_the_refund_is_asked_again_under_a_new_key__the_case_leaves(provide
 
     assert again.key != op.key
     assert f"{op.key} " not in page
+
+
+def test_more_failed_before_running_than_listed__the_page_says_how_many_and_links_them(
+    provider, queue, monkeypatch
+):
+    """Past FAILED_BEFORE_RUNNING_MOST, the older ones of the day were left out of the cases
+    without a word: the operator read the list as all there was to do."""
+    monkeypatch.setattr(nothing_ran, "FAILED_BEFORE_RUNNING_MOST", 1)
+    first = flows.refund_failed_by_an_outage(provider, queue, "outage-first")
+    then = flows.refund_failed_by_an_outage(provider, queue, "outage-then")
+    client = client_for(make_user("vera", *VIEW))
+
+    response = client.get(NEEDS_ATTENTION)
+    page = words(response)
+
+    assert f"{then.key} " in page and f"{first.key} " not in page  # the newest is listed
+    assert "1 more failed before anything ran in the last 24 h, not listed here" in page
+    listed = words(client.get(not_listed_link(response)))
+    assert f"{first.key} " in listed and f"{then.key} " in listed
+
+
+def test_a_case_older_than_the_window__the_page_says_so_and_links_it(provider, queue):
+    """A refund the outage refused more than 24 h ago, no new attempt asked: it left Needs
+    attention, which then read "Nothing to work" while the customer was still owed."""
+    op = flows.refund_failed_by_an_outage(provider, queue, "outage-yesterday")
+    with fence_writes():  # hand-made state: the failure a day and an hour ago
+        Operation.objects.filter(pk=op.pk).update(
+            updated_at=timezone.now() - queries.FAILED_WINDOW - timedelta(hours=1)
+        )
+    client = client_for(make_user("vera", *VIEW))
+
+    response = client.get(NEEDS_ATTENTION)
+    page = words(response)
+
+    assert f"{op.key} " not in page  # the cases read the last 24 h only
+    assert "Nothing to work" not in page
+    assert "Failed before anything ran more than 24 h ago, not listed here" in page
+    listed = words(client.get(not_listed_link(response)))
+    assert f"{op.key} " in listed

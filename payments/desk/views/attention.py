@@ -23,14 +23,19 @@ from payments.desk.evidence import (
     taken_not_settled,
     why_waiting,
 )
+from payments.desk.lists import NothingRanFilter
 from payments.desk.rules import a_new_attempt
 from payments.desk.views.audit import audit_view
 from payments.desk.views.base import VIEW_PERMISSION, DeskBase
 from payments.desk.views.chart import legend, outcomes_per_hour, outcomes_svg
+from payments.desk.views.nothing_ran import (
+    FAILED_BEFORE_RUNNING_MOST,
+    failed_before_running,
+    failed_before_running_not_listed,
+)
 from payments.desk.views.queries import (
     business_kinds,
     counts_by_state,
-    failed_before_running,
     follow_up_kinds,
     follow_up_q,
     money_by_state_and_kind,
@@ -38,6 +43,7 @@ from payments.desk.views.queries import (
     stale_q,
     state_label,
     totals_by_kind,
+    window_words,
     with_last_reason,
     with_state_since,
 )
@@ -56,7 +62,9 @@ class NeedsAttentionMixin(DeskBase):
         Follow-ups (ledger, sales counter) are counted apart: the headline
         figures are the customers' payments. Every figure reads unfinished
         operations, the ones failed within FAILED_WINDOW or the chart's last
-        hours, each through its partial index: never the history.
+        hours, each through its partial index: never the history. The cases
+        failed before anything ran are the window's; the page says how many
+        more there are, and whether older ones are (nothing_ran's bounds).
         """
         if not self.has_view_permission(request):
             raise PermissionDenied(VIEW_PERMISSION)
@@ -99,6 +107,7 @@ class NeedsAttentionMixin(DeskBase):
             + follow_ups.filter(state=OperationState.FAILED).count()
         )
         audit = FenceAuditRun.objects.order_by("-finished_at").first()
+        nothing_ran = failed_before_running(now, among=business)
         context = {
             **self.admin_site.each_context(request),
             "title": "Needs attention",
@@ -118,7 +127,11 @@ class NeedsAttentionMixin(DeskBase):
             "audit": audit,
             "audit_view": audit_view(audit, request),
             "changelist_url": changelist,
-            "cases": cases_page(business, request, now),
+            "cases": cases_page(business, request, now, nothing_ran),
+            "window": window_words(),
+            "not_listed": failed_before_running_not_listed(business, now, listed=len(nothing_ran)),
+            "listed_most": FAILED_BEFORE_RUNNING_MOST,
+            "nothing_ran_url": f"{changelist}?{NothingRanFilter.parameter_name}=yes",
             "chart": outcomes_svg(bars),
             "legend": legend(bars),
             "incident": incident_html(incident()),
@@ -158,14 +171,14 @@ CASE_STATES = (OperationState.UNCERTAIN, OperationState.NEEDS_REVIEW)
 CASES_PER_PAGE = 25
 
 
-def cases_page(business: QuerySet[Operation], request: HttpRequest, now: datetime) -> Any:
+def cases_page(
+    business: QuerySet[Operation], request: HttpRequest, now: datetime, nothing_ran: list[int]
+) -> Any:
     """The cases to work, oldest in their state first, one page of them, with age and money:
-    uncertain, under review, stale, and failed before anything ran with no new attempt."""
+    uncertain, under review, stale, and `nothing_ran` (failed_before_running's)."""
     cases = with_last_reason(
         with_state_since(
-            business.filter(
-                Q(state__in=CASE_STATES) | stale_q(now) | Q(pk__in=failed_before_running(now))
-            )
+            business.filter(Q(state__in=CASE_STATES) | stale_q(now) | Q(pk__in=nothing_ran))
         )
     )
     paginator = Paginator(cases.order_by("state_since", "pk"), CASES_PER_PAGE)

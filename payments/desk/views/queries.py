@@ -10,7 +10,6 @@ from typing import TYPE_CHECKING, Any, TypedDict
 from django.db.models import (
     BigIntegerField,
     Count,
-    Exists,
     F,
     IntegerField,
     OuterRef,
@@ -26,7 +25,7 @@ from django.urls import reverse
 from django.utils import timezone
 
 from payments.desk.display import reference_link, when
-from payments.engine.fence import GAVE_UP_BEFORE_RUNNING, RELEASED_AFTER_TRANSIENT
+from payments.engine.fence import RELEASED_AFTER_TRANSIENT
 from payments.engine.handlers import registered_handlers
 from payments.engine.systems import system_of
 from payments.models import (
@@ -232,52 +231,6 @@ def recently_failed_q(now: datetime | None = None) -> Q:
     return Q(state=OperationState.FAILED, updated_at__gte=since)
 
 
-#: The most operations failed before running that Needs attention lists (the newest).
-FAILED_BEFORE_RUNNING_MOST = 1000
-
-
-def failed_before_running(now: datetime | None = None) -> list[int]:
-    """Operations failed within FAILED_WINDOW because the fence gave up on a step whose every
-    try was refused before it executed (an outage), no external step of them done, and no
-    new attempt nor other operation of its kind for its entity asked for since (one not
-    failed): nothing happened at the system, and the business's intent (a refund owed, a charge
-    wanted) is not met. A case for a person: a new attempt, or leave it.
-
-    Their ids, the newest FAILED_BEFORE_RUNNING_MOST: read from the recently failed ones
-    (their partial index), each one's claims through its own index, never a scan of the
-    claims (an EXISTS inside the cases' OR would be hashed over the whole table).
-    """
-    gave_up = StepClaim.objects.filter(
-        operation=OuterRef("pk"),
-        state=ClaimState.FAILED,
-        error__startswith=GAVE_UP_BEFORE_RUNNING,
-    )
-    # A step that did take effect (a hold later released by the compensation): something
-    # ran, and a new attempt is not the plain answer; the operation's page says what ran.
-    moved = StepClaim.objects.filter(operation=OuterRef("pk"), state=ClaimState.DONE).exclude(
-        idempotency_key=""
-    )
-    retried = Operation.objects.filter(retry_of=OuterRef("pk"))
-    # Asked again since under a new key, by the API or the desk's own form (not a "new
-    # attempt", so no retry_of): the intent is being met; listing it would invite a second
-    # refund of the same money.
-    asked_again = Operation.objects.filter(
-        kind=OuterRef("kind"),
-        entity_type=OuterRef("entity_type"),
-        entity_id=OuterRef("entity_id"),
-        created_at__gt=OuterRef("created_at"),
-    ).exclude(state=OperationState.FAILED)
-    return list(
-        Operation.objects.filter(recently_failed_q(now))
-        .filter(Exists(gave_up))
-        .exclude(Exists(moved))
-        .exclude(Exists(retried))
-        .exclude(Exists(asked_again))
-        .order_by("-updated_at")
-        .values_list("pk", flat=True)[:FAILED_BEFORE_RUNNING_MOST]
-    )
-
-
 def stale_q(now: datetime | None = None) -> Q:
     """Running operations whose lease has run out: their worker died or hangs."""
     return Q(state=OperationState.RUNNING, lease_expires_at__lt=now or timezone.now())
@@ -390,8 +343,13 @@ def desk_counts() -> list[dict[str, Any]]:
     return rows
 
 
+def window_words() -> str:
+    """FAILED_WINDOW in the desk's words: "24 h"."""
+    return f"{int(FAILED_WINDOW.total_seconds() // 3600)} h"
+
+
 def state_label(state: OperationState) -> str:
     """A state's label on the desk's summaries; failed says its window."""
     if state == OperationState.FAILED:
-        return f"{state.label} (last {int(FAILED_WINDOW.total_seconds() // 3600)} h)"
+        return f"{state.label} (last {window_words()})"
     return str(state.label)
