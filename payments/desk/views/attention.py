@@ -107,13 +107,14 @@ class NeedsAttentionMixin(DeskBase):
             + follow_ups.filter(state=OperationState.FAILED).count()
         )
         audit = FenceAuditRun.objects.order_by("-finished_at").first()
+        stale_count = business.filter(stale_q(now)).count()
         nothing_ran = failed_before_running(now, among=business)
         context = {
             **self.admin_site.each_context(request),
             "title": "Needs attention",
             "opts": self.opts,
             "states": states,
-            "stale_count": business.filter(stale_q(now)).count(),
+            "stale_count": stale_count,
             "stale_url": f"{changelist}?lease=stale",
             "oldest": oldest,
             "oldest_uncertain": next(o["oldest"] for o in oldest if o["state"] == "uncertain"),
@@ -128,6 +129,14 @@ class NeedsAttentionMixin(DeskBase):
             "audit_view": audit_view(audit, request),
             "changelist_url": changelist,
             "cases": cases_page(business, request, now, nothing_ran),
+            # The cases' count in the parts the figures above count (the same queries).
+            "cases_parts": {
+                "uncertain": counts.get(OperationState.UNCERTAIN.value, 0),
+                "needs_review": counts.get(OperationState.NEEDS_REVIEW.value, 0),
+                "stale": stale_count,
+                "nothing_ran": len(nothing_ran),
+                "failed": counts.get(OperationState.FAILED.value, 0),
+            },
             "window": window_words(),
             "not_listed": failed_before_running_not_listed(business, now, listed=len(nothing_ran)),
             "listed_most": FAILED_BEFORE_RUNNING_MOST,
