@@ -1,18 +1,24 @@
 """Needs attention's figures agree with one another during an outage, or say what they count.
 
-An operator's try during a provider outage: the states' counts and the cases'
-count disagreed, each counting another set (the cases included the refunds that
-failed before anything ran, counted nowhere else). Real
-PostgreSQL, the real HTTP fake provider, the real page.
+An operator's try during a provider outage: the states' counts, the cases' count
+and the chart's legend disagreed, each counting another set (the cases included
+the refunds that failed before anything ran, the chart's day began at an hour).
+Real PostgreSQL, the real HTTP fake provider, the real page.
 """
 
 from __future__ import annotations
 
 import re
+from datetime import timedelta
 
 import pytest
 from django.urls import reverse
+from django.utils import timezone
 
+from payments.desk.views.chart import legend, outcomes_per_hour
+from payments.desk.views.queries import FAILED_WINDOW, counts_by_state, follow_up_q
+from payments.engine.writes import fence_writes
+from payments.models import Operation, OperationState
 from tests.support import builders, flows
 from tests.support.users import VIEW, client_for, make_user
 
@@ -54,3 +60,22 @@ def test_cases_count__made_of_the_states_counts_and_the_failed_before_anything_r
         tile(page, "uncertain"), tile(page, "needs_review"), tile(page, "stale"),
     )  # fmt: skip
     assert (nothing_ran, failed) == (1, tile(page, "failed")) == (1, 2)
+
+
+@pytest.mark.django_db
+def test_chart_legend__declined_or_failed_is_the_failed_count_of_the_same_24_hours(provider):
+    """The chart's day began at the top of the hour after now - 24 h: a failure in between
+    counted in "Failed (last 24 h)" and not in the legend's "declined or failed"."""
+    hour = timezone.now().replace(minute=0, second=0, microsecond=0)
+    now = hour - timedelta(hours=2) + timedelta(minutes=30)  # a fixed "now", half past
+    op, _ = builders.declined(key="declined-early")
+    with fence_writes():  # hand-made state: failed 23 h 55 min before that "now"
+        Operation.objects.filter(pk=op.pk).update(
+            updated_at=now - FAILED_WINDOW + timedelta(minutes=5)
+        )
+    business = Operation.objects.exclude(follow_up_q())
+
+    shown = {item["label"]: item["total"] for item in legend(outcomes_per_hour(business, now))}
+
+    assert counts_by_state(business, now)[OperationState.FAILED] == 1
+    assert shown["declined or failed"] == 1

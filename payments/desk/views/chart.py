@@ -4,7 +4,9 @@ Counted from the operations themselves (their state and the hour it last
 changed), not from the audit trail: one row per operation, read over the
 last day in one grouped query per state, each a range of that state's index
 on `updated_at` (succeeded, failed) or of the unfinished operations' index:
-a day's rows, however long the history.
+a day's rows, however long the history. The day is FAILED_WINDOW, from the
+same instant as "Failed (last 24 h)": the legend's "declined or failed" is
+that figure, its first and last hours partial.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from django.utils.html import format_html, format_html_join
 from django.utils.safestring import SafeString
 
 from payments.desk.display import BADGE_COLOURS
+from payments.desk.views.queries import FAILED_WINDOW
 from payments.models import Operation, OperationState
 
 #: What the chart stacks, bottom up, with the words an operator reads.
@@ -28,7 +31,7 @@ SERIES = (
     (OperationState.UNCERTAIN, "uncertain"),
     (OperationState.NEEDS_REVIEW, "needs review"),
 )
-HOURS = 24
+HOURS = int(FAILED_WINDOW / timedelta(hours=1))
 BAR, GAP, HEIGHT, AXIS = 14, 4, 90, 16
 
 
@@ -43,19 +46,23 @@ class HourBar:
 
 
 def outcomes_per_hour(queryset: QuerySet[Operation], now: datetime | None = None) -> list[HourBar]:
-    """The last HOURS hours, oldest first: per hour, operations that ended there in each state."""
-    end = (now or timezone.now()).replace(minute=0, second=0, microsecond=0) + timedelta(hours=1)
-    start = end - timedelta(hours=HOURS)
+    """The last HOURS hours, oldest first: per hour, operations that ended there in each state.
+
+    From now - FAILED_WINDOW on, as the failed ones are counted: a bar for each hour that
+    window touches (HOURS + 1 of them, the first and the last partial).
+    """
+    since = (now or timezone.now()) - FAILED_WINDOW
+    start = since.replace(minute=0, second=0, microsecond=0)
     found: dict[tuple[datetime, str], int] = {}
     for state, _label in SERIES:
         rows = (
-            queryset.filter(state=state, updated_at__gte=start)
+            queryset.filter(state=state, updated_at__gte=since)
             .annotate(hour=TruncHour("updated_at"))
             .values("hour")
             .annotate(n=Count("pk"))
         )
         found.update({(r["hour"], state): r["n"] for r in rows})
-    hours = [start + timedelta(hours=i) for i in range(HOURS)]
+    hours = [start + timedelta(hours=i) for i in range(HOURS + 1)]
     return [HourBar(h, {s: found.get((h, s), 0) for s, _ in SERIES}) for h in hours]
 
 
