@@ -17,12 +17,13 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
-from django.db.models import Exists, Min, OuterRef, Q
+from django.db.models import Exists, Min, OuterRef, Q, QuerySet
 from django.utils.html import format_html, format_html_join
 from django.utils.text import Truncator
 
 from payments.conf import payments_settings
 from payments.desk.display import when
+from payments.desk.views.queries import business_kinds, money_by_state_and_kind, totals_by_kind
 from payments.engine import fence
 from payments.engine.handlers import registered_handlers
 from payments.engine.steps import claim_system, replay_allowed, replay_deadline, step_system
@@ -41,7 +42,7 @@ from payments.money import format_money
 
 #: How many operations waiting on unanswered looks make an incident (one banner).
 INCIDENT_AT_LEAST = 3
-#: The most operations whose money an incident banner adds up (the count is exact).
+#: The most unsettled claims whose money the provider showed taken Needs attention adds up.
 INCIDENT_MONEY_ROWS = 5000
 
 
@@ -281,8 +282,11 @@ class Incident:
 
     since: datetime
     operations: int
+    #: Of `operations`, those with a request in flight at the provider; the others
+    #: (`unreadable`) got no answer at their last look.
     in_flight: int
     unreadable: int
+    #: Their money, one line per kind ("€25.00 checkout"), as the states' totals give it.
     money: list[str] = field(default_factory=list)
     next_look: datetime | None = None
 
@@ -293,7 +297,9 @@ def incident() -> Incident | None:
     Uncertain and under-review operations (the partial index over unfinished
     ones) with an unsettled step whose last look the provider did not answer
     (in flight or unreadable, not held for a person); an incident is at least
-    INCIDENT_AT_LEAST of them.
+    INCIDENT_AT_LEAST of them. Every figure counts those operations, all of
+    them: how many have a request in flight (the others are unanswered), their
+    money per kind as the states' totals add it, the first and next looks.
     """
     unanswered = ClaimLook.objects.filter(
         Q(showed__in=INCIDENT_LOOKS) | Q(in_flight_since__isnull=False),
@@ -307,18 +313,13 @@ def incident() -> Incident | None:
     operations = waiting.count()
     if operations < INCIDENT_AT_LEAST:
         return None
-    rows = list(waiting.values_list("pk", "params")[:INCIDENT_MONEY_ROWS])
-    amounts: dict[str, int] = {}
-    for _, params in rows:
-        amount, currency = (params or {}).get("amount"), str((params or {}).get("currency") or "")
-        if isinstance(amount, int) and currency:
-            amounts[currency] = amounts.get(currency, 0) + amount
-    looks = ClaimLook.objects.filter(
+    in_flight = waiting.filter(Exists(unanswered.filter(in_flight_since__isnull=False))).count()
+    first = ClaimLook.objects.filter(
         Q(showed__in=INCIDENT_LOOKS) | Q(in_flight_since__isnull=False),
-        claim__operation_id__in=[pk for pk, _ in rows],
+        claim__operation__in=waiting.values("pk"),
         claim__state__in=UNSETTLED_CLAIM_STATES,
-    )
-    first = looks.aggregate(
+        hold="",
+    ).aggregate(
         unread=Min("unread_since"),
         flight=Min("in_flight_since"),
         looked=Min("first_look_at"),
@@ -328,18 +329,31 @@ def incident() -> Incident | None:
     return Incident(
         since=since,
         operations=operations,
-        in_flight=looks.filter(in_flight_since__isnull=False).count(),
-        unreadable=looks.filter(in_flight_since__isnull=True).count(),
-        money=[format_money(v, c) for c, v in sorted(amounts.items())],
+        in_flight=in_flight,
+        unreadable=operations - in_flight,
+        money=money_at_stake(waiting),
         next_look=first["next"],
     )
+
+
+def money_at_stake(operations: QuerySet[Operation]) -> list[str]:
+    """The operations' money, one line per kind as the states' totals give it ("€25.00
+    checkout"): a refund's is never added to a charge's, a kind that moves none counts none."""
+    by_kind: dict[str, dict[str, int]] = {}
+    for kinds in money_by_state_and_kind(operations).values():
+        for kind, totals in kinds.items():
+            for currency, total in totals:
+                by_kind.setdefault(kind, {})
+                by_kind[kind][currency] = by_kind[kind].get(currency, 0) + total
+    shown = {kind: sorted(totals.items()) for kind, totals in by_kind.items()}
+    return [] if not shown else totals_by_kind(shown, labelled=len(business_kinds()) > 1)
 
 
 def incident_html(found: Incident | None, *, list_url: str = "") -> str:
     """The incident banner ("" when there is none)."""
     if found is None:
         return ""
-    money = " + ".join(found.money) or "no amount"
+    money = " and ".join(found.money) or "no amount"
     link = format_html(' <a href="{}">See them</a>.', list_url) if list_url else ""
     return format_html(
         '<div class="desk-incident" role="alert" style="margin:0 0 12px;padding:10px 14px;'

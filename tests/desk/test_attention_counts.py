@@ -1,9 +1,10 @@
 """Needs attention's figures agree with one another during an outage, or say what they count.
 
-An operator's try during a provider outage: the states' counts, the cases' count
-and the chart's legend disagreed, each counting another set (the cases included
-the refunds that failed before anything ran, the chart's day began at an hour).
-Real PostgreSQL, the real HTTP fake provider, the real page.
+An operator's try during a provider outage: the states' counts, the cases' count,
+the chart's legend and the incident banner disagreed, each counting another set
+(the cases included the refunds that failed before anything ran, the chart's day
+began at an hour, the banner read its figures from its first rows only). Real
+PostgreSQL, the real HTTP fake provider, the real page.
 """
 
 from __future__ import annotations
@@ -15,8 +16,10 @@ import pytest
 from django.urls import reverse
 from django.utils import timezone
 
+from payments.desk import evidence
 from payments.desk.views.chart import legend, outcomes_per_hour
 from payments.desk.views.queries import FAILED_WINDOW, counts_by_state, follow_up_q
+from payments.engine.recovery import reconcile
 from payments.engine.writes import fence_writes
 from payments.models import Operation, OperationState
 from tests.support import builders, flows
@@ -79,3 +82,25 @@ def test_chart_legend__declined_or_failed_is_the_failed_count_of_the_same_24_hou
 
     assert counts_by_state(business, now)[OperationState.FAILED] == 1
     assert shown["declined or failed"] == 1
+
+
+@pytest.mark.django_db
+def test_incident_banner__its_figures_count_every_operation_it_names(
+    provider, viewer, settings, monkeypatch
+):
+    """The banner counted the waiting operations, then read the in-flight and unanswered
+    ones and the money from the first INCIDENT_MONEY_ROWS of them only: past that (an
+    outage of thousands, here the rows cut to 2), "3 operations wait (0 in flight, 2
+    unanswered), €39.98 at stake" for three charges of €19.99."""
+    monkeypatch.setattr(evidence, "INCIDENT_MONEY_ROWS", 2)
+    for n in range(3):
+        builders.uncertain(key=f"inc-all-{n}", charged=True)
+    settings.PAYMENTS = {**settings.PAYMENTS, "PROVIDER_URL": "http://127.0.0.1:9"}
+    reconcile()
+
+    banner = words(client_for(viewer).get(NEEDS_ATTENTION).content.decode())
+
+    assert (
+        "3 operations wait for the provider's answer (0 with a request in flight there, "
+        "3 unanswered), €59.97 checkout at stake"
+    ) in banner
