@@ -13,14 +13,19 @@ evidence and the stated waits are on screen. Screenshots (artifacts/screenshots/
 
 from __future__ import annotations
 
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
 from django.db import connections
+from django.utils import timezone
 
 from payments.checkout.handler import request_checkout
 from payments.checkout.orders import create_order
+from payments.desk.views.queries import FAILED_WINDOW
 from payments.engine.recovery import reconcile
+from payments.engine.writes import fence_writes
+from payments.models import Operation
 from payments.refunds.handler import request_refund
 from tests.support import builders, flows
 from tests.support.users import RECONCILE, VIEW, make_user
@@ -69,6 +74,12 @@ def test_an_operator_walks_the_desk_during_a_provider_incident(
     provider.state.enqueue_faults("fail_before", 3)
     request_refund(order_id=paid.pk, key="walk-refund", amount=400, actor="api")
     run_worker(queue)
+    # And one refused so the day before: past the cases' 24 h, still owed.
+    older = flows.refund_failed_by_an_outage(provider, queue, "walk-refund-yesterday")
+    with fence_writes():  # hand-made state: failed a day and an hour ago
+        Operation.objects.filter(pk=older.pk).update(
+            updated_at=timezone.now() - FAILED_WINDOW - timedelta(hours=1)
+        )
     provider.state.configure(slow_delay=3.0)
     provider.state.enqueue_faults("slow", 1)
     order = create_order(amount=7450, currency="eur", email="held@example.com")
@@ -99,6 +110,10 @@ def test_an_operator_walks_the_desk_during_a_provider_incident(
     assert "operations wait for the provider's answer" in tab.locator(".desk-incident").inner_text()
     case = tab.locator(".desk-case", has_text="walk-refund")
     assert "Nothing ran at the provider" in case.inner_text()
+    counted = tab.locator(".desk-pages").inner_text()
+    assert "1 failed before anything ran (of the 1 failed in the last 24 h)" in counted
+    not_listed = tab.locator("#cases-not-listed")
+    assert "more than 24 h ago, not listed here" in not_listed.inner_text()
     shot(tab, "needs-attention")
 
     tab.goto(f"{live_server.url}/admin/payments/operation/{held.pk}/change/")
