@@ -99,3 +99,42 @@ def test_search__an_unknown_refund_id_says_the_provider_does_not_know_it(provide
         .content.decode()
     )
     assert "No step has re_zzz, and the provider does not know it." in page
+
+
+@pytest.mark.django_db
+def test_cases__moved_from_uncertain_to_review__waiting_since_it_went_uncertain():
+    """The operator's try: an operation uncertain for 40 minutes that the reconciler moved
+    to review read "waiting 0 minutes" and sorted after a case 10 minutes old."""
+    from datetime import timedelta
+
+    from django.db import transaction
+    from django.utils import timezone
+
+    from payments.engine import fence
+    from payments.engine.writes import fence_writes
+    from payments.models import OperationEvent
+
+    def aged(key: str, minutes: int):
+        op, _claim, _ = builders.uncertain(key=key, charged=False)
+        with fence_writes():
+            for event in OperationEvent.objects.filter(operation=op):
+                OperationEvent.objects.filter(pk=event.pk).update(
+                    created_at=event.created_at - timedelta(minutes=minutes)
+                )
+        return op
+
+    first = aged("uncertain-40-min-ago", 40)
+    aged("uncertain-10-min-ago", 10)
+    with transaction.atomic():  # as the reconciler moves it (payments.engine.recovery)
+        locked = fence.locked_operation_in_tx(first.pk)
+        fence.release_in_tx(
+            locked, OperationState.NEEDS_REVIEW, actor="reconciler:t", reason="not found"
+        )
+    client = client_for(make_user("vera", *VIEW))
+
+    page = client.get(reverse("admin:payments_operation_needs_attention"))
+
+    rows = page.context["cases"].rows
+    assert [r["operation"].key for r in rows] == ["uncertain-40-min-ago", "uncertain-10-min-ago"]
+    assert rows[0]["age"].startswith("40")
+    assert timezone.now() - rows[0]["operation"].waiting_since > timedelta(minutes=39)

@@ -46,6 +46,7 @@ from payments.desk.views.queries import (
     window_words,
     with_last_reason,
     with_state_since,
+    with_waiting_since,
 )
 from payments.desk.views.rq_links import failed_jobs
 from payments.models import UNFINISHED_OPERATION_STATES, FenceAuditRun, Operation, OperationState
@@ -183,14 +184,15 @@ CASES_PER_PAGE = 25
 def cases_page(
     business: QuerySet[Operation], request: HttpRequest, now: datetime, nothing_ran: list[int]
 ) -> Any:
-    """The cases to work, oldest in their state first, one page of them, with age and money:
-    uncertain, under review, stale, and `nothing_ran` (failed_before_running's)."""
+    """The cases to work, the longest waiting first, one page of them, with age and money:
+    uncertain, under review, stale, and `nothing_ran` (failed_before_running's). An
+    operation moved from uncertain to review waits since it went uncertain."""
     cases = with_last_reason(
-        with_state_since(
+        with_waiting_since(
             business.filter(Q(state__in=CASE_STATES) | stale_q(now) | Q(pk__in=nothing_ran))
         )
     )
-    paginator = Paginator(cases.order_by("state_since", "pk"), CASES_PER_PAGE)
+    paginator = Paginator(cases.order_by("waiting_since", "pk"), CASES_PER_PAGE)
     page = paginator.get_page(request.GET.get("page"))
     # What the fence saw at its last look says more than its last audit row's reason.
     seen = why_waiting([op.pk for op in page.object_list])
@@ -200,8 +202,8 @@ def cases_page(
             "url": reverse("admin:payments_operation_change", args=[op.pk]),
             "badge": state_badge(op.state),
             "stale": is_stale(op, now),
-            "age": timesince(getattr(op, "state_since", op.updated_at), now),
-            "since": when(getattr(op, "state_since", op.updated_at)),
+            "age": timesince(op.waiting_since, now),
+            "since": when(op.waiting_since),
             "amount": money_line(op),
             # As the operation's page: the last error, else its last audit row's reason.
             "error": Truncator(

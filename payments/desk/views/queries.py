@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any, TypedDict
 
 from django.db.models import (
     BigIntegerField,
+    Case,
     Count,
     F,
     IntegerField,
@@ -18,6 +19,7 @@ from django.db.models import (
     Subquery,
     Sum,
     Value,
+    When,
 )
 from django.db.models.fields.json import KT
 from django.db.models.functions import Cast, Coalesce, Greatest, Lower
@@ -60,6 +62,41 @@ def with_state_since(
         .values("created_at")[:1]
     )
     return queryset.annotate(state_since=Coalesce(Subquery(entered), F("updated_at")))
+
+
+class WaitingSince(StateSince):
+    """The annotations `with_waiting_since` adds."""
+
+    waiting_since: datetime
+
+
+#: The states an operation waits in for the reconciler or a person: going from one to the
+#: other (uncertain, then under review) is one wait, not a new one.
+WAITING_STATES = (OperationState.UNCERTAIN, OperationState.NEEDS_REVIEW)
+
+
+def with_waiting_since(
+    queryset: QuerySet[Operation],
+) -> QuerySet[WithAnnotations[Operation, WaitingSince]]:
+    """Annotate `state_since` and `waiting_since`: for an operation in WAITING_STATES, when
+    it first entered one of them since it was last in any other state; else `state_since`.
+    Each a look through the audit rows' index on the operation, as `with_state_since`."""
+    left = (
+        OperationEvent.objects.filter(operation=OuterRef(OuterRef("pk")), step="")
+        .exclude(to_state__in=WAITING_STATES)
+        .order_by("-created_at", "-id")
+        .values("created_at")[:1]
+    )
+    began = (
+        OperationEvent.objects.filter(
+            operation=OuterRef("pk"), step="", to_state__in=WAITING_STATES
+        )
+        .filter(created_at__gt=Subquery(left))
+        .order_by("created_at", "id")
+        .values("created_at")[:1]
+    )
+    waiting = Case(When(state__in=WAITING_STATES, then=Subquery(began)))
+    return with_state_since(queryset).annotate(waiting_since=Coalesce(waiting, F("state_since")))
 
 
 class LastReason(TypedDict):
