@@ -59,6 +59,11 @@ class ByPaymentSystem:
         return super().__new__(cls)
 
     @classmethod
+    def may_call(cls) -> tuple[str, ...]:
+        """Every system `system_for` may pick (what the periodic commands read)."""
+        return (str(getattr(cls, "SYSTEM", DEFAULT)), NAME)
+
+    @classmethod
     def system_for(cls, operation: Any) -> str:
         """The system a claim of this step calls, by its operation (the engine's clock)."""
         return NAME if payment_system(operation) == NAME else str(getattr(cls, "SYSTEM", DEFAULT))

@@ -38,6 +38,7 @@ from payments.engine.effects import DeliveryPolicy, EffectResult, ExternalEffect
 from payments.engine.failpoints import AFTER_CLAIM_COMMIT, AFTER_PROVIDER_ACCEPT, failpoint
 from payments.engine.follow_ups import Follows, declare_follow_up
 from payments.engine.steps import run_external_step
+from payments.engine.systems import system_of
 from payments.engine.unit import WorkUnit
 from payments.exceptions import ConfigurationError, StepBusy, StepTransient
 from payments.models import (
@@ -423,6 +424,19 @@ def money_moved(
 def registered_handlers() -> dict[str, HandlerSpec]:
     """Return a copy of the registry: kind -> spec."""
     return dict(_HANDLERS)
+
+
+def systems_called() -> set[str]:
+    """The names of the systems the registered handlers' effects call: each effect's own
+    SYSTEM, or every one it may pick per operation (an effect with `system_for` lists
+    them in its `may_call()`). A project whose handlers call no payment provider reads
+    none in its periodic commands."""
+    called: set[str] = set()
+    for spec in _HANDLERS.values():
+        for effect in spec.effects.values():
+            may_call = getattr(effect, "may_call", None)
+            called |= set(may_call()) if may_call is not None else {system_of(effect).name}
+    return called
 
 
 def unknown_recorded_names() -> list[str]:

@@ -305,3 +305,55 @@ def test_the_systems_it_does_not_audit__named_with_why(provider):
     assert "Not audited: the accounting system (accounting): it moves no money" in output
     assert {"adyen", "accounting"} <= {item["system"] for item in as_json["not_audited"]}
     assert code == 0
+
+
+def no_handler_calls_the_provider(monkeypatch) -> None:
+    """A project of its own (docs/install.md): the provider is declared by the fence, but
+    none of its handlers calls it (a label service, an SMS gateway)."""
+    from payments.engine import handlers
+
+    monkeypatch.setattr(
+        handlers,
+        "_HANDLERS",
+        {
+            kind: spec
+            for kind, spec in handlers._HANDLERS.items()
+            if all(
+                systems.system_of(e).name != systems.DEFAULT_SYSTEM for e in spec.effects.values()
+            )
+        },
+    )
+
+
+def test_no_handler_calls_the_provider__nothing_read_from_it__exit_0_and_said(
+    monkeypatch, settings, closed_port
+):
+    """An outsider's catch: in a project without a payment provider the audit read the
+    provider's default URL, and exited 2 every hour ("provider could not be read")."""
+    no_handler_calls_the_provider(monkeypatch)
+    settings.PAYMENTS = {**settings.PAYMENTS, "PROVIDER_URL": f"http://127.0.0.1:{closed_port}"}
+
+    output, code = audit("--since", "1h")
+
+    assert code == 0, output
+    assert "Not audited: the provider (provider): no registered handler calls it" in (output)
+    assert FenceAuditRun.objects.get().exit_code == 0
+
+
+def test_no_handler_calls_the_provider__stale_uncertain_claims_still_found(
+    monkeypatch, settings, closed_port
+):
+    op = new_operation("label:parcel:unsure")
+    claim = fence.claim_step(op, "charge", owner="test", lease_seconds=30).claim
+    fence.settle_claim(claim, ClaimState.UNCERTAIN, actor="test", error="read timeout")
+    with fence_writes():
+        claim.__class__.objects.filter(pk=claim.pk).update(
+            claimed_at=timezone.now() - timedelta(days=3)
+        )
+    no_handler_calls_the_provider(monkeypatch)
+    settings.PAYMENTS = {**settings.PAYMENTS, "PROVIDER_URL": f"http://127.0.0.1:{closed_port}"}
+
+    output, code = audit("--since", "30m")
+
+    assert code == 1
+    assert f"{op.key}/charge" in output

@@ -300,6 +300,13 @@ def test_a_new_project_installs_the_wheel_and_fences_a_model_of_its_own(
         "REPORT 1 succeeded [('mark_confirmed', 'done'), ('notify', 'done')] confirmed" in report
     ), report
     assert (app / "sent.txt").read_text() == "Ada\n"
+    # The periodic commands of docs/commands.md, in a project that pays through no provider:
+    # nothing read from one (its default URL answers nothing), each system it calls named.
+    audit = run([*manage, "fence_audit", "--since", "1h"], project, env)
+    assert "Not audited: the provider (provider): no registered handler calls it" in audit, audit
+    assert "Not audited: " in audit.replace("the provider (provider)", ""), audit
+    events = run([*manage, "sync_provider_events", "--since", "1h"], project, env)
+    assert "No registered handler calls the provider" in events, events
     # docs/testing.md, done: the project's own crash matrix, run by its own pytest.
     run([python, "-m", "pip", "install", "-q", *TEST_TOOLS], tmp_path, env, timeout=600)
     (project / "pytest.ini").write_text(PYTEST_INI)

@@ -527,3 +527,28 @@ def test_an_event_settling_a_charge__its_rows_carry_the_retrieve_it_was_decided_
         "GET", f"/v1/payment_intents/{intent_id}", 200,
     )  # fmt: skip
     assert retrieve["request_id"].startswith("req_")
+
+
+def test_sync_provider_events__no_handler_calls_the_provider__reads_nothing_exit_0(
+    monkeypatch, settings
+):
+    """An outsider's catch: a project whose handlers call no payment provider (docs/
+    install.md) got "sync failed: ... could not connect" from every scheduled run."""
+    from payments.engine import handlers, systems
+
+    monkeypatch.setattr(
+        handlers,
+        "_HANDLERS",
+        {
+            kind: spec
+            for kind, spec in handlers._HANDLERS.items()
+            if systems.DEFAULT_SYSTEM
+            not in {systems.system_of(e).name for e in spec.effects.values()}
+        },
+    )
+    settings.PAYMENTS = {**settings.PAYMENTS, "PROVIDER_URL": "http://127.0.0.1:9"}
+    out = StringIO()
+
+    call_command("sync_provider_events", "--since", "1h", stdout=out)
+
+    assert "No registered handler calls the provider: no events to read." in out.getvalue()

@@ -25,6 +25,7 @@ from payments.conf import payments_settings
 from payments.engine import fence
 from payments.engine.effects import EffectResult
 from payments.engine.facts import SystemUnavailable
+from payments.engine.handlers import systems_called
 from payments.engine.outcomes import Outcome
 from payments.engine.systems import (
     DEFAULT_SYSTEM,
@@ -91,6 +92,8 @@ class Command(BaseCommand):
         totals = WindowAudit()
         checkpoint: datetime | None = None
         spans = list(days(window_start, started))
+        if DEFAULT_SYSTEM not in systems_called():  # no handler of this project pays there
+            spans = []  # nothing to list; not_audited says why, stale claims are still read
         try:
             system = system_named(DEFAULT_SYSTEM)
             ledger = system.ledger
@@ -316,10 +319,13 @@ def not_audited() -> list[dict[str, str]]:
     objects (its declared ledger); another system that moves money has its own record
     (Adyen's settlement report, no list API), one that moves none has no money to check."""
     found = []
+    called = systems_called()
     for system in declared():
-        if system.name == DEFAULT_SYSTEM:
+        if system.name == DEFAULT_SYSTEM and system.name in called:
             continue
-        if not system.moves_money:
+        if system.name not in called:
+            why = "no registered handler calls it"
+        elif not system.moves_money:
             why = "it moves no money; its own reads settle each step"
         elif system.ledger is None:
             why = (

@@ -7,6 +7,8 @@ from typing import Any
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from inbox.durations import parse_duration
+from payments.engine.handlers import systems_called
+from payments.engine.systems import DEFAULT_SYSTEM
 from payments.webhooks.sync import sync_events
 
 
@@ -31,6 +33,9 @@ class Command(BaseCommand):
             raise CommandError(str(exc)) from exc
         if not since:
             raise CommandError("--since must be longer than 0s.")
+        if DEFAULT_SYSTEM not in systems_called():  # a project that pays through none
+            self.stdout.write("No registered handler calls the provider: no events to read.")
+            return
         try:
             report = sync_events(since=since)
         except Exception as exc:  # the provider is down, or answers nonsense
