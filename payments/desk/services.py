@@ -27,6 +27,7 @@ from django.db.models.functions import Now
 
 from payments.conf import payments_settings
 from payments.desk.display import when
+from payments.desk.evidence import system_label
 from payments.desk.rules import (
     DeskActions,
     DeskError,
@@ -47,7 +48,13 @@ from payments.engine.dispatch import dispatch_on_commit
 from payments.engine.effects import EffectResult, StillInProgress
 from payments.engine.handlers import HandlerSpec, get_handler
 from payments.engine.outcomes import Outcome
-from payments.engine.steps import claim_system, past_grace, replay_allowed, view_of
+from payments.engine.steps import (
+    claim_system,
+    past_grace,
+    replay_allowed,
+    replay_deadline,
+    view_of,
+)
 from payments.engine.systems import ExternalSystem
 from payments.exceptions import InvalidTransition
 from payments.models import ClaimLook, ClaimState, Operation, OperationState, StepClaim
@@ -377,6 +384,7 @@ def mark_step_failed(
     spec = get_handler(op.kind)
     claim = settleable_claim(op, list(op.claims.all()), step, spec)
     _refuse_while_in_flight(claim, step)
+    asked_before = fence.last_request_at(claim)  # a later one: this press's own replay
     if op.state not in WORKER_STATES and not claim.provider_reference and replay_allowed(claim):
         recovery.reconcile(actor=actor, operation_ids=[op.pk])
         claim.refresh_from_db()
@@ -443,8 +451,20 @@ def mark_step_failed(
         )
         grace = payments_settings().reconcile_grace // 60
         last = fence.last_request_at(claim)
+        who = system_label(claim)
+        if last > asked_before:  # pressing again would replay again, and wait again
+            raise DeskError(
+                f"step {step} is not found at {who}, but this check replayed the request "
+                f"under its key at {last:%Y-%m-%d %H:%M:%S %Z} and got no decisive answer "
+                f"({claim.error or 'none'}): that replay may still be executed, so not found "
+                f"counts only {grace} min after it, and pressing again replays it again. It "
+                f"settles once {who} answers a replay (succeeded or refused); or it can be "
+                f"marked failed {grace} min after the last request once its key is no longer "
+                f"replayed ({when(replay_deadline(claim))}); nothing was changed",
+                operation_key=op.key,
+            )
         raise DeskError(
-            f"step {step} is not found at the provider, but a request under its key was sent "
+            f"step {step} is not found at {who}, but a request under its key was sent "
             f"at {last:%Y-%m-%d %H:%M:%S %Z}, less than {grace} min ago: it may still be "
             "executed. Try again after the grace period; nothing was changed",
             operation_key=op.key,

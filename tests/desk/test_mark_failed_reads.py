@@ -192,3 +192,32 @@ def test_mark_failed__after_a_worker_died_just_past_the_providers_accept__is_ref
     assert (claim.state, claim.provider_reference) == (ClaimState.DONE, reference)
     assert order_of(op).status == OrderStatus.PROCESSING
     assert charged(provider) == [reference]
+
+
+@pytest.mark.django_db(transaction=True)  # the replay's claim writes commit for real
+def test_mark_failed__the_checks_own_replay_got_no_answer__says_pressing_again_replays_again(
+    provider, operator, monkeypatch
+):
+    """An outsider's catch (a label service answering 500, which its effect counts as
+    uncertain): each press replayed under the key, the replay became the last request, and
+    the refusal said "try again after the grace period": the next press did the same, until
+    the key's retention ran out. The refusal now says what the press did and what ends it."""
+    from payments.engine.outcomes import UncertainError
+
+    op, claim, _ = builders.uncertain(charged=False, age=OLD)
+    builders.move(op, OperationState.NEEDS_REVIEW, reason="outcome unknown")
+
+    def no_answer(self, *args, **kwargs):
+        raise UncertainError("POST /v1/payment_intents: HTTP 500")
+
+    monkeypatch.setattr(PaymentIntentCharge, "send", no_answer)
+
+    with pytest.raises(DeskError) as refused:
+        desk.mark_step_failed(op, CHARGE, user=operator, reason="nothing there")
+
+    words = refused.value.detail
+    assert "this check replayed the request under its key" in words
+    assert "after the grace period" not in words and "pressing again replays it again" in words
+    assert "once the provider answers a replay" in words
+    claim.refresh_from_db()
+    assert claim.state == ClaimState.UNCERTAIN and charged(provider) == []
