@@ -13,7 +13,7 @@ from typing import Any
 from django import template
 
 from payments.desk.display import history_message, when
-from payments.desk.views.actions import QUERY_WORDS
+from payments.desk.views.actions import outcome_words
 
 register = template.Library()
 
@@ -27,4 +27,4 @@ def desk_when(value: Any) -> str:
 @register.filter
 def desk_words(message: Any) -> str:
     """A logged message with its codes in words (a look-up's outcome, a state's label)."""
-    return history_message(str(message), QUERY_WORDS)
+    return history_message(str(message), outcome_words())

@@ -16,7 +16,7 @@ from django.urls import reverse
 
 from payments.checkout.followups import write_follow_ups_in_tx
 from payments.checkout.handler import request_checkout
-from payments.desk.views.actions import QUERY_WORDS
+from payments.desk.views.actions import QUERY_WORDS, outcome_words
 from payments.models import Operation
 from payments.shop.models import Order
 from tests.support import builders
@@ -195,7 +195,7 @@ def test_history__a_logged_look_up_reads_in_words_not_its_code(provider, operato
     page = client_for(operator).get(history_url(op)).content.decode()
     table = visible_text(section(page, 'id="change-history"', "</table>"))
 
-    assert f"Queried the provider: {QUERY_WORDS[outcome]}" in table
+    assert f"Queried the provider: {outcome_words()[outcome]}" in table
     assert not CODE.search(table)
 
 
@@ -223,7 +223,7 @@ def test_history__a_look_up_from_the_list_with_the_provider_down_reads_in_words(
     page = client.get(history_url(op)).content.decode()
     table = visible_text(section(page, 'id="change-history"', "</table>"))
 
-    assert f"Queried the provider: {QUERY_WORDS['retry_later']}" in table
+    assert f"Queried the provider: {outcome_words()['retry_later']}" in table
     assert not CODE.search(table)
 
 

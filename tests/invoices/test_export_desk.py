@@ -111,8 +111,30 @@ def test_export_page__its_look_up_button_names_the_accounting_system(accounting,
     ).content.decode()
 
     assert "Query the accounting system now" in page.decode()
+    # It moves no money: its line is not headed "Amount" (an outsider's catch).
+    assert '<th scope="row">What</th>' in mark_failed
+    assert '<th scope="row">Amount</th>' not in mark_failed
     assert "Query the provider now" not in page.decode()
     assert "nobody has asked the accounting system about step export" in mark_failed
+
+
+@pytest.mark.parametrize("how", ["button", "bulk"])
+def test_export_queried__the_report_names_the_accounting_system_not_the_provider(
+    accounting, queue, how
+):
+    """An outsider's catch: "Queried LabelCo: the provider shows the step succeeded"."""
+    export = uncertain_export(accounting, queue)
+    client = client_for(make_user("rita", *VIEW, RECONCILE))
+    if how == "button":
+        url = reverse("admin:payments_operation_desk", args=[export.pk, "query_provider"])
+        done = client.post(url, follow=True)
+    else:
+        selection = {"action": "query_selected", "_selected_action": [export.pk], "post": "yes"}
+        done = client.post(CHANGELIST, selection, follow=True)
+
+    report = done.content.decode().split('class="messagelist"', 1)[1].split("</ul>", 1)[0]
+    assert "the accounting system shows the step succeeded" in report
+    assert "the provider" not in report
 
 
 def test_refused_export__resume_points_where_a_new_one_is_asked_not_at_a_missing_button(

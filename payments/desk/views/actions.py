@@ -51,6 +51,7 @@ from payments.desk.evidence import (
 )
 from payments.desk.rules import declined_payment_method
 from payments.desk.views.base import DeskBase, operator_of
+from payments.desk.views.queries import moneyless_kinds
 from payments.engine import fence
 from payments.engine.handlers import get_handler, registered_handlers
 from payments.engine.steps import replay_allowed
@@ -231,7 +232,8 @@ def _run_query(op: Operation, step: str, request: HttpRequest, data: dict[str, A
     if row is None:
         return ActionDone(f"{asked}: nothing to settle.")
     # Green only for a look-up that settled something (level_after reads the state then).
-    return ActionDone(f"{asked}: {query_words(row)}.", warning=row.outcome not in SETTLED)
+    words = query_words(row, operation_label(op))
+    return ActionDone(f"{asked}: {words}.", warning=row.outcome not in SETTLED)
 
 
 def _seen(row: Any) -> str:
@@ -239,27 +241,37 @@ def _seen(row: Any) -> str:
     return "" if row.outcome in SETTLED_OUTCOMES else after_query(row.operation_id)
 
 
-#: What a look-up's outcome means, in an operator's words (payments.engine.recovery's names).
+#: What a look-up's outcome means, in an operator's words (payments.engine.recovery's names);
+#: `{who}` is the system asked (`outcome_words`).
 QUERY_WORDS = {
-    "done": "the provider shows the step succeeded; it is recorded done",
-    "failed": "the provider refused the step; it is recorded failed",
-    "still_uncertain": "read: the provider shows nothing decisive yet; still waiting",
-    "needs_review": "nothing decisive at the provider past the grace period: under review, "
+    "done": "{who} shows the step succeeded; it is recorded done",
+    "failed": "{who} refused the step; it is recorded failed",
+    "still_uncertain": "read: {who} shows nothing decisive yet; still waiting",
+    "needs_review": "nothing decisive at {who} past the grace period: under review, "
     "the fence keeps looking",
     "nothing_to_settle": "nothing was waiting to be settled",
     "already_settled": "settled meanwhile by someone else",
-    "retry_later": "not read: the provider did not answer",
+    "retry_later": "not read: {who} did not answer",
     "busy": "not read: someone else holds the step now",
     "not_asked": "not asked: the time for this query ran out (the systems answer slowly); ask "
     "again, or let the reconciler, which keeps looking",
 }
+
+
+def outcome_words(who: str = "its system") -> dict[str, str]:
+    """QUERY_WORDS with the system named (`who`: "Adyen"; a row with no system at hand,
+    the History's or the desk log's, says "its system")."""
+    return {code: words.format(who=who) for code, words in QUERY_WORDS.items()}
+
+
 #: Outcomes that settled something: the only ones a success message (green ✓) may carry.
 SETTLED = frozenset({"done", "failed", "reversed"})
 
 
-def query_words(row: Any) -> str:
-    """One look-up's result: what the provider showed, then the state it left (if it moved)."""
-    words = QUERY_WORDS.get(row.outcome, row.outcome.replace("_", " "))
+def query_words(row: Any, who: str = "its system") -> str:
+    """One look-up's result: what `who` (the system, "Adyen") showed, then the state it left
+    (if it moved)."""
+    words = QUERY_WORDS.get(row.outcome, row.outcome.replace("_", " ")).format(who=who)
     seen = _seen(row)
     if seen:
         words = f"{words} [{seen}]"
@@ -483,7 +495,10 @@ def _next_key_or_blank(op: Operation) -> str:
 
 
 def _query_report_message(rows: list[Any], summary: str) -> str:
-    """The bulk query's result: the counts, then each operation with what came back."""
+    """The bulk query's result: the counts, then each operation with what came back, in the
+    words of the system it asked."""
+    ops = Operation.objects.in_bulk([row.operation_id for row in rows])
+    asked = {pk: operation_label(op) for pk, op in ops.items()}
     items = format_html_join(
         "",
         '<li class="desk-query-row"><a href="{}">{}</a>: {} {}</li>',
@@ -491,7 +506,7 @@ def _query_report_message(rows: list[Any], summary: str) -> str:
             (
                 reverse("admin:payments_operation_change", args=[row.operation_id]),
                 row.key,
-                query_words(row),
+                query_words(row, asked.get(row.operation_id, "its system")),
                 state_badge(row.state_after),
             )
             for row in rows
@@ -601,6 +616,8 @@ class ActionViewsMixin(DeskBase):
             # How the page words this operation: the handler's steps and money line,
             # never a checkout's (a refund is not a charge).
             "money_line": money_line(op),
+            # What the line is: an amount only where a step's system moves money.
+            "money_label": "What" if op.kind in moneyless_kinds() else "Amount",
             # In run order, as the handler declares them.
             "provider_steps": [s for s in handler.step_order if s in handler.effects],
             "other_steps": [s for s in handler.step_order if s in handler.steps],

@@ -26,7 +26,7 @@ from django.urls import reverse
 from django.utils.http import urlencode
 
 from payments.desk.display import LABELS, history_message, when
-from payments.desk.views.actions import QUERY_WORDS
+from payments.desk.views.actions import outcome_words
 from payments.desk.views.base import VIEW_PERMISSION, DeskBase
 from payments.models import Operation, OperationEvent
 
@@ -139,7 +139,7 @@ def _what(event: OperationEvent) -> tuple[str, str]:
     if not colon:
         action, why = event.reason, ""
     if action == QUERIED:  # its "why" is the look-up's outcome, in the engine's words
-        why = QUERY_WORDS.get(why.replace(" ", "_"), why)
+        why = outcome_words().get(why.replace(" ", "_"), why)
     action = history_message(action, {})
     return action[:1].upper() + action[1:], history_message(why, {})
 
