@@ -128,6 +128,8 @@ def test_two_tabs__the_second_post_is_refused_one_refund(provider, queue, rosa):
     assert (first.status_code, second.status_code) == (302, 409)
     (asked,) = refunds_of(order)
     assert asked.key in second.content.decode()
+    run_worker(queue)
+    assert len(provider_refunds(provider, order)) == 1
 
 
 def test_two_tabs__the_first_refunded_it_all__the_second_offers_no_refund_again(

@@ -109,3 +109,40 @@ def test_bulk_query__the_operation_without_a_handler_reported__the_other_queried
     report = html.unescape(done.content.decode()).split('class="messagelist"', 1)[1]
     assert "gone-kind</a>: no handler (state unchanged: needs review)" in report
     assert StepClaim.objects.get(pk=other_claim.pk).state == ClaimState.DONE
+
+
+@pytest.mark.django_db(transaction=True)  # the outage's refund runs on a worker
+def test_needs_attention__a_case_failed_before_running_whose_kind_lost_its_handler(
+    provider, queue, rosa
+):
+    """A review's catch: the case's words name where a new attempt is asked, from the
+    kind's handler; with none, Needs attention answered 500."""
+    from tests.support import flows
+
+    refund = flows.refund_failed_by_an_outage(provider, queue, key="outage-refund")
+    with fence_writes():
+        Operation.objects.filter(pk=refund.pk).update(kind=GONE)
+
+    page = client_for(rosa).get(reverse("admin:payments_operation_needs_attention"))
+
+    assert page.status_code == 200
+    assert f"no handler is registered for kind {GONE!r}" in html.unescape(page.content.decode())
+
+
+@pytest.mark.django_db(transaction=True)  # the checkout runs on a worker
+def test_payment_page__a_charge_whose_kind_lost_its_handler__said_not_counted(
+    provider, queue, rosa
+):
+    """A review's catch: the order's page read "Charged €0.00" for an order charged by an
+    operation whose kind no handler registers now, without a word."""
+    from tests.support import flows
+
+    order = flows.paid_order(queue, amount=2500, key="paid-then-renamed")
+    with fence_writes():
+        Operation.objects.filter(key="paid-then-renamed").update(kind=GONE)
+
+    page = client_for(rosa).get(reverse("admin:shop_order_change", args=[order.pk]))
+
+    text = html.unescape(page.content.decode())
+    assert page.status_code == 200
+    assert "Not counted above:" in text and "paid-then-renamed" in text.split("Not counted")[1]

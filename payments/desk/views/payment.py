@@ -45,7 +45,7 @@ from payments.desk.display import (
 )
 from payments.desk.views.queries import first_error_of, not_found_kind
 from payments.engine.effects import reversal_step
-from payments.engine.handlers import get_handler
+from payments.engine.handlers import get_handler, registered_handlers
 from payments.engine.outcomes import Outcome
 from payments.engine.systems import reference_system
 from payments.exceptions import ConfigurationError
@@ -584,4 +584,10 @@ def payment_context(request: HttpRequest, order: Any) -> dict[str, Any]:
         "may_refund": may_refund,
         "refund_refused": refused,
         "refund_permission": desk_refund.refund_permission("order"),
+        # Operations whose kind lost its handler: their steps' money cannot be read.
+        "not_counted": [
+            {"key": op.key, "kind": op.kind, "url": _op_url(op)}
+            for op in ops
+            if op.kind not in registered_handlers()
+        ],
     }
