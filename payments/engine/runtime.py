@@ -294,7 +294,11 @@ def _compensate(run: Run, reason: str) -> RunResult:
         return RunResult.DEFERRED
     except StepUncertain as exc:
         run.unit.roll_back("compensation uncertain")
-        _finish(op, OperationState.UNCERTAIN, worker_id, f"{reason}; compensation: {exc}")
+        # last_error stays the give-up's reason: the next run compensates with it.
+        _finish(
+            op, OperationState.UNCERTAIN, worker_id, f"{reason}; compensation: {exc}",
+            last_error=reason,
+        )  # fmt: skip
         return RunResult.UNCERTAIN
     except Exception as exc:
         run.unit.roll_back(f"compensation failed ({type(exc).__name__})")

@@ -268,3 +268,43 @@ def test_a_compensated_capture__not_listed_as_failed_before_anything_ran(provide
     assert op.claims.get(step="capture").error.startswith("gave up: ")
 
     assert op.pk not in failed_before_running()
+
+
+def test_a_compensation_uncertain_then_completed__last_error_is_the_give_up_reason(
+    provider, queue, monkeypatch
+):
+    """A review's catch: an uncertain compensation wrote "<reason>; compensation: <error>" as
+    last_error, and the next run compensated with that as its reason, so the failed operation
+    (and its released step) read as if the compensation had errored, a segment per round."""
+    from payments.captures.effects import IntentRelease
+    from payments.engine import recovery
+    from payments.engine.outcomes import UncertainError
+
+    faults: list[int] = []
+    lost: list[bool] = []
+    send = IntentRelease.send
+
+    def refuse_the_captures() -> None:
+        if not faults:  # after the authorisation's 200: every capture try gets a 429
+            faults.append(provider.state.enqueue_faults("rate_limit", 10))
+
+    def release_answer_lost_once(self, *args, **kwargs):
+        answer = send(self, *args, **kwargs)
+        if not lost:
+            lost.append(True)
+            raise UncertainError("POST cancel: read timeout")
+        return answer
+
+    monkeypatch.setattr(IntentRelease, "send", release_answer_lost_once)
+    with hooked(AFTER_PROVIDER_ACCEPT, refuse_the_captures):
+        op = captured_order(queue, amount=2000)
+    assert op.state == OperationState.UNCERTAIN, op.last_error
+    assert "compensation" not in op.last_error
+
+    recovery.reconcile(actor="reconciler:t", operation_ids=[op.pk])
+    run_worker(queue)
+
+    op.refresh_from_db()
+    assert op.state == OperationState.FAILED, op.last_error
+    assert "compensation" not in op.last_error
+    assert "compensation" not in op.claims.get(step="capture").error

@@ -138,3 +138,5 @@ def test_cases__moved_from_uncertain_to_review__waiting_since_it_went_uncertain(
     assert [r["operation"].key for r in rows] == ["uncertain-40-min-ago", "uncertain-10-min-ago"]
     assert rows[0]["age"].startswith("40")
     assert timezone.now() - rows[0]["operation"].waiting_since > timedelta(minutes=39)
+    oldest_review = page.content.decode().split('id="oldest-needs-review"', 1)[1].split("</tr>")[0]
+    assert 'needs review, waiting <strong class="age">40' in oldest_review  # as the cases

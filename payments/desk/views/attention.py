@@ -45,7 +45,6 @@ from payments.desk.views.queries import (
     totals_by_kind,
     window_words,
     with_last_reason,
-    with_state_since,
     with_waiting_since,
 )
 from payments.desk.views.rq_links import failed_jobs
@@ -155,12 +154,12 @@ class NeedsAttentionMixin(DeskBase):
 def _oldest(
     queryset: QuerySet[Operation], state: OperationState, now: datetime
 ) -> dict[str, Any] | None:
-    op = with_state_since(queryset.filter(state=state)).order_by("state_since").first()
+    op = with_waiting_since(queryset.filter(state=state)).order_by("waiting_since").first()
     if op is None:
         return None
     return {
         "operation": op,
-        "age": timesince(op.state_since, now),
+        "age": timesince(op.waiting_since, now),  # as the cases below count it
         "amount": money_line(op),
         "stale": is_stale(op, now),
         "url": reverse("admin:payments_operation_change", args=[op.pk]),
