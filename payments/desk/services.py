@@ -336,9 +336,9 @@ def _refuse_while_in_flight(claim: StepClaim, step: str) -> None:
     )
     if since is not None:
         raise DeskError(
-            f"a request under step {step}'s key is still in flight at the provider (since "
-            f"{since:%Y-%m-%d %H:%M:%S} UTC): it may still succeed; the fence settles it when "
-            "the provider answers. Nothing was marked failed",
+            f"a request under step {step}'s key is still in flight at {system_label(claim)} "
+            f"(since {since:%Y-%m-%d %H:%M:%S} UTC): it may still succeed; the fence settles it "
+            f"when {system_label(claim)} answers. Nothing was marked failed",
             action="mark_failed",
         )
 
@@ -393,7 +393,8 @@ def mark_step_failed(
             return MarkedFailed(
                 claim,
                 found_succeeded=True,
-                detail=f"the provider shows step {step} succeeded ({claim.provider_reference}): "
+                detail=f"{system_label(claim)} shows step {step} succeeded "
+                f"({claim.provider_reference}): "
                 "it is recorded as done and the operation resumes; nothing was marked failed",
             )
         if claim.state == ClaimState.FAILED:
@@ -414,7 +415,7 @@ def mark_step_failed(
             claim, actor=actor, reason="mark failed refused: still in progress", requests=sent
         )
         raise DeskError(
-            f"step {step} is still in progress at the provider ({exc}): it may still "
+            f"step {step} is still in progress at {system_label(claim)} ({exc}): it may still "
             "succeed, so it cannot be marked failed now; nothing was changed",
             operation_key=op.key,
         ) from exc
@@ -426,7 +427,7 @@ def mark_step_failed(
             requests=sent,
         )
         raise DeskError(
-            f"could not check step {step} with the provider ({type(exc).__name__}); "
+            f"could not check step {step} with {system_label(claim)} ({type(exc).__name__}); "
             "nothing was changed",
             operation_key=op.key,
         ) from exc
@@ -441,9 +442,9 @@ def mark_step_failed(
         return MarkedFailed(
             claim,
             found_succeeded=True,
-            detail=f"the provider shows step {step} succeeded ({now.reference}) and refused "
-            "to cancel it: it is recorded as done and the operation resumes; nothing was "
-            "marked failed",
+            detail=f"{system_label(claim)} shows step {step} succeeded ({now.reference}) and "
+            "refused to cancel it: it is recorded as done and the operation resumes; nothing "
+            "was marked failed",
         )
     if now is None and not past_grace(claim):
         fence.release_claim(
@@ -513,9 +514,9 @@ def _voided(now: EffectResult | None, system: ExternalSystem) -> str:
     if now is None and not system.reads:
         return f"{system.label} offers no look-up: the operator's reading of its report"
     if now is None:
-        return "not at the provider, past the grace since the last request"
+        return f"not at {system.label}, past the grace since the last request"
     status = str(now.data.get("status") or now.outcome)
-    return f"{now.reference} {status} at the provider".strip()
+    return f"{now.reference} {status} at {system.label}".strip()
 
 
 def _settle_done_and_resume(

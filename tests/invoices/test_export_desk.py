@@ -178,3 +178,20 @@ def test_export_under_review__mark_failed_is_not_said_to_cancel_what_cannot_be_c
     assert "cancels" not in shown
     assert "the accounting system cannot call it back" in shown
     assert "the the " not in shown
+
+
+def test_mark_failed_words__name_the_accounting_system_not_the_provider():
+    """A review's catch: the reasons mark failed records said "at the provider" for any
+    system (the audit row and the step's error of an export marked failed)."""
+    from payments.desk.services import _voided
+    from payments.engine.effects import EffectResult
+    from payments.engine.outcomes import Outcome
+    from payments.engine.systems import system_named
+
+    accounting = system_named("accounting")
+    seen = EffectResult(Outcome.PERMANENT, reference="inv_9", data={"status": "voided"})
+
+    assert _voided(None, accounting) == (
+        "not at the accounting system, past the grace since the last request"
+    )
+    assert _voided(seen, accounting) == "inv_9 voided at the accounting system"
