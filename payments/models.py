@@ -289,6 +289,11 @@ class StepClaim(FenceModel):
     #: What the provider showed at the last lookup (query, reconciler, fence_audit):
     #: status, amount, currency, reference, checked_at, source. An observation, not a state.
     provider_view = models.JSONField(null=True, blank=True)
+    #: The provider's object a look saw for this step (provider_view's reference, kept when
+    #: a later look sees none), so that the desk's search finds it while the step is not
+    #: settled (`provider_reference` is what it is settled with). Evidence: nothing decides
+    #: by it. A database default: a previous release's INSERT still works.
+    seen_reference = models.CharField(max_length=255, blank=True, default="", db_default="")
     #: Times a worker acted under this claim (the first call, then each take-over).
     attempts = models.PositiveIntegerField(default=0)
     #: Requests sent again under the claim's key after the first (replays, not look-ups):
@@ -335,6 +340,14 @@ class StepClaim(FenceModel):
                 name="payments_claim_ref_given",
                 opclasses=["varchar_pattern_ops"],
                 condition=~Q(provider_reference=""),
+            ),
+            # What a look saw (migration 0030), for the desk's search by reference (an
+            # equality). Over the claims a look found an object for only: a checkout that
+            # never needed a look writes no entry.
+            models.Index(
+                fields=["seen_reference"],
+                name="payments_claim_seen_ref",
+                condition=~Q(seen_reference=""),
             ),
         ]
 

@@ -119,11 +119,11 @@ def search_operations(
 ) -> QuerySet[Any] | None:
     """Operations a term names, by its shape; None for a term of no known shape.
 
-    A declared system's reference: the claims carrying it (EXISTS through the
-    reference index); digits: the operations of the entity with that key, for
-    each entity model the handlers declare with an integer key (the entity
-    index), never the operation with that id, which `#17` or `op 17` finds (or
-    a key spelled so); an e-mail: the operations of the entities whose e-mail
+    A declared system's reference: the claims that carry it or whose look saw it
+    (`claims_with_reference`, through the two reference indexes); digits: the
+    operations of the entity with that key, for each entity model the handlers
+    declare with an integer key (the entity index), never the operation with
+    that id, which `#17` or `op 17` finds (or a key spelled so); an e-mail: the operations of the entities whose e-mail
     field holds it (any case), of the models `may_view` lets the user see.
     Whatever its shape, a term that is a text or UUID entity's key also finds
     that entity's operations (`entities_keyed`, read first through the entity
@@ -141,8 +141,7 @@ def search_operations(
         return condition | Q(pk__in=ids) if ids else condition
 
     if is_reference(term):
-        carrying = StepClaim.objects.filter(operation=OuterRef("pk"), provider_reference=term)
-        return queryset.filter(also_keyed(Q(Exists(carrying))))
+        return queryset.filter(also_keyed(Q(Exists(claims_with_reference(term)))))
     if DIGITS.match(term):
         return queryset.filter(also_keyed(_of_entities({m: [term] for m in keyed_by_integer()})))
     op_id = operation_id_in(term)
@@ -153,6 +152,19 @@ def search_operations(
         emails = _of_entities({m: entities_with_email(m, term) for m in seen})
         return queryset.filter(also_keyed(emails))
     return queryset.filter(pk__in=ids) if ids else None
+
+
+def claims_with_reference(term: str) -> QuerySet[StepClaim]:
+    """The claims of the outer operation (`OuterRef("pk")`) that carry `term`: as their
+    reference (`provider_reference`, from an answer or a settlement), or as what a look
+    saw at the provider while the step was not settled with it (`seen_reference`: the
+    desk's query of an operation a worker may still run, a contradiction held).
+
+    One EXISTS over both: PostgreSQL reads each column's partial index and joins the
+    few claims found to their operations (two EXISTS ORed would test every operation).
+    """
+    seen = Q(provider_reference=term) | Q(seen_reference=term)
+    return StepClaim.objects.filter(seen, operation=OuterRef("pk"))
 
 
 #: The operations of text- or UUID-keyed entities one search lists at most (an entity has

@@ -1266,6 +1266,10 @@ def note_provider_view(
     With who asked (`actor`) and the requests the lookup sent (`requests`, else
     exchanges.peek: they stay for the audit row a change of state writes next; a lookup
     that changes nothing has only this view, which the next lookup replaces).
+
+    The object's reference is kept as `seen_reference` (a later look that sees none
+    leaves it): the desk's search finds the step by it while it is not settled. It
+    settles nothing; `provider_reference` is written only by settle_claim.
     """
     view: dict[str, Any] = {"source": source, "checked_at": db_now().isoformat()}
     if actor:
@@ -1273,12 +1277,17 @@ def note_provider_view(
     sent = requests if requests is not None else exchanges.peek()
     if sent:
         view["requests"] = exchanges.bounded(sent)
+    seen: dict[str, str] = {}
     if found is None:
         view["status"] = "not_found"
     else:
         view.update({"outcome": str(found.outcome), "reference": found.reference, **found.data})
-    StepClaim.objects.filter(pk=claim.pk).update(provider_view=view)
+        if found.reference:
+            seen["seen_reference"] = found.reference[:255]
+    StepClaim.objects.filter(pk=claim.pk).update(provider_view=view, **seen)
     claim.provider_view = view
+    if seen:
+        claim.seen_reference = seen["seen_reference"]
 
 
 #: The wait before the reconciler looks again at a claim whose look showed the same as the

@@ -103,6 +103,8 @@ def no_seq_scans() -> Iterator[None]:
             ).exclude(provider_reference=""),
             "payments_claim_ref_given",
         ),
+        # the desk's search by reference: what a look saw, the step not settled with it
+        (lambda: StepClaim.objects.filter(seen_reference="pi_1"), "payments_claim_seen_ref"),
         # an operation's claims, and the foreign key's check when an operation is deleted
         (
             lambda: StepClaim.objects.filter(operation_id=1),
@@ -127,6 +129,7 @@ def no_seq_scans() -> Iterator[None]:
         "reference-prefix",
         "references",
         "references-500",
+        "seen-reference",
         "claims",
         "client",
         "parent",

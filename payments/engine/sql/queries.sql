@@ -235,8 +235,8 @@ WITH inserted AS (
     )
     ON CONFLICT ON CONSTRAINT {StepClaim.UNIQUE_CONSTRAINT} DO NOTHING
     RETURNING id, operation_id, step, state, idempotency_key, provider_reference, request,
-              result, error, provider_view, attempts, claimed_by, claimed_at, last_request_at,
-              lease_expires_at, settled_at, updated_at, requests_sent, system
+              result, error, provider_view, seen_reference, attempts, claimed_by, claimed_at,
+              last_request_at, lease_expires_at, settled_at, updated_at, requests_sent, system
 ), audit AS (
     INSERT INTO {OperationEvent}
         (operation_id, step, from_state, to_state, actor, reason, created_at)
@@ -244,8 +244,8 @@ WITH inserted AS (
     FROM inserted
 )
 SELECT id, operation_id, step, state, idempotency_key, provider_reference, request,
-       result, error, provider_view, attempts, claimed_by, claimed_at, last_request_at,
-       lease_expires_at, settled_at, updated_at, requests_sent, system
+       result, error, provider_view, seen_reference, attempts, claimed_by, claimed_at,
+       last_request_at, lease_expires_at, settled_at, updated_at, requests_sent, system
 FROM inserted
 
 -- insert_claim_or_fail --
@@ -269,8 +269,8 @@ WITH inserted AS (
         %(system)s::text
     )
     RETURNING id, operation_id, step, state, idempotency_key, provider_reference, request,
-              result, error, provider_view, attempts, claimed_by, claimed_at, last_request_at,
-              lease_expires_at, settled_at, updated_at, requests_sent, system
+              result, error, provider_view, seen_reference, attempts, claimed_by, claimed_at,
+              last_request_at, lease_expires_at, settled_at, updated_at, requests_sent, system
 ), audit AS (
     INSERT INTO {OperationEvent}
         (operation_id, step, from_state, to_state, actor, reason, created_at)
@@ -278,8 +278,8 @@ WITH inserted AS (
     FROM inserted
 )
 SELECT id, operation_id, step, state, idempotency_key, provider_reference, request,
-       result, error, provider_view, attempts, claimed_by, claimed_at, last_request_at,
-       lease_expires_at, settled_at, updated_at, requests_sent, system
+       result, error, provider_view, seen_reference, attempts, claimed_by, claimed_at,
+       last_request_at, lease_expires_at, settled_at, updated_at, requests_sent, system
 FROM inserted
 
 -- settle_claim --
@@ -303,9 +303,10 @@ WITH old AS (
       AND claim.claimed_by = %(actor)s::text
     RETURNING claim.id, claim.operation_id, claim.step, claim.state, claim.idempotency_key,
               claim.provider_reference, claim.request, claim.result, claim.error,
-              claim.provider_view, claim.attempts, claim.claimed_by, claim.claimed_at,
-              claim.last_request_at, claim.lease_expires_at, claim.settled_at,
-              claim.updated_at, claim.requests_sent, claim.system, old.state AS from_state
+              claim.provider_view, claim.seen_reference, claim.attempts, claim.claimed_by,
+              claim.claimed_at, claim.last_request_at, claim.lease_expires_at,
+              claim.settled_at, claim.updated_at, claim.requests_sent, claim.system,
+              old.state AS from_state
 ), audit AS (
     INSERT INTO {OperationEvent}
         (operation_id, step, from_state, to_state, actor, reason, requests, created_at)
@@ -314,8 +315,9 @@ WITH old AS (
     FROM settled
 )
 SELECT id, operation_id, step, state, idempotency_key, provider_reference, request,
-       result, error, provider_view, attempts, claimed_by, claimed_at, last_request_at,
-       lease_expires_at, settled_at, updated_at, requests_sent, system, from_state
+       result, error, provider_view, seen_reference, attempts, claimed_by, claimed_at,
+       last_request_at, lease_expires_at, settled_at, updated_at, requests_sent, system,
+       from_state
 FROM settled
 
 -- settle_claim_or_refuse --
@@ -341,9 +343,10 @@ WITH old AS (
       AND claim.claimed_by = %(actor)s::text
     RETURNING claim.id, claim.operation_id, claim.step, claim.state, claim.idempotency_key,
               claim.provider_reference, claim.request, claim.result, claim.error,
-              claim.provider_view, claim.attempts, claim.claimed_by, claim.claimed_at,
-              claim.last_request_at, claim.lease_expires_at, claim.settled_at,
-              claim.updated_at, claim.requests_sent, claim.system, old.state AS from_state
+              claim.provider_view, claim.seen_reference, claim.attempts, claim.claimed_by,
+              claim.claimed_at, claim.last_request_at, claim.lease_expires_at,
+              claim.settled_at, claim.updated_at, claim.requests_sent, claim.system,
+              old.state AS from_state
 ), audit AS (
     INSERT INTO {OperationEvent}
         (operation_id, step, from_state, to_state, actor, reason, requests, created_at)
@@ -353,10 +356,10 @@ WITH old AS (
 )
 SELECT settled.id, settled.operation_id, settled.step, settled.state,
        settled.idempotency_key, settled.provider_reference, settled.request, settled.result,
-       settled.error, settled.provider_view, settled.attempts, settled.claimed_by,
-       settled.claimed_at, settled.last_request_at, settled.lease_expires_at,
-       settled.settled_at, settled.updated_at, settled.requests_sent, settled.system,
-       settled.from_state
+       settled.error, settled.provider_view, settled.seen_reference, settled.attempts,
+       settled.claimed_by, settled.claimed_at, settled.last_request_at,
+       settled.lease_expires_at, settled.settled_at, settled.updated_at,
+       settled.requests_sent, settled.system, settled.from_state
 FROM (SELECT 1) AS one LEFT JOIN settled ON true
 WHERE CASE WHEN settled.id IS NOT NULL THEN true
            ELSE payments_fence_refuse(%(refusal)s) END
