@@ -20,6 +20,7 @@ from django.core.management.base import CommandError
 from django.db import connections
 from django.utils import timezone
 
+from payments.engine.queues import queue_index
 from payments.models import Operation, OperationState
 from payments.shop.models import OrderStatus
 from tests.support import flows
@@ -223,3 +224,26 @@ def test_needs_attention__a_double_charge_in_the_audit__no_sideways_scroll(
     assert box["x"] + box["width"] <= tab.width
     assert "UTC" in (tab.locator("svg.desk-chart").text_content() or "")
     shot(tab, "10-needs-attention-double-charge")  # asserts no sideways scroll, then saves
+
+
+def test_rq_failed_jobs__each_job_links_its_operation(
+    tab, live_server, provider, queue, monkeypatch
+):
+    op = flows.failed_by_invoice_bug(monkeypatch, queue)
+    failed = f"/admin/rq/queues/{queue_index()}/failed/"
+    sign_in(tab, live_server, "vera", *VIEW, then=failed)
+
+    cell = tab.locator("#result_list td.desk-job-operation")
+    assert cell.inner_text() == f"{op.key} (needs review)"
+    shot(tab, "11-rq-failed-jobs")
+
+    tab.goto(f"{live_server.url}/admin/rq/queues/{queue_index()}/{op.job_id}/")
+    note = tab.locator("p.desk-job-operation")
+    assert op.key in note.inner_text()
+    box = note.bounding_box()
+    assert box["x"] + box["width"] <= tab.width
+    # Not shot(): at 390 px django-rq's own job page is wider than the window (the job id
+    # in its heading, its results table), with or without the note.
+    tab.screenshot(path=str(SHOTS / f"31-{tab.width}-12-rq-failed-job.png"), full_page=True)
+    note.locator("a").click()
+    tab.wait_for_url(f"**/admin/payments/operation/{op.pk}/change/")
