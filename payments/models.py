@@ -266,6 +266,10 @@ class ClaimState(models.TextChoices):
 
 #: Claims whose outcome is not recorded yet: what the reconciler reads.
 UNSETTLED_CLAIM_STATES = [ClaimState.CLAIMED, ClaimState.UNCERTAIN]
+#: The error of a claim the fence gave up on after every try of its step was refused before
+#: it executed (payments.engine.fence says it; its partial index is the desk's way to the
+#: operations an outage failed before anything ran).
+GAVE_UP_BEFORE_RUNNING = "gave up: "
 
 
 class StepClaim(FenceModel):
@@ -348,6 +352,14 @@ class StepClaim(FenceModel):
                 fields=["seen_reference"],
                 name="payments_claim_seen_ref",
                 condition=~Q(seen_reference=""),
+            ),
+            # The claims the fence gave up on before anything ran (migration 0031): what
+            # Needs attention and the operations list find outage cases of any age through,
+            # however many operations failed otherwise (declines). A few rows per outage.
+            models.Index(
+                fields=["operation"],
+                name="payments_claim_gave_up",
+                condition=Q(state=ClaimState.FAILED, error__startswith=GAVE_UP_BEFORE_RUNNING),
             ),
         ]
 

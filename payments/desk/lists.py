@@ -27,7 +27,7 @@ from django.http import HttpRequest
 from django.utils.html import format_html
 from django.utils.http import urlencode
 
-from payments.desk.views.nothing_ran import failed_before_running_q
+from payments.desk.views.nothing_ran import failed_before_running_q, gave_up_ids
 from payments.engine.fence import ENTITY_KEY_LENGTH, entity_key_kind
 from payments.engine.handlers import entity_models, registered_handlers
 from payments.engine.systems import reference_system
@@ -105,7 +105,9 @@ class NothingRanFilter(admin.SimpleListFilter):
         return [("yes", "Yes, no new attempt yet")]
 
     def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any]:
-        return queryset.filter(failed_before_running_q()) if self.value() == "yes" else queryset
+        if self.value() != "yes":
+            return queryset
+        return queryset.filter(pk__in=gave_up_ids()).filter(failed_before_running_q())
 
 
 def operation_id_in(term: str) -> int | None:

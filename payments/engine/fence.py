@@ -66,6 +66,7 @@ from payments.models import (
     StepClaim,
     api_client_id,
 )
+from payments.models import GAVE_UP_BEFORE_RUNNING as _GAVE_UP
 
 logger = logging.getLogger("payments.engine.fence")
 
@@ -77,8 +78,9 @@ logger = logging.getLogger("payments.engine.fence")
 RELEASED_AFTER_TRANSIENT = "released after transient failure"
 #: How a claim's error begins when the fence gave up on its step after every try was
 #: refused before it executed: nothing ran at the system (the desk lists the operation
-#: as a case until a new attempt is asked for).
-GAVE_UP_BEFORE_RUNNING = "gave up: "
+#: as a case until a new attempt is asked for). Declared beside the claims' partial index
+#: on it (payments.models), re-exported here.
+GAVE_UP_BEFORE_RUNNING = _GAVE_UP
 #: Why the looks at a claim stop after an idempotency conflict (the system refused the
 #: step's key as used before with other parameters): a look replays the same request and
 #: meets the same refusal; a person decides (the desk says so, "Held for a person"). Set by

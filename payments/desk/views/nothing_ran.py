@@ -6,14 +6,15 @@ refused connection), the fence gave up: nothing happened at the system, and
 nothing is uncertain, but a refund is still owed or a charge still wanted.
 Needs attention lists those of the last FAILED_WINDOW, the newest
 FAILED_BEFORE_RUNNING_MOST, and says what it leaves out (how many more, and
-whether older ones exist), each read through the failed operations' index:
-never the history.
+whether older ones exist): the window through the failed operations' index,
+the older ones through the index of the claims that gave up: never the history.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import datetime
+from typing import Any
 
 from django.db.models import Exists, OuterRef, Q, QuerySet
 
@@ -25,9 +26,6 @@ from payments.models import ClaimState, Operation, OperationState, StepClaim
 FAILED_BEFORE_RUNNING_MOST = 1000
 #: How many more of them, past the ones listed, Needs attention counts (past it: "or more").
 NOT_LISTED_COUNTED = 10_000
-#: How many operations failed before FAILED_WINDOW Needs attention reads, the last first, to
-#: find one failed before running there too: a range of the failed ones' index, never the year.
-FAILED_LOOK_BACK = 10_000
 
 
 def failed_before_running_q() -> Q:
@@ -67,6 +65,15 @@ def failed_before_running_q() -> Q:
     )
 
 
+def gave_up_ids() -> QuerySet[StepClaim, Any]:
+    """The operation ids of the claims the fence gave up on before anything ran, read
+    through their partial index (`payments_claim_gave_up`, a few per outage): where the
+    cases of any age are looked for first, never the year's failed operations."""
+    return StepClaim.objects.filter(
+        state=ClaimState.FAILED, error__startswith=GAVE_UP_BEFORE_RUNNING
+    ).values("operation_id")
+
+
 def failed_before_running(
     now: datetime | None = None, among: QuerySet[Operation] | None = None
 ) -> list[int]:
@@ -90,7 +97,7 @@ class NotListed:
 
     #: Failed within FAILED_WINDOW past the newest listed, counted up to NOT_LISTED_COUNTED.
     more: int = 0
-    #: One failed before FAILED_WINDOW, among the FAILED_LOOK_BACK that failed last before it.
+    #: One failed before FAILED_WINDOW (of any age).
     older: bool = False
 
     @property
@@ -106,16 +113,15 @@ def failed_before_running_not_listed(
 ) -> NotListed:
     """What `failed_before_running(now, among)`, which listed `listed`, leaves out: the rest of
     the window (counted only when the list is full, and only so far), and whether an older one
-    exists, looked for among the FAILED_LOOK_BACK operations that failed last before it."""
+    exists, of any age: looked for from the claims that gave up (`gave_up_ids`)."""
     more = 0
     if listed >= FAILED_BEFORE_RUNNING_MOST:
         window = among.filter(recently_failed_q(now)).filter(failed_before_running_q())
         counted = window.order_by().values("pk")[: listed + NOT_LISTED_COUNTED].count()
         more = counted - listed
-    before = (
-        Operation.objects.filter(state=OperationState.FAILED, updated_at__lt=now - FAILED_WINDOW)
-        .order_by("-updated_at")
-        .values("pk")[:FAILED_LOOK_BACK]
+    older = (
+        among.filter(pk__in=gave_up_ids(), updated_at__lt=now - FAILED_WINDOW)
+        .filter(failed_before_running_q())
+        .exists()
     )
-    older = among.filter(pk__in=before).filter(failed_before_running_q()).exists()
     return NotListed(more=more, older=older)
