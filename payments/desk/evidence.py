@@ -27,7 +27,7 @@ from payments.desk.views.queries import business_kinds, money_by_state_and_kind,
 from payments.engine import fence
 from payments.engine.handlers import registered_handlers
 from payments.engine.steps import claim_system, replay_allowed, replay_deadline, step_system
-from payments.engine.systems import ExternalSystem, Read, system_of
+from payments.engine.systems import ExternalSystem, Read, system_named, system_of
 from payments.exceptions import ConfigurationError
 from payments.models import (
     INCIDENT_LOOKS,
@@ -289,6 +289,13 @@ class Incident:
     #: Their money, one line per kind ("€25.00 checkout"), as the states' totals give it.
     money: list[str] = field(default_factory=list)
     next_look: datetime | None = None
+    #: The systems that do not answer, by label ("the provider", "Adyen").
+    systems: list[str] = field(default_factory=list)
+
+    @property
+    def who(self) -> str:
+        """ "the provider", "Adyen and the accounting system" """
+        return " and ".join(self.systems) or system_of(None).label
 
 
 def incident() -> Incident | None:
@@ -314,12 +321,14 @@ def incident() -> Incident | None:
     if operations < INCIDENT_AT_LEAST:
         return None
     in_flight = waiting.filter(Exists(unanswered.filter(in_flight_since__isnull=False))).count()
-    first = ClaimLook.objects.filter(
+    looks = ClaimLook.objects.filter(
         Q(showed__in=INCIDENT_LOOKS) | Q(in_flight_since__isnull=False),
         claim__operation__in=waiting.values("pk"),
         claim__state__in=UNSETTLED_CLAIM_STATES,
         hold="",
-    ).aggregate(
+    )
+    names = set(looks.order_by().values_list("claim__system", flat=True).distinct())
+    first = looks.aggregate(
         unread=Min("unread_since"),
         flight=Min("in_flight_since"),
         looked=Min("first_look_at"),
@@ -333,7 +342,17 @@ def incident() -> Incident | None:
         unreadable=operations - in_flight,
         money=money_at_stake(waiting),
         next_look=first["next"],
+        systems=sorted({_label_of(name) for name in names}),
     )
+
+
+def _label_of(name: str) -> str:
+    """A recorded system's label; a claim older than the column, or a system no longer
+    declared, reads as the default system's."""
+    try:
+        return system_named(name).label if name else system_of(None).label
+    except ConfigurationError:
+        return name
 
 
 def money_at_stake(operations: QuerySet[Operation]) -> list[str]:
@@ -358,10 +377,11 @@ def incident_html(found: Incident | None, *, list_url: str = "") -> str:
     return format_html(
         '<div class="desk-incident" role="alert" style="margin:0 0 12px;padding:10px 14px;'
         'border-left:6px solid #b02a37;background:#fdf1f2;color:#000;overflow-wrap:anywhere">'
-        "<strong>Provider incident since {}</strong>: "
-        "{} operations wait for the provider's answer ({} with a request in flight there, {} "
+        "<strong>Incident at {} since {}</strong>: "
+        "{} operations wait for an answer ({} with a request in flight there, {} "
         "unanswered), {} at stake. The fence keeps looking (next look at {}) and settles each "
-        "one as soon as the provider answers; nothing needs pressing for them.{}</div>",
+        "one as soon as it is answered; nothing needs pressing for them.{}</div>",
+        found.who,
         when(found.since),
         found.operations,
         found.in_flight,
@@ -443,13 +463,19 @@ def look_line(look: ClaimLook) -> str:
 
 
 def taken_not_settled() -> list[str]:
-    """Money the provider showed taken for steps not settled yet, per currency ("€74.50")."""
+    """What the systems showed done for steps not settled yet, one line per kind, as the
+    states' totals word it ("€74.50 checkout", "€6.00 refund": a refund is never added to
+    a charge); the first INCIDENT_MONEY_ROWS such steps (unsettled claims: their index)."""
     views = StepClaim.objects.filter(
         state__in=UNSETTLED_CLAIM_STATES, provider_view__status="succeeded"
-    ).values_list("provider_view", flat=True)[:INCIDENT_MONEY_ROWS]
-    amounts: dict[str, int] = {}
-    for view in views:
+    ).values_list("operation__kind", "provider_view")[:INCIDENT_MONEY_ROWS]
+    by_kind: dict[str, dict[str, int]] = {}
+    for kind, view in views:
         amount, currency = (view or {}).get("amount"), str((view or {}).get("currency") or "")
         if isinstance(amount, int) and currency:
-            amounts[currency] = amounts.get(currency, 0) + amount
-    return [format_money(v, c) for c, v in sorted(amounts.items())]
+            totals = by_kind.setdefault(kind, {})
+            totals[currency] = totals.get(currency, 0) + amount
+    if not by_kind:
+        return []
+    shown = {kind: sorted(totals.items()) for kind, totals in by_kind.items()}
+    return totals_by_kind(shown, labelled=True)

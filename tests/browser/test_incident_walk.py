@@ -103,11 +103,11 @@ def test_an_operator_walks_the_desk_during_a_provider_incident(
 
     banner = tab.locator(".desk-incident")
     assert banner.is_visible()
-    assert "Provider incident since" in banner.inner_text()
+    assert "Incident at the provider since" in banner.inner_text()
     shot(tab, "home")
 
     tab.goto(f"{live_server.url}/admin/payments/operation/needs-attention/")
-    assert "operations wait for the provider's answer" in tab.locator(".desk-incident").inner_text()
+    assert "operations wait for an answer" in tab.locator(".desk-incident").inner_text()
     case = tab.locator(".desk-case", has_text="walk-refund")
     assert "Nothing ran at the provider" in case.inner_text()
     counted = tab.locator(".desk-pages").inner_text()

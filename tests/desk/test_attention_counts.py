@@ -101,6 +101,6 @@ def test_incident_banner__its_figures_count_every_operation_it_names(
     banner = words(client_for(viewer).get(NEEDS_ATTENTION).content.decode())
 
     assert (
-        "3 operations wait for the provider's answer (0 with a request in flight there, "
+        "3 operations wait for an answer (0 with a request in flight there, "
         "3 unanswered), €59.97 checkout at stake"
     ) in banner

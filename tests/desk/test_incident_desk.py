@@ -12,6 +12,7 @@ import re
 
 import pytest
 from django.urls import reverse
+from django.utils import timezone
 
 from payments.checkout.handler import request_checkout
 from payments.checkout.orders import create_order
@@ -20,7 +21,15 @@ from payments.engine import fence
 from payments.engine.effects import EffectResult
 from payments.engine.outcomes import Outcome
 from payments.engine.recovery import reconcile
-from payments.models import ClaimLook, LookShowed, Operation, OperationEvent
+from payments.engine.writes import fence_writes
+from payments.models import (
+    ClaimLook,
+    ClaimState,
+    LookShowed,
+    Operation,
+    OperationEvent,
+    StepClaim,
+)
 from tests.support import builders
 from tests.support.users import client_for
 from tests.support.workers import run_worker
@@ -157,8 +166,8 @@ def test_incident_banner__on_needs_attention_and_home__once_with_the_money_at_st
     home = text(client_for(viewer).get("/admin/"))
 
     for page in (attention, home):
-        assert page.count("Provider incident since") == 1
-        assert "3 operations wait for the provider's answer" in page
+        assert page.count("Incident at the provider since") == 1
+        assert "3 operations wait for an answer" in page
         assert "at stake" in page
         assert "next look at" in page
     assert ClaimLook.objects.filter(showed=LookShowed.UNREADABLE).count() == 3
@@ -169,7 +178,7 @@ def test_incident_banner__none_for_one_unanswered_operation(provider, viewer, se
     provider_down(settings)
     reconcile()
 
-    assert "Provider incident" not in text(client_for(viewer).get(NEEDS_ATTENTION))
+    assert "Incident at" not in text(client_for(viewer).get(NEEDS_ATTENTION))
 
 
 def test_needs_attention__money_the_provider_showed_taken__counted_as_not_settled_yet(
@@ -184,7 +193,37 @@ def test_needs_attention__money_the_provider_showed_taken__counted_as_not_settle
 
     page = text(client_for(viewer).get(NEEDS_ATTENTION))
 
-    assert "At the provider, not settled yet: €74.50" in page
+    assert "Done at their systems, not settled yet: €74.50 checkout" in page
+
+
+def test_needs_attention__a_refund_shown_done__never_added_to_a_charge(provider, viewer):
+    """A review's catch: the line added a refund the provider showed done to the charges
+    ("€80.50"), the defect the incident banner's money had."""
+    from django.db import transaction
+
+    _, charge, reference = builders.uncertain(key="inc-taken-2", charged=True)
+    shown = {"status": "succeeded", "amount": 7450, "currency": "eur"}
+    fence.note_provider_view(
+        charge, EffectResult(Outcome.SUCCESS, reference=reference, data=shown), source="query"
+    )
+    with transaction.atomic():  # a refund's row as the API writes it (its job never runs)
+        refund, _ = fence.create_operation_in_tx(
+            key="refund-shown", kind="refund", entity_type="order", entity_id=1,
+            params={"amount": 600, "currency": "eur"}, actor="api",
+        )  # fmt: skip
+    with fence_writes():  # its claim as claim_step inserts it (hand-made, as builders do)
+        claim = StepClaim.objects.create(
+            operation=refund, step="refund", state=ClaimState.CLAIMED, claimed_by="w/1",
+            claimed_at=timezone.now(), lease_expires_at=timezone.now(),
+        )  # fmt: skip
+    refunded = {"status": "succeeded", "amount": 600, "currency": "eur"}
+    fence.note_provider_view(
+        claim, EffectResult(Outcome.SUCCESS, reference="re_1", data=refunded), source="query"
+    )
+
+    page = text(client_for(viewer).get(NEEDS_ATTENTION))
+
+    assert "not settled yet: €74.50 checkout and €6.00 refund" in page
 
 
 def test_operation_page__a_look_from_before_the_step_was_done__grey_not_a_refusal(provider, viewer):
@@ -297,3 +336,23 @@ def test_a_key_used_with_other_parameters__held_for_a_person_at_once_not_looked_
 
 def text_of(html: str) -> str:
     return re.sub(r"\s+", " ", re.sub(r"<[^>]+>", " ", html))
+
+
+def test_the_banner_names_the_systems_that_do_not_answer():
+    """A review's catch: "Provider incident … the provider's answer" for any system."""
+    from datetime import UTC, datetime
+
+    from payments.desk.evidence import Incident, incident_html
+
+    found = Incident(
+        since=datetime(2026, 12, 7, 3, 12, tzinfo=UTC),
+        operations=4,
+        in_flight=1,
+        unreadable=3,
+        systems=["Adyen", "the accounting system"],
+    )
+
+    banner = incident_html(found)
+
+    assert "Incident at Adyen and the accounting system since 2026-12-07 03:12" in banner
+    assert "provider" not in banner

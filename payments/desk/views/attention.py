@@ -145,7 +145,7 @@ class NeedsAttentionMixin(DeskBase):
             "legend": legend(bars),
             "incident": incident_html(incident()),
             # What the provider showed taken for steps not settled yet (evidence, not verdict).
-            "taken_not_settled": " + ".join(taken_not_settled()),
+            "taken_not_settled": " and ".join(taken_not_settled()),
         }
         request.current_app = self.admin_site.name
         return TemplateResponse(request, "admin/payments/operation/needs_attention.html", context)
