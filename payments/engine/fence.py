@@ -651,6 +651,8 @@ def _lease_with(
                     "owner": owner[:255],
                     "seconds": seconds,
                     "from_states": runnable,
+                    # Its own transaction only: a caller's may hold what a guarantee rests on.
+                    "async_commit": not transaction.get_connection().in_atomic_block,
                 },
             ),
             *(
@@ -670,6 +672,9 @@ def acquire_lease(
 
     One statement (ACQUIRE_LEASE) in the happy path; when it takes nothing,
     one read tells the caller why (state, or another worker's live lease).
+    Outside a transaction the lease commits without waiting for its WAL to
+    be flushed (see ACQUIRE_LEASE in queries.sql: the claim that fences the
+    call, committed synchronously after it, makes it durable).
     `entities` (models with an integer key) are read in the same round trip,
     after the lease in the same implicit transaction (it sees the lease): the
     operation's entity, if it is a row of one of them
@@ -695,6 +700,7 @@ def acquire_lease(
         return acquire_lease(operation_id, owner=owner, seconds=seconds)
     if op is not None:
         claimed = frozenset(op.__dict__.pop("claimed_steps"))
+        op.__dict__.pop("commit_mode")
         # Taken over from a worker whose lease ran out: it may still be running,
         # so this run's local steps claim first (payments.engine.handlers.Run.local).
         taken_over = op.from_state == OperationState.RUNNING

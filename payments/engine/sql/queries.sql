@@ -75,7 +75,11 @@ WHERE {pk} = (
 
 -- acquire_lease --
 -- pending | retrying | running (its lease run out, or this owner's) -> running, audited;
--- with the steps claimed so far.
+-- with the steps claimed so far. With %(async_commit)s (its own transaction, never a
+-- caller's), a lease taken commits without waiting for its WAL to be flushed
+-- (`synchronous_commit` off for this transaction only): the claim that fences a call
+-- commits synchronously after it, which flushes the lease's WAL too, and a lease lost
+-- with the server's unflushed WAL leaves the operation as it was (the sweeper sends it).
 WITH old AS (
     SELECT id, state FROM {Operation} WHERE id = %(id)s FOR UPDATE
 ), leased AS (
@@ -105,7 +109,11 @@ SELECT id, key, scope, tenant, kind, entity_type, entity_id, params, fingerprint
        state, attempts, last_error, next_attempt_at, lease_owner, lease_expires_at,
        job_id, dispatched_at, result, retry_of_id, parent_id, created_at, updated_at, purged_at,
        from_state, db_now,
-       ARRAY(SELECT step FROM {StepClaim} WHERE operation_id = leased.id) AS claimed_steps
+       ARRAY(SELECT step FROM {StepClaim} WHERE operation_id = leased.id) AS claimed_steps,
+       set_config('synchronous_commit',
+                  CASE WHEN %(async_commit)s THEN 'off'
+                       ELSE current_setting('synchronous_commit') END,
+                  true) AS commit_mode
 FROM leased
 
 -- release_held_lease --
