@@ -94,6 +94,8 @@ class RoundTrips:
     syncs: int = 0  # a pipeline's one round trip
     deallocates: int = 0  # psycopg's DEALLOCATE ALL after a rollback of prepared statements
     connects: int = 0  # not round trips of the work: see the module's docstring
+    #: Redis round trips of the work (RedisRoundTripCounter), not the database's: not in `total`.
+    redis: int = 0
     jobs: int = 0
 
     @property
@@ -136,6 +138,44 @@ class RoundTrips:
         values["total"] = self.total / n
         values["transactions"] = self.transactions / n
         return values
+
+
+class RedisRoundTripCounter:
+    """Count the Redis round trips of this process while installed (`counts.redis`).
+
+    redis-py waits for an answer once per command sent on its own
+    (`Redis.execute_command`, and a pipeline's command while it WATCHes:
+    `Pipeline.immediate_execute_command`) and once per pipeline sent
+    (`Pipeline.execute` with commands queued, its MULTI/EXEC included): each
+    is one round trip. A blocking pop counts as one too.
+    """
+
+    def __init__(self) -> None:
+        self.counts = RoundTrips()
+        self._undo: list[Callable[[], None]] = []
+
+    def install(self) -> None:
+        from redis.client import Pipeline
+
+        counts = self.counts
+
+        def counting(cls: Any, name: str, when: Callable[[Any], bool]) -> None:
+            original = cls.__dict__[name]
+
+            def wrapper(client: Any, *args: Any, **options: Any) -> Any:
+                counts.redis += when(client)
+                return original(client, *args, **options)
+
+            setattr(cls, name, wrapper)
+            self._undo.append(lambda: setattr(cls, name, original))
+
+        counting(Redis, "execute_command", lambda client: True)
+        counting(Pipeline, "immediate_execute_command", lambda client: True)
+        counting(Pipeline, "execute", lambda pipeline: bool(pipeline.command_stack))
+
+    def uninstall(self) -> None:
+        while self._undo:
+            self._undo.pop()()
 
 
 def _prepared_statements(raw: Any) -> int:

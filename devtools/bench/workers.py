@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from devtools.bench.dbcount import RoundTripCounter, record
+from devtools.bench.dbcount import RedisRoundTripCounter, RoundTripCounter, record
 from payments.engine.worker import FenceWorker
 
 
@@ -13,19 +13,27 @@ class CountingWorker(FenceWorker):
 
     The count spans FenceWorker's own connection handling around the job (the
     health check of a reused connection included), so it is what one job
-    costs the database, not only what the job function sends.
+    costs the database, not only what the job function sends; and the job's
+    Redis round trips (`redis`), RQ's handling of it included (its start and
+    its end's pipeline), not the worker's wait for the next job.
     """
 
     counter: RoundTripCounter | None = None
+    redis_counter: RedisRoundTripCounter | None = None
 
     def execute_job(self, job: Any, queue: Any) -> Any:
         if CountingWorker.counter is None:
             CountingWorker.counter = RoundTripCounter()
             CountingWorker.counter.install()
+        if CountingWorker.redis_counter is None:
+            CountingWorker.redis_counter = RedisRoundTripCounter()
+            CountingWorker.redis_counter.install()
         before = CountingWorker.counter.snapshot()
+        redis_before = CountingWorker.redis_counter.counts.redis
         try:
             return super().execute_job(job, queue)
         finally:
             trips = CountingWorker.counter.snapshot() - before
+            trips.redis = CountingWorker.redis_counter.counts.redis - redis_before
             trips.jobs = 1
             record(self.connection, job.func_name, trips)

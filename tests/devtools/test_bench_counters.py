@@ -83,6 +83,9 @@ def trace(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Trace]:
     if CountingWorker.counter is not None:
         CountingWorker.counter.uninstall()
         CountingWorker.counter = None
+    if CountingWorker.redis_counter is not None:
+        CountingWorker.redis_counter.uninstall()
+        CountingWorker.redis_counter = None
 
 
 def test_counter__equals_the_trace_on_begin_commit_rollback_savepoints_and_health_check(trace):
@@ -192,3 +195,44 @@ def _counted_burst(queue: Any, trace: Trace) -> RoundTrips:
     whole_run = CountingWorker.counter.snapshot()
     assert trace.round_trips() == whole_run.total
     return whole_run
+
+
+def test_redis_counter__a_command_alone_and_a_pipeline_are_one_round_trip_each(redis_conn):
+    counter = dbcount.RedisRoundTripCounter()
+    counter.install()
+    try:
+        redis_conn.set("bench-count", 1)
+        with redis_conn.pipeline() as pipe:
+            pipe.incr("bench-count").incr("bench-count").execute()
+        with redis_conn.pipeline() as empty:
+            empty.execute()  # nothing queued: nothing sent
+        with redis_conn.pipeline() as watching:
+            watching.watch("bench-count")  # sent at once while watching
+            watching.get("bench-count")
+            watching.multi()
+            watching.incr("bench-count")
+            watching.execute()
+    finally:
+        counter.uninstall()
+    assert counter.counts.redis == 1 + 1 + 0 + 3
+    assert redis_conn.get("bench-count") == b"4"
+
+
+def test_counting_worker__a_fenced_checkout_costs_redis_what_the_twin_costs(
+    provider, queue, trace, settings
+):
+    """The checkout's job on the bench's counting worker (FenceWorker), follow-ups inline as
+    in production, against the unfenced twin's job: the fence's metric counts ride RQ's
+    end-of-job pipeline (payments.engine.counters), so no Redis round trip is added."""
+    from devtools.bench.jobs import unfenced_checkout
+
+    settings.PAYMENTS = {**settings.PAYMENTS, "INLINE_FOLLOW_UPS": True}
+    checkout("count-redis")
+    order = Order.objects.create(amount=2500, currency="eur", customer_email="t@example.com")
+    queue.enqueue(unfenced_checkout, order.pk, "pm_card_visa")
+    _counted_burst(queue, trace)
+
+    by_job = recorded(queue.connection)
+    fenced, twin = by_job[RUN_OPERATION], by_job["devtools.bench.jobs.unfenced_checkout"]
+    assert (fenced.jobs, twin.jobs) == (1, 1)
+    assert fenced.redis == twin.redis > 0

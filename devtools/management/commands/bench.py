@@ -612,6 +612,14 @@ def _queue_rows(f: dict) -> list[tuple[str, str]]:
         )
     rows.append(
         (
+            "Redis round trips per checkout, worker side, fenced / unfenced (the job, RQ's "
+            "start and end of it, the fence's metric counts)",
+            f"{d['fenced']['worker_per_checkout'].get('redis', 0):.1f} / "
+            f"{d['unfenced']['worker_per_checkout'].get('redis', 0):.1f}",
+        )
+    )
+    rows.append(
+        (
             "WAL bytes per checkout, worker side, fenced / unfenced",
             f"{d['fenced']['wal_bytes_per_checkout']:,.0f} / "
             f"{d['unfenced']['wal_bytes_per_checkout']:,.0f} (every row version and index "
