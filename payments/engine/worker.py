@@ -17,7 +17,7 @@ from django.db import InterfaceError, OperationalError, close_old_connections, c
 from django.db.migrations.loader import MigrationLoader
 from rq.worker import SimpleWorker
 
-from payments.engine import counters, fence
+from payments.engine import fence
 from payments.engine.handlers import unknown_recorded_names
 
 logger = logging.getLogger("payments.engine.worker")
@@ -78,36 +78,13 @@ class FenceWorker(SimpleWorker):
             # job's first statement, before anything changed; the job is
             # retried on a new connection, as after any database error.
             cast(Any, connection).health_check_done = True  # Django's flag (not in the stubs)
-        with counters.held_for_job() as held:
-            try:
-                return super().execute_job(job, queue)
-            finally:
-                abandon_open_transaction(job)
-                close_old_connections()
-                clean = connection.connection is not None and not connection.errors_occurred
-                self._clean_until = time.monotonic() + HEALTH_CHECK_AFTER_IDLE if clean else 0.0
-                _send_held(held)
-
-    # What the job counted goes in RQ's own pipeline at its end (payments.engine.counters):
-    # RQ adds the worker's job counts to it, on success and on failure alike.
-    def increment_successful_job_count(self, pipeline: Any = None) -> None:
-        super().increment_successful_job_count(pipeline)
-        if pipeline is not None:
-            counters.add_held_to(pipeline, self.connection)
-
-    def increment_failed_job_count(self, pipeline: Any = None) -> None:
-        super().increment_failed_job_count(pipeline)
-        if pipeline is not None:
-            counters.add_held_to(pipeline, self.connection)
-
-
-def _send_held(held: counters.Held) -> None:
-    """Send the counts that did not ride RQ's pipeline; never fail the worker over one."""
-    unsent = 0 if held.added else len(held.counts)
-    try:
-        counters.send_held(held)
-    except Exception:  # a lost count is a smaller harm than a stopped worker
-        logger.warning("%d metric counts not sent: redis unavailable", unsent)
+        try:
+            return super().execute_job(job, queue)
+        finally:
+            abandon_open_transaction(job)
+            close_old_connections()
+            clean = connection.connection is not None and not connection.errors_occurred
+            self._clean_until = time.monotonic() + HEALTH_CHECK_AFTER_IDLE if clean else 0.0
 
 
 def abandon_open_transaction(job: Any) -> None:

@@ -52,7 +52,6 @@ from rq.registry import (
 )
 
 from inbox.signals import duplicate_skipped
-from payments.engine import counters
 from payments.engine.handlers import registered_handlers
 from payments.engine.outcomes import Outcome
 from payments.engine.queues import PROBE_TIMEOUT, redis_client
@@ -119,14 +118,15 @@ def _bounded_outcome(outcome: object) -> str:
 # --- counters kept in Redis ---------------------------------------------------------
 
 
-def increment(metric: str, label: str, amount: int = 1) -> None:
-    """Add `amount` to the counter `metric{label}`; never fail the caller over a metric.
+def _counter_redis() -> Redis:
+    """Return the queue Redis client that keeps the counters, with probe timeouts."""
+    return redis_client(timeout=PROBE_TIMEOUT)
 
-    In a job on FenceWorker the count is sent with the job's end, in RQ's own
-    pipeline (payments.engine.counters); elsewhere at once.
-    """
+
+def increment(metric: str, label: str, amount: int = 1) -> None:
+    """Add `amount` to the counter `metric{label}`; never fail the caller over a metric."""
     try:
-        counters.add(COUNTER_PREFIX + metric, label, amount)
+        _counter_redis().hincrby(COUNTER_PREFIX + metric, label, amount)
     except Exception:  # a lost increment is a smaller harm than a failed step
         logger.warning("metric %s not counted: redis unavailable", metric)
 
@@ -344,7 +344,7 @@ class FenceCollector(Collector):
         return deadlines
 
     def _redis(self) -> Iterator[Metric]:
-        client = counters.counter_redis()
+        client = _counter_redis()
         calls = CounterMetricFamily(
             "payments_provider_calls",
             "Provider calls made under a claim, by operation kind, step and outcome class.",

@@ -65,3 +65,27 @@ def test_acquire_lease_in_a_callers_transaction__its_commit_stays_synchronous(qu
         leased = fence.acquire_lease(op.pk, owner="w/1", seconds=30)
         assert leased.acquired
         assert _setting() == "on"
+
+
+def test_a_worker_runs_a_checkout__its_lease_alone_is_asynchronous(provider, queue):
+    """The real path: a checkout's job on FenceWorker (payments.testing.run_jobs). Its
+    lease goes with async_commit, outside any transaction; every statement after it finds
+    the session's own setting."""
+    from payments.testing import run_jobs
+    from tests.support.flows import order_and_checkout
+
+    leases: list[tuple[bool, bool]] = []
+    after: list[str] = []
+
+    def watch(execute, sql, params, many, context):
+        if sql is fence.ACQUIRE_LEASE:
+            leases.append((params["async_commit"], connection.in_atomic_block))
+        elif not connection.connection.pgconn.pipeline_status:  # a pipeline's are read after
+            after.append(connection.connection.execute(SETTING).fetchone()[0])
+        return execute(sql, params, many, context)
+
+    order_and_checkout()
+    with connection.execute_wrapper(watch):
+        run_jobs(queue)
+    assert leases == [(True, False)]
+    assert after and set(after) == {"on"}

@@ -613,7 +613,7 @@ def _queue_rows(f: dict) -> list[tuple[str, str]]:
     rows.append(
         (
             "Redis round trips per checkout, worker side, fenced / unfenced (the job, RQ's "
-            "start and end of it, the fence's metric counts)",
+            "start and end of it, the fence's two metric counts)",
             f"{d['fenced']['worker_per_checkout'].get('redis', 0):.1f} / "
             f"{d['unfenced']['worker_per_checkout'].get('redis', 0):.1f}",
         )
