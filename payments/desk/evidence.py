@@ -17,7 +17,9 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
-from django.db.models import Exists, Min, OuterRef, Q, QuerySet
+from django.db.models import BigIntegerField, Exists, Min, OuterRef, Q, QuerySet, Sum
+from django.db.models.fields.json import KT
+from django.db.models.functions import Cast
 from django.utils.html import format_html, format_html_join
 from django.utils.text import Truncator
 
@@ -42,8 +44,6 @@ from payments.money import format_money
 
 #: How many operations waiting on unanswered looks make an incident (one banner).
 INCIDENT_AT_LEAST = 3
-#: The most unsettled claims whose money the provider showed taken Needs attention adds up.
-INCIDENT_MONEY_ROWS = 5000
 
 
 def look_of(claim: StepClaim) -> ClaimLook | None:
@@ -465,16 +465,25 @@ def look_line(look: ClaimLook) -> str:
 def taken_not_settled() -> list[str]:
     """What the systems showed done for steps not settled yet, one line per kind, as the
     states' totals word it ("€74.50 checkout", "€6.00 refund": a refund is never added to
-    a charge); the first INCIDENT_MONEY_ROWS such steps (unsettled claims: their index)."""
-    views = StepClaim.objects.filter(
-        state__in=UNSETTLED_CLAIM_STATES, provider_view__status="succeeded"
-    ).values_list("operation__kind", "provider_view")[:INCIDENT_MONEY_ROWS]
+    a charge). Every such step counts: summed in the database by kind and currency, over
+    the unsettled claims (their partial index), an amount that is not a whole number of
+    minor units left out."""
+    amount = KT("provider_view__amount")
+    sums = (
+        StepClaim.objects.filter(
+            state__in=UNSETTLED_CLAIM_STATES,
+            provider_view__status="succeeded",
+            provider_view__currency__regex=r"\S",
+        )
+        .filter(**{"provider_view__amount__regex": r"^-?[0-9]{1,18}$"})
+        .values("operation__kind", currency=KT("provider_view__currency"))
+        .annotate(total=Sum(Cast(amount, BigIntegerField())))
+        .values_list("operation__kind", "currency", "total")
+    )
     by_kind: dict[str, dict[str, int]] = {}
-    for kind, view in views:
-        amount, currency = (view or {}).get("amount"), str((view or {}).get("currency") or "")
-        if isinstance(amount, int) and currency:
-            totals = by_kind.setdefault(kind, {})
-            totals[currency] = totals.get(currency, 0) + amount
+    for kind, currency, total in sums:
+        totals = by_kind.setdefault(kind, {})
+        totals[currency] = totals.get(currency, 0) + int(total)
     if not by_kind:
         return []
     shown = {kind: sorted(totals.items()) for kind, totals in by_kind.items()}

@@ -16,7 +16,6 @@ import pytest
 from django.urls import reverse
 from django.utils import timezone
 
-from payments.desk import evidence
 from payments.desk.views.chart import legend, outcomes_per_hour
 from payments.desk.views.queries import FAILED_WINDOW, counts_by_state, follow_up_q
 from payments.engine.recovery import reconcile
@@ -85,14 +84,11 @@ def test_chart_legend__declined_or_failed_is_the_failed_count_of_the_same_24_hou
 
 
 @pytest.mark.django_db
-def test_incident_banner__its_figures_count_every_operation_it_names(
-    provider, viewer, settings, monkeypatch
-):
+def test_incident_banner__its_figures_count_every_operation_it_names(provider, viewer, settings):
     """The banner counted the waiting operations, then read the in-flight and unanswered
-    ones and the money from the first INCIDENT_MONEY_ROWS of them only: past that (an
-    outage of thousands, here the rows cut to 2), "3 operations wait (0 in flight, 2
-    unanswered), €39.98 at stake" for three charges of €19.99."""
-    monkeypatch.setattr(evidence, "INCIDENT_MONEY_ROWS", 2)
+    ones and the money from the first 5,000 of them only: past that (an outage of
+    thousands), "3 operations wait (0 in flight, 2 unanswered), €39.98 at stake" for three
+    charges of €19.99 with the rows cut to 2."""
     for n in range(3):
         builders.uncertain(key=f"inc-all-{n}", charged=True)
     settings.PAYMENTS = {**settings.PAYMENTS, "PROVIDER_URL": "http://127.0.0.1:9"}

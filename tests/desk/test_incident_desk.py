@@ -196,6 +196,28 @@ def test_needs_attention__money_the_provider_showed_taken__counted_as_not_settle
     assert "Done at their systems, not settled yet: €74.50 checkout" in page
 
 
+def test_needs_attention__money_shown_taken__every_step_counted__not_the_first_rows(
+    provider, viewer, monkeypatch
+):
+    """The line read the first 5,000 such steps only (INCIDENT_MONEY_ROWS) and added them up
+    in Python: in an outage of more, the figure was short and said nothing of it (here the
+    rows cut to 2 of 3, as on the old code). It is summed in the database now, every step;
+    an amount that is not a whole number of minor units is left out."""
+    from payments.desk import evidence
+
+    monkeypatch.setattr(evidence, "INCIDENT_MONEY_ROWS", 2, raising=False)
+    for n, amount in enumerate([7450, 7450, 7450, "74.50"]):
+        _, claim, reference = builders.uncertain(key=f"inc-taken-all-{n}", charged=True)
+        shown = {"status": "succeeded", "amount": amount, "currency": "eur"}
+        fence.note_provider_view(
+            claim, EffectResult(Outcome.SUCCESS, reference=reference, data=shown), source="query"
+        )
+
+    page = text(client_for(viewer).get(NEEDS_ATTENTION))
+
+    assert "Done at their systems, not settled yet: €223.50 checkout" in page
+
+
 def test_needs_attention__a_refund_shown_done__never_added_to_a_charge(provider, viewer):
     """A review's catch: the line added a refund the provider showed done to the charges
     ("€80.50"), the defect the incident banner's money had."""
