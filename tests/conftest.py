@@ -82,11 +82,6 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         tier = tier_of(item.path)
         if tier is not None:
             item.add_marker(tier)
-    # The tiered modules (a minute or more each, some) first, the fast tier's many short ones
-    # after: pytest-xdist hands the runners modules in this order, and the short ones then
-    # fill the end of the run on both runners instead of one waiting on the other's long
-    # module. A stable sort: each module's tests stay together and in their order.
-    items.sort(key=lambda item: tier_of(item.path) is None)
 
 
 @pytest.fixture
