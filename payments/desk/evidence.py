@@ -468,22 +468,20 @@ def taken_not_settled() -> list[str]:
     a charge). Every such step counts: summed in the database by kind and currency, over
     the unsettled claims (their partial index), an amount that is not a whole number of
     minor units left out."""
-    amount = KT("provider_view__amount")
     sums = (
         StepClaim.objects.filter(
             state__in=UNSETTLED_CLAIM_STATES,
             provider_view__status="succeeded",
             provider_view__currency__regex=r"\S",
+            provider_view__amount__regex=r"^-?[0-9]{1,18}$",
         )
-        .filter(**{"provider_view__amount__regex": r"^-?[0-9]{1,18}$"})
         .values("operation__kind", currency=KT("provider_view__currency"))
-        .annotate(total=Sum(Cast(amount, BigIntegerField())))
+        .annotate(total=Sum(Cast(KT("provider_view__amount"), BigIntegerField())))
         .values_list("operation__kind", "currency", "total")
     )
     by_kind: dict[str, dict[str, int]] = {}
-    for kind, currency, total in sums:
-        totals = by_kind.setdefault(kind, {})
-        totals[currency] = totals.get(currency, 0) + int(total)
+    for kind, currency, total in sums:  # one row per kind and currency
+        by_kind.setdefault(kind, {})[currency] = int(total)
     if not by_kind:
         return []
     shown = {kind: sorted(totals.items()) for kind, totals in by_kind.items()}

@@ -87,8 +87,8 @@ def test_chart_legend__declined_or_failed_is_the_failed_count_of_the_same_24_hou
 def test_incident_banner__its_figures_count_every_operation_it_names(provider, viewer, settings):
     """The banner counted the waiting operations, then read the in-flight and unanswered
     ones and the money from the first 5,000 of them only: past that (an outage of
-    thousands), "3 operations wait (0 in flight, 2 unanswered), €39.98 at stake" for three
-    charges of €19.99 with the rows cut to 2."""
+    thousands; in this test's first version the rows were cut to 2), "3 operations wait (0
+    in flight, 2 unanswered), €39.98 at stake" for three charges of €19.99."""
     for n in range(3):
         builders.uncertain(key=f"inc-all-{n}", charged=True)
     settings.PAYMENTS = {**settings.PAYMENTS, "PROVIDER_URL": "http://127.0.0.1:9"}
