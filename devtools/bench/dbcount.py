@@ -141,7 +141,7 @@ class RoundTrips:
 
 
 class RedisRoundTripCounter:
-    """Count the Redis round trips of this process while installed (`counts.redis`).
+    """Count the Redis round trips of this process while installed (`trips`).
 
     redis-py waits for an answer once per command sent on its own
     (`Redis.execute_command`, and a pipeline's command while it WATCHes:
@@ -151,19 +151,17 @@ class RedisRoundTripCounter:
     """
 
     def __init__(self) -> None:
-        self.counts = RoundTrips()
+        self.trips = 0
         self._undo: list[Callable[[], None]] = []
 
     def install(self) -> None:
         from redis.client import Pipeline
 
-        counts = self.counts
-
         def counting(cls: Any, name: str, when: Callable[[Any], bool]) -> None:
             original = cls.__dict__[name]
 
             def wrapper(client: Any, *args: Any, **options: Any) -> Any:
-                counts.redis += when(client)
+                self.trips += when(client)
                 return original(client, *args, **options)
 
             setattr(cls, name, wrapper)

@@ -29,11 +29,11 @@ class CountingWorker(FenceWorker):
             CountingWorker.redis_counter = RedisRoundTripCounter()
             CountingWorker.redis_counter.install()
         before = CountingWorker.counter.snapshot()
-        redis_before = CountingWorker.redis_counter.counts.redis
+        redis_before = CountingWorker.redis_counter.trips
         try:
             return super().execute_job(job, queue)
         finally:
             trips = CountingWorker.counter.snapshot() - before
-            trips.redis = CountingWorker.redis_counter.counts.redis - redis_before
+            trips.redis = CountingWorker.redis_counter.trips - redis_before
             trips.jobs = 1
             record(self.connection, job.func_name, trips)

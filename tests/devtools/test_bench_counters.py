@@ -214,7 +214,7 @@ def test_redis_counter__a_command_alone_and_a_pipeline_are_one_round_trip_each(r
             watching.execute()
     finally:
         counter.uninstall()
-    assert counter.counts.redis == 1 + 1 + 0 + 3
+    assert counter.trips == 1 + 1 + 0 + 3
     assert redis_conn.get("bench-count") == b"4"
 
 
