@@ -47,6 +47,7 @@ from payments.desk.display import (
 from payments.desk.evidence import evidence_html, operation_label, query_title, why_waiting
 from payments.desk.filters import DateRangeFilter
 from payments.desk.lists import (
+    EXACT_COUNT_UP_TO,
     BoundedListMixin,
     KindFilter,
     NothingRanFilter,
@@ -63,6 +64,7 @@ from payments.desk.views.queries import (
     first_error_of,
     follow_up_kinds,
     follow_up_q,
+    follow_ups_not_succeeded,
     last_error_of,
     lookups_of,
     stale_q,
@@ -243,7 +245,11 @@ class FollowUpFilter(admin.SimpleListFilter):
     parameter_name = "followups"
 
     def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
-        return [("all", "Shown"), ("only", "Only follow-ups")]
+        return [
+            ("all", "Shown"),
+            ("only", "Only follow-ups"),
+            ("open", "Only follow-ups not succeeded"),
+        ]
 
     def choices(self, changelist: Any) -> Any:
         for choice in super().choices(changelist):
@@ -257,6 +263,8 @@ class FollowUpFilter(admin.SimpleListFilter):
             return queryset
         if value == "only":
             return queryset.filter(follow_up_q())
+        if value == "open":  # what Needs attention counts as not succeeded
+            return queryset.filter(pk__in=follow_ups_not_succeeded(EXACT_COUNT_UP_TO + 1))
         if request.GET.get("kind") in follow_up_kinds():
             return queryset  # a follow-up kind asked for by name
         if operation_id_in(request.GET.get(SEARCH_VAR, "")) is not None:

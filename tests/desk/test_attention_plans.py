@@ -115,3 +115,25 @@ def test_older_cases_and_the_filter__read_from_the_claims_that_gave_up_only(
     read = history_read_by(statements_sent(look), PER_OPERATION)
     assert read == [], "\n".join(read)
     assert Operation.objects.filter(state=OperationState.FAILED).count() > PER_OPERATION * 5
+
+
+def test_follow_ups_not_succeeded__the_list_reads_the_open_and_failed_rows_only(history, senior):
+    """Needs attention's "N not succeeded" link, with half the history made of follow-ups
+    (a year of ledger lines before they ran inline): the list and its count read the
+    unfinished and failed rows through their partial indexes, not the succeeded ones."""
+    with connection.cursor() as cursor:
+        cursor.execute("UPDATE payments_operation SET kind = 'record_sale' WHERE id % 2 = 0")
+        cursor.execute("ANALYZE payments_operation")
+    client = client_for(senior)
+    url = client.get(reverse("admin:payments_operation_needs_attention")).context["follow_ups_url"]
+    open_follow_ups = (
+        Operation.objects.filter(follow_up_q()).exclude(state=OperationState.SUCCEEDED).count()
+    )
+
+    def open_list() -> None:
+        listed = client.get(url)
+        assert listed.context["cl"].result_count == open_follow_ups > 0
+
+    with planner_sees_larger(FENCE_TABLES):
+        read = history_read_by(statements_sent(open_list), PER_OPERATION * history)
+    assert read == [], "\n".join(read)

@@ -159,6 +159,27 @@ def test_money__needs_attention_totals_per_state_without_follow_ups(provider, vi
     assert response.context["follow_ups_open"] == 2
 
 
+def test_follow_ups_not_succeeded__the_link_lists_those_it_counts(provider, viewer, queue):
+    """Needs attention's "N not succeeded" link opens a list of those N: the succeeded
+    follow-ups of an earlier order, and the checkouts, are not in it."""
+    earlier, _ = builders.succeeded(key="paid-earlier")
+    done = with_follow_ups(earlier, reference="pi_earlier")
+    paid, _ = builders.succeeded(key="paid-now")
+    waiting, failed = with_follow_ups(paid, reference="pi_now")
+    with fence_writes():  # hand-made states, as the test says
+        succeeded = Operation.objects.filter(pk__in=[op.pk for op in done])
+        succeeded.update(state=OperationState.SUCCEEDED)
+        Operation.objects.filter(pk=failed.pk).update(state=OperationState.FAILED)
+    client = client_for(viewer)
+
+    attention = client.get(NEEDS_ATTENTION)
+    listed = client.get(attention.context["follow_ups_url"])
+
+    assert attention.context["follow_ups_open"] == 2
+    assert sorted(result_keys(listed.content.decode())) == sorted([waiting.key, failed.key])
+    assert listed.context["cl"].result_count == 2
+
+
 # --- the provider beside us ------------------------------------------------------------
 
 

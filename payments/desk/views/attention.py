@@ -123,7 +123,7 @@ class NeedsAttentionMixin(DeskBase):
             ),
             "follow_ups_open": follow_ups_open,
             "follow_up_kinds": ", ".join(follow_up_kinds()) or "none registered",
-            "follow_ups_url": f"{changelist}?followups=only",
+            "follow_ups_url": f"{changelist}?followups=open",
             "failed_jobs": failed_jobs(),
             "audit": audit,
             "audit_view": audit_view(audit, request),
