@@ -87,7 +87,7 @@ valgrind:
 # workers, the provider or a grace period, not on a core); each runner has its own test
 # database and Redis database (tests/support/config.py). TEST_RUNNERS=0: one process.
 FAST_TIER := not crash and not topology and not browser and not bench and not slow
-TEST_RUNNERS ?= 2
+TEST_RUNNERS ?= 3
 RUNNERS := $(if $(filter 0,$(TEST_RUNNERS)),,-n $(TEST_RUNNERS) --dist loadfile)
 
 test-fast: db

@@ -24,7 +24,7 @@ def _redis_url_of_this_runner(base: str, runner: str) -> str:
 
 #: One Redis database for every test of a runner (payments queues and the inbox test queue),
 #: flushed around each test that uses it. Give each concurrent run its own base database:
-#: `make test` runs two runners, on this database and the one below it.
+#: `make test` runs three runners, on this database and the two below it.
 TEST_REDIS_URL = _redis_url_of_this_runner(
     os.environ.get("TEST_REDIS_URL", "redis://127.0.0.1:6379/15"),
     os.environ.get("PYTEST_XDIST_WORKER", ""),
