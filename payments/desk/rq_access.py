@@ -267,25 +267,45 @@ def guard(view: View, name: str) -> View:
     return staff_member_required(guarded)
 
 
-#: django-rq's links that change the queue ("Empty Queue" and the like), as its pages write them.
+#: django-rq's links that change the queue or a job ("Empty Queue", a job's "Delete"...),
+#: its job page's buttons (Stop, Requeue, Enqueue) and its lists' bulk action button
+#: (Go), as its pages write them (django-rq 4.2; tests/hardening/test_rq_pages.py).
 _MANAGING_LINK = re.compile(
-    r'<a href="[^"]*" class="(deletelink|requeuelink)">(Empty Queue|Requeue All|Delete All)</a>'
+    r'<a href="[^"]*" class="(deletelink|requeuelink)">'
+    r"(Empty Queue|Requeue All|Delete All|Delete)</a>"
+)
+_MANAGING_BUTTON = re.compile(
+    r'<input type="submit" value="(Stop|Requeue|Enqueue)" class="(deletelink|default)" '
+    r'name="\w+">'
+)
+_BULK_ACTION = re.compile(
+    r'<button type="submit" class="button" title="Execute selected action" name="index" '
+    r'value="0">Go</button>'
+)
+_OFF = (
+    'aria-disabled="true" style="opacity:.5;cursor:not-allowed" '
+    f'title="needs the permission {MANAGE_QUEUES}"'
 )
 
 
 def _disable_managing_links(response: HttpResponse) -> None:
-    """Show a user who may not manage queues its links off, naming the permission they need."""
+    """Show a user who may not manage queues every control that changes one off, naming the
+    permission they need (the views refuse them anyway: a 403 page, mid-incident)."""
     if getattr(response, "streaming", False) or "html" not in response.get("Content-Type", ""):
         return
     if hasattr(response, "render") and not getattr(response, "is_rendered", True):
         response.render()
-    html = response.content.decode()
-    off = (
-        r'<span class="\1 desk-button-off" aria-disabled="true" style="opacity:.5;'
-        rf'cursor:not-allowed" title="needs the permission {MANAGE_QUEUES}">\2 '
-        rf"(needs {MANAGE_QUEUES})</span>"
+    needs = f"(needs {MANAGE_QUEUES})"
+    html = _MANAGING_LINK.sub(
+        rf'<span class="\1 desk-button-off" {_OFF}>\2 {needs}</span>', response.content.decode()
     )
-    response.content = _MANAGING_LINK.sub(off, html).encode()
+    html = _MANAGING_BUTTON.sub(
+        rf'<input type="submit" value="\1 {needs}" class="\2" disabled {_OFF}>', html
+    )
+    html = _BULK_ACTION.sub(
+        rf'<button type="button" class="button" disabled {_OFF}>Go {needs}</button>', html
+    )
+    response.content = html.encode()
 
 
 def _bearer(request: HttpRequest) -> str:

@@ -235,6 +235,8 @@ def test_rq_failed_jobs__each_job_links_its_operation(
 
     cell = tab.locator("#result_list td.desk-job-operation")
     assert cell.inner_text() == f"{op.key} (needs review)"
+    # A reader of the queues: every change shown off, naming the permission, not a 403 later.
+    assert tab.locator("#changelist-form .actions button").is_disabled()
     shot(tab, "11-rq-failed-jobs")
 
     tab.goto(f"{live_server.url}/admin/rq/queues/{queue_index()}/{op.job_id}/")
@@ -242,6 +244,9 @@ def test_rq_failed_jobs__each_job_links_its_operation(
     assert op.key in note.inner_text()
     box = note.bounding_box()
     assert box["x"] + box["width"] <= tab.width
+    assert tab.locator(".submit-row input[type=submit]").is_disabled()
+    assert tab.locator(".submit-row a").count() == 0  # no Delete link to follow
+    assert "Delete (needs payments.manage_queues)" in tab.locator(".submit-row").inner_text()
     # Not shot(): at 390 px django-rq's own job page is wider than the window (the job id
     # in its heading, its results table), with or without the note.
     tab.screenshot(path=str(SHOTS / f"31-{tab.width}-12-rq-failed-job.png"), full_page=True)

@@ -326,3 +326,28 @@ def test_changes__the_403_names_the_missing_permission(rq_queue, queue_index, vi
     response = viewer_client.get(rq("clear", queue_index))
     assert response.status_code == 403
     assert "payments.manage_queues" in response.content.decode()
+
+
+def test_job_and_list_pages__a_viewer_sees_every_change_off_naming_the_permission(
+    rq_queue, queue_index, viewer_client, manager_client
+):
+    """A reader of the queues (payments.view_operation only) clicking Delete, Requeue or a
+    bulk action's Go at 3 a.m. got a 403 page: on the job's page and the failed jobs' list
+    those controls are shown off, each naming the permission; a queue manager's work."""
+    job = failed_job(rq_queue)
+    page = rq("job_detail", queue_index, job.id)
+    listed = rq("failed_jobs", queue_index)
+
+    seen = viewer_client.get(page).content.decode()
+    seen_list = viewer_client.get(listed).content.decode()
+    managed = manager_client.get(page).content.decode()
+    managed_list = manager_client.get(listed).content.decode()
+
+    delete = rq("delete_job", queue_index, job.id)
+    assert f'href="{delete}"' not in seen and f'href="{delete}"' in managed
+    assert "Delete (needs payments.manage_queues)" in seen
+    assert 'value="Requeue (needs payments.manage_queues)"' in seen
+    assert 'value="Requeue"' in managed
+    go = '<button type="submit" class="button" title="Execute selected action"'
+    assert go not in seen_list and go in managed_list
+    assert "Go (needs payments.manage_queues)" in seen_list
