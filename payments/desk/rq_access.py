@@ -303,7 +303,10 @@ def _disable_managing_links(response: HttpResponse) -> None:
         rf'<input type="submit" value="\1 {needs}" class="\2" disabled {_OFF}>', html
     )
     html = _BULK_ACTION.sub(
-        rf'<button type="button" class="button" disabled {_OFF}>Go {needs}</button>', html
+        # name="index": the admin's actions.js looks the button up by it on every list.
+        rf'<button type="button" class="button" name="index" value="0" disabled {_OFF}>'
+        rf"Go {needs}</button>",
+        html,
     )
     response.content = html.encode()
 

@@ -258,12 +258,14 @@ def follow_up_q() -> Q:
 
 
 def follow_ups_not_succeeded(most: int) -> list[int]:
-    """The ids of the follow-ups unfinished or failed, at most `most` of each: what Needs
+    """The ids of the follow-ups unfinished or failed, the newest `most` of each: what Needs
     attention counts as not succeeded, read as its counts are, through the partial indexes
     (payments_op_unfinished, payments_op_failed). Ids, not a condition: ORed, or under the
-    list's ORDER BY id LIMIT, the planner walks the primary key back through every succeeded
-    row when fewer than a page match (the usual case: a few, or none)."""
-    follow_ups = Operation.objects.filter(follow_up_q()).values_list("pk", flat=True)
+    list's ORDER BY id DESC LIMIT, the planner walks the primary key back through every
+    succeeded row when fewer than a page match (the usual case: a few, or none)."""
+    follow_ups = (
+        Operation.objects.filter(follow_up_q()).order_by("-pk").values_list("pk", flat=True)
+    )
     unfinished = follow_ups.filter(state__in=UNFINISHED_OPERATION_STATES)
     return [*unfinished[:most], *follow_ups.filter(state=OperationState.FAILED)[:most]]
 
