@@ -9,20 +9,12 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from urllib.parse import urlsplit, urlunsplit
 
-from tests.support.config import TEST_REDIS_URL
+from tests.support.config import TEST_CACHE_REDIS_URL, TEST_REDIS_URL
 
 ROOT = Path(__file__).resolve().parents[2]
 PRODUCTION_EXAMPLE = ROOT / ".env.production.example"
 VENV_BIN = Path(sys.executable).parent
-
-
-def other_redis_db(url: str) -> str:
-    """The same Redis server as `url`, another database (the cache must not share the queue's)."""
-    parts = urlsplit(url)
-    db = int(parts.path.strip("/") or 0)
-    return urlunsplit(parts._replace(path=f"/{(db + 1) % 16}"))
 
 
 def production_file(tmp_path: Path, *, drop: tuple[str, ...] = (), **values: str) -> Path:
@@ -47,7 +39,7 @@ def process_env(env_file: Path | str, **extra: str) -> dict[str, str]:
         "DJANGO_SETTINGS_MODULE": "project.settings",
         "DJANGO_ENV_FILE": str(env_file),
         "REDIS_URL": TEST_REDIS_URL,
-        "REDIS_CACHE_URL": other_redis_db(TEST_REDIS_URL),
+        "REDIS_CACHE_URL": TEST_CACHE_REDIS_URL,
         "PYTHONUNBUFFERED": "1",
     }
     env.update(extra)
