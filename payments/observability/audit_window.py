@@ -17,6 +17,7 @@ the whole charge).
 
 from __future__ import annotations
 
+from collections import defaultdict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
@@ -44,6 +45,9 @@ FINDING_KINDS = (
     "stale_uncertain",
 )
 REFUND_FINDING_KINDS = ("double_refunds", "over_refunds", "unfenced", "unknown_references")
+#: Findings about payments that money given back can settle: a double charge whose extra
+#: payments are refunded in full, an unfenced payment refunded in full (`WindowAudit`).
+SETTLED_BY_REFUNDS = ("double_charges", "double_charged_entities", "unfenced")
 
 
 def days(start: datetime, end: datetime) -> Iterator[tuple[datetime, datetime]]:
@@ -98,10 +102,41 @@ class WindowAudit:
     days: int = 0
     #: reference -> "operation_key/step", for the kept findings only.
     steps: dict[str, str] = field(default_factory=dict)
+    #: Findings of SETTLED_BY_REFUNDS kinds, in the order found: (kind, item, references),
+    #: judged when read (`_judged`), once every day's refunds are in.
+    pending: list[tuple[str, Any, list[str]]] = field(default_factory=list)
+    #: What each payment of a pending finding charged, and its succeeded refunds by id (listed
+    #: on its day or a later one, as a refund follows its payment; by id, since a refund in
+    #: the margin between two days is listed on both).
+    charged: dict[str, int] = field(default_factory=dict)
+    refunds_of_pending: dict[str, tuple[str, int]] = field(default_factory=dict)
+
+    def _judged(self) -> tuple[Findings, list[str]]:
+        """The charges' findings, the pending ones judged by the refunds listed so far, and
+        the payments refunded in full that were findings (not findings any more). A double
+        charge is open while more than one of its payments keeps money; an unfenced
+        payment while it keeps any."""
+        findings = Findings(
+            dict(self.charges.counts), {k: list(v) for k, v in self.charges.top.items()}
+        )
+        for kind in SETTLED_BY_REFUNDS:
+            findings.counts.setdefault(kind, 0)
+        refunded: dict[str, int] = defaultdict(int)
+        for paid, amount in self.refunds_of_pending.values():
+            refunded[paid] += amount
+        back: list[str] = []
+        for kind, item, references in self.pending:
+            # A payment of no known amount keeps its finding (nothing to give back in full).
+            kept = [r for r in references if refunded.get(r, 0) < max(self.charged.get(r, 0), 1)]
+            if len(kept) > (1 if kind != "unfenced" else 0):
+                findings.add(kind, [item])
+            else:
+                back.extend(r for r in references if r not in kept and r not in back)
+        return findings, back
 
     @property
     def findings(self) -> int:
-        return self.charges.total + self.refunds.total
+        return self._judged()[0].total + self.refunds.total
 
     @property
     def clean(self) -> bool:
@@ -118,15 +153,24 @@ class WindowAudit:
         self.provider_refunds += day.refunds.provider_refunds
         self.done_refund_claims += day.refunds.done_claims
         found, owned = day.charges.as_dict(), day.owned
+        pending: list[tuple[str, Any, list[str]]] = []
         for kind in ("double_charges", "double_charged_entities"):
             items: list[dict[str, Any]] = found[kind]  # type: ignore[assignment]
-            self.charges.add(kind, [d for d in items if owned(min(d["references"]))])
-        self.charges.add("unfenced", [r for r in day.charges.unfenced if owned(r)])
+            pending += [
+                (kind, d, list(d["references"])) for d in items if owned(min(d["references"]))
+            ]
+        pending += [("unfenced", r, [r]) for r in day.charges.unfenced if owned(r)]
+        self.pending += pending
+        self.charged.update({r: day.charged.get(r, 0) for _, _, refs in pending for r in refs})
+        self.refunds_of_pending.update(
+            {rid: paid for rid, paid in day.succeeded_refunds.items() if paid[0] in self.charged}
+        )
         self.charges.add("unknown_references", day.charges.unknown_references)
         judged = day.refunds.as_dict()
         for kind in REFUND_FINDING_KINDS:
             self.refunds.add(kind, list(judged[kind]))  # type: ignore[call-overload]
         named = set(_references([v for items in self.charges.top.values() for v in items]))
+        named.update(r for _, _, refs in pending for r in refs)
         self.steps.update({r: w for r, w in day.charges.steps.items() if r in named})
 
     def add_stale(self, stale: list[str]) -> None:
@@ -135,13 +179,17 @@ class WindowAudit:
 
     def as_summary(self) -> dict[str, Any]:
         """The stored summary: counts, and the first findings of each kind."""
+        charges, back = self._judged()
         return {
             "clean": self.clean,
             "findings": self.findings,
             "provider_successes": self.provider_successes,
             "done_claims": self.done_claims,
-            **{kind: self.charges.top.get(kind, []) for kind in FINDING_KINDS},
-            "counts": {kind: self.charges.counts.get(kind, 0) for kind in FINDING_KINDS},
+            **{kind: charges.top.get(kind, []) for kind in FINDING_KINDS},
+            "counts": {kind: charges.counts.get(kind, 0) for kind in FINDING_KINDS},
+            # Payments that were findings and were given back in full: not findings.
+            "refunded_in_full": back[:TOP_FINDINGS],
+            "refunded_in_full_count": len(back),
             "steps": dict(sorted(self.steps.items())),
             "refunds": {
                 "clean": self.refunds.total == 0,
@@ -176,6 +224,10 @@ class DayAudit:
     provider_successes: int
     intents_listed: int
     refunds_listed: int
+    #: What each payment listed charged, and the succeeded refunds listed: id -> (payment,
+    #: amount).
+    charged: dict[str, int] = field(default_factory=dict)
+    succeeded_refunds: dict[str, tuple[str, int]] = field(default_factory=dict)
 
 
 def audit_day(
@@ -218,4 +270,6 @@ def audit_day(
         provider_successes=sum(1 for p in payments if p.succeeded and owned(p.id)),
         intents_listed=len(payments),
         refunds_listed=len(refunds),
+        charged=charged,
+        succeeded_refunds={r.id: (r.parent, r.amount) for r in refunds if r.succeeded},
     )

@@ -6,9 +6,13 @@ provider (a claim must commit before its call); the duplicate is a real second c
 
 from __future__ import annotations
 
+import io
+import json
 import re
 
 import pytest
+from django.core.management import call_command
+from django.core.management.base import CommandError
 from django.urls import reverse
 
 from payments.models import Operation, OperationState
@@ -73,3 +77,39 @@ def test_duplicate__refund_failed__shown_failed_and_the_duplicate_still_refundab
     assert "refund" in failed and "failed" in failed and "€19.99" in failed
     [row] = [r for r in rows if duplicate in r and "duplicate charge" in r]
     assert "desk-refund-duplicate" in row
+
+
+def test_duplicate_refunded_in_full__the_next_audit_clears_it_and_names_it_refunded(
+    provider, queue
+):
+    """An operator walking an incident refunded a duplicate from the order's page; the next
+    `fence_audit` still reported the double charge and the unfenced success and exited 1,
+    and Needs attention kept "refund the extra charge" open for good. A duplicate given back
+    in full is no longer a finding: the audit exits 0 and lists it as refunded in full."""
+    order, _, duplicate = flows.charged_twice(queue)
+    before = io.StringIO()
+    with pytest.raises(CommandError):
+        call_command("fence_audit", "--format", "json", stdout=before)
+    assert json.loads(before.getvalue())["double_charged_entities"]
+    client = client_for(make_user("rosa", *VIEW, REFUND))
+    refund = refund_duplicate(client, order, duplicate, "5.00")
+    run_worker(queue)
+    partly = io.StringIO()
+    with pytest.raises(CommandError):  # €14.99 of it still with us: still a double charge
+        call_command("fence_audit", "--format", "json", stdout=partly)
+    assert json.loads(partly.getvalue())["double_charged_entities"]
+
+    refund = refund_duplicate(client, order, duplicate, "14.99")
+    run_worker(queue)
+    refund.refresh_from_db()
+    assert refund.state == OperationState.SUCCEEDED
+    after = io.StringIO()
+    call_command("fence_audit", "--format", "json", stdout=after)  # exit 0: no CommandError
+
+    report = json.loads(after.getvalue())
+    assert report["clean"] is True and report["exit_code"] == 0
+    assert report["double_charged_entities"] == [] and report["unfenced"] == []
+    assert report["refunded_in_full"] == [duplicate]
+    table = io.StringIO()
+    call_command("fence_audit", stdout=table)
+    assert f"Refunded in full (not findings): 1\n  {duplicate}" in table.getvalue()

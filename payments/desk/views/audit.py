@@ -204,8 +204,11 @@ class Now:
 
 
 #: The desk cannot tell a double charge is settled (the provider still shows both charges
-#: succeeded): it stays open, with its next step.
-DOUBLE_CHARGE = Now(False, "refund the extra charge from the order's page")
+#: succeeded; their refunds are its lists'): it stays open, with its next step, until an
+#: audit finds the extra charge refunded in full (payments.observability.audit_window).
+DOUBLE_CHARGE = Now(
+    False, "refund the extra charge from the order's page, then run fence_audit again"
+)
 
 
 class _FindingsNow:

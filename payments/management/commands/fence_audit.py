@@ -308,9 +308,19 @@ class Command(BaseCommand):
             ),
         ]
         self._write_sections(sections, summary["counts"])
+        back = summary.get("refunded_in_full_count", 0)
+        if back:
+            self.stdout.write(f"Refunded in full (not findings): {back}")
+            for ref in summary["refunded_in_full"]:
+                self.stdout.write(f"  {ref}  {steps.get(ref, '')}".rstrip())
+            if back > len(summary["refunded_in_full"]):
+                self.stdout.write(f"  ... and {back - len(summary['refunded_in_full'])} more")
         if summary["clean"]:
             self.stdout.write(
-                self.style.SUCCESS("Clean: every provider success has exactly one done claim.")
+                self.style.SUCCESS(
+                    "Clean: every provider success has exactly one done claim"
+                    + (", or was refunded in full." if back else ".")
+                )
             )
 
 
