@@ -110,11 +110,15 @@ class WindowAudit:
     #: the margin between two days is listed on both).
     charged: dict[str, int] = field(default_factory=dict)
     refunds_of_pending: dict[str, tuple[str, int]] = field(default_factory=dict)
+    #: "operation_key/step" of the pending findings' references (the summary keeps those of
+    #: the references it shows only).
+    pending_steps: dict[str, str] = field(default_factory=dict)
 
-    def _judged(self) -> tuple[Findings, list[str]]:
+    def _judged(self) -> tuple[Findings, list[str], list[Any]]:
         """The charges' findings, the pending ones judged by the refunds listed so far, and
-        the payments refunded in full that were findings (not findings any more). A double
-        charge is open while more than one of its payments keeps money; an unfenced
+        the payments refunded in full that were findings (not findings any more), and the
+        double-charged entities those settled (the order page still marks the duplicate). A
+        double charge is open while more than one of its payments keeps money; an unfenced
         payment while it keeps any."""
         findings = Findings(
             dict(self.charges.counts), {k: list(v) for k, v in self.charges.top.items()}
@@ -124,15 +128,18 @@ class WindowAudit:
         refunded: dict[str, int] = defaultdict(int)
         for paid, amount in self.refunds_of_pending.values():
             refunded[paid] += amount
-        back: list[str] = []
+        back: dict[str, None] = {}  # in the order found, once each
+        entities: list[Any] = []
         for kind, item, references in self.pending:
             # A payment of no known amount keeps its finding (nothing to give back in full).
             kept = [r for r in references if refunded.get(r, 0) < max(self.charged.get(r, 0), 1)]
             if len(kept) > (1 if kind != "unfenced" else 0):
                 findings.add(kind, [item])
-            else:
-                back.extend(r for r in references if r not in kept and r not in back)
-        return findings, back
+                continue
+            back.update((r, None) for r in references if r not in kept)
+            if kind == "double_charged_entities":
+                entities.append(item)
+        return findings, list(back), entities
 
     @property
     def findings(self) -> int:
@@ -170,8 +177,9 @@ class WindowAudit:
         for kind in REFUND_FINDING_KINDS:
             self.refunds.add(kind, list(judged[kind]))  # type: ignore[call-overload]
         named = set(_references([v for items in self.charges.top.values() for v in items]))
-        named.update(r for _, _, refs in pending for r in refs)
         self.steps.update({r: w for r, w in day.charges.steps.items() if r in named})
+        mine = {r for _, _, refs in pending for r in refs}
+        self.pending_steps.update({r: w for r, w in day.charges.steps.items() if r in mine})
 
     def add_stale(self, stale: list[str]) -> None:
         """The uncertain claims past the grace period, judged once for the whole run."""
@@ -179,7 +187,10 @@ class WindowAudit:
 
     def as_summary(self) -> dict[str, Any]:
         """The stored summary: counts, and the first findings of each kind."""
-        charges, back = self._judged()
+        charges, back, entities = self._judged()
+        shown = {*back[:TOP_FINDINGS]}
+        shown.update(_references([v for items in charges.top.values() for v in items]))
+        steps = {**self.steps, **{r: w for r, w in self.pending_steps.items() if r in shown}}
         return {
             "clean": self.clean,
             "findings": self.findings,
@@ -190,7 +201,8 @@ class WindowAudit:
             # Payments that were findings and were given back in full: not findings.
             "refunded_in_full": back[:TOP_FINDINGS],
             "refunded_in_full_count": len(back),
-            "steps": dict(sorted(self.steps.items())),
+            "refunded_in_full_entities": entities[:TOP_FINDINGS],
+            "steps": dict(sorted(steps.items())),
             "refunds": {
                 "clean": self.refunds.total == 0,
                 "findings": self.refunds.total,

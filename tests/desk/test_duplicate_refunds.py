@@ -113,3 +113,7 @@ def test_duplicate_refunded_in_full__the_next_audit_clears_it_and_names_it_refun
     table = io.StringIO()
     call_command("fence_audit", stdout=table)
     assert f"Refunded in full (not findings): 1\n  {duplicate}" in table.getvalue()
+    # The order's page still tells the second charge for what it was, given back.
+    _, rows = movements_of(client, order)
+    [row] = [r for r in rows if duplicate in r and "duplicate charge" in r]
+    assert "desk-refund-duplicate" not in row  # nothing left of it to give back

@@ -40,6 +40,10 @@ AUDIT_TABLES = (
     "stale_uncertain",
     "steps",
     "clean",
+    # Shown as "Refunded in full" (the references) under Other; the order page marks the
+    # entities' duplicates (payments.desk.views.payment.audit_duplicates).
+    "refunded_in_full_count",
+    "refunded_in_full_entities",
 )
 #: At most this many rows per finding table (the command's output has them all).
 AUDIT_ROWS = 50
@@ -207,7 +211,9 @@ class Now:
 #: succeeded; their refunds are its lists'): it stays open, with its next step, until an
 #: audit finds the extra charge refunded in full (payments.observability.audit_window).
 DOUBLE_CHARGE = Now(
-    False, "refund the extra charge from the order's page, then run fence_audit again"
+    False,
+    "refund the extra charge from the order's page, then run fence_audit again with --since "
+    "reaching back to the charge",
 )
 
 

@@ -192,12 +192,15 @@ def entity_operations(entity_type: str, entity_id: int | str) -> list[Operation]
 
 
 def audit_duplicates(entity_type: str, entity_id: int | str) -> list[str]:
-    """The references the last fence audit found charged twice for the entity."""
+    """The references the last fence audit found charged twice for the entity, whether the
+    double charge is still open or its extra charge was refunded in full since."""
     run = FenceAuditRun.objects.order_by("-finished_at").first()
-    found = (
-        run.summary.get("double_charged_entities") if run and isinstance(run.summary, dict) else []
-    )
-    for item in found or []:
+    summary = run.summary if run and isinstance(run.summary, dict) else {}
+    found = [
+        *(summary.get("double_charged_entities") or []),
+        *(summary.get("refunded_in_full_entities") or []),
+    ]
+    for item in found:
         if isinstance(item, dict) and (item.get("entity_type"), str(item.get("entity_id"))) == (
             entity_type,
             str(entity_id),
