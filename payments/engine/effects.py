@@ -71,9 +71,22 @@ class StillInProgress(Exception):
 
     outcome = Outcome.UNCERTAIN
 
-    def __init__(self, message: str, *, reference: str = "") -> None:
+    def __init__(
+        self, message: str, *, reference: str = "", data: dict[str, Any] | None = None
+    ) -> None:
         super().__init__(message)
         self.reference = reference
+        #: What the system showed of the object (status, amount, currency), when it did.
+        self.data = data or {}
+
+    def shown(self) -> EffectResult | None:
+        """The object the system showed, in progress, as the desk keeps a look's view of it
+        (fence.note_provider_view); None when it named none."""
+        if not self.reference:
+            return None
+        return EffectResult(
+            self.outcome, reference=self.reference, data={"status": "in progress", **self.data}
+        )
 
 
 class ExternalEffect(Protocol):

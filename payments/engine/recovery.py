@@ -25,7 +25,7 @@ from rq.registry import ScheduledJobRegistry, StartedJobRegistry
 from payments.conf import payments_settings
 from payments.engine import exchanges, fence
 from payments.engine.dispatch import dispatch, dispatch_on_commit
-from payments.engine.effects import EffectResult, reversal_step
+from payments.engine.effects import EffectResult, StillInProgress, reversal_step
 from payments.engine.handlers import GIVE_UP_STEP, HandlerSpec, get_handler
 from payments.engine.outcomes import Outcome
 from payments.engine.queues import payments_queue
@@ -309,6 +309,17 @@ def look_up(op: Operation, *, actor: str = "") -> str:
         before = len(exchanges.peek() or [])
         try:
             result = spec.effect(claim.step, op).find(view_of(claim))
+        except StillInProgress as exc:  # there, pending: what it showed, never "failed"
+            mine = (exchanges.peek() or [])[before:]
+            if exc.shown() is not None:
+                fence.note_provider_view(
+                    claim, exc.shown(), source="query", actor=actor, requests=mine
+                )
+            fence.note_look(
+                claim, LookShowed.IN_PROGRESS, actor=actor, source="query", detail=str(exc)
+            )
+            found.append(f"{claim.step}: still in progress {exc.reference}".strip())
+            continue
         except Exception as exc:  # provider down: say so, change nothing but the look's count
             found.append(f"{claim.step}: lookup failed ({type(exc).__name__})")
             fence.note_look(

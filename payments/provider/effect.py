@@ -307,8 +307,11 @@ class ProviderEffect:
         found = self.outcome(obj)
         if found is None:
             reference = str(getattr(obj, "id", ""))
+            shown = {name: getattr(obj, name, None) for name in ("status", "amount", "currency")}
             raise StillInProgress(
-                f"{reference} is {getattr(obj, 'status', 'in progress')}", reference=reference
+                f"{reference} is {getattr(obj, 'status', 'in progress')}",
+                reference=reference,
+                data={name: value for name, value in shown.items() if value is not None},
             )
         return found
 

@@ -339,3 +339,27 @@ def test_an_uncertain_refund_not_looked_up__its_evidence_speaks_of_a_refund(
 
     assert "No refund seen at the provider yet." in text
     assert "No payment seen" not in text
+
+
+def test_a_refund_pending_at_the_provider__its_page_shows_what_the_provider_showed(
+    provider, queue, senior
+):
+    """An operator walking an incident queried a refund the provider held as pending: the
+    provider answered with the refund, pending, and the page still read "No refund seen at
+    the provider yet." The pending refund, its status and amount are what it shows now, and
+    "mark failed" is off, saying why (it may still succeed)."""
+    order = flows.paid_order(queue, amount=2500, key="paid-first")
+    provider.state.configure(refund_status="pending")
+    op, _ = request_refund(order_id=order.pk, key="refund-pending", amount=600, actor="api")
+    run_worker(queue)
+    op.refresh_from_db()
+    assert op.state == OperationState.UNCERTAIN
+    [pending] = provider.state.refunds()
+    client = client_for(senior)
+
+    client.post(desk_url(op, "query_provider"))
+    text = words(client.get(change_url(op)).content.decode())
+
+    assert "No refund seen at the provider yet." not in text
+    assert f"shows {pending['id']} pending, €6.00" in text
+    assert "Mark refund failed is unavailable" in text and "may still succeed" in text
