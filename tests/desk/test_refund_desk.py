@@ -161,6 +161,11 @@ def test_refund_confirmation__every_action_speaks_of_the_refund(
     if step:
         title = DESK_ACTIONS[action].title.replace("step", "refund")
         assert f"{title}: {op.key}" in text  # as its button names it
+    if action == "new_attempt":  # an operator's walk: "stays failed" read on an uncertain one
+        stays = "The old operation stays failed and links to the new one"
+        assert (stays in text) == (left_by == "failed"), text
+        if left_by == "uncertain":
+            assert "Only a failed operation gets one: this one is uncertain." in text
 
 
 def test_refund_confirmation__the_reference_is_a_refund_s(provider, queue, senior):
