@@ -159,6 +159,30 @@ def test_money__needs_attention_totals_per_state_without_follow_ups(provider, vi
     assert response.context["follow_ups_open"] == 2
 
 
+def test_failed_with_a_new_attempt__its_money_is_the_attempts_not_the_failed_tiles(
+    provider, viewer, queue
+):
+    """An operator's walk: the Failed tile kept €333.00 "at stake" after the refund's new
+    attempt had succeeded. A failed operation with a new attempt is still counted failed,
+    but its money is the attempt's, in the attempt's own state; the tile says so."""
+    declined, _ = builders.declined(key="card-declined")
+    retried, _ = builders.declined(key="declined-then-paid")
+    order = order_of(retried)
+    with fence_writes():  # as the desk leaves it: the order open for a new attempt
+        type(order).objects.filter(pk=order.pk).update(status="payment_failed")
+    attempt, _ = request_checkout(
+        order_id=order.pk, key="second-card", payment_method="pm_card_visa", actor="api"
+    )
+    assert attempt.retry_of_id == retried.pk
+    builders.move(attempt, OperationState.SUCCEEDED)
+
+    response = client_for(viewer).get(NEEDS_ATTENTION)
+
+    failed = {row["state"]: row for row in response.context["states"]}["failed"]
+    assert failed["count"] == 2  # both failed
+    assert failed["totals"] == ["€19.99 checkout", "1 retried: its money under its attempt"]
+
+
 def test_follow_ups_not_succeeded__the_link_lists_those_it_counts(provider, viewer, queue):
     """Needs attention's "N not succeeded" link opens a list of those N: the succeeded
     follow-ups of an earlier order, and the checkouts, are not in it."""

@@ -7,7 +7,7 @@ from typing import Any
 
 from django.core.exceptions import PermissionDenied
 from django.core.paginator import Paginator
-from django.db.models import Q, QuerySet
+from django.db.models import Exists, OuterRef, Q, QuerySet
 from django.http import HttpRequest, HttpResponse
 from django.template.response import TemplateResponse
 from django.urls import reverse
@@ -71,10 +71,15 @@ class NeedsAttentionMixin(DeskBase):
         now = timezone.now()
         business = Operation.objects.exclude(follow_up_q())
         counts = counts_by_state(business, now)
+        failed = business.filter(recently_failed_q(now))
+        # A failed operation with a new attempt is counted failed; its money is the attempt's,
+        # under the attempt's own state (one probe each of the retry_of partial index).
+        retried = Exists(Operation.objects.filter(retry_of=OuterRef("pk")))
         totals = {
             **money_by_state_and_kind(business.filter(state__in=UNFINISHED_OPERATION_STATES)),
-            **money_by_state_and_kind(business.filter(recently_failed_q(now))),
+            **money_by_state_and_kind(failed.exclude(retried)),
         }
+        retried_count = failed.filter(retried).count()
         # A refund's money is not a charge's: with more than one kind registered, every
         # total names its kind, whichever kinds happen to be unfinished now.
         labelled = len(business_kinds()) > 1
@@ -84,6 +89,12 @@ class NeedsAttentionMixin(DeskBase):
             if s == OperationState.SUCCEEDED:
                 continue  # nothing to do there; the chart shows how many succeeded
             lines = totals_by_kind(totals.get(s.value, {}), labelled=labelled)
+            if s == OperationState.FAILED and retried_count:
+                lines.append(
+                    "1 retried: its money under its attempt"
+                    if retried_count == 1
+                    else f"{retried_count} retried: their money under their attempts"
+                )
             states.append(
                 {"state": s, "label": state_label(s), "count": counts.get(s.value, 0),
                  "totals": lines, "total": " · ".join(lines),
