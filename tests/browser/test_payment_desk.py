@@ -20,10 +20,11 @@ from django.core.management.base import CommandError
 from django.db import connections
 from django.utils import timezone
 
+from payments.checkout.handler import request_checkout
 from payments.engine.queues import queue_index
 from payments.models import Operation, OperationState
 from payments.shop.models import OrderStatus
-from tests.support import flows
+from tests.support import builders, flows
 from tests.support.users import NEW_ATTEMPT, RECONCILE, VIEW, make_user
 from tests.support.workers import run_worker
 
@@ -252,3 +253,21 @@ def test_rq_failed_jobs__each_job_links_its_operation(
     tab.screenshot(path=str(SHOTS / f"31-{tab.width}-12-rq-failed-job.png"), full_page=True)
     note.locator("a").click()
     tab.wait_for_url(f"**/admin/payments/operation/{op.pk}/change/")
+
+
+def test_needs_attention__a_failure_retried_and_paid__its_tile_says_where_the_money_went(
+    tab, live_server, provider, queue
+):
+    builders.declined(key="declined-once")
+    retried, _ = builders.declined(key="declined-then-paid")
+    attempt, _ = request_checkout(
+        order_id=retried.params["order_id"], key="second-card", payment_method="pm_card_visa",
+        actor="api",
+    )  # fmt: skip
+    builders.move(attempt, OperationState.SUCCEEDED)
+    sign_in(tab, live_server, "vera", *VIEW, then="/admin/payments/operation/needs-attention/")
+
+    tile = tab.locator("a.state-count-failed")
+    assert "1 retried: its money under its attempt" in tile.inner_text()
+    assert "€19.99" in tile.inner_text()
+    shot(tab, "13-needs-attention-failed-retried")

@@ -167,11 +167,8 @@ def test_failed_with_a_new_attempt__its_money_is_the_attempts_not_the_failed_til
     but its money is the attempt's, in the attempt's own state; the tile says so."""
     declined, _ = builders.declined(key="card-declined")
     retried, _ = builders.declined(key="declined-then-paid")
-    order = order_of(retried)
-    with fence_writes():  # as the desk leaves it: the order open for a new attempt
-        type(order).objects.filter(pk=order.pk).update(status="payment_failed")
-    attempt, _ = request_checkout(
-        order_id=order.pk, key="second-card", payment_method="pm_card_visa", actor="api"
+    attempt, _ = request_checkout(  # the declined order is open for a new attempt
+        order_id=order_of(retried).pk, key="second-card", payment_method="pm_card_visa", actor="api"
     )
     assert attempt.retry_of_id == retried.pk
     builders.move(attempt, OperationState.SUCCEEDED)
