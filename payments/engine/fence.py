@@ -1437,8 +1437,8 @@ def release_claim(
     Only its owner releases it; the owner stays recorded. Its state stays: a
     claimed row is then "released" (lease gone: nothing ran), an uncertain one
     stays uncertain (an earlier call may have run). `last_request_at` puts back
-    the time of the request before one that was never sent (and takes it off the
-    count of requests sent). The audit row carries
+    the time of the request before one that was never sent (and takes it, and the
+    take-over that sent it, off the counts of requests sent and of attempts). The audit row carries
     `requests` (else: record_event_in_tx's); a look that changed nothing (`audited`
     False: the reconciler's) writes none, its look is counted instead (note_look).
     """
@@ -1451,10 +1451,12 @@ def release_claim(
         fields = ["lease_expires_at", "error", "updated_at"]
         if last_request_at is not _UNCHANGED:
             # The request was never executed (nothing ran): neither its time nor its count
-            # stays, so that the desk's attempts count only requests that could move money.
+            # stays, so that the desk's attempts count only requests that could move money,
+            # nor the take-over that sent it, which the desk would count as a look-up.
             row.last_request_at = claim.last_request_at = last_request_at
             row.requests_sent = claim.requests_sent = max(row.requests_sent - 1, 0)
-            fields.extend(["last_request_at", "requests_sent"])
+            row.attempts = claim.attempts = max(row.attempts - 1, 1)
+            fields.extend(["last_request_at", "requests_sent", "attempts"])
         row.save(update_fields=fields)
         if not audited:
             return

@@ -368,3 +368,20 @@ def test_a_refund_pending_at_the_provider__its_page_shows_what_the_provider_show
     assert "No refund seen at the provider yet." not in text
     assert f"shows {pending['id']} pending, €6.00" in text
     assert "Mark refund failed is unavailable" in text and "may still succeed" in text
+
+
+def test_retries_refused_before_they_ran__are_no_look_ups(provider, queue, senior):
+    """An operator's walk: a refund whose three requests the provider refused before doing
+    anything (500s, timeouts to connect) read "1 + 2 look-ups" in the list, on its page
+    and in the CSV, and "No lookup recorded" beside it. Nobody looked: a request refused
+    before it ran counts neither as an attempt nor as a look-up."""
+    order = flows.paid_order(queue, amount=2500, key="paid-first")
+    op = failed_refund(provider, queue, order)
+    claim = op.claims.get(step="refund")
+    assert claim.requests_sent == 0  # none of them could move money
+
+    listed = client_for(senior).get(reverse("admin:payments_operation_changelist"))
+
+    [row] = [o for o in listed.context["cl"].result_list if o.pk == op.pk]
+    assert (row.all_attempts, row.lookups) == (1, 0)
+    assert "look-up" not in words(listed.content.decode()).split(op.key, 1)[1].split("€", 1)[0]
