@@ -155,11 +155,6 @@ def follow_up_key(parent: Operation, kind: str) -> str:
     return f"{parent.pk}:{kind}"
 
 
-def attempt_key(first: Operation, attempt: int) -> str:
-    """Return the derived key of attempt `attempt` (2, 3, ...) of the first operation `first`."""
-    return f"{first.pk}:attempt-{attempt}"
-
-
 # --- who acts, and the clock -------------------------------------------------------
 
 
