@@ -368,12 +368,25 @@ def money_at_stake(operations: QuerySet[Operation]) -> list[str]:
     return [] if not shown else totals_by_kind(shown, labelled=len(business_kinds()) > 1)
 
 
-def incident_html(found: Incident | None, *, list_url: str = "") -> str:
-    """The incident banner ("" when there is none)."""
+def incident_html(found: Incident | None, *, list_url: str = "", need_a_person: int = 0) -> str:
+    """The incident banner ("" when there is none). `need_a_person`: the operations the
+    fence gave up on before anything ran (a page that lists them below says how many), which
+    unlike the waiting ones will not settle by themselves."""
     if found is None:
         return ""
     money = " and ".join(found.money) or "no amount"
     link = format_html(' <a href="{}">See them</a>.', list_url) if list_url else ""
+    if need_a_person:
+        waits = "operation failed" if need_a_person == 1 else "operations failed"
+        verb = "waits" if need_a_person == 1 else "wait"
+        link = format_html(
+            "{} {} {} before anything ran and {} for a person: a new attempt, where it is still "
+            "wanted (in the cases below).",
+            link,
+            need_a_person,
+            waits,
+            verb,
+        )
     return format_html(
         '<div class="desk-incident" role="alert" style="margin:0 0 12px;padding:10px 14px;'
         'border-left:6px solid #b02a37;background:#fdf1f2;color:#000;overflow-wrap:anywhere">'

@@ -30,7 +30,7 @@ from payments.models import (
     OperationEvent,
     StepClaim,
 )
-from tests.support import builders
+from tests.support import builders, flows
 from tests.support.users import client_for
 from tests.support.workers import run_worker
 
@@ -378,3 +378,23 @@ def test_the_banner_names_the_systems_that_do_not_answer():
 
     assert "Incident at Adyen and the accounting system since 2026-12-07 03:12" in banner
     assert "provider" not in banner
+
+
+@pytest.mark.django_db(transaction=True)  # the refund runs in a real worker
+def test_incident_banner__says_which_cases_do_need_a_person(provider, viewer, settings, queue):
+    """An operator's walk: the banner said "nothing needs pressing for them" above refunds
+    the fence had given up on after the outage's refusals, each waiting for a new attempt.
+    The waiting ones need nothing; the banner now names those that need a person."""
+    flows.refund_failed_by_an_outage(provider, queue, key="given-up")
+    for n in range(3):
+        builders.uncertain(key=f"inc-waiting-{n}", charged=True)
+    provider_down(settings)
+    reconcile()
+
+    attention = text(client_for(viewer).get(NEEDS_ATTENTION))
+
+    assert "nothing needs pressing for them" in attention
+    assert (
+        "1 operation failed before anything ran and waits for a person: "
+        "a new attempt, where it is still wanted (in the cases below)" in attention
+    )

@@ -154,7 +154,7 @@ class NeedsAttentionMixin(DeskBase):
             "nothing_ran_url": f"{changelist}?{NothingRanFilter.parameter_name}=yes",
             "chart": outcomes_svg(bars),
             "legend": legend(bars),
-            "incident": incident_html(incident()),
+            "incident": incident_html(incident(), need_a_person=len(nothing_ran)),
             # What the provider showed taken for steps not settled yet (evidence, not verdict).
             "taken_not_settled": " and ".join(taken_not_settled()),
         }
