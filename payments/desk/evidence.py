@@ -20,6 +20,7 @@ from typing import Any
 from django.db.models import BigIntegerField, Exists, Min, OuterRef, Q, QuerySet, Sum
 from django.db.models.fields.json import KT
 from django.db.models.functions import Cast
+from django.utils import timezone
 from django.utils.html import format_html, format_html_join
 from django.utils.text import Truncator
 
@@ -387,12 +388,22 @@ def incident_html(found: Incident | None, *, list_url: str = "", need_a_person: 
             waits,
             verb,
         )
+    # Looks that each wait out the system's timeouts fall behind: a next look already past
+    # is due, not "at" a time gone by.
+    if found.next_look is not None and found.next_look < timezone.now():
+        next_look = format_html(
+            "the next look has been due since {}: {}'s answers are slow",
+            when(found.next_look),
+            found.who,
+        )
+    else:
+        next_look = format_html("next look at {}", when(found.next_look))
     return format_html(
         '<div class="desk-incident" role="alert" style="margin:0 0 12px;padding:10px 14px;'
         'border-left:6px solid #b02a37;background:#fdf1f2;color:#000;overflow-wrap:anywhere">'
         "<strong>Incident at {} since {}</strong>: "
         "{} operations wait for an answer ({} with a request in flight there, {} "
-        "unanswered), {} at stake. The fence keeps looking (next look at {}) and settles each "
+        "unanswered), {} at stake. The fence keeps looking ({}) and settles each "
         "one as soon as it is answered; nothing needs pressing for them.{}</div>",
         found.who,
         when(found.since),
@@ -400,7 +411,7 @@ def incident_html(found: Incident | None, *, list_url: str = "", need_a_person: 
         found.in_flight,
         found.unreadable,
         money,
-        when(found.next_look),
+        next_look,
         link,
     )
 
