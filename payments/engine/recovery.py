@@ -310,11 +310,10 @@ def look_up(op: Operation, *, actor: str = "") -> str:
         try:
             result = spec.effect(claim.step, op).find(view_of(claim))
         except StillInProgress as exc:  # there, pending: what it showed, never "failed"
-            mine = (exchanges.peek() or [])[before:]
-            if exc.shown() is not None:
-                fence.note_provider_view(
-                    claim, exc.shown(), source="query", actor=actor, requests=mine
-                )
+            pending = exc.shown()
+            if pending is not None:
+                mine = (exchanges.peek() or [])[before:]
+                fence.note_provider_view(claim, pending, source="query", actor=actor, requests=mine)
             fence.note_look(
                 claim, LookShowed.IN_PROGRESS, actor=actor, source="query", detail=str(exc)
             )

@@ -391,8 +391,9 @@ def _settle_from_lookup(
     except StillInProgress as exc:  # there, neither done nor refused: never "not found"
         telemetry.note(transaction=telemetry.NONE)
         reason = f"still in progress at the provider ({exc})"[:500]
-        if exc.shown() is not None:  # the object it showed, pending: the desk shows it
-            fence.note_provider_view(claim, exc.shown(), source="reconciler", actor=actor)
+        shown = exc.shown()
+        if shown is not None:  # the object it showed, pending: the desk shows it
+            fence.note_provider_view(claim, shown, source="reconciler", actor=actor)
         look(LookShowed.IN_PROGRESS, str(exc))
         if claim.state != ClaimState.UNCERTAIN or (exc.reference and not claim.provider_reference):
             fence.settle_claim(

@@ -45,9 +45,6 @@ FINDING_KINDS = (
     "stale_uncertain",
 )
 REFUND_FINDING_KINDS = ("double_refunds", "over_refunds", "unfenced", "unknown_references")
-#: Findings about payments that money given back can settle: a double charge whose extra
-#: payments are refunded in full, an unfenced payment refunded in full (`WindowAudit`).
-SETTLED_BY_REFUNDS = ("double_charges", "double_charged_entities", "unfenced")
 
 
 def days(start: datetime, end: datetime) -> Iterator[tuple[datetime, datetime]]:
@@ -102,8 +99,9 @@ class WindowAudit:
     days: int = 0
     #: reference -> "operation_key/step", for the kept findings only.
     steps: dict[str, str] = field(default_factory=dict)
-    #: Findings of SETTLED_BY_REFUNDS kinds, in the order found: (kind, item, references),
-    #: judged when read (`_judged`), once every day's refunds are in.
+    #: Findings that money given back can settle (double charges, unfenced payments), in
+    #: the order found: (kind, item, references), judged when read (`_judged`), once every
+    #: day's refunds are in.
     pending: list[tuple[str, Any, list[str]]] = field(default_factory=list)
     #: What each payment of a pending finding charged, and its succeeded refunds by id (listed
     #: on its day or a later one, as a refund follows its payment; by id, since a refund in
@@ -123,8 +121,6 @@ class WindowAudit:
         findings = Findings(
             dict(self.charges.counts), {k: list(v) for k, v in self.charges.top.items()}
         )
-        for kind in SETTLED_BY_REFUNDS:
-            findings.counts.setdefault(kind, 0)
         refunded: dict[str, int] = defaultdict(int)
         for paid, amount in self.refunds_of_pending.values():
             refunded[paid] += amount
@@ -187,13 +183,14 @@ class WindowAudit:
 
     def as_summary(self) -> dict[str, Any]:
         """The stored summary: counts, and the first findings of each kind."""
-        charges, back, entities = self._judged()
+        charges, back, entities = self._judged()  # once: `findings` and `clean` judge again
+        findings = charges.total + self.refunds.total
         shown = {*back[:TOP_FINDINGS]}
         shown.update(_references([v for items in charges.top.values() for v in items]))
         steps = {**self.steps, **{r: w for r, w in self.pending_steps.items() if r in shown}}
         return {
-            "clean": self.clean,
-            "findings": self.findings,
+            "clean": findings == 0,
+            "findings": findings,
             "provider_successes": self.provider_successes,
             "done_claims": self.done_claims,
             **{kind: charges.top.get(kind, []) for kind in FINDING_KINDS},
