@@ -170,6 +170,7 @@ def operation(
     on_give_up: Callable[[Run], None] | None = None,
     on_reversal: ReversalHook | None = None,
     follows: Follows | None = None,
+    opens_with: str | None = None,
 ) -> Callable[[Callable[[Run], Any]], Callable[[Run], Any]]:
     """Register the decorated function as the fenced handler of operations of `kind`.
 
@@ -184,6 +185,10 @@ def operation(
     - `on_reversal(operation, found)`: undo a done step's writes the provider reversed.
     - `follows`: the business event its operations follow, `Follows(ORDER_PAID, when=...)`:
       the event's writer writes one of them with each event, while `when()` holds.
+    - `opens_with`: the first of `steps`, an external one, that the handler calls first on
+      every run, its request built from the operation alone: its claim commits with the
+      lease, one round trip fewer (docs/handlers.md). Not with `on_give_up`; the job's
+      meta in Redis then holds a copy of the operation's params.
     """
     effects = {step: effect for step, effect in steps.items() if effect is not None}
     for step, effect in effects.items():
@@ -202,6 +207,7 @@ def operation(
         on_give_up=on_give_up,
         on_reversal=on_reversal,
         follows=follows,
+        opens_with=opens_with,
     )
 
 

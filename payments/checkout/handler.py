@@ -274,6 +274,8 @@ def describe_charge(operation: Operation) -> str:
     on_failure=mark_order_failed,
     on_resume=reopen_order,
     entity=Order,
+    # The charge comes first on every run: its claim commits with the lease.
+    opens_with=CHARGE,
     desk=Desk(
         lock_entity=lock_order,
         describe=describe_charge,

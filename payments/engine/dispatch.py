@@ -46,6 +46,21 @@ def message_id_for(operation_key: str, scope: str = KeyScope.CLIENT, tenant: str
 
 #: The job's meta entry naming the operation's kind.
 KIND_META_KEY = "operation_kind"
+#: The job's meta entry holding what the operation was created with (`operation_hint`).
+HINT_META_KEY = "operation"
+#: The operation's fields the hint holds: what its first step's request and key are
+#: built from (payments.engine.runtime, the claim that rides the lease). None changes
+#: after the operation is created.
+HINT_FIELDS = (
+    "key",
+    "scope",
+    "tenant",
+    "kind",
+    "entity_type",
+    "entity_id",
+    "params",
+    "retry_of_id",
+)
 
 #: The RQ entry points, named by path: RQ stores the path with the job, and
 #: naming them keeps this module free of an import of the jobs (which import it).
@@ -82,8 +97,29 @@ def _options(op: Operation, job_id: str) -> dict[str, Any]:
         "retry": Retry(max=retries, interval=list(conf.retry_backoff)) if retries else None,
         # The worker finds the handler without reading the row first (a hint: the
         # row read in the handler's own statement must agree).
-        "meta": {KIND_META_KEY: op.kind},
+        "meta": {KIND_META_KEY: op.kind, **operation_hint(op)},
     }
+
+
+def operation_hint(op: Operation) -> dict[str, Any]:
+    """The operation's HINT_FIELDS for its job's meta, when its handler declares
+    `opens_with` and `op` was read with them; else nothing (a job then takes its lease
+    before it builds a request). The meta is RQ's, in Redis: the hint copies the
+    operation's params there, and the RQ job page shows them.
+
+    A worker builds the first step's request from them before the lease, so that its
+    claim is written in the lease's round trip; that claim is inserted only if the
+    leased row holds the same values (queries.sql, insert_claim_with_lease): a stale or
+    forged hint costs the worker one more round trip, never a claim the row disagrees with.
+    """
+    if op.pk is None or op.get_deferred_fields() & set(HINT_FIELDS):
+        return {}
+    try:
+        if get_handler(op.kind).opens_with is None:
+            return {}  # nothing to build before the lease: params stay out of Redis
+    except ConfigurationError:
+        return {}
+    return {HINT_META_KEY: {name: getattr(op, name) for name in HINT_FIELDS}}
 
 
 def _enqueue(

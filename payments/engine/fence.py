@@ -210,6 +210,8 @@ SUCCEED_MESSAGE = QUERIES["succeed_message"]
 DELIVER_MESSAGE = QUERIES["deliver_message"]
 INSERT_CLAIM = QUERIES["insert_claim"]
 INSERT_CLAIM_OR_FAIL = QUERIES["insert_claim_or_fail"]
+INSERT_CLAIM_WITH_LEASE = QUERIES["insert_claim_with_lease"]
+WITHDRAW_CLAIM = QUERIES["withdraw_claim"]
 SETTLE_CLAIM = QUERIES["settle_claim"]
 SETTLE_CLAIM_OR_REFUSE = QUERIES["settle_claim_or_refuse"]
 NOTE_REQUEST_SENT = QUERIES["note_request_sent"]
@@ -559,6 +561,53 @@ class LeaseResult:
     #: The rows read with the lease (`entities`), by model: the operation's entity when it
     #: is of that model, else None. Empty when the lease was not taken.
     entities: dict[type[Any], Any] = field(default_factory=dict)
+    #: The claim `first_claim` inserted with the lease, committed with it; None when it
+    #: inserted nothing (no lease, the step claimed already, a hint the row disagrees with).
+    first_claim: StepClaim | None = None
+
+
+@dataclass(frozen=True)
+class FirstClaim:
+    """The claim of the step a handler opens with, to insert in the lease's round trip:
+    INSERT_CLAIM_WITH_LEASE's parameters but the operation's id and the owner (`first_claim`
+    builds it)."""
+
+    step: str
+    params: dict[str, Any]
+
+
+def first_claim(
+    hint: dict[str, Any], step: str, *, request: dict[str, Any], system: str, lease_seconds: int
+) -> FirstClaim:
+    """The claim of `step` with `request`, built from `hint` (the values of
+    payments.engine.dispatch.HINT_FIELDS the request was built from): inserted with the
+    lease only if the leased row holds the same values. Raises TypeError (ValueError) for
+    a request or params JSON cannot hold."""
+    return FirstClaim(
+        step=step,
+        params={
+            "step": step,
+            "idempotency_key": derive_idempotency_key(
+                hint["key"], step, hint["scope"], hint["tenant"]
+            ),
+            "request": _json(request),
+            "lease_seconds": lease_seconds,
+            "system": system,
+            **{name: hint[name] for name in ("key", "scope", "tenant", "kind", "entity_type")},
+            "entity_id": str(hint["entity_id"]),
+            "params": _json(hint["params"]),
+            "retry_of_id": hint["retry_of_id"],
+        },
+    )
+
+
+@fence_writer
+def withdraw_claim(claim: StepClaim, *, owner: str, reason: str) -> bool:
+    """Delete a claim made with the lease whose step the run did not get to (WITHDRAW_CLAIM):
+    held by `owner`, its lease live, nothing sent; audited. Return whether it was; a claim
+    in any other case stays as it is (its lease runs out, and it is taken over as any)."""
+    params = {"id": claim.pk, "owner": owner[:255], "reason": reason[:2000]}
+    return _one(StepClaim, WITHDRAW_CLAIM, params) is not None
 
 
 #: Per model: the statement that reads the operation's entity when it is one of the
@@ -634,8 +683,10 @@ def _lease_with(
     seconds: int,
     runnable: list[str],
     entities: tuple[type[Any], ...],
+    first: FirstClaim | None = None,
 ) -> list[Any]:
-    """ACQUIRE_LEASE and the reads of `entities`, in one pipeline: each one's row or None."""
+    """ACQUIRE_LEASE, the reads of `entities` and the insert of `first`, in one pipeline:
+    each one's row or None."""
     return _rows_of(
         [
             (
@@ -646,8 +697,10 @@ def _lease_with(
                     "owner": owner[:255],
                     "seconds": seconds,
                     "from_states": runnable,
-                    # Its own transaction only: a caller's may hold what a guarantee rests on.
-                    "async_commit": not transaction.get_connection().in_atomic_block,
+                    # Its own transaction only: a caller's may hold what a guarantee rests
+                    # on, and a claim that fences a call commits with its WAL flushed.
+                    "async_commit": first is None
+                    and not transaction.get_connection().in_atomic_block,
                 },
             ),
             *(
@@ -655,13 +708,29 @@ def _lease_with(
                 for model in entities
                 for name in [model._meta.model_name]
             ),
+            *(
+                [
+                    (
+                        StepClaim,
+                        INSERT_CLAIM_WITH_LEASE,
+                        {**first.params, "operation": operation_id, "owner": owner[:255]},
+                    )
+                ]
+                if first is not None
+                else []
+            ),
         ]
     )
 
 
 @fence_writer
 def acquire_lease(
-    operation_id: int, *, owner: str, seconds: int, entities: tuple[type[Any], ...] = ()
+    operation_id: int,
+    *,
+    owner: str,
+    seconds: int,
+    entities: tuple[type[Any], ...] = (),
+    first_claim: FirstClaim | None = None,
 ) -> LeaseResult:
     """Take the operation's lease if it is runnable and no live lease is held.
 
@@ -675,35 +744,49 @@ def acquire_lease(
     operation's entity, if it is a row of one of them
     (payments.engine.handlers: `@handler(entity=...)`). If a read fails, the
     lease is taken alone (logged): no entity's read stops a lease.
+    `first_claim` (outside a transaction only) is inserted last in that round trip
+    and transaction (INSERT_CLAIM_WITH_LEASE), which then commits synchronously: the
+    claim is durable before the call it fences, as claim_step's. It is inserted only
+    with the lease and where the row agrees with the values it was built from
+    (`LeaseResult.first_claim`, else None); if its statement fails, the lease is taken
+    alone as after a failed read.
     Raises Operation.DoesNotExist for an unknown id.
     """
+    if first_claim is not None and transaction.get_connection().in_atomic_block:
+        raise InvalidTransition("a first claim must commit before the external call; no atomic()")
     runnable = [
         state
         for state in transitions.operation_sources(OperationState.RUNNING)
         if state in RUNNABLE_OPERATION_STATES
     ]
     try:
-        op, *rows = _lease_with(operation_id, owner, seconds, runnable, entities)
+        op, *rows = _lease_with(operation_id, owner, seconds, runnable, entities, first_claim)
     except DatabaseError:
-        if not entities:
+        if not entities and first_claim is None:
             raise
-        # A read failed (a migration not run yet, a table locked past a timeout): it
-        # rolled the lease back with it. Every kind's lease carries every declared
-        # entity's read, so none may stop the others: take the lease alone, and the
-        # handler reads its entity itself (Run.entity).
-        logger.exception("reading %s with the lease failed; taking the lease alone", entities)
+        # A read or the claim failed (a migration not run yet, a table locked past a
+        # timeout): it rolled the lease back with it. Every kind's lease carries every
+        # declared entity's read, so none may stop the others: take the lease alone, and
+        # the handler reads its entity itself (Run.entity) and claims its step as any.
+        logger.exception(
+            "reading %s or claiming with the lease failed; taking the lease alone", entities
+        )
         return acquire_lease(operation_id, owner=owner, seconds=seconds)
+    claim = rows.pop() if first_claim is not None else None
     if op is not None:
         claimed = frozenset(op.__dict__.pop("claimed_steps"))
         op.__dict__.pop("commit_mode")
         # Taken over from a worker whose lease ran out: it may still be running,
         # so this run's local steps claim first (payments.engine.handlers.Run.local).
         taken_over = op.from_state == OperationState.RUNNING
+        if claim is not None:
+            claim.operation = op
         return LeaseResult(
             op,
             acquired=True,
             claimed_steps=None if taken_over else claimed,
             entities=dict(zip(entities, rows, strict=True)),
+            first_claim=claim,
         )
     return LeaseResult(
         Operation.objects.annotate(db_now=Now()).get(pk=operation_id), acquired=False

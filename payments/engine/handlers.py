@@ -131,6 +131,9 @@ class HandlerSpec:
     #: A message handler declared `inline=True`: its writes, to run inside the transaction
     #: that writes the event it follows (payments.engine.follow_ups.deliver_inline_in_tx).
     inline: EntityHook | None = None
+    #: The external step the handler calls first on every run (`opens_with`): its claim
+    #: is written with the lease (payments.engine.runtime._first_claim), None: after it.
+    opens_with: str | None = None
 
     def effect(self, step: str, on: Operation | Run) -> ExternalEffect:
         """Build the effect of `step` for an operation (recovery, desk) or a handler's run."""
@@ -229,6 +232,7 @@ def handler(
     on_give_up: Callable[[Run], None] | None = None,
     order: tuple[str, ...] = (),
     follows: Follows | None = None,
+    opens_with: str | None = None,
 ) -> Callable[[Callable[[Run], object]], Callable[[Run], object]]:
     """Register the decorated function as the fenced handler of operations of `kind`.
 
@@ -242,7 +246,19 @@ def handler(
     row in the lease's round trip, and the handler gets it as `run.entity`
     (read as it was right after the lease; lock it again where a step needs it
     locked). `follows`: the business event its operations follow (payments.engine.follow_ups).
+    `opens_with`: an external step the handler calls first on every run, whose effect
+    builds its request from the operation alone: its claim is written with the lease
+    (docs/design.md, "The first claim rides the lease"). Not with `on_give_up`.
     """
+    if opens_with is not None and (
+        opens_with not in (effects or {})
+        or on_give_up is not None
+        or (order and order[0] != opens_with)
+    ):
+        raise ConfigurationError(
+            f"handler {kind!r}: opens_with={opens_with!r} must name its first step, an "
+            "external one, and the handler may not declare on_give_up"
+        )
     if entity is not None:
         try:
             fence.entity_key_kind(entity)
@@ -263,6 +279,7 @@ def handler(
                 on_reversal=on_reversal,
                 on_give_up=on_give_up,
                 order=order,
+                opens_with=opens_with,
             ),
             func.__module__,
             follows,
@@ -495,6 +512,10 @@ class Run:
     #: The handler's entity as read with the lease (None: its row was not there);
     #: NOT_READ: `entity` reads it.
     prefetched_entity: Any = NOT_READ
+    #: The claim of the step the handler opens with, inserted and committed with the
+    #: lease (payments.engine.runtime): `external` takes it off the run and calls under
+    #: it; the runtime withdraws it if the run never gets to the step.
+    first_claim: StepClaim | None = None
     #: The local steps this run has gone through (a second call with a name replays).
     _local_steps: set[str] = field(default_factory=set, init=False, repr=False)
     #: The results of the steps this run has run or replayed (`result`).
@@ -564,11 +585,58 @@ class Run:
         effect = self.spec.effect(step, self)
         # A step claimed before this run's lease replays its stored request: not built again.
         build = self.claimed_at_lease is None or step not in self.claimed_at_lease
+        claimed_with_lease = None
+        if self.first_claim is not None and self.first_claim.step == step:
+            claimed_with_lease, self.first_claim = self.first_claim, None
         result = run_external_step(
-            self.operation, step, effect, owner=self.worker_id, outcomes=self.unit, build=build
+            self.operation,
+            step,
+            effect,
+            owner=self.worker_id,
+            outcomes=self.unit,
+            build=build,
+            claimed_with_lease=claimed_with_lease,
         )
         self._results[step] = result
         return result
+
+    def withdraw_first_claim(self, *, in_unit: bool = False) -> None:
+        """Withdraw the claim made with the lease when the run did not get to its step
+        (fence.withdraw_claim: gone, audited, as if never claimed; nothing was sent).
+
+        On its own (`in_unit` False, after the handler's error): never raises, and a
+        claim not withdrawn is left to its lease and taken over as any claim is. In the
+        run's open transaction (`in_unit`, the handler returned without running it): it
+        goes with the release, its errors are the release's, and the claim stays on the
+        run until the unit commits (the runtime calls again, on its own, if it does not).
+        """
+        claim = self.first_claim
+        if claim is None:
+            return
+        reason = "claimed with the lease; the run did not get to it: nothing was sent"
+        if in_unit:
+            logger.error(
+                "operation %s: handler %r declares opens_with=%r but returned without it",
+                self.operation.key,
+                self.spec.kind,
+                claim.step,
+            )
+            fence.withdraw_claim(claim, owner=self.worker_id, reason=reason)
+            return
+        self.first_claim = None
+        try:
+            withdrawn = fence.withdraw_claim(claim, owner=self.worker_id, reason=reason)
+        except Exception:
+            logger.exception("operation %s: claim %s not withdrawn", self.operation.key, claim.step)
+            return
+        logger.warning(
+            "operation %s: claim %s, made with the lease, %s",
+            self.operation.key,
+            claim.step,
+            "withdrawn: the run failed before it"
+            if withdrawn
+            else "not withdrawn (its lease ran out, or it moved on): left to its lease",
+        )
 
     def local(self, step: str, func: Callable[[], dict[str, Any] | None]) -> dict[str, Any]:
         """Run a local step: its `done` claim and its writes commit together, once."""

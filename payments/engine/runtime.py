@@ -15,10 +15,11 @@ from datetime import timedelta
 from enum import StrEnum
 from typing import Any
 
-from django.db import transaction
+from django.db import connection, transaction
 
 from payments.conf import payments_settings
 from payments.engine import fence
+from payments.engine.dispatch import HINT_FIELDS, HINT_META_KEY
 from payments.engine.failpoints import BEFORE_GIVE_UP, failpoint
 from payments.engine.handlers import (
     GIVE_UP_STEP,
@@ -28,6 +29,7 @@ from payments.engine.handlers import (
     entity_models,
     get_handler,
 )
+from payments.engine.systems import system_of
 from payments.exceptions import (
     ConfigurationError,
     RetriesExhausted,
@@ -105,6 +107,7 @@ def execute(operation_id: int, *, worker_id: str, job: Any = None) -> str:
         owner=worker_id,
         seconds=payments_settings().claim_lease,
         entities=entity_models(),
+        first_claim=_first_claim(operation_id, worker_id, job),
     )
     op = leased.operation
     if not leased.acquired:
@@ -127,26 +130,106 @@ def execute(operation_id: int, *, worker_id: str, job: Any = None) -> str:
         prefetched_entity=(
             NOT_READ if spec.entity is None else leased.entities.get(spec.entity, NOT_READ)
         ),
+        first_claim=leased.first_claim,
     )
     if spec.on_give_up is not None and _compensating(op, leased.claimed_steps):
         return _compensate(run, op.last_error or "gave up earlier")
     try:
         _run_handler(spec, run)
     except Exception as exc:  # what the error makes of the operation: a state, or RQ's retry
+        # Before the error is weighed: a claim this run still holds would count as a call
+        # that may have run, though nothing was sent under it.
+        run.withdraw_first_claim()
         return _after_error(exc, run, job)
     # The release joins the handler's open transaction: its last writes and the
-    # operation's `succeeded` commit together, the COMMIT in the release's round trip.
+    # operation's `succeeded` commit together, the COMMIT in the release's round trip
+    # (with a claim made with the lease that the handler never used, withdrawn).
     try:
-        run.unit.commit_with(
-            lambda: _finish(op, OperationState.SUCCEEDED, worker_id, "all steps done")
-        )
+        run.unit.commit_with(lambda: _succeed(run))
     except StepBusy as exc:  # a queued claim or outcome, sent with the release, was refused
+        run.withdraw_first_claim()  # rolled back with the unit, if any: on its own now
         _finish(op, OperationState.RETRYING, worker_id, str(exc), next_attempt_at=exc.until)
         return RunResult.DEFERRED
     except BaseException as exc:  # a database error, the job's timeout: nothing stays open
         run.unit.roll_back(f"leaving the lease failed ({type(exc).__name__})")
+        run.withdraw_first_claim()
         raise
+    run.first_claim = None  # withdrawn with the release, if it was there
     return RunResult.SUCCEEDED
+
+
+def _succeed(run: Run) -> None:
+    """The end of a run whose handler returned: its unused first claim withdrawn, then the
+    release to `succeeded`, in the unit's transaction."""
+    run.withdraw_first_claim(in_unit=True)
+    _finish(run.operation, OperationState.SUCCEEDED, run.worker_id, "all steps done")
+
+
+class _Queries:
+    """A Django execute wrapper that refuses every query, and remembers that one was asked."""
+
+    def __init__(self) -> None:
+        self.asked = False
+
+    def __call__(self, *args: Any) -> None:
+        self.asked = True
+        raise _QueryRefused
+
+
+class _QueryRefused(Exception):
+    """A query asked for while a first step's request is built before the lease."""
+
+
+def _first_claim(operation_id: int, worker_id: str, job: Any) -> fence.FirstClaim | None:
+    """The claim of the step the handler opens with (`opens_with`), to write with the lease:
+    built from the job's hint of the operation (payments.engine.dispatch.operation_hint),
+    or None.
+
+    None where the job has no hint (an older release's, a redelivery's), the run is in a
+    caller's transaction, the handler declares no `opens_with`, or building the request
+    asks for a query (even one the effect caught; reading a field the hint does not hold
+    is one): it is then built after the lease, as any. The lease's statement
+    inserts it only if the leased row holds the hint's values (queries.sql,
+    insert_claim_with_lease); a run that does not get to the step withdraws it
+    (Run.withdraw_first_claim).
+    """
+    hint = job.meta.get(HINT_META_KEY) if job is not None else None
+    if not isinstance(hint, dict) or set(hint) != set(HINT_FIELDS):
+        return None
+    if connection.in_atomic_block:  # a caller's transaction: the claim could not commit
+        return None
+    queries = _Queries()
+    try:
+        spec = get_handler(str(hint["kind"]))
+        if spec.opens_with is None:
+            return None
+        hint = {**hint, "entity_id": str(hint["entity_id"])}  # as the row holds it
+        # The hint's fields only: any other is deferred, and reading it asks a query.
+        values = {"id": operation_id, **hint}
+        names = [f.attname for f in Operation._meta.concrete_fields if f.attname in values]
+        operation = Operation.from_db(connection.alias, names, [values[n] for n in names])
+        spec.check_entity(operation)
+        with connection.execute_wrapper(queries):
+            effect = spec.effect(spec.opens_with, Run(operation, worker_id, spec))
+            request = effect.build_request()
+            system = system_of(effect).name
+        if queries.asked:
+            return None
+        return fence.first_claim(
+            hint,
+            spec.opens_with,
+            request=request,
+            system=system,
+            lease_seconds=payments_settings().claim_lease,
+        )
+    except Exception:  # built again after the lease, where its error counts as the run's
+        if not queries.asked:
+            logger.warning(
+                "operation %s: its first claim was not built before the lease",
+                operation_id,
+                exc_info=True,
+            )
+        return None
 
 
 def _after_error(exc: Exception, run: Run, job: Any) -> RunResult:

@@ -135,11 +135,14 @@ def run_external_step(
     owner: str,
     outcomes: WorkUnit | None = None,
     build: bool = True,
+    claimed_with_lease: StepClaim | None = None,
 ) -> dict[str, Any]:
     """Run one external step under its claim and return its recorded result.
 
     Without `build` the claim is known to exist: its stored request is the one
-    sent, and the effect's request is not built again.
+    sent, and the effect's request is not built again. `claimed_with_lease`: the
+    step's claim, inserted and committed with this run's lease
+    (fence.acquire_lease's `first_claim`): nothing is claimed here.
 
     With `outcomes` (a handler's run), a first call's success is recorded in
     that open transaction (`WorkUnit.record_outcome`), not in one of its own.
@@ -147,6 +150,8 @@ def run_external_step(
     subclass when the step did not complete.
     """
     lease = payments_settings().claim_lease
+    if claimed_with_lease is not None:
+        return call_effect(claimed_with_lease, effect, actor=owner, outcomes=outcomes, first=True)
     claimed = fence.claim_step(
         operation,
         step,

@@ -42,6 +42,8 @@ OPERATION_TRANSITIONS: dict[str, frozenset[str]] = {
 
 _C = ClaimState
 #: from -> the states a claim may move to. A settled claim (done, failed) never changes.
+#: A claim written with the lease and never used is withdrawn (fence.withdraw_claim): no
+#: move, the row goes; its audit row reads claimed -> WITHDRAWN.
 CLAIM_TRANSITIONS: dict[str, frozenset[str]] = {
     # Released or taken over (stays claimed), settled, or in doubt.
     _C.CLAIMED: frozenset({_C.CLAIMED, _C.DONE, _C.FAILED, _C.UNCERTAIN}),
@@ -77,3 +79,7 @@ def operation_sources(to_state: str) -> list[str]:
 def claim_sources(to_state: str) -> list[str]:
     """Every state a claim may leave for `to_state` (what a one-statement transition accepts)."""
     return sorted(s for s, targets in CLAIM_TRANSITIONS.items() if to_state in targets)
+
+
+#: The audit row's to-state of a withdrawn claim (fence.withdraw_claim): no claim state.
+WITHDRAWN = "withdrawn"

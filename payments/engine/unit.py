@@ -5,10 +5,13 @@ is gained by committing each write apart: a crash loses the same thing either
 way, the writes since the last call, and they run again on the next attempt.
 So a handler's writes between two calls go in one transaction, the unit:
 
-    lease                                    its own statement        (commit 1)
-    claim the charge                         its own statement        (commit 2)  -> call
-    charge's outcome, invoice, e-mail claim  the unit                 (commit 3)  -> send
-    e-mail's outcome, mark_paid, release     the unit                 (commit 4)
+    lease, with the charge's claim           one round trip           (commit 1)  -> call
+    charge's outcome, invoice, e-mail claim  the unit                 (commit 2)  -> send
+    e-mail's outcome, mark_paid, release     the unit                 (commit 3)
+
+(The charge's claim rides the lease because the checkout declares it opens with
+it, `opens_with`; a handler that does not claims its first step in a statement of
+its own, outside the unit, before the call: docs/design.md.)
 
 Rules (the runtime and `Run` keep them; a handler never sees the unit):
 

@@ -72,7 +72,7 @@ from payments.desk.rules import DeskError
 from payments.engine import failpoints
 from payments.engine.handlers import get_handler
 from payments.engine.recovery import reconcile, sweep
-from payments.engine.transitions import CLAIM_TRANSITIONS, OPERATION_TRANSITIONS
+from payments.engine.transitions import CLAIM_TRANSITIONS, OPERATION_TRANSITIONS, WITHDRAWN
 from payments.exceptions import RetriesExhausted, RetryLater
 from payments.models import ClaimState, Operation, OperationEvent, OperationState, StepClaim
 from payments.shop.models import Order, OrderStatus
@@ -483,6 +483,10 @@ class FenceMachine(RuleBasedStateMachine):
                 if not ev.from_state:
                     assert state is None, f"{where}: inserted twice"
                     owner, state = ev.actor, ev.to_state
+                    continue
+                if ev.to_state == WITHDRAWN:  # its owner deleted it unused: it may come again
+                    assert ev.from_state == state == "claimed" and ev.actor == owner, where
+                    owner, state = None, None
                     continue
                 assert ev.from_state == state, f"{where}: from {ev.from_state}, was {state}"
                 assert ev.to_state in CLAIM_TRANSITIONS[ev.from_state], (

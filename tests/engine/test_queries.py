@@ -30,7 +30,14 @@ RETURNS = {
         "succeed_message",
         "deliver_message",
     ],
-    StepClaim: ["insert_claim", "insert_claim_or_fail", "settle_claim", "settle_claim_or_refuse"],
+    StepClaim: [
+        "insert_claim",
+        "insert_claim_or_fail",
+        "insert_claim_with_lease",
+        "withdraw_claim",
+        "settle_claim",
+        "settle_claim_or_refuse",
+    ],
 }
 
 

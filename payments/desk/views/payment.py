@@ -505,14 +505,15 @@ def timeline(ops: list[Operation]) -> list[dict[str, Any]]:
 
 
 def _claimers(operation_ids: list[int]) -> dict[tuple[int, str], str]:
-    """(operation id, step) -> the actor of the step's first claim row."""
+    """(operation id, step) -> the actor of the step's claim row: its insert's audit row,
+    the newest where one was withdrawn before (fence.withdraw_claim) and claimed again."""
     rows = (
         OperationEvent.objects.filter(operation__in=operation_ids, reason="claimed")
         .exclude(step="")
-        .order_by("-created_at", "-id")
+        .order_by("created_at", "id")
         .values_list("operation_id", "step", "actor")
     )
-    return {(op_id, step): actor for op_id, step, actor in rows}  # the oldest written last
+    return {(op_id, step): actor for op_id, step, actor in rows}  # the newest written last
 
 
 def _last_lookup(

@@ -30,6 +30,7 @@ from payments.desk.display import reference_link, when
 from payments.engine.fence import RELEASED_AFTER_TRANSIENT
 from payments.engine.handlers import registered_handlers
 from payments.engine.systems import system_of
+from payments.engine.transitions import WITHDRAWN
 from payments.models import (
     UNFINISHED_OPERATION_STATES,
     ClaimState,
@@ -187,7 +188,7 @@ def first_error_of(op: Operation, step: str = "") -> FirstError:
     first = (
         (events.filter(step=step) if step else events.exclude(step=""))
         .exclude(reason__in=("", "claimed"))
-        .exclude(to_state=ClaimState.DONE)
+        .exclude(to_state__in=(ClaimState.DONE, WITHDRAWN))
         .exclude(actor__startswith="operator:")
         .exclude(reason__startswith="taken over from", to_state=F("from_state"))
         .order_by("created_at", "id")

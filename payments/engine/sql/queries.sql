@@ -80,6 +80,8 @@ WHERE {pk} = (
 -- (`synchronous_commit` off for this transaction only): the claim that fences a call
 -- commits synchronously after it, which flushes the lease's WAL too, and a lease lost
 -- with the server's unflushed WAL leaves the operation as it was (the sweeper sends it).
+-- A lease that carries its run's first claim (insert_claim_with_lease, after it in its
+-- transaction) goes without %(async_commit)s: that claim fences a call.
 WITH old AS (
     SELECT id, state FROM {Operation} WHERE id = %(id)s FOR UPDATE
 ), leased AS (
@@ -289,6 +291,75 @@ SELECT id, operation_id, step, state, idempotency_key, provider_reference, reque
        result, error, provider_view, seen_reference, attempts, claimed_by, claimed_at,
        last_request_at, lease_expires_at, settled_at, updated_at, requests_sent, system
 FROM inserted
+
+-- insert_claim_with_lease --
+-- insert_claim for the step a handler opens with (`opens_with`), sent last in the lease's
+-- round trip and implicit transaction (fence.acquire_lease's `first_claim`), which then
+-- commits synchronously: its request and key were built before the lease from the job's
+-- hint of the operation (payments.engine.dispatch.operation_hint). Inserted only if this
+-- owner now holds the operation's lease and the row holds the very values the request was
+-- built from (params compared as text: 1 and 1.0 differ); otherwise, or if the step is
+-- claimed already, nothing: the run then claims the step as any other.
+WITH inserted AS (
+    INSERT INTO {StepClaim} (
+        operation_id, step, state, idempotency_key, provider_reference, request, result,
+        error, attempts, claimed_by, claimed_at, last_request_at, lease_expires_at, settled_at,
+        updated_at, system
+    )
+    SELECT op.id, %(step)s::text, 'claimed', %(idempotency_key)s::text, '',
+           %(request)s::jsonb, NULL, '', 1, %(owner)s::text, statement_timestamp(),
+           -- the claimant sends its first request as this commits
+           CASE WHEN %(idempotency_key)s::text <> '' THEN statement_timestamp() END,
+           statement_timestamp() + make_interval(secs => %(lease_seconds)s),
+           NULL, statement_timestamp(), %(system)s::text
+    FROM {Operation} AS op
+    WHERE op.id = %(operation)s AND op.state = 'running'
+      AND op.lease_owner = %(owner)s::text AND op.lease_expires_at > statement_timestamp()
+      AND op.key = %(key)s::text AND op.scope = %(scope)s::text
+      AND op.tenant = %(tenant)s::text AND op.kind = %(kind)s::text
+      AND op.entity_type = %(entity_type)s::text AND op.entity_id = %(entity_id)s::text
+      AND op.params::text = %(params)s::jsonb::text
+      AND op.retry_of_id IS NOT DISTINCT FROM %(retry_of_id)s::bigint
+    ON CONFLICT ON CONSTRAINT {StepClaim.UNIQUE_CONSTRAINT} DO NOTHING
+    RETURNING id, operation_id, step, state, idempotency_key, provider_reference, request,
+              result, error, provider_view, seen_reference, attempts, claimed_by, claimed_at,
+              last_request_at, lease_expires_at, settled_at, updated_at, requests_sent, system
+), audit AS (
+    INSERT INTO {OperationEvent}
+        (operation_id, step, from_state, to_state, actor, reason, created_at)
+    SELECT operation_id, step, '', state, claimed_by, 'claimed', statement_timestamp()
+    FROM inserted
+)
+SELECT id, operation_id, step, state, idempotency_key, provider_reference, request,
+       result, error, provider_view, seen_reference, attempts, claimed_by, claimed_at,
+       last_request_at, lease_expires_at, settled_at, updated_at, requests_sent, system
+FROM inserted
+
+-- withdraw_claim --
+-- The claim made with the lease, when the run did not get to its step: claimed, held by
+-- this owner under a live lease, no reference, no request counted -> gone, audited
+-- ('claimed' -> 'withdrawn'), as if never claimed. Anything else: nothing. That nothing
+-- was sent under it is the caller's to know (Run.external takes the claim off the run
+-- before it calls); the columns tested here only refuse a claim that moved on.
+WITH withdrawn AS (
+    DELETE FROM {StepClaim}
+    WHERE id = %(id)s AND state = 'claimed' AND claimed_by = %(owner)s::text
+      AND lease_expires_at > statement_timestamp() AND provider_reference = ''
+      AND requests_sent = 0
+    RETURNING id, operation_id, step, state, idempotency_key, provider_reference, request,
+              result, error, provider_view, seen_reference, attempts, claimed_by, claimed_at,
+              last_request_at, lease_expires_at, settled_at, updated_at, requests_sent, system
+), audit AS (
+    INSERT INTO {OperationEvent}
+        (operation_id, step, from_state, to_state, actor, reason, created_at)
+    SELECT operation_id, step, 'claimed', 'withdrawn', %(owner)s::text, %(reason)s::text,
+           statement_timestamp()
+    FROM withdrawn
+)
+SELECT id, operation_id, step, state, idempotency_key, provider_reference, request,
+       result, error, provider_view, seen_reference, attempts, claimed_by, claimed_at,
+       last_request_at, lease_expires_at, settled_at, updated_at, requests_sent, system
+FROM withdrawn
 
 -- settle_claim --
 -- claimed | uncertain (held by this actor) -> done | failed | uncertain, audited with the
