@@ -186,9 +186,10 @@ def operation(
     - `follows`: the business event its operations follow, `Follows(ORDER_PAID, when=...)`:
       the event's writer writes one of them with each event, while `when()` holds.
     - `opens_with`: the first of `steps`, an external one, that the handler calls first on
-      every run, its request built from the operation alone: its claim commits with the
-      lease, one round trip fewer (docs/handlers.md). Not with `on_give_up`; the job's
-      meta in Redis then holds a copy of the operation's params.
+      every run, unconditionally: its request is built before the lease and its claim
+      commits with the lease, one round trip fewer; a worker killed before the call
+      leaves the claim, and the next run sends it. Refused with `on_give_up`. The job's
+      meta in Redis then holds the operation's key, params and entity (docs/handlers.md).
     """
     effects = {step: effect for step, effect in steps.items() if effect is not None}
     for step, effect in effects.items():

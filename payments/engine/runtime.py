@@ -214,6 +214,11 @@ def _first_claim(operation_id: int, worker_id: str, job: Any) -> fence.FirstClai
             request = effect.build_request()
             system = system_of(effect).name
         if queries.asked:
+            logger.info(
+                "operation %s: %s's request asks for a query: built after the lease",
+                operation_id,
+                spec.opens_with,
+            )
             return None
         return fence.first_claim(
             hint,
@@ -223,7 +228,12 @@ def _first_claim(operation_id: int, worker_id: str, job: Any) -> fence.FirstClai
             lease_seconds=payments_settings().claim_lease,
         )
     except Exception:  # built again after the lease, where its error counts as the run's
-        if not queries.asked:
+        if queries.asked:
+            logger.info(
+                "operation %s: its first step's request asks for a query: built after the lease",
+                operation_id,
+            )
+        else:
             logger.warning(
                 "operation %s: its first claim was not built before the lease",
                 operation_id,
