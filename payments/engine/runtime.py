@@ -9,6 +9,7 @@ The runtime owns its transactions; the job that calls it only passes ids.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 from datetime import timedelta
@@ -206,40 +207,43 @@ def _first_claim(operation_id: int, worker_id: str, job: Any) -> fence.FirstClai
         hint = {**hint, "entity_id": str(hint["entity_id"])}  # as the row holds it
         # The hint's fields only: any other is deferred, and reading it asks a query.
         values = {"id": operation_id, **hint}
-        names = [f.attname for f in Operation._meta.concrete_fields if f.attname in values]
+        names = _hint_columns()
         operation = Operation.from_db(connection.alias, names, [values[n] for n in names])
         spec.check_entity(operation)
         with connection.execute_wrapper(queries):
             effect = spec.effect(spec.opens_with, Run(operation, worker_id, spec))
             request = effect.build_request()
             system = system_of(effect).name
-        if queries.asked:
-            logger.info(
-                "operation %s: %s's request asks for a query: built after the lease",
-                operation_id,
+        if not queries.asked:
+            return fence.first_claim(
+                hint,
                 spec.opens_with,
+                request=request,
+                system=system,
+                lease_seconds=payments_settings().claim_lease,
             )
-            return None
-        return fence.first_claim(
-            hint,
-            spec.opens_with,
-            request=request,
-            system=system,
-            lease_seconds=payments_settings().claim_lease,
-        )
     except Exception:  # built again after the lease, where its error counts as the run's
-        if queries.asked:
-            logger.info(
-                "operation %s: its first step's request asks for a query: built after the lease",
-                operation_id,
-            )
-        else:
+        if not queries.asked:
             logger.warning(
                 "operation %s: its first claim was not built before the lease",
                 operation_id,
                 exc_info=True,
             )
-        return None
+            return None
+    # The effect asked for a query (refused, or caught by the effect itself).
+    logger.info(
+        "operation %s: %s's request asks for a query: built after the lease",
+        operation_id,
+        spec.opens_with,
+    )
+    return None
+
+
+@functools.cache
+def _hint_columns() -> list[str]:
+    """The operation's id and HINT_FIELDS, in the order of its model's columns (from_db's)."""
+    wanted = {"id", *HINT_FIELDS}
+    return [f.attname for f in Operation._meta.concrete_fields if f.attname in wanted]
 
 
 def _after_error(exc: Exception, run: Run, job: Any) -> RunResult:
