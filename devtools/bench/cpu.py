@@ -33,10 +33,12 @@ def process_cpu(pid: int) -> float:
 
 
 def backend_pids(database: str) -> list[int]:
-    """PostgreSQL's backends connected to `database`, except this process's own."""
+    """PostgreSQL's backends serving clients of `database`, except this process's own (not
+    its autovacuum workers, which pg_stat_activity lists under the database too)."""
     with connection.cursor() as cursor:
         cursor.execute(
-            "SELECT pid FROM pg_stat_activity WHERE datname = %s AND pid <> pg_backend_pid()",
+            "SELECT pid FROM pg_stat_activity WHERE datname = %s AND pid <> pg_backend_pid() "
+            "AND backend_type = 'client backend'",
             [database],
         )
         return [row[0] for row in cursor.fetchall()]

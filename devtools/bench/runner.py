@@ -30,7 +30,7 @@ from rq.registry import FailedJobRegistry, FinishedJobRegistry
 from rq.worker import Worker
 
 from devtools.bench import jobs
-from devtools.bench.cpu import CpuMeter, processes_named, tree_pids
+from devtools.bench.cpu import CpuMeter, backend_pids, processes_named, tree_pids
 from devtools.bench.dbcount import RoundTrips, counting, recorded
 from devtools.databases.scratch import claim_scratch, flush_scratch
 from devtools.topology.stack import Stack, free_port
@@ -159,12 +159,20 @@ class Bench:
         self.control("reset")
 
     def meter(self, procs: list[Any]) -> CpuMeter:
-        """A CPU meter over these worker processes, PostgreSQL, Redis and the provider."""
+        """A CPU meter over these worker processes, PostgreSQL, Redis and the provider.
+
+        `backends` is the part of `postgres` spent by the backends the workers talk to
+        (every client backend of the bench's database but this process's): the time
+        their statements take PostgreSQL, without its background processes (the WAL
+        writer, autovacuum). A worker waits for it, statement by statement.
+        """
         provider = [p for p in self.stack.procs if p.name == "provider"]
+        database = connection.settings_dict["NAME"]
         return CpuMeter(
             {
                 "workers": tree_pids(lambda: [p.popen.pid for p in procs]),
                 "postgres": processes_named("postgres"),
+                "backends": lambda: backend_pids(database),
                 "redis": processes_named("redis-server"),
                 "provider": tree_pids(lambda: [p.popen.pid for p in provider]),
             }

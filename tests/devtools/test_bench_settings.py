@@ -11,13 +11,14 @@ import os
 import subprocess
 import sys
 
+import psycopg
 import pytest
 from django.db import connection
 from rq.job import Job
 from rq.registry import FinishedJobRegistry
 
 from devtools.bench import jobs, runner
-from devtools.bench.cpu import process_cpu
+from devtools.bench.cpu import backend_pids, process_cpu
 from devtools.bench.runner import BatchCpu, Bench
 from devtools.management.commands import bench as bench_command
 from tests.support.config import TEST_REDIS_URL
@@ -110,7 +111,7 @@ def test_bench__its_workers_and_its_own_process_run_with_debug_off(tmp_path, mon
         assert not connection.queries_logged
         # The batch's CPU was metered from the worker's start-up on, by process kind.
         assert bench.cpu is not None and 0 < bench.cpu.jobs <= PROBES
-        assert set(bench.cpu.ms_per(1)) == {"workers", "postgres", "redis", "provider"}
+        assert set(bench.cpu.ms_per(1)) == {"workers", "postgres", "backends", "redis", "provider"}
 
 
 def test_batch_cpu__milliseconds_per_checkout_by_process_kind_without_the_poller():
@@ -203,3 +204,57 @@ def test_side_by_side__cpu_per_checkout__divides_by_the_checkouts_not_by_three_j
 
     for side in ("fenced", "unfenced"):
         assert [run["workers"] for run in compared.cpu[side]] == pytest.approx([50.0, 50.0])
+
+
+@pytest.mark.django_db
+def test_backend_pids__another_clients_backend__never_this_processs():
+    """The backends a batch's workers talk to: a client's connection is listed, this
+    process's own is not, and every pid listed serves a client (an autovacuum worker on
+    the database would be left out; none can be made to run on cue here)."""
+    with psycopg.connect(database_url()) as other:
+        pids = backend_pids(connection.settings_dict["NAME"])
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT pg_backend_pid()")
+            own = cursor.fetchone()[0]
+            cursor.execute(
+                "SELECT DISTINCT backend_type FROM pg_stat_activity WHERE pid = ANY(%s)", [pids]
+            )
+            kinds = {row[0] for row in cursor.fetchall()}
+
+        assert other.info.backend_pid in pids
+        assert own not in pids
+        assert kinds == {"client backend"}
+
+
+def _compared(fenced_backends: float, unfenced_backends: float) -> dict:
+    cpu = {"workers": 10.0, "postgres": 5.0, "redis": 1.0, "provider": 1.0}
+    return {
+        "unfenced_checkouts_per_second": 50.0,  # 2 workers: 40 ms a checkout each
+        "cpu_ms_per_checkout": {
+            "fenced": {**cpu, "backends": fenced_backends},
+            "unfenced": {**cpu, "backends": unfenced_backends},
+        },
+    }
+
+
+def test_ceiling__the_twins_checkout_plus_what_the_fences_statements_cost_its_backend():
+    """40 ms a checkout per worker and 2.5 ms more of backend CPU on the fenced side: the
+    fence could read at most 40 / 42.5; 0.95 leaves it 40 / 0.95 - 40 ms in all."""
+    c = bench_command.ceiling(_compared(4.0, 1.5), workers=2)
+
+    assert c is not None
+    assert c["checkout_ms"] == pytest.approx(40.0)
+    assert c["backend_ms"] == pytest.approx(2.5)
+    assert c["ratio"] == pytest.approx(40.0 / 42.5)
+    assert c["allowed_ms"] == pytest.approx(40.0 / 0.95 - 40.0)
+    assert bench_command._ceiling_text(_compared(4.0, 1.5), workers=2).startswith(
+        "0.941: backends +2.5 ms CPU per checkout on an unfenced checkout of 40.0 ms"
+    )
+
+
+def test_ceiling__unmetered_batches__said_so_instead_of_a_figure():
+    v = _compared(4.0, 1.5)
+    del v["cpu_ms_per_checkout"]["unfenced"]["backends"]
+
+    assert bench_command.ceiling(v, workers=2) is None
+    assert bench_command._ceiling_text(v, workers=2) == "n/a (not metered)"
