@@ -46,7 +46,8 @@ from django.db import DEFAULT_DB_ALIAS, router
 from django.db.models.signals import post_migrate
 from django.http import Http404, HttpRequest, HttpResponse, JsonResponse
 from django.shortcuts import redirect
-from django.urls import URLPattern, URLResolver
+from django.urls import URLPattern, URLResolver, reverse
+from django.utils.html import format_html, format_html_join
 from django.utils.http import url_has_allowed_host_and_scheme
 from django_rq.queues import get_queue_by_index
 from django_rq.settings import get_queues_list
@@ -233,6 +234,92 @@ def _refuse_deletion(
     return redirect("django_rq:failed_jobs", kwargs["queue_index"])
 
 
+# --- requeues that cannot do anything -----------------------------------------------
+
+
+def _runs_requeued_by(name: str, request: HttpRequest, kwargs: dict[str, Any]) -> list[str]:
+    """Return the ids of the fenced runs' jobs (`run_operation`) a POST to view `name` would
+    requeue (none for other views). A message's job is not one: requeued, it may still
+    deliver its failed message (failed -> succeeded)."""
+    from payments.engine.dispatch import RUN_OPERATION
+
+    if request.method != "POST" or "queue_index" not in kwargs:
+        return []
+    queue = get_queue_by_index(kwargs["queue_index"])
+    if name == "requeue_job":
+        ids = [kwargs["job_id"]]
+    elif name == "actions" and request.POST.get("action") == "requeue":
+        ids = request.POST.getlist("job_ids")
+    elif name == "requeue_all":
+        ids = list(FailedJobRegistry(queue=queue).get_job_ids())
+    else:
+        return []
+    jobs = Job.fetch_many(ids, connection=queue.connection, serializer=queue.serializer)
+    return [job.id for job in jobs if job is not None and job.func_name == RUN_OPERATION]
+
+
+def unrunnable_operations_of(job_ids: Iterable[str]) -> list[Any]:
+    """The operations whose current delivery is one of these jobs and that no worker will
+    run again (succeeded, failed, uncertain, needs review): requeueing their jobs runs
+    them to "skipped" and changes nothing."""
+    from payments.models import RUNNABLE_OPERATION_STATES, Operation
+
+    ids = [job_id for job_id in job_ids if job_id]
+    if not ids:
+        return []
+    rows = Operation.objects.filter(job_id__in=ids).exclude(state__in=RUNNABLE_OPERATION_STATES)
+    return list(rows.only("pk", "key", "state").order_by("pk"))
+
+
+#: What an operation no worker runs again needs instead of its job, by its state.
+NEEDS = {
+    "failed": "a new attempt, if it is still wanted",
+    "uncertain": "a query of the provider that settles it",
+    "needs_review": "a person's decision",
+    "succeeded": "nothing: it is done",
+}
+
+
+def _warn_requeued_for_nothing(request: HttpRequest, operations: list[Any]) -> None:
+    """Say, beside django-rq's "successfully requeued", which requeued jobs will change
+    nothing and what their operations need instead, on their pages (in an operator's
+    incident walk a failed checkout's requeued job "succeeded" and the operation stayed
+    failed, unsaid)."""
+    shown = operations[:5]
+    links = format_html_join(
+        ", ",
+        '<a href="{}">{}</a> ({})',
+        (
+            (
+                reverse("admin:payments_operation_change", args=[op.pk]),
+                op.key,
+                op.get_state_display().lower(),
+            )
+            for op in shown
+        ),
+    )
+    if len(operations) == 1:
+        text = format_html(
+            "The requeued job delivers {}, which no worker will run again: the job will run "
+            "and change nothing. What it needs is on its page: {}.",
+            links,
+            NEEDS.get(operations[0].state, "a look"),
+        )
+    else:
+        more = f" and {len(operations) - len(shown)} more" if len(operations) > 5 else ""
+        states = sorted({op.state for op in operations})
+        needs = "; ".join(f"{s.replace('_', ' ')}: {NEEDS.get(s, 'a look')}" for s in states)
+        text = format_html(
+            "{} requeued jobs deliver operations no worker will run again: {}{}. Each job "
+            "will run and change nothing. What each needs is on its page ({}).",
+            len(operations),
+            links,
+            more,
+            needs,
+        )
+    messages.warning(request, text)
+
+
 # --- the guards --------------------------------------------------------------------
 
 
@@ -255,10 +342,13 @@ def guard(view: View, name: str) -> View:
             unfinished = unfinished_operations_of(deleted)
             if unfinished:
                 return _refuse_deletion(request, kwargs, unfinished)
+        for_nothing = unrunnable_operations_of(_runs_requeued_by(name, request, kwargs))
         try:
             response = view(request, *args, **kwargs)
         except NoSuchJobError as exc:  # a job that vanished between the check and the view
             raise Http404("No such job") from exc
+        if for_nothing and response.status_code == 302:
+            _warn_requeued_for_nothing(request, for_nothing)
         if not manage and not may_manage_queues(request.user):
             _disable_managing_links(response)
         return response

@@ -255,6 +255,32 @@ def test_rq_failed_jobs__each_job_links_its_operation(
     tab.wait_for_url(f"**/admin/payments/operation/{op.pk}/change/")
 
 
+def test_rq_requeue_of_a_job_that_changes_nothing__says_so_and_links_the_operation(
+    tab, live_server, provider, queue, monkeypatch
+):
+    """An operator in an incident presses Requeue on a failed job whose operation waits
+    for a person: the job would run and change nothing. The page says so beside
+    django-rq's "successfully requeued", and its link leads to where to act."""
+    op = flows.failed_by_invoice_bug(monkeypatch, queue)
+    job_page = f"/admin/rq/queues/{queue_index()}/{op.job_id}/"
+    sign_in(tab, live_server, "quinn", *VIEW, "payments.manage_queues", then=job_page)
+
+    tab.locator("input[type=submit][value=Requeue]").click()
+    warning = tab.locator("ul.messagelist li.warning")
+    warning.wait_for()
+    assert op.key in warning.inner_text()
+    assert "no worker will run again" in warning.inner_text()
+    assert "successfully requeued" in tab.locator("ul.messagelist").inner_text()
+    box = warning.bounding_box()
+    assert box["x"] + box["width"] <= tab.width
+    # Not shot(): at 390 px django-rq's own job page is wider than the window (see above).
+    tab.screenshot(
+        path=str(SHOTS / f"31-{tab.width}-13-rq-requeued-for-nothing.png"), full_page=True
+    )
+    warning.locator("a").click()
+    tab.wait_for_url(f"**/admin/payments/operation/{op.pk}/change/")
+
+
 def test_needs_attention__a_failure_retried_and_paid__its_tile_says_where_the_money_went(
     tab, live_server, provider, queue
 ):

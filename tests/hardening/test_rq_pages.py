@@ -11,9 +11,11 @@ import pytest
 from django.contrib.auth.models import Permission
 from django.contrib.messages import get_messages
 from django.urls import reverse
-from rq.job import Job
+from rq.job import Job, JobStatus
+from rq.registry import FailedJobRegistry
 
 from payments.models import OperationState
+from payments.testing import run_jobs
 from tests.hardening.conftest import failed_ids, failed_job, queued_job
 from tests.support import builders
 from tests.support.users import client_for, make_user
@@ -351,3 +353,91 @@ def test_job_and_list_pages__a_viewer_sees_every_change_off_naming_the_permissio
     go = '<button type="submit" class="button" title="Execute selected action"'
     assert go not in seen_list and go in managed_list
     assert "Go (needs payments.manage_queues)" in seen_list
+
+
+# --- a requeue that cannot do anything says so ------------------------------------------
+
+
+def _failed_delivery(queue, op, func: str = "payments.engine.jobs.run_operation") -> Job:
+    """`op`'s job in the failed registry, as a worker leaves it after its last attempt."""
+    job = Job.create(
+        func,
+        args=(op.pk,),
+        id=op.job_id,
+        connection=queue.connection,
+        origin=queue.name,
+    )
+    job.set_status(JobStatus.FAILED, pipeline=None)
+    job.save()
+    FailedJobRegistry(queue=queue).add(job, exc_string="RetriesExhausted")
+    return job
+
+
+@pytest.mark.django_db(transaction=True)  # the job runs on a worker, which commits
+def test_requeueing_a_failed_operations_job__says_it_changes_nothing_and_where_to_act(
+    rq_queue, queue_index, manager_client
+):
+    """In an operator's incident walk, requeueing a failed checkout's job "succeeded" and
+    the operation stayed failed, with no word why. The requeue goes ahead (the job runs
+    and is skipped: run here); beside django-rq's message, a warning names the operation,
+    links its page and says what to do there."""
+    op = builders.move(builders.new_checkout("chk-gave-up"), OperationState.FAILED)
+    job = _failed_delivery(rq_queue, op)
+
+    response = manager_client.post(rq("requeue_job", queue_index, job.id))
+
+    assert response.status_code == 302
+    said = messages_of(response)
+    warning = next(m for m in said if "chk-gave-up" in m)
+    assert "no worker will run again" in warning and "new attempt" in warning
+    assert f'href="{reverse("admin:payments_operation_change", args=[op.pk])}"' in warning
+    assert "(failed)" in warning
+    run_jobs(rq_queue)
+    op.refresh_from_db()
+    assert op.state == OperationState.FAILED
+    assert Job.fetch(job.id, connection=rq_queue.connection).return_value() == "skipped:failed"
+
+
+def test_requeueing_in_bulk__warns_of_the_finished_operations_only(
+    rq_queue, queue_index, manager_client
+):
+    runnable = builders.new_checkout("chk-waiting")
+    runnable.refresh_from_db()  # the job id was recorded by an update
+    waiting = _failed_delivery(rq_queue, runnable)
+    done = builders.move(builders.new_checkout("chk-settled"), OperationState.FAILED)
+    finished = _failed_delivery(rq_queue, done)
+    paid = builders.move(builders.new_checkout("chk-paid"), OperationState.SUCCEEDED)
+    also_finished = _failed_delivery(rq_queue, paid)
+
+    alone = manager_client.post(
+        rq("actions", queue_index), {"action": "requeue", "job_ids": [waiting.id]}
+    )
+    assert not any("no worker will run again" in m for m in messages_of(alone))
+
+    rq_queue.remove(waiting.id)  # failed again, as before the first requeue
+    FailedJobRegistry(queue=rq_queue).add(Job.fetch(waiting.id, rq_queue.connection))
+    every = manager_client.post(rq("requeue_all", queue_index))
+
+    assert every.status_code == 302
+    warnings = [m for m in messages_of(every) if "no worker will run again" in m]
+    assert len(warnings) == 1
+    assert warnings[0].startswith("2 requeued jobs deliver operations no worker will run again")
+    assert "chk-settled</a> (failed)" in warnings[0] and "chk-paid</a> (succeeded)" in warnings[0]
+    assert "failed: a new attempt" in warnings[0] and "succeeded: nothing" in warnings[0]
+    assert "chk-waiting" not in warnings[0]
+    assert sorted(rq_queue.get_job_ids()) == sorted([waiting.id, finished.id, also_finished.id])
+
+
+def test_requeueing_a_failed_messages_job__no_warning__it_may_still_deliver(
+    rq_queue, queue_index, manager_client
+):
+    """A message's job (the inbox's `deliver_message`) requeued may take its failed
+    operation to succeeded (docs/design.md's table): nothing to warn of."""
+    op = builders.move(builders.new_checkout("chk-message"), OperationState.FAILED)
+    job = _failed_delivery(rq_queue, op, "payments.engine.jobs.deliver_message")
+
+    response = manager_client.post(rq("requeue_job", queue_index, job.id))
+
+    assert response.status_code == 302
+    assert not any("no worker will run again" in m for m in messages_of(response))
+    assert rq_queue.get_job_ids() == [job.id]
