@@ -190,8 +190,12 @@ def test_desk_action__get_shows_what_will_happen(provider, senior, action, step,
     response = client_for(senior).get(desk_url(op, action, step))
 
     page = response.content.decode()
-    # Nobody asked the provider in this state yet: mark failed is refused (409), shown alike.
-    assert response.status_code == (409 if action == "mark_failed" else 200)
+    # Nobody asked the provider in this state yet: mark failed is refused (409), shown alike;
+    # an uncertain operation is settled, not resumed, and only a failed one gets a new
+    # attempt: those pages are refused by the state, 409 as well (they answered 200).
+    refused = action in ("mark_failed", "resume", "new_attempt")
+    assert response.status_code == (409 if refused else 200)
+    assert bool(response.context["refused"]) is refused
     assert "What will happen" in page
     assert claim.idempotency_key in page  # the steps of the operation are listed
     assert ('name="reason"' in page) is reason_field

@@ -193,7 +193,8 @@ class DeskAction:
     per_step: bool = False
     #: Why the state refuses it outright for (operation, step), "" when it does not:
     #: checked on GET and POST before anything is asked, answered 409, and final
-    #: (nothing typed would change it). None: only the state's general refusals apply.
+    #: (nothing typed would change it). None: only the state's general refusals apply
+    #: (`desk.available_actions`), checked and answered the same way.
     refusal: Callable[[Operation, str], str] | None = None
     #: Its title for an operation, when the title depends on it (the system's name).
     title_for: Callable[[Operation], str] | None = None
@@ -576,8 +577,10 @@ class ActionViewsMixin(DeskBase):
         form = _form_for(spec, op, step, request.POST if request.method == "POST" else None)
         status, refused_now = 200, ""
         # Refused by the server, not only by a greyed-out button: a direct GET or POST of
-        # its page asks nothing of the provider and changes nothing.
-        refused_first = _refusal(op, spec, step) if spec.refusal is not None else ""
+        # its page asks nothing of the provider, changes nothing and answers 409, whether
+        # the action's own refusal or the state's says no (a resume, a new attempt
+        # answered 200 where a refused mark-failed answered 409).
+        refused_first = _refusal(op, spec, step)
         if refused_first:
             status = 409
             if request.method == "POST":
