@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import socket
+
 import pytest
 
+from payments.desk.views import search as search_view
 from payments.models import StepClaim
 from tests.support import builders, flows
 from tests.support.users import VIEW, client_for, make_user
@@ -42,3 +45,33 @@ def test_search__a_charge_outside_the_fence_leads_to_its_order_s_operations(prov
 def test_search__an_unknown_provider_id_says_the_provider_does_not_know_it(provider):
     page = search("pi_doesnotexist0000")
     assert "the provider does not know it" in page
+
+
+@pytest.fixture
+def silent_provider(settings):
+    """A provider that accepts connections and never answers (a hung process behind its
+    port: in an operator's incident walk a search then waited the client's 10 s)."""
+    server = socket.create_server(("127.0.0.1", 0))  # the kernel accepts; nobody reads
+    port = server.getsockname()[1]
+    settings.PAYMENTS = {
+        **settings.PAYMENTS,
+        "PROVIDER_URL": f"http://127.0.0.1:{port}",
+        "PROVIDER_READ_TIMEOUT": 3.0,  # the lookup left behind ends soon after the test
+    }
+    try:
+        yield port
+    finally:
+        server.close()
+
+
+@pytest.mark.django_db
+def test_search__a_provider_that_never_answers__the_page_says_so_within_the_search_wait(
+    silent_provider, monkeypatch
+):
+    # raising=False: the old page had no wait of its own (it failed on what it says)
+    monkeypatch.setattr(search_view, "SEARCH_WAIT_SECONDS", 0.3, raising=False)
+
+    page = search("pi_hungatthatmoment0")
+
+    assert "No step has pi_hungatthatmoment0" in page
+    assert "did not answer within 0.3 s" in page

@@ -12,13 +12,35 @@ with a note saying where the lead came from.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as NoAnswerYet
 from dataclasses import dataclass
+from typing import Any
 
+from django.db import connections
 from django.db.models import Q
 
-from payments.engine.systems import NotAtSystem, reference_system
+from payments.engine.systems import Described, NotAtSystem, reference_system
 
 logger = logging.getLogger("payments.admin")
+
+#: How long a search waits for the system's answer: an operator is looking at the page,
+#: and in an incident a system that accepts the connection and never answers would hold
+#: it for the client's whole read timeout (10 s by default), once per search.
+SEARCH_WAIT_SECONDS = 3.0
+#: The retrieves of searches in flight, at most this many at once: one past its wait
+#: ends in the background at the client's timeout, never holding a page or a request
+#: thread, and a search that finds them all busy waits its turn within its own wait.
+_LOOKUPS = ThreadPoolExecutor(max_workers=4, thread_name_prefix="desk-search")
+
+
+def _describe_in_background(describe: Callable[[str], Described | None], term: str) -> Any:
+    """Run `describe` on a lookup thread; close any database connection it opened there."""
+    try:
+        return describe(term)
+    finally:
+        connections.close_all()
 
 
 @dataclass(frozen=True)
@@ -42,7 +64,18 @@ def lead_from_provider(term: str) -> ProviderLead | None:
     if system is None or system.describe is None:
         return None
     try:
-        found = system.describe(term)
+        found = _LOOKUPS.submit(_describe_in_background, system.describe, term).result(
+            timeout=SEARCH_WAIT_SECONDS
+        )
+    except NoAnswerYet:
+        logger.warning("search: %s did not answer for %s in time", system.label, term)
+        return ProviderLead(
+            term,
+            None,
+            f"No step has {term}; {system.label} did not answer within "
+            f"{SEARCH_WAIT_SECONDS:g} s (slow or down). Search again later"
+            ", or read the object's metadata on its dashboard.",
+        )
     except NotAtSystem:
         return ProviderLead(term, None, f"No step has {term}, and {system.label} does not know it.")
     except Exception as exc:  # down, refused, timed out: said in the note
