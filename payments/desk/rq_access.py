@@ -237,37 +237,57 @@ def _refuse_deletion(
 # --- requeues that cannot do anything -----------------------------------------------
 
 
-def _runs_requeued_by(name: str, request: HttpRequest, kwargs: dict[str, Any]) -> list[str]:
-    """Return the ids of the fenced runs' jobs (`run_operation`) a POST to view `name` would
-    requeue (none for other views). A message's job is not one: requeued, it may still
-    deliver its failed message (failed -> succeeded)."""
+#: The requeued jobs a warning reads at most (a failed registry may hold thousands; the
+#: warning is about the first ones, django-rq's own loop requeues them all).
+WARN_READS = 500
+
+
+def _runs_requeued_by(
+    name: str, request: HttpRequest, kwargs: dict[str, Any]
+) -> tuple[list[int], int]:
+    """Return the operation ids of the fenced runs' jobs (`run_operation`) a POST to view
+    `name` would requeue, of the first WARN_READS jobs, and how many jobs it names (none
+    for other views). A job is
+    matched by the operation it carries, not by `Operation.job_id`: a job the sweeper
+    sent again has a new id, and the old one's requeue runs the same operation. A
+    message's job is not one: requeued, it may still deliver its failed message
+    (failed -> succeeded). A job that cannot be read is left to django-rq."""
+    from payments.desk.views.rq_links import operation_id_of
     from payments.engine.dispatch import RUN_OPERATION
 
     if request.method != "POST" or "queue_index" not in kwargs:
-        return []
+        return [], 0
     queue = get_queue_by_index(kwargs["queue_index"])
     if name == "requeue_job":
         ids = [kwargs["job_id"]]
     elif name == "actions" and request.POST.get("action") == "requeue":
         ids = request.POST.getlist("job_ids")
     elif name == "requeue_all":
-        ids = list(FailedJobRegistry(queue=queue).get_job_ids())
+        ids = list(FailedJobRegistry(queue=queue).get_job_ids(0, WARN_READS - 1))
     else:
-        return []
-    jobs = Job.fetch_many(ids, connection=queue.connection, serializer=queue.serializer)
-    return [job.id for job in jobs if job is not None and job.func_name == RUN_OPERATION]
+        return [], 0
+    found = []
+    for job_id in ids[:WARN_READS]:
+        try:
+            job = Job.fetch(job_id, connection=queue.connection, serializer=queue.serializer)
+            if job.func_name != RUN_OPERATION:
+                continue
+        except Exception:  # gone, or a payload that does not deserialize: django-rq's to say
+            continue
+        if (op_id := operation_id_of(job)) is not None:
+            found.append(op_id)
+    return found, len(ids)
 
 
-def unrunnable_operations_of(job_ids: Iterable[str]) -> list[Any]:
-    """The operations whose current delivery is one of these jobs and that no worker will
-    run again (succeeded, failed, uncertain, needs review): requeueing their jobs runs
-    them to "skipped" and changes nothing."""
+def unrunnable_operations_of(operation_ids: Iterable[int]) -> list[Any]:
+    """Of these operations, those no worker will run again (succeeded, failed, uncertain,
+    needs review): requeueing their jobs runs them to "skipped" and changes nothing."""
     from payments.models import RUNNABLE_OPERATION_STATES, Operation
 
-    ids = [job_id for job_id in job_ids if job_id]
+    ids = set(operation_ids)
     if not ids:
         return []
-    rows = Operation.objects.filter(job_id__in=ids).exclude(state__in=RUNNABLE_OPERATION_STATES)
+    rows = Operation.objects.filter(pk__in=ids).exclude(state__in=RUNNABLE_OPERATION_STATES)
     return list(rows.only("pk", "key", "state").order_by("pk"))
 
 
@@ -280,28 +300,35 @@ NEEDS = {
 }
 
 
-def _warn_requeued_for_nothing(request: HttpRequest, operations: list[Any]) -> None:
-    """Say, beside django-rq's "successfully requeued", which requeued jobs will change
-    nothing and what their operations need instead, on their pages (in an operator's
-    incident walk a failed checkout's requeued job "succeeded" and the operation stayed
-    failed, unsaid)."""
-    shown = operations[:5]
-    links = format_html_join(
+def _named(request: HttpRequest, operations: list[Any]) -> str:
+    """The operations as "key (state)", each linked to its page for who may view it."""
+    linked = request.user.has_perm(VIEW_OPERATION)
+    return format_html_join(
         ", ",
-        '<a href="{}">{}</a> ({})',
+        '<a href="{}">{}</a> ({})' if linked else "{}{} ({})",
         (
             (
-                reverse("admin:payments_operation_change", args=[op.pk]),
+                reverse("admin:payments_operation_change", args=[op.pk]) if linked else "",
                 op.key,
                 op.get_state_display().lower(),
             )
-            for op in shown
+            for op in operations
         ),
     )
+
+
+def _warn_requeued_for_nothing(request: HttpRequest, operations: list[Any], requeued: int) -> None:
+    """Say, beside django-rq's "successfully requeued", which requeued jobs will change
+    nothing and what their operations need instead, on their pages (in an operator's
+    incident walk a failed checkout's requeued job "succeeded" and the operation stayed
+    failed, unsaid). `requeued`: how many jobs the press requeued (one, or more)."""
+    shown = operations[:5]
+    links = _named(request, shown)
     if len(operations) == 1:
         text = format_html(
-            "The requeued job delivers {}, which no worker will run again: the job will run "
-            "and change nothing. What it needs is on its page: {}.",
+            "{} delivers {}, which no worker will run again: the job will run and change "
+            "nothing. What it needs is on its page: {}.",
+            "The requeued job" if requeued == 1 else "One of the requeued jobs",
             links,
             NEEDS.get(operations[0].state, "a look"),
         )
@@ -342,13 +369,14 @@ def guard(view: View, name: str) -> View:
             unfinished = unfinished_operations_of(deleted)
             if unfinished:
                 return _refuse_deletion(request, kwargs, unfinished)
-        for_nothing = unrunnable_operations_of(_runs_requeued_by(name, request, kwargs))
+        runs, requeued = _runs_requeued_by(name, request, kwargs)
+        for_nothing = unrunnable_operations_of(runs)
         try:
             response = view(request, *args, **kwargs)
         except NoSuchJobError as exc:  # a job that vanished between the check and the view
             raise Http404("No such job") from exc
         if for_nothing and response.status_code == 302:
-            _warn_requeued_for_nothing(request, for_nothing)
+            _warn_requeued_for_nothing(request, for_nothing, requeued)
         if not manage and not may_manage_queues(request.user):
             _disable_managing_links(response)
         return response

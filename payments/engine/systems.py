@@ -110,7 +110,9 @@ class ExternalSystem:
     #: Retrieve one object by a reference (desk search follows its metadata to the
     #: operation): None for a reference of a kind it does not retrieve; raises
     #: NotAtSystem when the system has no such object, anything else when it cannot be
-    #: asked. None: the system offers no retrieve.
+    #: asked. None: the system offers no retrieve. It runs on a lookup thread of the
+    #: desk's (payments.desk.views.search), a few seconds waited for: it asks the system
+    #: and reads no database.
     describe: Callable[[str], Described | None] | None = field(default=None, compare=False)
     #: How its pushed events are read (payments.engine.facts.EventSource); None: it
     #: pushes none the fence reads.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import socket
+import threading
 
 import pytest
 
@@ -75,3 +76,17 @@ def test_search__a_provider_that_never_answers__the_page_says_so_within_the_sear
 
     assert "No step has pi_hungatthatmoment0" in page
     assert "did not answer within 0.3 s" in page
+
+
+@pytest.mark.django_db
+def test_search__every_lookup_still_waiting__asks_nothing_and_says_so(provider, monkeypatch):
+    """During an outage each search would queue one more retrieve behind the hung ones;
+    with every place taken, the page asks nothing and says why, at once."""
+    taken = threading.BoundedSemaphore(1)
+    taken.acquire()
+    monkeypatch.setattr(search_view, "_FREE", taken, raising=False)
+
+    page = search("pi_behindthequeue000")
+
+    assert "No step has pi_behindthequeue000" in page
+    assert "was not asked: 4 earlier searches still wait for its answers" in page

@@ -358,12 +358,15 @@ def test_job_and_list_pages__a_viewer_sees_every_change_off_naming_the_permissio
 # --- a requeue that cannot do anything says so ------------------------------------------
 
 
-def _failed_delivery(queue, op, func: str = "payments.engine.jobs.run_operation") -> Job:
-    """`op`'s job in the failed registry, as a worker leaves it after its last attempt."""
+def _failed_delivery(
+    queue, op, func: str = "payments.engine.jobs.run_operation", job_id: str = ""
+) -> Job:
+    """`op`'s job in the failed registry, as a worker leaves it after its last attempt
+    (`job_id`: another id than the operation's current delivery's)."""
     job = Job.create(
         func,
         args=(op.pk,),
-        id=op.job_id,
+        id=job_id or op.job_id,
         connection=queue.connection,
         origin=queue.name,
     )
@@ -441,3 +444,30 @@ def test_requeueing_a_failed_messages_job__no_warning__it_may_still_deliver(
     assert response.status_code == 302
     assert not any("no worker will run again" in m for m in messages_of(response))
     assert rq_queue.get_job_ids() == [job.id]
+
+
+def test_requeueing_a_stale_job_and_an_unreadable_one__warns_by_the_operation_carried(
+    rq_queue, queue_index, queue_manager
+):
+    """A job the sweeper sent again has a new id, so the operation's `job_id` no longer
+    names the old failed one; requeued, the old one runs the same operation. It is
+    matched by the operation it carries. A job whose payload cannot be read is left to
+    django-rq, never a 500. A manager who may not view operations gets their keys, not
+    links to pages they would be refused."""
+    queue_manager.user_permissions.remove(
+        Permission.objects.get(content_type__app_label="payments", codename="view_operation")
+    )
+    op = builders.move(builders.new_checkout("chk-stale"), OperationState.FAILED)
+    stale = _failed_delivery(rq_queue, op, job_id="an-earlier-delivery")
+    assert op.job_id != stale.id
+    unreadable = failed_job(rq_queue)
+    rq_queue.connection.hset(unreadable.key, "data", b"not a pickle")
+
+    response = client_for(queue_manager).post(
+        rq("actions", queue_index), {"action": "requeue", "job_ids": [unreadable.id, stale.id]}
+    )
+
+    assert response.status_code == 302
+    warning = next(m for m in messages_of(response) if "no worker will run again" in m)
+    assert warning.startswith("One of the requeued jobs delivers chk-stale (failed)")
+    assert "href=" not in warning

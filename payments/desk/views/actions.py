@@ -49,7 +49,7 @@ from payments.desk.evidence import (
     system_label,
     system_words,
 )
-from payments.desk.rules import declined_payment_method
+from payments.desk.rules import declined_payment_method, settleable_claim
 from payments.desk.views.base import DeskBase, operator_of
 from payments.desk.views.queries import moneyless_kinds
 from payments.engine import fence
@@ -355,10 +355,20 @@ def _refusal(op: Operation, spec: DeskAction, step: str) -> str:
     available = desk.available_actions(op)
     if step:
         if step not in available.settleable_steps:
-            return f"step {step} is not waiting to be settled"
+            return _not_settleable(op, step)
         return spec.refusal(op, step) if spec.refusal is not None else ""
     refused = available.refused.get(spec.name, "")
     return refused or (spec.refusal(op, "") if spec.refusal is not None else "")
+
+
+def _not_settleable(op: Operation, step: str) -> str:
+    """Why `step` cannot be settled now, in the rule's own words ("a worker holds step
+    charge until 15:44"), as the service would refuse it."""
+    try:
+        settleable_claim(op, list(op.claims.all()), step, get_handler(op.kind))
+    except PaymentsError as exc:
+        return str(getattr(exc, "detail", exc))
+    return f"step {step} is not waiting to be settled"  # it became settleable meanwhile
 
 
 def asked_in_this_state(op: Operation, step: str) -> bool:

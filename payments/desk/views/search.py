@@ -12,6 +12,7 @@ with a note saying where the lead came from.
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as NoAnswerYet
@@ -29,18 +30,24 @@ logger = logging.getLogger("payments.admin")
 #: and in an incident a system that accepts the connection and never answers would hold
 #: it for the client's whole read timeout (10 s by default), once per search.
 SEARCH_WAIT_SECONDS = 3.0
-#: The retrieves of searches in flight, at most this many at once: one past its wait
-#: ends in the background at the client's timeout, never holding a page or a request
-#: thread, and a search that finds them all busy waits its turn within its own wait.
-_LOOKUPS = ThreadPoolExecutor(max_workers=4, thread_name_prefix="desk-search")
+#: The retrieves of searches in flight in this process, at most this many at once: one
+#: past its wait ends in the background at the client's timeout, never holding a page or
+#: a request thread. A search that finds them all busy asks nothing and says so at once:
+#: during an outage retrieves never queue up behind the hung ones (nor hold a server
+#: process that is shutting down).
+LOOKUPS_AT_ONCE = 4
+_LOOKUPS = ThreadPoolExecutor(max_workers=LOOKUPS_AT_ONCE, thread_name_prefix="desk-search")
+_FREE = threading.BoundedSemaphore(LOOKUPS_AT_ONCE)
 
 
 def _describe_in_background(describe: Callable[[str], Described | None], term: str) -> Any:
-    """Run `describe` on a lookup thread; close any database connection it opened there."""
+    """Run `describe` on a lookup thread; close any database connection it opened there
+    (a system's `describe` should open none: payments.engine.systems), free its place."""
     try:
         return describe(term)
     finally:
         connections.close_all()
+        _FREE.release()
 
 
 @dataclass(frozen=True)
@@ -63,11 +70,25 @@ def lead_from_provider(term: str) -> ProviderLead | None:
     system = reference_system(term)
     if system is None or system.describe is None:
         return None
-    try:
-        found = _LOOKUPS.submit(_describe_in_background, system.describe, term).result(
-            timeout=SEARCH_WAIT_SECONDS
+    if not _FREE.acquire(blocking=False):
+        logger.warning("search: %s not asked for %s: lookups busy", system.label, term)
+        return ProviderLead(
+            term,
+            None,
+            f"No step has {term}; {system.label} was not asked: {LOOKUPS_AT_ONCE} earlier "
+            "searches still wait for its answers (slow or down). Search again later, or read "
+            "the object's metadata on its dashboard.",
         )
-    except NoAnswerYet:
+    try:
+        lookup = _LOOKUPS.submit(_describe_in_background, system.describe, term)
+    except RuntimeError as exc:  # the process is shutting down its threads
+        _FREE.release()
+        return _not_asked(term, system.label, exc)
+    try:
+        found = lookup.result(timeout=SEARCH_WAIT_SECONDS)
+    except NoAnswerYet as exc:
+        if lookup.done():  # a timeout of describe's own, raised in it: not asked, as below
+            return _not_asked(term, system.label, exc)
         logger.warning("search: %s did not answer for %s in time", system.label, term)
         return ProviderLead(
             term,
@@ -79,15 +100,17 @@ def lead_from_provider(term: str) -> ProviderLead | None:
     except NotAtSystem:
         return ProviderLead(term, None, f"No step has {term}, and {system.label} does not know it.")
     except Exception as exc:  # down, refused, timed out: said in the note
-        logger.warning("search: could not retrieve %s: %s", term, type(exc).__name__)
-        return ProviderLead(
-            term,
-            None,
-            f"No step has {term}; {system.label} could not be asked ({type(exc).__name__}).",
-        )
+        return _not_asked(term, system.label, exc)
     if found is None:
         return None
     return _lead(term, dict(found.metadata), found.status)
+
+
+def _not_asked(term: str, label: str, exc: BaseException) -> ProviderLead:
+    logger.warning("search: could not retrieve %s: %s", term, type(exc).__name__)
+    return ProviderLead(
+        term, None, f"No step has {term}; {label} could not be asked ({type(exc).__name__})."
+    )
 
 
 def _lead(term: str, metadata: dict[str, str], status: str) -> ProviderLead:
