@@ -30,11 +30,18 @@ def queue_index() -> int:
     return get_queues_map()["payments"]
 
 
-def failed_job(queue: Queue, job_id: str | None = None) -> Job:
-    """A job in the failed registry, as a worker leaves one (never run here)."""
+def failed_job(
+    queue: Queue,
+    job_id: str | None = None,
+    *,
+    operation_id: int = 0,
+    func: str = "payments.engine.jobs.run_operation",
+) -> Job:
+    """A job in the failed registry, as a worker leaves one (not run unless requeued): of
+    `func` for the operation `operation_id` (0: none)."""
     job = Job.create(
-        "payments.engine.jobs.run_operation",
-        args=(0,),
+        func,
+        args=(operation_id,),
         id=job_id or uuid.uuid4().hex,
         connection=queue.connection,
         origin=queue.name,

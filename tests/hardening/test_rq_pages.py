@@ -11,7 +11,7 @@ import pytest
 from django.contrib.auth.models import Permission
 from django.contrib.messages import get_messages
 from django.urls import reverse
-from rq.job import Job, JobStatus
+from rq.job import Job
 from rq.registry import FailedJobRegistry
 
 from payments.models import OperationState
@@ -363,17 +363,7 @@ def _failed_delivery(
 ) -> Job:
     """`op`'s job in the failed registry, as a worker leaves it after its last attempt
     (`job_id`: another id than the operation's current delivery's)."""
-    job = Job.create(
-        func,
-        args=(op.pk,),
-        id=job_id or op.job_id,
-        connection=queue.connection,
-        origin=queue.name,
-    )
-    job.set_status(JobStatus.FAILED, pipeline=None)
-    job.save()
-    FailedJobRegistry(queue=queue).add(job, exc_string="RetriesExhausted")
-    return job
+    return failed_job(queue, job_id or op.job_id, operation_id=op.pk, func=func)
 
 
 @pytest.mark.django_db(transaction=True)  # the job runs on a worker, which commits
