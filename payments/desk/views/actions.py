@@ -590,12 +590,12 @@ class ActionViewsMixin(DeskBase):
         # its page asks nothing of the provider, changes nothing and answers 409, whether
         # the action's own refusal or the state's says no (a resume, a new attempt
         # answered 200 where a refused mark-failed answered 409).
-        refused_first = _refusal(op, spec, step)
-        if refused_first:
+        refused = _refusal(op, spec, step)
+        if refused:
             status = 409
             if request.method == "POST":
                 form.is_valid()  # bound, so that the refusal shows beside what was typed
-                form.add_error(None, f"Nothing was changed: {refused_first}")
+                form.add_error(None, f"Nothing was changed: {refused}")
         elif request.method == "POST" and form.is_valid():
             try:
                 # The desk service owns the transaction (and keeps HTTP calls out of it).
@@ -607,6 +607,8 @@ class ActionViewsMixin(DeskBase):
                 if spec.refusal is not None:  # nothing typed would change the answer
                     refused_now = str(getattr(exc, "detail", exc))
                 op = self.get_object(request, unquote(object_id)) or op  # it may have moved
+                # Asked again of the operation as it is now, not as it was before the press.
+                refused = _refusal(op, spec, step) or refused_now
             else:
                 done = message if isinstance(message, ActionDone) else ActionDone(message, False)
                 self.log_change(request, op, done.message)
@@ -668,7 +670,7 @@ class ActionViewsMixin(DeskBase):
             "system_reads": all(system_words(c).reads for c in op.claims.all()),
             "change_url": change_url,
             # A refused mark-failed keeps its button off: pressing again changes nothing.
-            "refused": _refusal(op, spec, step) or refused_now,
+            "refused": refused,
         }
         request.current_app = self.admin_site.name
         return TemplateResponse(
