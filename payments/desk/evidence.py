@@ -416,17 +416,43 @@ def incident_html(found: Incident | None, *, list_url: str = "", need_a_person: 
     )
 
 
-#: A query's outcomes by what they did: settled something, read without deciding, not read.
+#: A query's outcomes by what they did: settled something, read without deciding, not read,
+#: or nothing to ask (a finished operation in the selection). A worker's live lease, or a
+#: time budget spent, leaves an operation not read.
 SETTLED_OUTCOMES = frozenset({"done", "failed", "reversed", "already_settled"})
 NOT_READ_OUTCOMES = frozenset({"retry_later", "busy", "not_asked"})
+NOTHING_OUTCOMES = frozenset({"nothing_to_settle"})
+#: How `query_kind` names each, and how a bulk query's line starts.
+QUERY_KINDS = {
+    "settled": "Settled",
+    "waiting": "Still waiting",
+    "not-read": "Not read",
+    "nothing": "Nothing to settle",
+}
+
+
+def query_kind(outcome: str) -> str:
+    """Which of QUERY_KINDS a look-up's outcome is. An operation held under a worker's live
+    lease ("held by ... not queried") was not read."""
+    if outcome in SETTLED_OUTCOMES:
+        return "settled"
+    if outcome in NOT_READ_OUTCOMES or outcome.startswith("held by "):
+        return "not-read"
+    if outcome in NOTHING_OUTCOMES:
+        return "nothing"
+    return "waiting"
 
 
 def query_tally(outcomes: list[str]) -> str:
-    """A bulk query's result in three counts: "2 settled, 5 still waiting, 1 not read"."""
-    settled = sum(1 for o in outcomes if o in SETTLED_OUTCOMES)
-    not_read = sum(1 for o in outcomes if o in NOT_READ_OUTCOMES)
-    waiting = len(outcomes) - settled - not_read
-    return f"{settled} settled, {waiting} still waiting, {not_read} not read"
+    """A bulk query's result in counts: "2 settled, 5 still waiting, 1 not read", then
+    ", 3 with nothing to settle" when finished operations were among those selected."""
+    kinds = [query_kind(o) for o in outcomes]
+    tally = (
+        f"{kinds.count('settled')} settled, {kinds.count('waiting')} still waiting, "
+        f"{kinds.count('not-read')} not read"
+    )
+    nothing = kinds.count("nothing")
+    return f"{tally}, {nothing} with nothing to settle" if nothing else tally
 
 
 def after_query(operation_id: int) -> str:

@@ -144,5 +144,13 @@ def test_an_operator_walks_the_desk_during_a_provider_incident(
     report = tab.locator(".messagelist").inner_text()
     assert "settled" in report and "not read" in report
     assert "ConnectionError" in report
+    # Each operation's line says what came of it, and none that was not read wears Django's
+    # green success tick (its rows are list items inside the message list, styled like one).
+    unread = tab.locator(".desk-query-report li.desk-query-not-read")
+    assert unread.count() >= 1
+    for i in range(unread.count()):
+        line = unread.nth(i)
+        assert line.inner_text().startswith("Not read")
+        assert line.evaluate("e => getComputedStyle(e).backgroundImage") == "none"
     shot(tab, "bulk-query")
     assert provider.state.wait_idle(timeout=10)

@@ -421,7 +421,7 @@ def test_bulk_query__lists_the_result_of_each_operation(provider, operator):
 
     page = response.content.decode()
     report = page.split('class="desk-query-report"', 1)[1].split("</ul>", 1)[0]
-    rows = re.findall(r'<li class="desk-query-row">(.*?)</li>', report, re.S)
+    rows = re.findall(r'<li class="desk-query-row[^"]*">(.*?)</li>', report, re.S)
     assert len(rows) == 2
     first_row, second_row = sorted(rows, key=lambda row: "bulk-b" in row)
     assert "bulk-a</a>: the provider shows the step succeeded" in first_row

@@ -128,7 +128,7 @@ def test_query_now__an_unanswered_provider__reads_not_read_with_its_error_never_
     page = response.content.decode()
     assert "0 settled, 0 still waiting, 2 not read" in page
     assert 'class="success"' not in page  # Django's green ✓ message
-    assert "not read: the provider did not answer" in page
+    assert "<strong>Not read</strong>" in page and "the provider did not answer" in page
     assert "ConnectionError" in page
     assert "the fence looks again at" in page
 
@@ -424,3 +424,27 @@ def test_the_banner__a_next_look_already_past__says_it_is_due_not_a_time_gone_by
     assert "next look at" not in banner
     assert "the next look has been due since" in banner
     assert "the provider's answers are slow" in banner
+
+
+def test_query_now__finished_operations_in_the_selection__counted_apart_not_as_waiting(
+    provider, operator, settings
+):
+    """An operator's walk: a bulk query over eight ticked rows, five of them finished long
+    ago, read "0 settled, 6 still waiting, 2 not read": the finished ones had nothing to
+    wait for. They are counted apart, each line says which of the four it is, and the
+    one uncertain operation the provider could not read is the only one not read."""
+    finished = [builders.succeeded(key=f"tally-done-{n}")[0] for n in range(2)]
+    lost, _, _ = builders.uncertain(key="tally-lost", charged=False)
+    provider_down(settings)
+    selection = {
+        "action": "query_selected",
+        "_selected_action": [op.pk for op in finished] + [lost.pk],
+    }
+
+    response = client_for(operator).post(CHANGELIST, {**selection, "post": "yes"}, follow=True)
+
+    page = response.content.decode()
+    assert "0 settled, 0 still waiting, 1 not read, 2 with nothing to settle" in page
+    report = page.split('class="desk-query-report"', 1)[1].split("</ul>", 1)[0]
+    kinds = re.findall(r'<li class="desk-query-row desk-query-([a-z-]+)">', report)
+    assert sorted(kinds) == ["not-read", "nothing", "nothing"]

@@ -37,6 +37,7 @@ from payments.desk.display import (
     when,
 )
 from payments.desk.evidence import (
+    QUERY_KINDS,
     SETTLED_OUTCOMES,
     after_query,
     evidence_html,
@@ -44,6 +45,7 @@ from payments.desk.evidence import (
     mark_failed_words,
     no_handler,
     operation_label,
+    query_kind,
     query_tally,
     query_title,
     system_label,
@@ -510,17 +512,28 @@ def _query_report_message(rows: list[Any], summary: str) -> str:
     words of the system it asked."""
     ops = Operation.objects.in_bulk([row.operation_id for row in rows])
     asked = {pk: operation_label(op) for pk, op in ops.items()}
+
+    def line(row: Any) -> tuple[str, str]:
+        """The line's kind (QUERY_KINDS), and its words without the kind said twice."""
+        kind = query_kind(row.outcome)
+        words = query_words(row, asked.get(row.operation_id, "its system"))
+        return kind, words.removeprefix(f"{QUERY_KINDS[kind].lower()}: ")
+
     items = format_html_join(
         "",
-        '<li class="desk-query-row"><a href="{}">{}</a>: {} {}</li>',
+        '<li class="desk-query-row desk-query-{}"><strong>{}</strong>: <a href="{}">{}</a>: {} {}'
+        "</li>",
         (
             (
+                kind,
+                QUERY_KINDS[kind],
                 reverse("admin:payments_operation_change", args=[row.operation_id]),
                 row.key,
-                query_words(row, asked.get(row.operation_id, "its system")),
+                words,
                 state_badge(row.state_after),
             )
             for row in rows
+            for kind, words in [line(row)]
         ),
     )
     return format_html(
