@@ -448,3 +448,33 @@ def test_query_now__finished_operations_in_the_selection__counted_apart_not_as_w
     report = page.split('class="desk-query-report"', 1)[1].split("</ul>", 1)[0]
     kinds = re.findall(r'<li class="desk-query-row desk-query-([a-z-]+)">', report)
     assert sorted(kinds) == ["not-read", "nothing", "nothing"]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_mark_failed__a_request_in_flight__refused_even_after_a_look__and_names_the_object(
+    provider, operator, queue, settings
+):
+    """An operator's walk: with a same-key request held in flight at the provider (409) and
+    its list showing the declined intent, the red "Mark charge failed" was on (the look
+    counted as asked) and its page said "No object at the provider is known" above that
+    very intent; only the press was refused. The page now refuses as the press does (409,
+    the wait named) and its plan names the object the look found."""
+    provider.state.configure(slow_delay=4.0)
+    provider.state.enqueue_faults("slow", 1)
+    order = create_order(amount=7450, currency="eur", email="held@example.com")
+    op, _ = request_checkout(
+        order_id=order.pk, key="inc-held-mark", payment_method="pm_card_chargeDeclined", actor="t"
+    )
+    run_worker(queue)
+    reconcile(operation_ids=[op.pk])  # 409 in flight; the list shows the declined intent
+    seen = StepClaim.objects.get(operation=op, step="charge").provider_view["reference"]
+    url = reverse("admin:payments_operation_desk_step", args=[op.pk, "charge", "mark_failed"])
+
+    response = client_for(operator).get(url)
+    page = text(response)
+
+    assert response.status_code == 409
+    assert "in flight at the provider since" in page
+    assert "No object at the provider is known" not in page
+    assert seen in page
+    assert provider.state.wait_idle(timeout=10)

@@ -336,13 +336,19 @@ def _mark_failed_plan(op: Operation, step: str) -> dict[str, Any]:
     # The object the step works on (its effect's TARGET), voided first (an intent is
     # cancelled).
     item = str(getattr(effect, "TARGET", "") or "")
-    target = claim.provider_reference or (str(request.get(item) or "") if item else "")
+    # Else the object the last look found under the step's key (the press voids that one).
+    view = claim.provider_view if isinstance(claim.provider_view, dict) else {}
+    target = (
+        claim.provider_reference
+        or (str(request.get(item) or "") if item else "")
+        or str(view.get("reference") or "")
+    )
     return {
         # The provider showed it succeeded: the page offers "mark succeeded" with it instead.
         "provider_succeeded": succeeded_at_provider(claim),
         "may_have_happened": str(getattr(effect, "MAY_HAVE_HAPPENED", "")),
         "voids": voids,
-        "void_target": target if voids else claim.provider_reference,
+        "void_target": target if voids else claim.provider_reference or target,
         "last_request_at": fence.last_request_at(claim),
         "grace_minutes": payments_settings().reconcile_grace // 60,
         "no_read": not system_words(claim).reads,
@@ -408,14 +414,16 @@ def mark_failed_refusal(op: Operation, step: str) -> str:
             f"{who} showed step {step} still in progress at the last look "
             f"({when(look.last_look_at)}{detail}): it may still succeed. {then}"
         )
-    if asked_in_this_state(op, step):
-        return ""
     if look is not None and look.in_flight_since is not None:
+        # Refused as the press is (desk.mark_step_failed), whatever was asked since: the
+        # request held there may still take the money.
         return (
             f"a request under step {step}'s key is in flight at {who} since "
             f"{when(look.in_flight_since)}: it may still succeed. The fence looks again at "
             f"{when(look.next_look_at)} and settles it when {who} answers"
         )
+    if asked_in_this_state(op, step):
+        return ""
     if claim is not None and look is not None and look.showed in INCIDENT_LOOKS:
         # Asking now would meet the same silence: say what is awaited, and until when.
         return (
