@@ -119,6 +119,12 @@ def test_an_operator_walks_the_desk_during_a_provider_incident(
     tab.goto(f"{live_server.url}/admin/payments/operation/{held.pk}/change/")
     evidence = tab.locator(".desk-evidence")
     assert "in flight at the provider since" in evidence.inner_text()
+    # All of it on screen: Django indents a form's lists by 160 px and its rows clip what
+    # overflows them, which cut "Seen at its system" mid-word at 1280 px.
+    row = "e => e.closest('.form-row').getBoundingClientRect().right"
+    assert evidence.evaluate("e => e.getBoundingClientRect().right") <= evidence.evaluate(row)
+    table = tab.locator(".desk-provider-view")
+    assert table.evaluate("e => e.getBoundingClientRect().right") <= table.evaluate(row)
     assert "€74.50" in evidence.inner_text()
     assert tab.locator(".desk-next-step").first.is_visible()
     shot(tab, "operation-in-flight")
