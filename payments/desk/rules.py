@@ -168,7 +168,8 @@ def check_resume(op: Operation, claims: list[StepClaim], *, reopen: bool = False
         raise DeskError("it succeeded; there is nothing to resume", operation_key=op.key)
     if op.state in (OperationState.PENDING, OperationState.RETRYING):
         raise DeskError(
-            f"it is {op.state} and will run; the sweeper delivers a lost job again",
+            f"it is {op.get_state_display().lower()} and will run; the sweeper delivers a lost "
+            "job again",
             operation_key=op.key,
         )
     check_no_live_lease(op)
@@ -227,7 +228,8 @@ def check_new_attempt(op: Operation, claims: list[StepClaim], spec: HandlerSpec)
         )
     if op.state != OperationState.FAILED:
         raise DeskError(
-            f"it is {op.state}; only a failed operation may get a new attempt",
+            f"it is {op.get_state_display().lower()}; only a failed operation may get a new "
+            "attempt",
             operation_key=op.key,
         )
     newer = op.retries.order_by("pk").first()

@@ -49,7 +49,10 @@ def tab(request, monkeypatch):
     SHOTS.mkdir(parents=True, exist_ok=True)
     with sync_api.sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=CHROMIUM, args=ARGS)
-        page = browser.new_page(viewport={"width": request.param, "height": 900})
+        # An operator in Paris: the desk's UTC times get their local time beside them.
+        page = browser.new_page(
+            viewport={"width": request.param, "height": 900}, timezone_id="Europe/Paris"
+        )
         page.set_default_timeout(15_000)
         page.width = request.param
         try:
@@ -150,6 +153,7 @@ def test_an_operator_walks_the_desk_during_a_provider_incident(
     report = tab.locator(".messagelist").inner_text()
     assert "settled" in report and "not read" in report
     assert "ConnectionError" in report
+    assert "UTC (" in report  # the next look's time, in Paris too (a message is not #content)
     # Each operation's line says what came of it, and none that was not read wears Django's
     # green success tick (its rows are list items inside the message list, styled like one).
     unread = tab.locator(".desk-query-report li.desk-query-not-read")

@@ -28,6 +28,7 @@ from payments.models import (
     LookShowed,
     Operation,
     OperationEvent,
+    OperationState,
     StepClaim,
 )
 from tests.support import builders, flows
@@ -478,3 +479,22 @@ def test_mark_failed__a_request_in_flight__refused_even_after_a_look__and_names_
     assert "No object at the provider is known" not in page
     assert seen in page
     assert provider.state.wait_idle(timeout=10)
+
+
+def test_refusals_name_the_state_in_words_not_its_code(provider, senior):
+    """An operator's walk read "Start a new attempt is unavailable: it is needs_review"."""
+    from payments.desk import services as desk
+
+    op, _, _ = builders.uncertain(key="words-review", charged=False)
+    builders.move(op, OperationState.NEEDS_REVIEW)
+    retrying, _, _ = builders.uncertain(key="words-retrying", charged=False)
+    builders.move(retrying, OperationState.RETRYING)
+
+    with pytest.raises(desk.DeskError) as new_attempt:
+        desk.start_new_attempt(op, user=senior, reason="try again")
+    with pytest.raises(desk.DeskError) as resume:
+        desk.resume(retrying, user=senior, reason="push it")
+
+    assert "it is needs review; only a failed operation" in str(new_attempt.value)
+    assert "it is retrying and will run" in str(resume.value)
+    assert "needs_review" not in str(new_attempt.value)
