@@ -219,23 +219,38 @@ def next_step(op: Operation, claim: StepClaim, look: ClaimLook | None) -> str:
             "decide now from the evidence: mark the step succeeded (with the reference "
             f"{who} shows) or failed ({mark_failed_words(claim)})." + replay
         )
+    # The move to review is made by a look: past the grace period, by the next one.
+    over = review_at <= fence.db_now()
     if look is not None and look.in_flight_since:
+        review = (
+            f"The grace period ended at {when(review_at)}: it goes to review at its next "
+            "look, unless that look settles it."
+            if over
+            else f"If it is still unknown at {when(review_at)} it goes to review."
+        )
         return (
             f"Waiting: a request under its key is in flight at {who} since "
             f"{when(look.in_flight_since)}; asked again at {when(look.last_look_at)}; next look "
-            f"at {next_look}. If it is still unknown at {when(review_at)} it goes to review."
-            + replay
+            f"at {next_look}. {review}" + replay
         )
     if look is not None and look.showed == LookShowed.UNREADABLE:
+        review = (
+            f"The grace period ended at {when(review_at)}: it goes to review at its next "
+            "look, unless that look settles it"
+            if over
+            else f"If it is still unknown at {when(review_at)} it goes to review"
+        )
         return (
             f"Waiting: {who} has not answered since {when(look.unread_since)}; next look "
-            f"at {next_look}. If it is still unknown at {when(review_at)} it goes to review, and "
-            "the fence keeps looking after that." + replay
+            f"at {next_look}. {review}, and the fence keeps looking after that." + replay
         )
-    return (
-        f"Waiting: the reconciler looks again at {next_look}. If nothing decisive is shown by "
-        f"{when(review_at)} it goes to review." + replay
+    review = (
+        f"The grace period ended at {when(review_at)}: it goes to review at its next look, "
+        "unless that look settles it."
+        if over
+        else f"If nothing decisive is shown by {when(review_at)} it goes to review."
     )
+    return f"Waiting: the reconciler looks again at {next_look}. {review}" + replay
 
 
 def evidence_html(op: Operation) -> str:

@@ -498,3 +498,25 @@ def test_refusals_name_the_state_in_words_not_its_code(provider, senior):
     assert "it is needs review; only a failed operation" in str(new_attempt.value)
     assert "it is retrying and will run" in str(resume.value)
     assert "needs_review" not in str(new_attempt.value)
+
+
+def test_operation_page__the_grace_period_over__review_at_the_next_look_not_a_past_time(
+    provider, viewer, settings
+):
+    """An operator's walk: a refund's page said "If it is still unknown at 23:14:03 it goes
+    to review" at 23:14:17. Past the grace period, the move waits for the next look: the
+    page says so instead of naming a time already gone."""
+    from datetime import timedelta
+
+    op, claim, _ = builders.uncertain(key="past-grace", charged=False)
+    provider_down(settings)
+    reconcile(operation_ids=[op.pk])  # a look: unanswered, still within the grace
+    from payments.conf import payments_settings
+
+    grace = payments_settings().reconcile_grace
+    builders.backdate_last_request(claim, timedelta(seconds=grace + 60))
+
+    page = text(client_for(viewer).get(change_url(op)))
+
+    assert "it goes to review at its next look" in page and "The grace period ended at" in page
+    assert "If it is still unknown at" not in page
