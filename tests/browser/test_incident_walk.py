@@ -20,8 +20,6 @@ import pytest
 from django.db import connections
 from django.utils import timezone
 
-from payments.checkout.handler import request_checkout
-from payments.checkout.orders import create_order
 from payments.desk.views.queries import FAILED_WINDOW
 from payments.engine.recovery import reconcile
 from payments.engine.writes import fence_writes
@@ -83,14 +81,7 @@ def test_an_operator_walks_the_desk_during_a_provider_incident(
         Operation.objects.filter(pk=older.pk).update(
             updated_at=timezone.now() - FAILED_WINDOW - timedelta(hours=1)
         )
-    provider.state.configure(slow_delay=3.0)
-    provider.state.enqueue_faults("slow", 1)
-    order = create_order(amount=7450, currency="eur", email="held@example.com")
-    held, _ = request_checkout(
-        order_id=order.pk, key="walk-held", payment_method="pm_card_chargeDeclined", actor="t"
-    )
-    run_worker(queue)
-    reconcile(operation_ids=[held.pk])  # 409 in flight; the list shows the declined intent
+    held = flows.declined_charge_held_in_flight(provider, queue, "walk-held", slow=3.0)
     for n in range(3):
         builders.uncertain(key=f"walk-lost-{n}", charged=n != 2)
     settings.PAYMENTS = {**settings.PAYMENTS, "PROVIDER_URL": DOWN}

@@ -81,14 +81,7 @@ def test_operation_page__the_money_the_provider_showed__while_a_request_is_in_fl
 ):
     """Finding 3: the provider's list showed the intent (declined, €74.50) while every
     same-key replay answered 409: the page shows that object, its amount and the wait."""
-    provider.state.configure(slow_delay=4.0)
-    provider.state.enqueue_faults("slow", 1)
-    order = create_order(amount=7450, currency="eur", email="held@example.com")
-    op, _ = request_checkout(
-        order_id=order.pk, key="inc-held-page", payment_method="pm_card_chargeDeclined", actor="t"
-    )
-    run_worker(queue)
-    reconcile(operation_ids=[op.pk])
+    op = flows.declined_charge_held_in_flight(provider, queue, "inc-held-page")
 
     page = text(client_for(viewer).get(change_url(op)))
 
@@ -460,14 +453,7 @@ def test_mark_failed__a_request_in_flight__refused_even_after_a_look__and_names_
     counted as asked) and its page said "No object at the provider is known" above that
     very intent; only the press was refused. The page now refuses as the press does (409,
     the wait named) and its plan names the object the look found."""
-    provider.state.configure(slow_delay=4.0)
-    provider.state.enqueue_faults("slow", 1)
-    order = create_order(amount=7450, currency="eur", email="held@example.com")
-    op, _ = request_checkout(
-        order_id=order.pk, key="inc-held-mark", payment_method="pm_card_chargeDeclined", actor="t"
-    )
-    run_worker(queue)
-    reconcile(operation_ids=[op.pk])  # 409 in flight; the list shows the declined intent
+    op = flows.declined_charge_held_in_flight(provider, queue, "inc-held-mark")
     seen = StepClaim.objects.get(operation=op, step="charge").provider_view["reference"]
     url = reverse("admin:payments_operation_desk_step", args=[op.pk, "charge", "mark_failed"])
 

@@ -1,7 +1,7 @@
 """Orders and checkouts, and operations brought into shape by the real runtime.
 
-`paid_order`, `failed_by_invoice_bug`, `uncertain_after_read_timeout` and
-`refund_failed_by_an_outage` run a worker in this process over real HTTP: for transactional tests only (a claim must commit
+`paid_order`, `failed_by_invoice_bug`, `uncertain_after_read_timeout`,
+`declined_charge_held_in_flight` and `refund_failed_by_an_outage` run a worker in this process over real HTTP: for transactional tests only (a claim must commit
 before its call). The others only create rows and enqueue on commit.
 """
 
@@ -84,6 +84,25 @@ def uncertain_after_read_timeout(provider, queue, key: str = "chk-1") -> Operati
     run_worker(queue)
     assert provider.state.wait_idle(timeout=5)  # the charge is stored at the provider
     op.refresh_from_db()
+    return op
+
+
+def declined_charge_held_in_flight(
+    provider, queue, key: str, *, amount: int = 7450, slow: float = 4.0
+) -> Operation:
+    """A declined charge whose answer the provider holds past the read timeout, then looked
+    at once by the reconciler: every same-key replay answers 409 (in flight) while the
+    provider's list shows the declined intent. Wait for the provider (`wait_idle`) after."""
+    from payments.engine.recovery import reconcile
+
+    provider.state.configure(slow_delay=slow)
+    provider.state.enqueue_faults("slow", 1)
+    order = create_order(amount=amount, currency="eur", email="held@example.com")
+    op, _ = request_checkout(
+        order_id=order.pk, key=key, payment_method="pm_card_chargeDeclined", actor="t"
+    )
+    run_worker(queue)
+    reconcile(operation_ids=[op.pk])  # 409 in flight; the list shows the declined intent
     return op
 
 
