@@ -155,11 +155,3 @@ def test_an_operator_walks_the_desk_during_a_provider_incident(
         assert line.evaluate("e => getComputedStyle(e).backgroundImage") == "none"
     shot(tab, "bulk-query")
     assert provider.state.wait_idle(timeout=10)
-
-    # The desk log afterwards: one line per press (the bulk query's looks, one per
-    # operation), no claim's hand-over to the operator on a line of its own.
-    tab.goto(f"{live_server.url}/admin/payments/operation/desk-log/")
-    lines = tab.locator("#desk-log tr.desk-log-row")
-    assert lines.count() >= 4
-    assert "Taken over" not in tab.locator("#desk-log").inner_text()
-    shot(tab, "desk-log")

@@ -104,116 +104,32 @@ def _newest_pk() -> int:
     return int(OperationEvent.objects.aggregate(newest=Max("pk"))["newest"] or 0)
 
 
-#: Seconds apart, at most, two audit rows of one press (the same operator) may be.
-PRESS_SECONDS = 2.0
-#: How a claim's hand-over to a new owner reads (payments.engine.fence.take_over_claim).
-HANDED_OVER = "taken over from"
-
-
 def _rows(events: list[OperationEvent]) -> list[dict[str, Any]]:
-    """Each press as the log shows it, from its audit rows: when, who, what, which
-    operation, why, and every state change the press made (`_presses`)."""
+    """Each audit row as the log shows it: when, who, what, which operation, why."""
     operations = {
         op.pk: op
         for op in Operation.objects.filter(pk__in={e.operation_id for e in events}).only(
-            "pk", "key", "kind", "entity_type", "entity_id", "retry_of_id"
+            "pk", "key", "kind", "entity_type", "entity_id"
         )
     }
     rows = []
-    for press in _presses(events, operations):
-        # Named by its newest row that is not a hand-over (a look's row, the new attempt).
-        main = next((e for e in press if not _handed_over(e)), press[0])
-        action, why = _what(main)
-        op = operations.get(main.operation_id)
-        changes = [
-            {"change": change, "step": event.step}
-            for event in reversed(press)  # in the order they were made
-            if (change := _change(event))
-        ]
-        others = [operations.get(pk) for pk in dict.fromkeys(e.operation_id for e in press)]
+    for event in events:
+        action, why = _what(event)
+        change = _change(event)
+        op = operations.get(event.operation_id)
         rows.append(
             {
-                "event": main,
-                "events": " ".join(str(e.pk) for e in press),
-                "when": when(main.created_at),
-                "who": main.actor.removeprefix(OPERATOR),
-                "action": action or (changes[0]["change"] if changes else "-"),
+                "event": event,
+                "when": when(event.created_at),
+                "who": event.actor.removeprefix(OPERATOR),
+                "action": action or change or "-",
                 "reason": why,
-                "changes": changes if action else changes[1:],
+                "change": change if action else "",
                 "operation": op,
-                "url": reverse("admin:payments_operation_change", args=[main.operation_id]),
-                "also": [
-                    {"operation": other, "url": _change_url(other.pk)}
-                    for other in others
-                    if other is not None and other.pk != main.operation_id
-                ],
+                "url": reverse("admin:payments_operation_change", args=[event.operation_id]),
             }
         )
     return rows
-
-
-def _change_url(pk: int) -> str:
-    return reverse("admin:payments_operation_change", args=[pk])
-
-
-def _handed_over(event: OperationEvent) -> bool:
-    """A claim handed to the operator before a press acted on it: an owner's change, no
-    state's (the fence audits it; the press's own row follows)."""
-    return event.reason.startswith(HANDED_OVER) and event.from_state == event.to_state
-
-
-def _presses(
-    events: list[OperationEvent], operations: dict[int, Operation]
-) -> list[list[OperationEvent]]:
-    """The audit rows (newest first) grouped by the press that wrote them: one operator's
-    rows within PRESS_SECONDS of the group's newest, on an operation of the group (the step
-    and the operation it resumed, the claim handed over before a look) or on the new
-    attempt of one (its creation, then the attempt itself). A bulk query's operations stay
-    apart: each is its own look."""
-    presses: list[list[OperationEvent]] = []
-    for event in events:
-        # A hand-over joins its look's line wherever it is among this press's: a bulk
-        # query hands every claim over first and writes the looks' rows after.
-        candidates = _recent(presses, event) if _handed_over(event) else presses[-1:]
-        group = next((g for g in candidates if _same_press(g, event, operations)), None)
-        if group is not None:
-            group.append(event)
-        else:
-            presses.append([event])
-    return presses
-
-
-def _recent(
-    presses: list[list[OperationEvent]], event: OperationEvent
-) -> list[list[OperationEvent]]:
-    """The lines, the latest first, whose newest row is within PRESS_SECONDS of `event`."""
-    found = []
-    for group in reversed(presses):
-        if abs((group[0].created_at - event.created_at).total_seconds()) > PRESS_SECONDS:
-            break
-        found.append(group)
-    return found
-
-
-def _same_press(
-    group: list[OperationEvent], event: OperationEvent, operations: dict[int, Operation]
-) -> bool:
-    first = group[0]
-    if event.actor != first.actor:
-        return False
-    if abs((first.created_at - event.created_at).total_seconds()) > PRESS_SECONDS:
-        return False
-    if not _handed_over(event) and _what(event)[0] in {
-        _what(e)[0] for e in group if not _handed_over(e)
-    }:
-        return False  # the same action again: a second press (a double click), its own line
-    ops = {e.operation_id for e in group}
-    if event.operation_id in ops:
-        # One operation: the same reason typed, or a row that carries none of its own.
-        why, other = _what(event)[1], _what(first)[1]
-        return why == other or not why or not other or _handed_over(event)
-    op = operations.get(event.operation_id)
-    return op is not None and op.retry_of_id in ops  # the new attempt of one of them
 
 
 def _what(event: OperationEvent) -> tuple[str, str]:
