@@ -27,7 +27,7 @@ from django.utils.text import Truncator
 from payments.conf import payments_settings
 from payments.desk.display import when
 from payments.desk.views.queries import business_kinds, money_by_state_and_kind, totals_by_kind
-from payments.engine import fence
+from payments.engine import fence, recovery
 from payments.engine.handlers import registered_handlers
 from payments.engine.steps import claim_system, replay_allowed, replay_deadline, step_system
 from payments.engine.systems import ExternalSystem, Read, system_named, system_of
@@ -435,7 +435,10 @@ def incident_html(found: Incident | None, *, list_url: str = "", need_a_person: 
 #: or nothing to ask (a finished operation in the selection). A worker's live lease, or a
 #: time budget spent, leaves an operation not read.
 SETTLED_OUTCOMES = frozenset({"done", "failed", "reversed", "already_settled"})
-NOT_READ_OUTCOMES = frozenset({"retry_later", "busy", "not_asked"})
+NOT_READ_OUTCOMES = frozenset({"retry_later", "busy", "not_asked", "error", "no_handler"})
+#: How a read-only look (recovery.look_up, of an operation a worker may still run) words a
+#: step its system did not answer about.
+LOOKUP_FAILED = f": {recovery.LOOKUP_FAILED} ("
 NOTHING_OUTCOMES = frozenset({"nothing_to_settle"})
 #: How `query_kind` names each, and how a bulk query's line starts.
 QUERY_KINDS = {
@@ -447,11 +450,12 @@ QUERY_KINDS = {
 
 
 def query_kind(outcome: str) -> str:
-    """Which of QUERY_KINDS a look-up's outcome is. An operation held under a worker's live
-    lease ("held by ... not queried") was not read."""
+    """Which of QUERY_KINDS a look-up's outcome is. Not read: its system did not answer
+    (about any of the steps of a read-only look too), the look failed, no handler can ask,
+    or a worker holds the operation under its live lease ("held by ... not queried")."""
     if outcome in SETTLED_OUTCOMES:
         return "settled"
-    if outcome in NOT_READ_OUTCOMES or outcome.startswith("held by "):
+    if outcome in NOT_READ_OUTCOMES or outcome.startswith("held by ") or LOOKUP_FAILED in outcome:
         return "not-read"
     if outcome in NOTHING_OUTCOMES:
         return "nothing"

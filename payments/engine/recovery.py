@@ -294,6 +294,10 @@ def _resume_stranded(actor: str, report: ReconcileReport) -> None:
             report.add("resumed", op.key)
 
 
+#: How `look_up` words a step its system did not answer about ("charge: lookup failed (…)").
+LOOKUP_FAILED = "lookup failed"
+
+
 @exchanges.recorded
 def look_up(op: Operation, *, actor: str = "") -> str:
     """Read what the provider shows for the operation's external steps; change nothing.
@@ -320,7 +324,7 @@ def look_up(op: Operation, *, actor: str = "") -> str:
             found.append(f"{claim.step}: still in progress {exc.reference}".strip())
             continue
         except Exception as exc:  # provider down: say so, change nothing but the look's count
-            found.append(f"{claim.step}: lookup failed ({type(exc).__name__})")
+            found.append(f"{claim.step}: {LOOKUP_FAILED} ({type(exc).__name__})")
             fence.note_look(
                 claim,
                 LookShowed.UNREADABLE,

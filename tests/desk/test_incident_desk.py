@@ -463,7 +463,8 @@ def test_mark_failed__a_request_in_flight__refused_even_after_a_look__and_names_
     assert response.status_code == 409
     assert "in flight at the provider since" in page
     assert "No object at the provider is known" not in page
-    assert seen in page
+    plan = response.content.decode().split('<ul class="desk-plan">', 1)[1].split("</ul>", 1)[0]
+    assert seen in plan  # the plan's own words, not the provider's table below them
     assert provider.state.wait_idle(timeout=10)
 
 
@@ -506,3 +507,18 @@ def test_operation_page__the_grace_period_over__review_at_the_next_look_not_a_pa
 
     assert "it goes to review at its next look" in page and "The grace period ended at" in page
     assert "If it is still unknown at" not in page
+
+
+def test_query_kind__a_look_that_could_not_read_is_not_read_whatever_its_words():
+    """Review of the bulk query's kinds: a read-only look at a retrying operation whose
+    lookup failed, a look that raised, and an operation no handler can ask were counted
+    "still waiting" (amber) though nothing was read."""
+    from payments.desk.evidence import query_kind
+
+    failed_look = "read only, a worker may still run it: charge: lookup failed (ReadTimeout)"
+    assert query_kind(failed_look) == "not-read"
+    assert query_kind("error") == "not-read"
+    assert query_kind("no_handler") == "not-read"
+    assert query_kind("read only, a worker may still run it: charge: not found yet") == "waiting"
+    assert query_kind("still_uncertain") == "waiting"
+    assert query_kind("done") == "settled"
