@@ -522,3 +522,22 @@ def test_query_kind__a_look_that_could_not_read_is_not_read_whatever_its_words()
     assert query_kind("read only, a worker may still run it: charge: not found yet") == "waiting"
     assert query_kind("still_uncertain") == "waiting"
     assert query_kind("done") == "settled"
+
+
+def test_new_attempt_page__during_an_incident__warns_it_waits_for_the_provider(
+    provider, senior, settings
+):
+    """An operator's walk: with the incident banner up, "Start a new attempt" offered
+    itself with no word of the outage, then waited 3.2 s for its correct refusal. Its
+    page now says the provider is not answering and that the press asks it first."""
+    declined, _ = builders.declined(key="inc-new-attempt")
+    lost = [builders.uncertain(key=f"inc-new-{n}", charged=False)[0] for n in range(3)]
+    provider_down(settings)
+    reconcile(operation_ids=[op.pk for op in lost])
+    url = reverse("admin:payments_operation_desk", args=[declined.pk, "new_attempt"])
+
+    page = text(client_for(senior).get(url))
+
+    assert "is not answering now" in page
+    assert "3 operations" in page
+    assert "it is refused until the provider answers" in page

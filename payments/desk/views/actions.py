@@ -41,6 +41,7 @@ from payments.desk.evidence import (
     SETTLED_OUTCOMES,
     after_query,
     evidence_html,
+    incident,
     look_of,
     mark_failed_words,
     no_handler,
@@ -504,8 +505,16 @@ def _settled_level(op: Operation) -> int:
 
 
 def _next_key(op: Operation, step: str) -> dict[str, Any]:
-    """The new attempt's key, for its confirmation page to show."""
-    return {"next_key": _next_key_or_blank(op)}
+    """The new attempt's key, for its confirmation page to show, and the incident of the
+    operation's system if there is one now (the press asks that system first)."""
+    found = incident()
+    system = operation_label(op)
+    current = found is not None and (system in found.systems or not found.systems)
+    return {
+        "next_key": _next_key_or_blank(op),
+        "incident": found if current else None,
+        "incident_since": when(found.since) if current and found is not None else "",
+    }
 
 
 def _next_key_or_blank(op: Operation) -> str:
