@@ -17,7 +17,6 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 from django.contrib.auth.models import PermissionsMixin
@@ -327,25 +326,13 @@ def mark_step_succeeded(
     return settled
 
 
-def in_flight_since(claim: StepClaim, recorded: datetime | None) -> datetime | None:
-    """Since when a request under the claim's key is held in flight at its system, from the
-    look's `recorded` 409, or None. Only while the system keeps the key: past that, no request
-    can be in flight under it, and no look replays that could clear the 409 (the void's own
-    reads decide). A claim with a reference is voided by that object, whose own state refuses
-    a cancel while a request is still working on it."""
-    if recorded is None or claim.provider_reference or not replay_allowed(claim):
-        return None
-    return recorded
-
-
 def _refuse_while_in_flight(claim: StepClaim, step: str) -> None:
     """Refuse to fail a step while the provider still executes a request under its key:
     that request may yet take the money (or give it back) whatever is read now."""
-    since = in_flight_since(
-        claim,
+    since = (
         ClaimLook.objects.filter(claim_id=claim.pk)
         .values_list("in_flight_since", flat=True)
-        .first(),
+        .first()
     )
     if since is not None:
         raise DeskError(

@@ -541,33 +541,3 @@ def test_new_attempt_page__during_an_incident__warns_it_waits_for_the_provider(
     assert "is not answering now" in page
     assert "3 operations" in page
     assert "it is refused until the provider answers" in page
-
-
-@pytest.mark.django_db(transaction=True)
-def test_mark_failed__in_flight_no_longer_holds_once_the_key_is_gone(
-    provider, operator, queue, settings
-):
-    """Review: a 409 recorded while the provider kept the key was never cleared once no look
-    replayed any more (the key's retention over), so mark failed stayed refused for good,
-    page and press, with nothing to press that could clear it. A request cannot be in
-    flight under a key the provider no longer keeps: past it, the 409 is not held against
-    the step (the void's own reads decide, as for any step)."""
-    from datetime import timedelta
-
-    from django.utils import timezone
-
-    from payments.desk import services as desk
-
-    op = flows.declined_charge_held_in_flight(provider, queue, "inc-key-gone")
-    assert provider.state.wait_idle(timeout=10)
-    claim = StepClaim.objects.get(operation=op, step="charge")
-    assert ClaimLook.objects.get(claim_id=claim.pk).in_flight_since is not None
-    then = timezone.now() - timedelta(days=3)  # past the key's retention: no replay any more
-    with fence_writes():
-        StepClaim.objects.filter(pk=claim.pk).update(claimed_at=then, last_request_at=then)
-    url = reverse("admin:payments_operation_desk_step", args=[op.pk, "charge", "mark_failed"])
-
-    assert client_for(operator).get(url).status_code == 200  # offered, not refused
-
-    marked = desk.mark_step_failed(op, "charge", user=operator, reason="key gone, declined")
-    assert marked.claim.state in ("failed", "done")  # decided by the void's reads, not refused

@@ -415,19 +415,13 @@ def mark_failed_refusal(op: Operation, step: str) -> str:
             f"{who} showed step {step} still in progress at the last look "
             f"({when(look.last_look_at)}{detail}): it may still succeed. {then}"
         )
-    held = (
-        desk.in_flight_since(claim, look.in_flight_since)
-        if claim is not None and look is not None
-        else None
-    )
-    if held is not None:
+    if look is not None and look.in_flight_since is not None:
         # Refused as the press is (desk.mark_step_failed), whatever was asked since: the
         # request held there may still take the money.
         return (
             f"a request under step {step}'s key is in flight at {who} since "
-            f"{when(held)}: it may still succeed. The fence looks again at "
-            f"{when(look.next_look_at) if look is not None else '-'} and settles it when "
-            f"{who} answers"
+            f"{when(look.in_flight_since)}: it may still succeed. The fence looks again at "
+            f"{when(look.next_look_at)} and settles it when {who} answers"
         )
     if asked_in_this_state(op, step):
         return ""
