@@ -529,7 +529,8 @@ def test_new_attempt_page__during_an_incident__warns_it_waits_for_the_provider(
 ):
     """An operator's walk: with the incident banner up, "Start a new attempt" offered
     itself with no word of the outage, then waited 3.2 s for its correct refusal. Its
-    page now says the provider is not answering and that the press asks it first."""
+    page now says the provider is not answering, what that means for the new attempt's
+    call, and when the press asks the provider first."""
     declined, _ = builders.declined(key="inc-new-attempt")
     lost = [builders.uncertain(key=f"inc-new-{n}", charged=False)[0] for n in range(3)]
     provider_down(settings)
@@ -539,5 +540,6 @@ def test_new_attempt_page__during_an_incident__warns_it_waits_for_the_provider(
     page = text(client_for(senior).get(url))
 
     assert "is not answering now" in page
-    assert "3 operations" in page
-    assert "it is refused until the provider answers" in page
+    assert "counts 3 operations waiting for an answer" in page
+    assert "its step may fail or be left uncertain" in page
+    assert "is refused until it answers" in page

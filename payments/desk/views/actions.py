@@ -510,11 +510,7 @@ def _next_key(op: Operation, step: str) -> dict[str, Any]:
     found = incident()
     system = operation_label(op)
     current = found is not None and (system in found.systems or not found.systems)
-    return {
-        "next_key": _next_key_or_blank(op),
-        "incident": found if current else None,
-        "incident_since": when(found.since) if current and found is not None else "",
-    }
+    return {"next_key": _next_key_or_blank(op), "incident": found if current else None}
 
 
 def _next_key_or_blank(op: Operation) -> str:
