@@ -219,38 +219,33 @@ def next_step(op: Operation, claim: StepClaim, look: ClaimLook | None) -> str:
             "decide now from the evidence: mark the step succeeded (with the reference "
             f"{who} shows) or failed ({mark_failed_words(claim)})." + replay
         )
-    # The move to review is made by a look: past the grace period, by the next one.
-    over = review_at <= fence.db_now()
     if look is not None and look.in_flight_since:
-        review = (
-            f"The grace period ended at {when(review_at)}: it goes to review at its next "
-            "look, unless that look settles it."
-            if over
-            else f"If it is still unknown at {when(review_at)} it goes to review."
-        )
         return (
             f"Waiting: a request under its key is in flight at {who} since "
             f"{when(look.in_flight_since)}; asked again at {when(look.last_look_at)}; next look "
-            f"at {next_look}. {review}" + replay
+            f"at {next_look}. {_to_review(review_at, 'it is still unknown at')}." + replay
         )
     if look is not None and look.showed == LookShowed.UNREADABLE:
-        review = (
-            f"The grace period ended at {when(review_at)}: it goes to review at its next "
-            "look, unless that look settles it"
-            if over
-            else f"If it is still unknown at {when(review_at)} it goes to review"
-        )
         return (
             f"Waiting: {who} has not answered since {when(look.unread_since)}; next look "
-            f"at {next_look}. {review}, and the fence keeps looking after that." + replay
+            f"at {next_look}. {_to_review(review_at, 'it is still unknown at')}, and the fence "
+            "keeps looking after that." + replay
         )
-    review = (
-        f"The grace period ended at {when(review_at)}: it goes to review at its next look, "
-        "unless that look settles it."
-        if over
-        else f"If nothing decisive is shown by {when(review_at)} it goes to review."
+    return (
+        f"Waiting: the reconciler looks again at {next_look}. "
+        f"{_to_review(review_at, 'nothing decisive is shown by')}." + replay
     )
-    return f"Waiting: the reconciler looks again at {next_look}. {review}" + replay
+
+
+def _to_review(review_at: datetime, unless: str) -> str:
+    """When the step goes to review: "If <unless> <time> it goes to review", or, the grace
+    period over, at the next look (a look makes the move), never a time already past."""
+    if review_at <= fence.db_now():
+        return (
+            f"The grace period ended at {when(review_at)}: it goes to review at its next look, "
+            "unless that look settles it"
+        )
+    return f"If {unless} {when(review_at)} it goes to review"
 
 
 def evidence_html(op: Operation) -> str:

@@ -11,6 +11,7 @@ import pytest
 
 from payments.checkout.handler import request_checkout
 from payments.checkout.orders import create_order
+from payments.engine.recovery import reconcile
 from payments.models import Operation, OperationState
 from payments.refunds.handler import request_refund
 from payments.shop.models import Invoice, LedgerEntry, Order, OrderStatus
@@ -93,8 +94,6 @@ def declined_charge_held_in_flight(
     """A declined charge whose answer the provider holds past the read timeout, then looked
     at once by the reconciler: every same-key replay answers 409 (in flight) while the
     provider's list shows the declined intent. Wait for the provider (`wait_idle`) after."""
-    from payments.engine.recovery import reconcile
-
     provider.state.configure(slow_delay=slow)
     provider.state.enqueue_faults("slow", 1)
     order = create_order(amount=amount, currency="eur", email="held@example.com")

@@ -349,7 +349,7 @@ def _mark_failed_plan(op: Operation, step: str) -> dict[str, Any]:
         "provider_succeeded": succeeded_at_provider(claim),
         "may_have_happened": str(getattr(effect, "MAY_HAVE_HAPPENED", "")),
         "voids": voids,
-        "void_target": target if voids else claim.provider_reference or target,
+        "void_target": target,
         "last_request_at": fence.last_request_at(claim),
         "grace_minutes": payments_settings().reconcile_grace // 60,
         "no_read": not system_words(claim).reads,
